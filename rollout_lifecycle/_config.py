@@ -1,0 +1,139 @@
+"""Configuration: pause modes, memory tags, per-phase deadlines and the lifecycle policy.
+
+Everything a transition waits for has a deadline here; nothing in the library waits without one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
+from enum import Enum
+
+from rollout_lifecycle._exceptions import InvalidArgument
+
+
+class PauseMode(str, Enum):
+    """How ``pause_generation`` treats requests in flight (SGLang's ``mode``)."""
+
+    #: Running requests give back their KV cache and wait; they finish after continue. Nothing
+    #: is lost and nothing is aborted. The default.
+    RETRACT = "retract"
+    #: Every in-flight request returns at once with its partial output and finish reason abort.
+    ABORT = "abort"
+    #: The scheduler freezes with requests holding their KV cache. Memory cannot be released in
+    #: this mode; only a weight update that keeps memory resident may use it.
+    IN_PLACE = "in_place"
+
+
+class Tag(str, Enum):
+    """A kind of device memory an SGLang engine can release and resume."""
+
+    WEIGHTS = "weights"
+    KV_CACHE = "kv_cache"
+    CUDA_GRAPH = "cuda_graph"
+
+
+ALL_TAGS: tuple[Tag, ...] = (Tag.WEIGHTS, Tag.KV_CACHE, Tag.CUDA_GRAPH)
+#: Tags resumed by ``onload_weights`` (step 5 of the safe sequence).
+WEIGHT_TAGS: tuple[Tag, ...] = (Tag.WEIGHTS,)
+#: Tags resumed by ``onload_kv`` (step 7 of the safe sequence).
+KV_TAGS: tuple[Tag, ...] = (Tag.KV_CACHE, Tag.CUDA_GRAPH)
+
+
+def parse_tags(tags: Iterable[str | Tag], *, what: str = "tags") -> tuple[Tag, ...]:
+    """Validate tag names; SGLang accepts typos silently (and frees nothing), so we do not."""
+    if isinstance(tags, str | Tag):
+        raise InvalidArgument(f"{what} must be a sequence of tag names, got the string {tags!r}")
+    out: list[Tag] = []
+    for raw in tags:
+        try:
+            tag = Tag(raw)
+        except ValueError:
+            valid = ", ".join(t.value for t in Tag)
+            raise InvalidArgument(f"unknown memory tag {raw!r} in {what}; valid: {valid}") from None
+        if tag in out:
+            raise InvalidArgument(f"memory tag {tag.value!r} appears twice in {what}")
+        out.append(tag)
+    if not out:
+        raise InvalidArgument(f"{what} is empty; name the tags explicitly")
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Seconds each phase may take on every engine before the engine counts as timed out."""
+
+    pause: float = 60.0
+    flush: float = 120.0
+    release: float = 120.0
+    resume: float = 300.0
+    continue_: float = 60.0
+    weight_update: float = 1800.0
+    probe: float = 10.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise InvalidArgument(
+                    f"deadline {f.name!r} must be a number of seconds, got {value!r}"
+                )
+            if not math.isfinite(value) or value <= 0:
+                raise InvalidArgument(
+                    f"deadline {f.name!r} must be a positive finite number, got {value!r}"
+                )
+
+
+class DeadEnginePolicy(str, Enum):
+    """What a transition does when an engine is found dead."""
+
+    #: The transition fails (``PhaseFailed``); the server goes to ``failed``.
+    FAIL = "fail"
+    #: The dead engine is left out and the transition goes on with the live ones.
+    SKIP = "skip"
+
+
+@dataclass(frozen=True)
+class LifecycleConfig:
+    """How a ``RolloutServer`` drives its engines."""
+
+    pause_mode: PauseMode = PauseMode.RETRACT
+    deadlines: Deadlines = field(default_factory=Deadlines)
+    #: Tags ``offload()`` releases. All three by default (step 3 of the safe sequence).
+    release_tags: tuple[Tag, ...] = ALL_TAGS
+    #: When pause or flush fails, continue generation on the engines that were paused so that
+    #: serving is not left stuck.
+    continue_on_failure: bool = True
+    dead_engines: DeadEnginePolicy = DeadEnginePolicy.FAIL
+    #: Pause between flush attempts while an engine is not idle yet.
+    flush_retry_interval: float = 0.05
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "pause_mode", PauseMode(self.pause_mode))
+        except ValueError:
+            valid = ", ".join(m.value for m in PauseMode)
+            raise InvalidArgument(
+                f"unknown pause_mode {self.pause_mode!r}; valid: {valid}"
+            ) from None
+        try:
+            object.__setattr__(self, "dead_engines", DeadEnginePolicy(self.dead_engines))
+        except ValueError:
+            valid = ", ".join(m.value for m in DeadEnginePolicy)
+            raise InvalidArgument(
+                f"unknown dead_engines policy {self.dead_engines!r}; valid: {valid}"
+            ) from None
+        if not isinstance(self.deadlines, Deadlines):
+            raise InvalidArgument(f"deadlines must be a Deadlines, got {self.deadlines!r}")
+        object.__setattr__(self, "release_tags", parse_tags(self.release_tags, what="release_tags"))
+        interval = self.flush_retry_interval
+        if (
+            isinstance(interval, bool)
+            or not isinstance(interval, int | float)
+            or not (0 < interval <= self.deadlines.flush)
+        ):
+            raise InvalidArgument(
+                f"flush_retry_interval must be a positive number of seconds no larger than the "
+                f"flush deadline, got {interval!r}"
+            )

@@ -1,0 +1,119 @@
+"""The library's exception tree.
+
+Catch ``LifecycleError`` to catch everything this library raises. Engine backends raise the
+``EngineError`` family; the server translates whatever a lower layer (Ray, a transport) raises
+into these at one boundary (``rollout_lifecycle._outcome``).
+
+Every exception here pickles with its fields intact, because engine errors cross Ray actor
+boundaries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rollout_lifecycle._outcome import EngineOutcome
+
+
+class LifecycleError(Exception):
+    """Base class of every error raised by rollout_lifecycle."""
+
+    def __reduce__(self) -> str | tuple[Any, ...]:
+        # Subclasses keep their constructor arguments in ``self._init``; pickling replays them so
+        # that an error raised inside a Ray actor arrives with the same fields.
+        return (type(self), self._init) if hasattr(self, "_init") else super().__reduce__()
+
+
+class InvalidArgument(LifecycleError, ValueError):
+    """A value given to the library is unusable; raised before any engine is touched."""
+
+
+class IllegalTransition(LifecycleError):
+    """The requested lifecycle call is not allowed from the server's current state."""
+
+    def __init__(self, call: str, state: str, allowed: Iterable[str]) -> None:
+        self._init = (call, state, tuple(allowed))
+        self.call = call
+        self.state = state
+        self.allowed = tuple(allowed)
+        super().__init__(
+            f"{call}() is not allowed in state {state!r}; "
+            f"it is allowed from: {', '.join(repr(s) for s in self.allowed)}"
+        )
+
+
+class IllegalEngineOp(LifecycleError):
+    """An engine call would break the SGLang contract (it would kill the engine); not sent."""
+
+    def __init__(self, engine: str, op: str, reason: str) -> None:
+        self._init = (engine, op, reason)
+        self.engine = engine
+        self.op = op
+        self.reason = reason
+        super().__init__(f"refused {op} on engine {engine}: {reason}")
+
+
+class PhaseFailed(LifecycleError):
+    """A phase did not succeed on every targeted engine; ``outcomes`` says what each did."""
+
+    def __init__(self, phase: str, outcomes: Mapping[str, EngineOutcome], state: str) -> None:
+        self._init = (phase, dict(outcomes), state)
+        self.phase = phase
+        self.outcomes = dict(outcomes)
+        self.state = state
+        bad = {k: v for k, v in self.outcomes.items() if not v.ok}
+        detail = "; ".join(f"{k}: {v}" for k, v in sorted(bad.items()))
+        super().__init__(
+            f"phase {phase!r} failed on {len(bad)} of {len(self.outcomes)} engine(s) "
+            f"(server is now {state!r}): {detail}"
+        )
+
+    @property
+    def failed_engines(self) -> list[str]:
+        """Ids of the engines whose outcome was not ``ok``."""
+        return sorted(k for k, v in self.outcomes.items() if not v.ok)
+
+
+class HookFailed(LifecycleError):
+    """A user hook raised; the server stays in the last state it completed."""
+
+    def __init__(self, event: str, hook: str, state: str) -> None:
+        self._init = (event, hook, state)
+        self.event = event
+        self.hook = hook
+        self.state = state
+        super().__init__(f"hook {hook} for event {event!r} raised (server stays {state!r})")
+
+
+class EngineError(LifecycleError):
+    """An engine could not carry out a call."""
+
+    def __init__(self, engine: str, op: str, message: str) -> None:
+        self._init: tuple[Any, ...] = (engine, op, message)
+        self.engine = engine
+        self.op = op
+        self.message = message
+        super().__init__(f"{op} on engine {engine}: {message}")
+
+
+class EngineRejected(EngineError):
+    """The engine answered with an error status; it is alive and did not do the call."""
+
+    def __init__(self, engine: str, op: str, message: str, status: int = 400) -> None:
+        super().__init__(engine, op, message)
+        self._init = (engine, op, message, status)
+        self.status = status
+
+
+class EngineDead(EngineError):
+    """The engine is gone (process died, actor died, connection refused); it answers nothing."""
+
+
+class EngineUnreachable(EngineError):
+    """The engine could not be reached (transport error); it may or may not be alive."""
+
+
+class EngineTimeout(EngineError):
+    """The engine did not answer within the call's deadline; what it did is unknown."""
