@@ -1,0 +1,206 @@
+"""The engine interface: one protocol every backend implements, and the host that serves it.
+
+A *backend* speaks to one SGLang engine (the simulated engine here; an HTTP client of a real
+server). An ``EngineHost`` wraps one backend and exposes the lifecycle operations with the
+library's own conventions (plain strings over the wire, flush retried until its deadline). The
+host is what runs inside a Ray engine actor (``rollout_lifecycle.EngineActor``) and, for
+in-process fleets, what an ``EngineGroup`` calls directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from rollout_lifecycle._config import PauseMode, Tag
+from rollout_lifecycle._exceptions import EngineRejected, EngineTimeout
+
+
+@runtime_checkable
+class EngineBackend(Protocol):
+    """One SGLang engine, as the lifecycle needs it. Each method maps to one SGLang call."""
+
+    @property
+    def label(self) -> str:
+        """A name for errors and logs (an address, never a credential)."""
+        ...
+
+    async def pause_generation(self, mode: PauseMode) -> None:
+        """``POST /pause_generation``."""
+        ...
+
+    async def continue_generation(self) -> None:
+        """``POST /continue_generation``."""
+        ...
+
+    async def flush_cache(self, timeout: float) -> None:
+        """``POST /flush_cache?timeout=T``; raises ``EngineRejected`` (400) when not idle."""
+        ...
+
+    async def release_memory_occupation(self, tags: Sequence[Tag]) -> None:
+        """``POST /release_memory_occupation`` with explicit tags."""
+        ...
+
+    async def resume_memory_occupation(self, tags: Sequence[Tag]) -> None:
+        """``POST /resume_memory_occupation`` with explicit tags."""
+        ...
+
+    async def begin_weight_update(self) -> None:
+        """``POST /begin_weight_update``."""
+        ...
+
+    async def end_weight_update(self) -> None:
+        """``POST /end_weight_update``."""
+        ...
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None,
+        flush_cache: bool,
+        abort_all_requests: bool,
+    ) -> None:
+        """``POST /update_weights_from_disk``; every flag is sent explicitly."""
+        ...
+
+    async def update_weight_version(self, version: str, *, abort_all_requests: bool) -> None:
+        """``POST /update_weight_version``; ``abort_all_requests`` is sent explicitly."""
+        ...
+
+    async def weight_version(self) -> str | None:
+        """The loaded weight version (``GET /model_info``)."""
+        ...
+
+    async def server_info(self) -> dict[str, Any]:
+        """``GET /server_info``: the liveness probe that is safe while paused."""
+        ...
+
+    async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        """``POST /generate``; returns ``{"text", "output_ids", "meta_info"}``."""
+        ...
+
+    async def close(self) -> None:
+        """Release client resources."""
+        ...
+
+
+class EngineHost:
+    """Serves one backend's lifecycle operations; the body of an engine actor.
+
+    Arguments and results are plain Python values (strings, lists, dicts) so that the same
+    methods work in process and across Ray.
+    """
+
+    def __init__(self, backend: EngineBackend) -> None:
+        self._backend = backend
+
+    @property
+    def backend(self) -> EngineBackend:
+        """The hosted backend."""
+        return self._backend
+
+    async def label(self) -> str:
+        """The backend's label."""
+        return self._backend.label
+
+    async def pause_generation(self, mode: str) -> None:
+        """Pause generation in ``mode``."""
+        await self._backend.pause_generation(PauseMode(mode))
+
+    async def continue_generation(self) -> None:
+        """Continue generation."""
+        await self._backend.continue_generation()
+
+    async def flush_cache(self, deadline: float, retry_interval: float = 0.05) -> None:
+        """Flush until the engine is idle, retrying on 400 until ``deadline`` seconds pass.
+
+        A 400 from flush is not fatal: it is the idle barrier saying "not yet". Each attempt
+        asks the server to wait for idleness itself for the time that remains.
+        """
+        start = time.monotonic()
+        attempts = 0
+        while True:
+            remaining = deadline - (time.monotonic() - start)
+            attempts += 1
+            try:
+                await self._backend.flush_cache(max(0.0, remaining))
+                return
+            except EngineRejected as exc:
+                remaining = deadline - (time.monotonic() - start)
+                if remaining <= 0:
+                    raise EngineTimeout(
+                        self._backend.label,
+                        "flush_cache",
+                        f"engine not idle after {deadline:g}s and {attempts} attempt(s): "
+                        f"{exc.message}",
+                    ) from exc
+                await asyncio.sleep(min(retry_interval, remaining))
+
+    async def release_memory_occupation(self, tags: list[str]) -> None:
+        """Release the given tags."""
+        await self._backend.release_memory_occupation([Tag(t) for t in tags])
+
+    async def resume_memory_occupation(self, tags: list[str]) -> None:
+        """Resume the given tags."""
+        await self._backend.resume_memory_occupation([Tag(t) for t in tags])
+
+    async def begin_weight_update(self) -> None:
+        """Open a weight-update session."""
+        await self._backend.begin_weight_update()
+
+    async def end_weight_update(self) -> None:
+        """Close a weight-update session."""
+        await self._backend.end_weight_update()
+
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None, flush_cache: bool = False
+    ) -> None:
+        """Load weights from disk."""
+        # abort_all_requests is always false: aborting would drop the requests that a retract
+        # pause preserved.
+        await self._backend.update_weights_from_disk(
+            model_path,
+            weight_version=weight_version,
+            flush_cache=flush_cache,
+            abort_all_requests=False,
+        )
+
+    async def update_weight_version(self, version: str) -> None:
+        """Set the weight version without aborting any request."""
+        # SGLang's own default is to abort every request, including retract-preserved ones.
+        await self._backend.update_weight_version(version, abort_all_requests=False)
+
+    async def weight_version(self) -> str | None:
+        """The loaded weight version."""
+        return await self._backend.weight_version()
+
+    async def server_info(self) -> dict[str, Any]:
+        """Liveness probe and server state."""
+        return await self._backend.server_info()
+
+    async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Run one generate request to completion (or abort)."""
+        return await self._backend.generate(request)
+
+    async def history(self) -> list[dict[str, Any]]:
+        """Ops the backend received, if it records them (the simulated engine does)."""
+        recorder = getattr(self._backend, "history", None)
+        if recorder is None:
+            return []
+        result: list[dict[str, Any]] = recorder()
+        return result
+
+    async def memory(self) -> dict[str, int]:
+        """Resident bytes per tag, if the backend accounts memory (the simulated engine does)."""
+        meter = getattr(self._backend, "memory", None)
+        if meter is None:
+            return {}
+        result: dict[str, int] = meter()
+        return result
+
+    async def close(self) -> None:
+        """Close the backend."""
+        await self._backend.close()

@@ -1,0 +1,925 @@
+"""A simulated SGLang 0.5.23 engine that keeps SGLang's lifecycle contract, fatal misuse included.
+
+Tests, demos and benchmarks drive it instead of a GPU server; misuse kills it as it kills SGLang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import random
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_lifecycle._config import ALL_TAGS, PauseMode, Tag
+from rollout_lifecycle._exceptions import EngineDead, EngineRejected, InvalidArgument
+
+GIB = 1 << 30
+
+#: Resident bytes per tag when ``memory_bytes`` does not say otherwise.
+DEFAULT_MEMORY_BYTES: Mapping[str, int] = {
+    Tag.WEIGHTS.value: 16 * GIB,
+    Tag.KV_CACHE.value: 40 * GIB,
+    Tag.CUDA_GRAPH.value: 2 * GIB,
+}
+
+#: The operations whose duration ``op_latency`` can set (and that ``history()`` records).
+LIFECYCLE_OPS: tuple[str, ...] = (
+    "pause_generation",
+    "continue_generation",
+    "flush_cache",
+    "release_memory_occupation",
+    "resume_memory_occupation",
+    "begin_weight_update",
+    "end_weight_update",
+    "update_weights_from_disk",
+    "update_weights_from_tensor",
+    "update_weight_version",
+    "weight_version",
+    "server_info",
+    "health",
+    "abort_request",
+)
+
+SIM_VERSION = "0.5.23-sim"
+
+_VOCAB = 32000
+_KNOWN_TAGS = frozenset(t.value for t in ALL_TAGS)
+# SGLang resumes in this order within one call, whatever order the tags were given in.
+_RESUME_ORDER: tuple[str, ...] = (Tag.CUDA_GRAPH.value, Tag.WEIGHTS.value, Tag.KV_CACHE.value)
+# A forward pass touches these; cuda_graph being released only costs speed, not correctness.
+_FORWARD_TAGS: tuple[str, ...] = (Tag.WEIGHTS.value, Tag.KV_CACHE.value)
+# Whatever released weights hold after a resume without a CPU backup decodes to this token.
+_GARBAGE_TOKEN = 0
+
+
+@dataclass(eq=False)
+class _Request:
+    rid: str
+    prompt: list[int]
+    max_new_tokens: int
+    future: asyncio.Future[dict[str, Any]]
+    internal: bool = False
+    output: list[int] = field(default_factory=list)
+    num_retractions: int = 0
+    versions: list[str] = field(default_factory=list)
+    cached_tokens: int = 0
+    on_garbage: bool = False
+
+    def __post_init__(self) -> None:
+        self.key = sum((i + 1) * t for i, t in enumerate(self.prompt)) % _VOCAB
+
+
+def _seconds(value: object) -> float | None:
+    """``value`` as seconds if it is a finite number >= 0, else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) and value >= 0 else None
+
+
+def _check_seconds(name: str, value: object) -> float:
+    seconds = _seconds(value)
+    if seconds is None:
+        raise InvalidArgument(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+    return seconds
+
+
+def _detokenize(tokens: Sequence[int]) -> str:
+    return "".join(chr(ord("a") + t % 26) for t in tokens)
+
+
+class SimulatedEngine:
+    """One simulated SGLang server: generation that takes time, memory per tag, the lifecycle.
+
+    Runs on the asyncio loop of its first caller (a scheduler task started lazily); no threads.
+    A fatal misuse (see the contract's "Fatal misuse" table) kills it: in-flight generates and
+    every later call raise ``EngineDead``.
+    """
+
+    def __init__(
+        self,
+        label: str = "sim",
+        *,
+        token_latency: float = 0.005,
+        op_latency: Mapping[str, float | tuple[float, float]] | None = None,
+        seed: int | None = None,
+        memory_bytes: Mapping[str, int] | None = None,
+        weight_version: str = "0",
+        weights_cpu_backup: bool = False,
+        dp_dummy_batches: bool = False,
+        health_timeout: float = 20.0,
+        max_running: int = 1024,
+        gpu_memory_bytes: int | None = None,
+    ) -> None:
+        if not isinstance(label, str) or not label:
+            raise InvalidArgument(f"label must be a non-empty string, got {label!r}")
+        self._label = label
+        self._token_latency = _check_seconds("token_latency", token_latency)
+        self._health_timeout = _check_seconds("health_timeout", health_timeout)
+        self._op_latency = self._validate_op_latency(op_latency)
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise InvalidArgument(f"seed must be an int or None, got {seed!r}")
+        self._rng = random.Random(seed)
+        self._capacity = self._validate_memory(memory_bytes)
+        if not isinstance(weight_version, str):
+            raise InvalidArgument(f"weight_version must be a string, got {weight_version!r}")
+        if not isinstance(max_running, int) or isinstance(max_running, bool) or max_running < 1:
+            raise InvalidArgument(f"max_running must be an int >= 1, got {max_running!r}")
+        if gpu_memory_bytes is not None and (
+            not isinstance(gpu_memory_bytes, int)
+            or isinstance(gpu_memory_bytes, bool)
+            or gpu_memory_bytes < 0
+        ):
+            raise InvalidArgument(
+                f"gpu_memory_bytes must be an int >= 0 or None, got {gpu_memory_bytes!r}"
+            )
+        self._gpu_memory_bytes = gpu_memory_bytes
+        self._external_bytes = 0
+        self._max_running = max_running
+        self._weights_cpu_backup = bool(weights_cpu_backup)
+        self._dp_dummy_batches = bool(dp_dummy_batches)
+
+        self._weight_version = weight_version
+        self._weights_valid = True
+        self._released: set[str] = set()
+        self._paused = False
+        self._pause_mode: PauseMode | None = None
+        self._running: list[_Request] = []
+        self._waiting: deque[_Request] = deque()
+        self._in_flight: dict[str, _Request] = {}
+        self._prefix_cache: set[tuple[int, ...]] = set()
+        self._session_open = False
+        self._flush_pending = False
+        self._healthy = True
+        self._dead = False
+        self._death_reason: str | None = None
+        self._closed = False
+        self._history: list[dict[str, Any]] = []
+        self._counts: dict[str, int] = dict.fromkeys(
+            (
+                "submitted",
+                "completed",
+                "aborted",
+                "retractions",
+                "prefills",
+                "prefix_hits",
+                "steps",
+                "dummy_steps",
+                "tokens",
+                "garbage_tokens",
+                "flushes",
+                "weight_updates",
+                "health_checks",
+            ),
+            0,
+        )
+        self._health_seq = 0
+        self._scheduler: asyncio.Task[None] | None = None
+        self._changed: asyncio.Event | None = None
+
+    # ----------------------------------------------------------------------------- validation
+
+    @staticmethod
+    def _validate_op_latency(
+        op_latency: Mapping[str, float | tuple[float, float]] | None,
+    ) -> dict[str, float | tuple[float, float]]:
+        if op_latency is None:
+            return {}
+        if not isinstance(op_latency, Mapping):
+            raise InvalidArgument(f"op_latency must be a mapping, got {op_latency!r}")
+        out: dict[str, float | tuple[float, float]] = {}
+        for op, value in op_latency.items():
+            if op not in LIFECYCLE_OPS:
+                raise InvalidArgument(
+                    f"unknown op {op!r} in op_latency; valid: {', '.join(LIFECYCLE_OPS)}"
+                )
+            if isinstance(value, tuple):
+                if len(value) != 2:
+                    raise InvalidArgument(
+                        f"op_latency[{op!r}] must be seconds or a (low, high) pair, got {value!r}"
+                    )
+                low = _check_seconds(f"op_latency[{op!r}] low", value[0])
+                high = _check_seconds(f"op_latency[{op!r}] high", value[1])
+                if low > high:
+                    raise InvalidArgument(f"op_latency[{op!r}] range has low > high: {value!r}")
+                out[op] = (low, high)
+            else:
+                out[op] = _check_seconds(f"op_latency[{op!r}]", value)
+        return out
+
+    @staticmethod
+    def _validate_memory(memory_bytes: Mapping[str, int] | None) -> dict[str, int]:
+        capacity = dict(DEFAULT_MEMORY_BYTES)
+        if memory_bytes is None:
+            return capacity
+        if not isinstance(memory_bytes, Mapping):
+            raise InvalidArgument(f"memory_bytes must be a mapping, got {memory_bytes!r}")
+        for tag, nbytes in memory_bytes.items():
+            name = tag.value if isinstance(tag, Tag) else tag
+            if name not in _KNOWN_TAGS:
+                raise InvalidArgument(
+                    f"unknown memory tag {tag!r} in memory_bytes; valid: "
+                    f"{', '.join(sorted(_KNOWN_TAGS))}"
+                )
+            if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+                raise InvalidArgument(f"memory_bytes[{name!r}] must be an int >= 0, got {nbytes!r}")
+            capacity[name] = nbytes
+        return capacity
+
+    # ----------------------------------------------------------------------------- properties
+
+    @property
+    def label(self) -> str:
+        """The engine's name in errors and history."""
+        return self._label
+
+    @property
+    def dead(self) -> bool:
+        """True once a fatal misuse has killed the engine."""
+        return self._dead
+
+    @property
+    def death_reason(self) -> str | None:
+        """What killed the engine, or None while it lives."""
+        return self._death_reason
+
+    # ----------------------------------------------------------------------------- machinery
+
+    def _ensure_scheduler(self) -> None:
+        if self._dead or self._closed:
+            return
+        loop = asyncio.get_running_loop()
+        task = self._scheduler
+        if task is not None and task.get_loop() is loop and not task.done():
+            return
+        if task is None or task.get_loop() is not loop:
+            # A new loop (e.g. one per test) needs its own event; the old one is bound elsewhere.
+            self._changed = asyncio.Event()
+        self._scheduler = loop.create_task(self._schedule(), name=f"sim-scheduler-{self._label}")
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    async def _wait_changed(self, timeout: float | None) -> bool:
+        event = self._changed
+        if event is None:
+            event = self._changed = asyncio.Event()
+        if timeout is None:
+            await event.wait()
+            return True
+        if timeout <= 0:
+            return False
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def _check_alive(self, op: str) -> None:
+        if self._dead:
+            raise EngineDead(self._label, op, f"engine is dead: {self._death_reason}")
+        if self._closed:
+            raise EngineDead(self._label, op, "engine is closed")
+
+    def _draw_latency(self, op: str) -> float:
+        value = self._op_latency.get(op, 0.0)
+        if isinstance(value, tuple):
+            return self._rng.uniform(value[0], value[1])
+        return value
+
+    def _record(self, op: str, **fields: Any) -> dict[str, Any]:
+        """Append the history entry of a call that starts now; the caller fills in its end."""
+        entry: dict[str, Any] = {
+            "op": op,
+            "engine": self._label,
+            "tags": None,
+            "mode": None,
+            "start": time.monotonic(),
+            "end": None,
+            "outcome": "pending",
+            "detail": None,
+            **fields,
+        }
+        self._history.append(entry)
+        return entry
+
+    @contextlib.asynccontextmanager
+    async def _op(self, op: str, **fields: Any) -> AsyncIterator[dict[str, Any]]:
+        entry = self._record(op, **fields)
+        try:
+            # A dead server refuses the connection at once: no latency, no effect.
+            self._check_alive(op)
+            self._ensure_scheduler()
+            delay = self._draw_latency(op)
+            if delay > 0:
+                await asyncio.sleep(delay)
+                self._check_alive(op)
+            yield entry
+        except EngineRejected as exc:
+            entry["outcome"] = "rejected"
+            entry["detail"] = exc.message
+            entry["status"] = exc.status
+            raise
+        except EngineDead as exc:
+            if entry["outcome"] != "fatal":
+                entry["outcome"] = "dead"
+            entry["detail"] = exc.message
+            raise
+        except asyncio.CancelledError:
+            entry["outcome"] = "cancelled"
+            raise
+        except BaseException as exc:
+            entry["outcome"] = "error"
+            entry["detail"] = repr(exc)
+            raise
+        else:
+            entry["outcome"] = "ok"
+        finally:
+            entry["end"] = time.monotonic()
+
+    def _fatal(self, entry: dict[str, Any], reason: str) -> EngineDead:
+        """Kill the engine because of the call ``entry`` records; return the error it raises."""
+        self._die(reason)
+        entry["outcome"] = "fatal"
+        return EngineDead(self._label, entry["op"], f"connection dropped: {reason}")
+
+    def _die(self, reason: str) -> None:
+        if self._dead:
+            return
+        self._dead = True
+        self._death_reason = reason
+        self._drop_all(f"connection dropped: engine died: {reason}")
+        self._notify()
+
+    def _drop_all(self, message: str) -> None:
+        for req in self._in_flight.values():
+            if not req.future.done():
+                req.future.set_exception(EngineDead(self._label, "generate", message))
+        self._in_flight.clear()
+        self._running.clear()
+        self._waiting.clear()
+
+    def _is_idle(self) -> bool:
+        # SGLang's idle check: the waiting queue only counts while the scheduler may run it.
+        return not self._running and (self._paused or not self._waiting)
+
+    def _tag_names(self, op: str, tags: Sequence[Tag | str] | None) -> list[str]:
+        if isinstance(tags, str):
+            # The server's body schema wants a list; a bare string is a 400, not per-char tags.
+            raise EngineRejected(self._label, op, f"tags must be a list, got {tags!r}", 400)
+        if not tags:
+            return [t.value for t in ALL_TAGS]
+        return [t.value if isinstance(t, Tag) else str(t) for t in tags]
+
+    def _result(self, req: _Request, finish_reason: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "text": _detokenize(req.output),
+            "output_ids": list(req.output),
+            "meta_info": {
+                "id": req.rid,
+                "finish_reason": finish_reason,
+                "prompt_tokens": len(req.prompt),
+                "completion_tokens": len(req.output),
+                "cached_tokens": req.cached_tokens,
+                "weight_version": self._weight_version,
+                "num_retractions": req.num_retractions,
+                "weight_versions": list(req.versions),
+                "weights_valid": not req.on_garbage,
+            },
+        }
+
+    def _finish(self, req: _Request, finish_reason: dict[str, Any]) -> None:
+        self._in_flight.pop(req.rid, None)
+        aborted = finish_reason["type"] == "abort"
+        if not req.internal:
+            self._counts["aborted" if aborted else "completed"] += 1
+            if not aborted:
+                self._prefix_cache.add(tuple(req.prompt))
+        if not req.future.done():
+            req.future.set_result(self._result(req, finish_reason))
+
+    async def _abort(self, match: Callable[[_Request], bool], message: str) -> int:
+        victims = [r for r in self._in_flight.values() if match(r)]
+        if not victims:
+            return 0
+        doomed = set(map(id, victims))
+        self._running = [r for r in self._running if id(r) not in doomed]
+        self._waiting = deque(r for r in self._waiting if id(r) not in doomed)
+        for req in victims:
+            self._finish(req, {"type": "abort", "message": message})
+        self._notify()
+        # Let the aborted generate calls return before the control call that aborted them
+        # answers, as the HTTP server sends their responses first.
+        await asyncio.sleep(0)
+        return len(victims)
+
+    def _discard(self, req: _Request) -> None:
+        """Forget a request whose caller went away (SGLang aborts on a closed connection)."""
+        if self._in_flight.pop(req.rid, None) is None:
+            return
+        if req in self._running:
+            self._running.remove(req)
+        if req in self._waiting:
+            self._waiting.remove(req)
+        self._notify()
+
+    def _enqueue(self, req: _Request) -> None:
+        self._in_flight[req.rid] = req
+        self._waiting.append(req)
+        self._notify()
+
+    # ----------------------------------------------------------------------------- scheduler
+
+    async def _schedule(self) -> None:
+        try:
+            while not (self._dead or self._closed):
+                if not self._may_step():
+                    await self._wait_changed(None)
+                    continue
+                if self._forward_on_released():
+                    return
+                self._admit()
+                await asyncio.sleep(self._token_latency)
+                # Control calls may have run during the step; it lands only if it still may, so
+                # a pause that arrives mid-step discards it: no token is produced while paused.
+                if self._dead or self._closed or not self._may_step():
+                    continue
+                if self._forward_on_released():
+                    return
+                if self._running:
+                    self._decode_step()
+                elif self._dp_dummy_batches:
+                    self._counts["dummy_steps"] += 1
+                self._notify()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug in the simulation must not hang callers
+            self._die(f"simulated scheduler crashed: {exc!r}")
+
+    def _may_step(self) -> bool:
+        # An idle data-parallel rank still runs dummy batches to keep its peers in lockstep.
+        work = self._running or self._waiting or self._dp_dummy_batches
+        return not self._paused and bool(work)
+
+    def _forward_on_released(self) -> bool:
+        """Kill the engine if the forward pass about to run would touch released memory."""
+        released = [t for t in _FORWARD_TAGS if t in self._released]
+        if not released:
+            return False
+        # Nothing in SGLang stops a forward pass on unmapped memory.
+        what = "a forward pass" if self._running or self._waiting else "a data-parallel dummy batch"
+        self._die(
+            f"illegal memory access: {what} ran while {', '.join(released)} released and "
+            "generation not paused"
+        )
+        return True
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self._max_running:
+            req = self._waiting.popleft()
+            if tuple(req.prompt) in self._prefix_cache:
+                req.cached_tokens = len(req.prompt)
+                self._counts["prefix_hits"] += 1
+            self._running.append(req)
+            self._counts["prefills"] += 1
+
+    def _decode_step(self) -> None:
+        self._counts["steps"] += 1
+        still: list[_Request] = []
+        done: list[_Request] = []
+        for req in self._running:
+            if len(req.output) < req.max_new_tokens:
+                if self._weights_valid:
+                    token = (req.key + 7919 * (len(req.output) + 1)) % _VOCAB
+                else:
+                    token = _GARBAGE_TOKEN
+                    req.on_garbage = True
+                    self._counts["garbage_tokens"] += 1
+                req.output.append(token)
+                self._counts["tokens"] += 1
+                if not req.versions or req.versions[-1] != self._weight_version:
+                    req.versions.append(self._weight_version)
+            (done if len(req.output) >= req.max_new_tokens else still).append(req)
+        self._running = still
+        for req in done:
+            self._finish(req, {"type": "length", "length": req.max_new_tokens})
+
+    # ----------------------------------------------------------------------------- generation
+
+    async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        """``POST /generate``: runs to completion, or returns early with finish reason abort."""
+        self._check_alive("generate")
+        self._ensure_scheduler()
+        req = self._parse_request(request)
+        self._counts["submitted"] += 1
+        self._enqueue(req)
+        try:
+            return await req.future
+        except asyncio.CancelledError:
+            self._discard(req)
+            raise
+
+    def _parse_request(self, request: Mapping[str, Any]) -> _Request:
+        def reject(message: str) -> EngineRejected:
+            return EngineRejected(self._label, "generate", message, 400)
+
+        if not isinstance(request, Mapping):
+            raise reject(f"request must be a JSON object, got {request!r}")
+        if request.get("stream"):
+            raise reject("streaming is not supported by the simulated engine")
+        input_ids = request.get("input_ids")
+        text = request.get("text")
+        if (input_ids is None) == (text is None):
+            raise reject("exactly one of 'text' or 'input_ids' must be given")
+        if input_ids is not None:
+            if not isinstance(input_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in input_ids
+            ):
+                raise reject(f"input_ids must be a list of token ids >= 0, got {input_ids!r}")
+            prompt = list(input_ids)
+        else:
+            if not isinstance(text, str):
+                raise reject(f"text must be a string, got {text!r}")
+            prompt = list(text.encode())
+        params = request.get("sampling_params") or {}
+        if not isinstance(params, Mapping):
+            raise reject(f"sampling_params must be an object, got {params!r}")
+        max_new = params.get("max_new_tokens", 16)
+        if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 0:
+            raise reject(f"max_new_tokens must be an int >= 0, got {max_new!r}")
+        rid = request.get("rid")
+        if rid is None:
+            rid = uuid.uuid4().hex
+        elif not isinstance(rid, str) or not rid:
+            raise reject(f"rid must be a non-empty string, got {rid!r}")
+        elif rid in self._in_flight:
+            raise reject(f"duplicate request id {rid!r}")
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        return _Request(rid=rid, prompt=prompt, max_new_tokens=max_new, future=future)
+
+    # ----------------------------------------------------------------------------- lifecycle
+
+    async def pause_generation(self, mode: PauseMode | str) -> None:
+        """``POST /pause_generation``: abort, retract or freeze in-flight requests; then paused."""
+        raw = mode.value if isinstance(mode, PauseMode) else mode
+        async with self._op("pause_generation", mode=raw):
+            try:
+                pause_mode = PauseMode(mode)
+            except ValueError:
+                valid = ", ".join(m.value for m in PauseMode)
+                raise EngineRejected(
+                    self._label, "pause_generation", f"unknown mode {mode!r}; valid: {valid}", 400
+                ) from None
+            self._paused = True
+            self._pause_mode = pause_mode
+            if pause_mode is PauseMode.ABORT:
+                # The front end aborts until nothing is in flight and answers only then.
+                await self._abort(lambda _: True, "aborted by pause_generation(mode=abort)")
+            elif pause_mode is PauseMode.RETRACT:
+                # Running requests give back their KV and queue up again, first in line.
+                for req in reversed(self._running):
+                    req.num_retractions += 1
+                    self._waiting.appendleft(req)
+                self._counts["retractions"] += len(self._running)
+                self._running = []
+            self._notify()
+
+    async def continue_generation(self) -> None:
+        """``POST /continue_generation``: let the scheduler run again (harmless if not paused)."""
+        async with self._op("continue_generation"):
+            self._paused = False
+            self._pause_mode = None
+            self._notify()
+
+    async def flush_cache(self, timeout: float) -> None:
+        """``POST /flush_cache?timeout=T``: clear the prefix cache once idle; 400 if not idle."""
+        op = "flush_cache"
+        async with self._op(op, timeout=timeout):
+            if _seconds(timeout) is None:
+                raise EngineRejected(self._label, op, f"bad timeout {timeout!r}", 400)
+            if self._flush_pending:
+                raise EngineRejected(self._label, op, "another flush_cache is pending", 400)
+            self._flush_pending = True
+            try:
+                deadline = time.monotonic() + timeout
+                while not self._is_idle():
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise EngineRejected(
+                            self._label,
+                            op,
+                            f"engine not idle after {timeout:g}s ({len(self._running)} running, "
+                            f"{len(self._waiting)} waiting, paused={self._paused})",
+                            400,
+                        )
+                    await self._wait_changed(remaining)
+                    self._check_alive(op)
+                self._prefix_cache.clear()
+                self._counts["flushes"] += 1
+            finally:
+                self._flush_pending = False
+
+    async def release_memory_occupation(self, tags: Sequence[Tag | str] | None) -> None:
+        """``POST /release_memory_occupation``; empty tags mean all three."""
+        op = "release_memory_occupation"
+        requested = list(tags) if tags is not None and not isinstance(tags, str) else tags
+        async with self._op(op, requested_tags=requested) as entry:
+            names = self._tag_names(op, tags)
+            entry["tags"] = names
+            if not self._is_idle():
+                # The scheduler asserts idleness; the failed assertion takes the server down.
+                raise self._fatal(
+                    entry,
+                    f"assertion failed in release_memory_occupation: engine not idle "
+                    f"({len(self._running)} running, {len(self._waiting)} waiting, "
+                    f"paused={self._paused}, mode={self._pause_value()})",
+                )
+            for name in names:
+                if name not in _KNOWN_TAGS:
+                    continue  # SGLang does not check tag names: a typo frees nothing.
+                if name in self._released:
+                    raise self._fatal(
+                        entry,
+                        f"memory saver aborted: tag {name!r} released twice (process exited)",
+                    )
+                self._released.add(name)
+                if name == Tag.KV_CACHE.value:
+                    self._prefix_cache.clear()  # releasing the KV pool flushes the cache itself
+            self._notify()
+
+    async def resume_memory_occupation(self, tags: Sequence[Tag | str] | None) -> None:
+        """``POST /resume_memory_occupation``; empty tags mean all three."""
+        op = "resume_memory_occupation"
+        requested = list(tags) if tags is not None and not isinstance(tags, str) else tags
+        async with self._op(op, requested_tags=requested) as entry:
+            names = self._tag_names(op, tags)
+            entry["tags"] = names
+            ordered = [t for t in _RESUME_ORDER for name in names if name == t]
+            for name in ordered:
+                if name not in self._released:
+                    raise self._fatal(
+                        entry,
+                        f"KeyError in scheduler: resume of tag {name!r}, which is not released",
+                    )
+                if self._gpu_memory_bytes is not None:
+                    need = self._resident_bytes() + self._external_bytes + self._capacity[name]
+                    if need > self._gpu_memory_bytes:
+                        raise self._fatal(
+                            entry,
+                            f"CUDA out of memory resuming {name!r}: needs {need} bytes of "
+                            f"{self._gpu_memory_bytes} ({self._external_bytes} held elsewhere)",
+                        )
+                self._released.discard(name)
+                if name == Tag.WEIGHTS.value and not self._weights_cpu_backup:
+                    # Without --enable-weights-cpu-backup the remapped pages hold garbage.
+                    self._weights_valid = False
+            self._notify()
+
+    async def begin_weight_update(self) -> None:
+        """``POST /begin_weight_update``: open a session (400 if one is open)."""
+        op = "begin_weight_update"
+        async with self._op(op):
+            if self._session_open:
+                raise EngineRejected(self._label, op, "a weight update session is open", 400)
+            self._session_open = True
+
+    async def end_weight_update(self) -> None:
+        """``POST /end_weight_update``: close the session (400 if none is open)."""
+        op = "end_weight_update"
+        async with self._op(op):
+            if not self._session_open:
+                raise EngineRejected(self._label, op, "no weight update session is open", 400)
+            self._session_open = False
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None,
+        flush_cache: bool,
+        abort_all_requests: bool,
+    ) -> None:
+        """``POST /update_weights_from_disk`` (needs no session)."""
+        op = "update_weights_from_disk"
+        async with self._op(
+            op,
+            version=weight_version,
+            model_path=model_path,
+            flush_cache=flush_cache,
+            abort_all_requests=abort_all_requests,
+        ) as entry:
+            if not isinstance(model_path, str) or not model_path:
+                raise EngineRejected(self._label, op, f"bad model_path {model_path!r}", 400)
+            await self._write_weights(entry, weight_version, flush_cache, abort_all_requests)
+
+    async def update_weights_from_tensor(
+        self,
+        payload: Any,
+        *,
+        weight_version: str | None,
+        flush_cache: bool,
+        abort_all_requests: bool,
+    ) -> None:
+        """``POST /update_weights_from_tensor`` (only inside a begin/end session)."""
+        op = "update_weights_from_tensor"
+        async with self._op(
+            op,
+            version=weight_version,
+            payload_type=type(payload).__name__,
+            flush_cache=flush_cache,
+            abort_all_requests=abort_all_requests,
+        ) as entry:
+            if not self._session_open:
+                raise EngineRejected(
+                    self._label, op, "tensor updates need a begin_weight_update session", 400
+                )
+            await self._write_weights(entry, weight_version, flush_cache, abort_all_requests)
+
+    async def _write_weights(
+        self,
+        entry: dict[str, Any],
+        weight_version: str | None,
+        flush_cache: bool,
+        abort_all_requests: bool,
+    ) -> None:
+        op: str = entry["op"]
+        if weight_version is not None and not isinstance(weight_version, str):
+            raise EngineRejected(self._label, op, f"bad weight_version {weight_version!r}", 400)
+        if abort_all_requests:
+            await self._abort(lambda _: True, f"aborted by {op}(abort_all_requests=True)")
+        # Unpaused, the update takes the model lock and so waits for in-flight requests.
+        while not self._paused and (self._running or self._waiting):
+            await self._wait_changed(None)
+            self._check_alive(op)
+        if Tag.WEIGHTS.value in self._released:
+            raise self._fatal(
+                entry, f"illegal memory access: {op} wrote weights while 'weights' is released"
+            )
+        if weight_version is not None:
+            self._weight_version = weight_version
+        self._weights_valid = True
+        self._counts["weight_updates"] += 1
+        if flush_cache:
+            present = len(self._in_flight)
+            if present:
+                # The weights are in; only the flush that follows them failed.
+                raise EngineRejected(
+                    self._label,
+                    op,
+                    f"weights updated but flush_cache failed: {present} request(s) present",
+                    400,
+                )
+            self._prefix_cache.clear()
+
+    async def update_weight_version(self, version: str, *, abort_all_requests: bool = True) -> None:
+        """``POST /update_weight_version``; SGLang's default aborts every in-flight request."""
+        op = "update_weight_version"
+        async with self._op(op, version=version, abort_all_requests=abort_all_requests):
+            if not isinstance(version, str):
+                raise EngineRejected(self._label, op, f"bad new_version {version!r}", 400)
+            if abort_all_requests:
+                # Includes the requests a retract pause preserved: the field's costliest bug.
+                await self._abort(lambda _: True, "aborted by update_weight_version")
+            self._weight_version = version
+
+    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """``POST /abort_request``: abort requests whose rid starts with ``rid`` (or all)."""
+        async with self._op("abort_request", rid=rid, abort_all=abort_all) as entry:
+            count = await self._abort(
+                lambda r: abort_all or r.rid.startswith(rid), "aborted by abort_request"
+            )
+            entry["detail"] = f"{count} aborted"
+
+    async def health(self) -> None:
+        """``GET /health_generate``: a real one-token generation; 503 if it does not finish."""
+        op = "health"
+        async with self._op(op):
+            self._health_seq += 1
+            self._counts["health_checks"] += 1
+            loop = asyncio.get_running_loop()
+            req = _Request(
+                rid=f"HEALTH_CHECK_{self._label}_{self._health_seq}",
+                prompt=[1],
+                max_new_tokens=1,
+                future=loop.create_future(),
+                internal=True,
+            )
+            self._enqueue(req)
+            try:
+                await asyncio.wait({req.future}, timeout=self._health_timeout)
+            except asyncio.CancelledError:
+                self._discard(req)
+                req.future.cancel()
+                raise
+            if not req.future.done():
+                # While paused the probe just hangs; the server gives up and calls itself sick.
+                self._discard(req)
+                req.future.cancel()
+                self._healthy = False
+                raise EngineRejected(
+                    self._label,
+                    op,
+                    f"no token within {self._health_timeout:g}s (paused={self._paused})",
+                    503,
+                )
+            exc = req.future.exception()
+            if exc is not None:
+                self._check_alive(op)
+                raise exc
+            if req.future.result()["meta_info"]["finish_reason"]["type"] == "abort":
+                self._healthy = False
+                raise EngineRejected(self._label, op, "health check request was aborted", 503)
+            self._healthy = True
+
+    async def weight_version(self) -> str:
+        """The loaded weight version (``GET /model_info``)."""
+        async with self._op("weight_version"):
+            version = self._weight_version
+        return version
+
+    async def server_info(self) -> dict[str, Any]:
+        """``GET /server_info``: state and memory, safe to call while paused."""
+        async with self._op("server_info"):
+            info = {
+                "version": SIM_VERSION,
+                "label": self._label,
+                "paused": self._paused,
+                "pause_mode": self._pause_value(),
+                "released_tags": [t.value for t in ALL_TAGS if t.value in self._released],
+                "weights_valid": self._weights_valid,
+                "weight_version": self._weight_version,
+                "healthy": self._healthy,
+                "weight_update_session_open": self._session_open,
+                "flush_pending": self._flush_pending,
+                "weights_cpu_backup": self._weights_cpu_backup,
+                "dp_dummy_batches": self._dp_dummy_batches,
+                "internal_states": [
+                    {
+                        "memory_usage": self.memory(),
+                        "num_running_reqs": len(self._running),
+                        "num_waiting_reqs": len(self._waiting),
+                        "prefix_cache_size": len(self._prefix_cache),
+                    }
+                ],
+            }
+        return info
+
+    async def close(self) -> None:
+        """Stop the scheduler; in-flight generates get ``EngineDead``. Idempotent, never raises."""
+        entry = self._record("close", outcome="ok")
+        if not self._closed:
+            self._closed = True
+            self._drop_all("engine closed")
+            self._notify()
+            task, self._scheduler = self._scheduler, None
+            if task is not None and not task.done():
+                task.cancel()
+                if task.get_loop() is asyncio.get_running_loop():
+                    await asyncio.wait({task})
+        entry["end"] = time.monotonic()
+
+    # ----------------------------------------------------------------------------- introspection
+
+    def _pause_value(self) -> str | None:
+        return None if self._pause_mode is None else self._pause_mode.value
+
+    def _resident_bytes(self) -> int:
+        return sum(self.memory().values())
+
+    def memory(self) -> dict[str, int]:
+        """Resident bytes per tag; a dead engine's process holds none."""
+        return {
+            t.value: 0 if self._dead or t.value in self._released else self._capacity[t.value]
+            for t in ALL_TAGS
+        }
+
+    def set_external_memory(self, nbytes: int) -> None:
+        """Say how many bytes other processes (the trainer) hold on this engine's GPU."""
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise InvalidArgument(f"external memory must be an int >= 0, got {nbytes!r}")
+        self._external_bytes = nbytes
+
+    def history(self) -> list[dict[str, Any]]:
+        """Every lifecycle call that has returned (or raised), in order of start; a copy."""
+        return [
+            {k: list(v) if isinstance(v, list) else v for k, v in entry.items()}
+            for entry in self._history
+            if entry["end"] is not None
+        ]
+
+    def stats(self) -> dict[str, int]:
+        """Counters of the work done so far and the current queues."""
+        return {
+            **self._counts,
+            "prefix_cache_size": len(self._prefix_cache),
+            "running": len(self._running),
+            "waiting": len(self._waiting),
+            "in_flight": len(self._in_flight),
+        }
