@@ -1,0 +1,89 @@
+"""rollout_lifecycle: an explicit, barrier-synchronised memory lifecycle for SGLang rollout engines.
+
+A ``RolloutServer`` drives ``EngineGroup``s of engines through ``serving -> pausing -> drained ->
+released -> weights_restored -> kv_restored -> serving`` so that no engine's memory is released
+while a request runs, weights return before the KV cache, and generation resumes only on resident
+memory.
+"""
+
+from rollout_lifecycle._actor import EngineActor, EngineActorBody, start_engine_actor
+from rollout_lifecycle._config import (
+    ALL_TAGS,
+    KV_TAGS,
+    WEIGHT_TAGS,
+    DeadEnginePolicy,
+    Deadlines,
+    LifecycleConfig,
+    PauseMode,
+    Tag,
+)
+from rollout_lifecycle._engine import EngineBackend, EngineHost
+from rollout_lifecycle._exceptions import (
+    EngineDead,
+    EngineError,
+    EngineRejected,
+    EngineTimeout,
+    EngineUnreachable,
+    HookFailed,
+    IllegalEngineOp,
+    IllegalTransition,
+    InvalidArgument,
+    LifecycleError,
+    PhaseFailed,
+)
+from rollout_lifecycle._group import EngineGroup, EngineSnapshot
+from rollout_lifecycle._outcome import EngineOutcome, Outcome
+from rollout_lifecycle._server import (
+    HOOK_EVENTS,
+    GroupSnapshot,
+    LifecycleEvent,
+    RolloutServer,
+    ServerSnapshot,
+    WeightUpdate,
+)
+from rollout_lifecycle._simulated import SimulatedEngine
+from rollout_lifecycle._states import TRANSITIONS, ServerState, mermaid
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ALL_TAGS",
+    "HOOK_EVENTS",
+    "KV_TAGS",
+    "TRANSITIONS",
+    "WEIGHT_TAGS",
+    "DeadEnginePolicy",
+    "Deadlines",
+    "EngineActor",
+    "EngineActorBody",
+    "EngineBackend",
+    "EngineDead",
+    "EngineError",
+    "EngineGroup",
+    "EngineHost",
+    "EngineOutcome",
+    "EngineRejected",
+    "EngineSnapshot",
+    "EngineTimeout",
+    "EngineUnreachable",
+    "GroupSnapshot",
+    "HookFailed",
+    "IllegalEngineOp",
+    "IllegalTransition",
+    "InvalidArgument",
+    "LifecycleConfig",
+    "LifecycleError",
+    "LifecycleEvent",
+    "Outcome",
+    "PauseMode",
+    "PhaseFailed",
+    "RolloutServer",
+    "ServerSnapshot",
+    "ServerState",
+    "SimulatedEngine",
+    "Tag",
+    "WeightUpdate",
+    "__version__",
+    "mermaid",
+    "start_engine_actor",
+]

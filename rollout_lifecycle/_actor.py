@@ -1,0 +1,47 @@
+"""The engine actor: a Ray async actor hosting one engine backend; what groups hold in production.
+
+The backend is built inside the actor from a factory, so a client (an HTTP connection pool, a
+simulated engine with its scheduler task) lives on the actor's own event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from rollout_lifecycle._engine import EngineBackend, EngineHost
+from rollout_lifecycle._exceptions import InvalidArgument
+
+
+class EngineActorBody(EngineHost):
+    """``EngineHost`` built from a backend factory; the class behind ``EngineActor``."""
+
+    def __init__(self, factory: Callable[[], EngineBackend]) -> None:
+        backend = factory()
+        if not isinstance(backend, EngineBackend):
+            raise InvalidArgument(
+                f"engine factory returned {type(backend).__name__}, not an engine backend"
+            )
+        super().__init__(backend)
+
+    async def ping(self) -> str:
+        """Answer once the actor is up; returns the backend's label."""
+        return self.backend.label
+
+
+#: The Ray actor class. ``EngineActor.options(num_cpus=0).remote(factory)`` starts one.
+EngineActor: Any = ray.remote(EngineActorBody)
+
+
+def start_engine_actor(
+    factory: Callable[[], EngineBackend], *, name: str | None = None, **options: Any
+) -> Any:
+    """Start one engine actor (no CPU reservation by default: the engine's work is I/O)."""
+    if not callable(factory):
+        raise InvalidArgument(f"factory must be callable, got {factory!r}")
+    opts: dict[str, Any] = {"num_cpus": 0, **options}
+    if name is not None:
+        opts["name"] = name
+    return EngineActor.options(**opts).remote(factory)

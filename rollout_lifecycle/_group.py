@@ -1,0 +1,360 @@
+"""Engine groups and the per-engine ledger that guards every call.
+
+An ``EngineGroup`` holds engine handles and a record of what each engine is known to hold:
+paused or not, which memory tags are released, whether it passed the idle barrier since its last
+pause, alive or dead. Group methods only *issue* work: each checks every targeted engine against
+the SGLang contract first (raising ``IllegalEngineOp`` before anything is sent), then returns one
+pending call per engine without waiting. The server gathers them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_lifecycle._config import PauseMode, Tag
+from rollout_lifecycle._engine import EngineBackend, EngineHost
+from rollout_lifecycle._exceptions import IllegalEngineOp, InvalidArgument
+from rollout_lifecycle._outcome import EngineOutcome, Outcome
+
+
+def _is_actor(handle: object) -> bool:
+    try:
+        from ray.actor import ActorHandle
+    except ImportError:  # pragma: no cover - ray is a hard dependency
+        return False
+    return isinstance(handle, ActorHandle)
+
+
+def _tag_list(tags: Iterable[Tag]) -> list[str]:
+    return [t.value for t in tags]
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What the server knows about one engine at one moment."""
+
+    id: str
+    group: str
+    alive: bool
+    paused: bool
+    pause_mode: str | None
+    flushed: bool
+    released: tuple[str, ...]
+    uncertain: tuple[str, ...]
+    last_op: str | None
+    last_outcome: str | None
+
+
+@dataclass(eq=False)
+class EngineRecord:
+    """The ledger entry of one engine: the server's knowledge of its state, and the guards."""
+
+    id: str
+    group: str
+    handle: Any
+    alive: bool = True
+    paused: bool = False
+    pause_mode: PauseMode | None = None
+    #: Passed the idle barrier (a successful flush) since it was last paused.
+    flushed: bool = False
+    released: set[Tag] = field(default_factory=set)
+    #: Tags whose release or resume did not answer in time: the engine may or may not hold them.
+    uncertain: set[Tag] = field(default_factory=set)
+    last_op: str | None = None
+    last_outcome: EngineOutcome | None = None
+
+    # -- guards: each raises before a call that would kill the engine is sent ------------------
+
+    def _refuse(self, op: str, reason: str) -> IllegalEngineOp:
+        return IllegalEngineOp(self.id, op, reason)
+
+    def check_alive(self, op: str) -> None:
+        """Refuse any call to an engine known to be dead."""
+        if not self.alive:
+            raise self._refuse(op, "the engine is dead")
+
+    def check_release(self, tags: Sequence[Tag]) -> None:
+        """Release only a paused, flushed (idle) engine, and never a tag twice."""
+        op = "release_memory_occupation"
+        self.check_alive(op)
+        if self.uncertain:
+            raise self._refuse(op, f"tags {_tag_list(self.uncertain)} are in an unknown state")
+        if not self.paused:
+            raise self._refuse(op, "the engine is not paused (release would hit live requests)")
+        if self.pause_mode is PauseMode.IN_PLACE:
+            raise self._refuse(op, "paused in_place: requests still hold their KV cache")
+        if not self.flushed:
+            raise self._refuse(op, "the engine has not passed a flush since it was paused")
+        twice = [t.value for t in tags if t in self.released]
+        if twice:
+            raise self._refuse(op, f"tags {twice} are already released (double release kills)")
+
+    def check_resume(self, tags: Sequence[Tag]) -> None:
+        """Resume only tags that are released."""
+        op = "resume_memory_occupation"
+        self.check_alive(op)
+        if self.uncertain:
+            raise self._refuse(op, f"tags {_tag_list(self.uncertain)} are in an unknown state")
+        missing = [t.value for t in tags if t not in self.released]
+        if missing:
+            raise self._refuse(op, f"tags {missing} are not released (resuming them kills)")
+
+    def check_continue(self) -> None:
+        """Continue generation only on fully resident memory."""
+        op = "continue_generation"
+        self.check_alive(op)
+        held = sorted(t.value for t in self.released | self.uncertain)
+        if held:
+            raise self._refuse(op, f"tags {held} are released; generation would run on them")
+
+    def check_write_weights(self) -> None:
+        """Write weights only when they are resident."""
+        op = "update_weights"
+        self.check_alive(op)
+        if Tag.WEIGHTS in self.released or Tag.WEIGHTS in self.uncertain:
+            raise self._refuse(op, "weights are released; writing them is an illegal access")
+
+    # -- effects of outcomes --------------------------------------------------------------------
+
+    def apply(
+        self, op: str, tags: Sequence[Tag], mode: PauseMode | None, out: EngineOutcome
+    ) -> None:
+        """Record what a settled call means for this engine."""
+        self.last_op = op
+        self.last_outcome = out
+        if out.outcome is Outcome.DEAD:
+            self.alive = False
+            return
+        if out.outcome is Outcome.TIMED_OUT:
+            if op in ("release_memory_occupation", "resume_memory_occupation"):
+                self.uncertain.update(tags)
+            elif op == "pause_generation":
+                # The pause may still land: count the engine as paused, so that it is continued
+                # (harmless if it never paused) and never taken for serving.
+                self.paused, self.pause_mode, self.flushed = True, mode, False
+            return
+        if not out.ok:
+            return
+        if op == "pause_generation":
+            self.paused, self.pause_mode, self.flushed = True, mode, False
+        elif op == "flush_cache":
+            self.flushed = True
+        elif op == "release_memory_occupation":
+            self.released.update(tags)
+        elif op == "resume_memory_occupation":
+            self.released.difference_update(tags)
+        elif op == "continue_generation":
+            self.paused, self.pause_mode, self.flushed = False, None, False
+
+    def snapshot(self) -> EngineSnapshot:
+        """An immutable copy of this record."""
+        order = {t: i for i, t in enumerate(Tag)}
+        return EngineSnapshot(
+            id=self.id,
+            group=self.group,
+            alive=self.alive,
+            paused=self.paused,
+            pause_mode=self.pause_mode.value if self.pause_mode else None,
+            flushed=self.flushed,
+            released=tuple(t.value for t in sorted(self.released, key=order.__getitem__)),
+            uncertain=tuple(t.value for t in sorted(self.uncertain, key=order.__getitem__)),
+            last_op=self.last_op,
+            last_outcome=str(self.last_outcome) if self.last_outcome else None,
+        )
+
+
+@dataclass(eq=False)
+class PendingCall:
+    """One engine call that has been issued and not yet gathered."""
+
+    record: EngineRecord
+    op: str
+    tags: tuple[Tag, ...]
+    mode: PauseMode | None
+    ref: Awaitable[Any]
+    start: float
+
+
+class EngineGroup:
+    """A set of engines that share a role and an offload policy.
+
+    ``engines`` are Ray actor handles of ``EngineActor`` (production), ``EngineHost`` objects, or
+    bare engine backends (in-process fleets; wrapped in an ``EngineHost``). Groups with
+    ``needs_offload=False`` (GPUs not shared with the trainer) are never released.
+    """
+
+    def __init__(self, name: str, engines: Sequence[Any], needs_offload: bool = True) -> None:
+        if not isinstance(name, str) or not name or "/" in name or name != name.strip():
+            raise InvalidArgument(
+                f"group name must be a non-empty string without '/' or surrounding spaces, "
+                f"got {name!r}"
+            )
+        if not isinstance(needs_offload, bool):
+            raise InvalidArgument(f"needs_offload must be a bool, got {needs_offload!r}")
+        if isinstance(engines, str | bytes) or not isinstance(engines, Sequence):
+            raise InvalidArgument(f"engines of group {name!r} must be a sequence, got {engines!r}")
+        if not engines:
+            raise InvalidArgument(f"group {name!r} has no engines")
+        handles: list[Any] = []
+        seen: dict[int, int] = {}
+        for index, engine in enumerate(engines):
+            if id(engine) in seen:
+                raise InvalidArgument(
+                    f"engine #{index} of group {name!r} is the same object as engine "
+                    f"#{seen[id(engine)]}"
+                )
+            seen[id(engine)] = index
+            handles.append(_as_handle(engine, name, index))
+        self._name = name
+        self._needs_offload = needs_offload
+        self._records = tuple(
+            EngineRecord(id=f"{name}/{i}", group=name, handle=h) for i, h in enumerate(handles)
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"EngineGroup({self._name!r}, engines={len(self._records)}, "
+            f"needs_offload={self._needs_offload})"
+        )
+
+    @property
+    def name(self) -> str:
+        """The group's name; engine ids are ``name/index``."""
+        return self._name
+
+    @property
+    def needs_offload(self) -> bool:
+        """True when the group's GPUs are shared with the trainer."""
+        return self._needs_offload
+
+    @property
+    def engines(self) -> tuple[Any, ...]:
+        """The engine handles, in order."""
+        return tuple(r.handle for r in self._records)
+
+    @property
+    def records(self) -> tuple[EngineRecord, ...]:
+        """The ledger entries of the group's engines."""
+        return self._records
+
+    def live(self) -> list[EngineRecord]:
+        """Records of the engines not known to be dead."""
+        return [r for r in self._records if r.alive]
+
+    # -- issuing ------------------------------------------------------------------------------
+
+    def _issue(
+        self,
+        targets: Iterable[EngineRecord],
+        op: str,
+        args: tuple[Any, ...] = (),
+        *,
+        tags: tuple[Tag, ...] = (),
+        mode: PauseMode | None = None,
+        check: Callable[[EngineRecord], None] | None = None,
+    ) -> list[PendingCall]:
+        chosen = list(targets)
+        for record in chosen:  # every guard passes before the first call is sent
+            (check or (lambda r: r.check_alive(op)))(record)
+        calls: list[PendingCall] = []
+        for record in chosen:
+            start = time.monotonic()
+            calls.append(PendingCall(record, op, tags, mode, _send(record.handle, op, args), start))
+        return calls
+
+    def preflight(self, op: str, tags: Sequence[Tag] = ()) -> None:
+        """Run the guards of ``op`` on this group's targets without sending anything."""
+        targets, check = self._plan(op, tuple(tags))
+        for record in targets:
+            check(record)
+
+    def _plan(
+        self, op: str, tags: tuple[Tag, ...]
+    ) -> tuple[list[EngineRecord], Callable[[EngineRecord], None]]:
+        live = self.live()
+        if op == "release_memory_occupation":
+            return (live if self._needs_offload else []), lambda r: r.check_release(tags)
+        if op == "resume_memory_occupation":
+            return (live if self._needs_offload else []), lambda r: r.check_resume(tags)
+        if op == "continue_generation":
+            return [r for r in live if r.paused], EngineRecord.check_continue
+        if op == "flush_cache":
+            return [r for r in live if r.paused], lambda r: r.check_alive(op)
+        if op in ("update_weights", "begin_weight_update", "end_weight_update"):
+            return live, EngineRecord.check_write_weights
+        return live, lambda r: r.check_alive(op)
+
+    def _run(
+        self,
+        op: str,
+        args: tuple[Any, ...] = (),
+        *,
+        tags: tuple[Tag, ...] = (),
+        mode: PauseMode | None = None,
+        wire_op: str | None = None,
+    ) -> list[PendingCall]:
+        targets, check = self._plan(op, tags)
+        calls = self._issue(targets, wire_op or op, args, tags=tags, mode=mode, check=check)
+        return calls
+
+    def pause_generation(self, mode: PauseMode) -> list[PendingCall]:
+        """Pause every live engine."""
+        return self._run("pause_generation", (mode.value,), mode=mode)
+
+    def flush_cache(self, deadline: float, retry_interval: float) -> list[PendingCall]:
+        """Flush every paused engine, each retrying until ``deadline`` seconds pass."""
+        return self._run("flush_cache", (deadline, retry_interval))
+
+    def release_memory(self, tags: Sequence[Tag]) -> list[PendingCall]:
+        """Release ``tags`` on every engine (none when the group does not need offload)."""
+        t = tuple(tags)
+        return self._run("release_memory_occupation", (_tag_list(t),), tags=t)
+
+    def resume_memory(self, tags: Sequence[Tag]) -> list[PendingCall]:
+        """Resume ``tags`` on every engine that released them."""
+        t = tuple(tags)
+        return self._run("resume_memory_occupation", (_tag_list(t),), tags=t)
+
+    def continue_generation(self) -> list[PendingCall]:
+        """Continue generation on every paused engine."""
+        return self._run("continue_generation")
+
+    def begin_weight_update(self) -> list[PendingCall]:
+        """Open a weight-update session on every live engine."""
+        return self._run("begin_weight_update")
+
+    def end_weight_update(self) -> list[PendingCall]:
+        """Close the weight-update session on every live engine."""
+        return self._run("end_weight_update")
+
+    def probe(self) -> list[PendingCall]:
+        """Ask every live engine for its server info: the liveness probe that is safe while
+        paused (a generating health check would hang on a paused engine)."""
+        return self._run("server_info")
+
+    def update_weight_version(self, version: str) -> list[PendingCall]:
+        """Set the weight version on every live engine, aborting nothing."""
+        return self._run("update_weights", (version,), wire_op="update_weight_version")
+
+
+def _as_handle(engine: Any, group: str, index: int) -> Any:
+    if _is_actor(engine) or isinstance(engine, EngineHost):
+        return engine
+    if isinstance(engine, EngineBackend):
+        return EngineHost(engine)
+    raise InvalidArgument(
+        f"engine #{index} of group {group!r} is {type(engine).__name__!s}, not an engine actor "
+        f"handle, an EngineHost or an engine backend"
+    )
+
+
+def _send(handle: Any, op: str, args: tuple[Any, ...]) -> Awaitable[Any]:
+    if isinstance(handle, EngineHost):
+        task: Awaitable[Any] = asyncio.ensure_future(getattr(handle, op)(*args))
+        return task
+    ref: Awaitable[Any] = getattr(handle, op).remote(*args)
+    return ref

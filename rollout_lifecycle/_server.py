@@ -1,0 +1,838 @@
+"""``RolloutServer``: drives engine groups through the lifecycle states with server-wide barriers.
+
+Each public call is a sequence of transitions of one ``transitions.AsyncMachine`` built from
+``TRANSITIONS``. Every transition runs one or two *phases*; a phase issues one call per targeted
+engine (through the groups, which guard each call) and gathers all of them, with a deadline,
+before anything else happens. Calls are serialized, and a cancelled caller never abandons a phase
+in flight: the phase settles, the server stops at that boundary, then ``CancelledError``
+propagates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import inspect
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
+
+from transitions.extensions.asyncio import AsyncMachine
+
+from rollout_lifecycle._config import WEIGHT_TAGS, DeadEnginePolicy, LifecycleConfig, PauseMode
+from rollout_lifecycle._events import logger
+from rollout_lifecycle._exceptions import (
+    HookFailed,
+    IllegalEngineOp,
+    IllegalTransition,
+    InvalidArgument,
+    LifecycleError,
+    PhaseFailed,
+)
+from rollout_lifecycle._group import EngineGroup, EngineRecord, EngineSnapshot, PendingCall
+from rollout_lifecycle._outcome import EngineOutcome, Outcome, classify
+from rollout_lifecycle._states import TRANSITIONS, ServerState, sources_of
+
+T = TypeVar("T")
+S = ServerState
+
+Hook = Callable[["LifecycleEvent"], Any]
+WeightPush = Callable[["WeightUpdate"], Any]
+
+#: The events hooks can subscribe to: entering each state.
+HOOK_EVENTS: tuple[str, ...] = tuple(s.value for s in ServerState)
+
+
+@dataclass(frozen=True)
+class LifecycleEvent:
+    """What a hook receives: the event, the state entered and the one left."""
+
+    event: str
+    state: ServerState
+    previous: ServerState
+    server: RolloutServer
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    """What a weight-push callable receives: the version and the engines to write to."""
+
+    version: str | None
+    #: Engine id -> engine handle, for every live engine whose weights are being written.
+    engines: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class GroupSnapshot:
+    """One group's engines at one moment."""
+
+    name: str
+    needs_offload: bool
+    engines: tuple[EngineSnapshot, ...]
+
+
+@dataclass(frozen=True)
+class ServerSnapshot:
+    """The server's aggregate state and what it knows of every engine."""
+
+    name: str
+    state: ServerState
+    groups: tuple[GroupSnapshot, ...]
+
+    def engines(self) -> dict[str, EngineSnapshot]:
+        """Every engine's snapshot by id."""
+        return {e.id: e for g in self.groups for e in g.engines}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, for logging or JSON."""
+        out = asdict(self)
+        out["state"] = self.state.value
+        return out
+
+
+@dataclass(eq=False)
+class _Operation:
+    """One public call in progress; ``cancelled`` asks it to stop at the next phase boundary."""
+
+    call: str
+    cancelled: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+_CURRENT: contextvars.ContextVar[tuple[RolloutServer, _Operation] | None] = contextvars.ContextVar(
+    "rollout_lifecycle_current_operation", default=None
+)
+
+
+class _Machine:
+    """The model the state machine runs on; phase callbacks delegate to the server."""
+
+    state: str
+
+    def __init__(self, server: RolloutServer) -> None:
+        self._server = server
+
+    async def _phase_drain(self, event: Any) -> None:
+        await self._server._drain(event.kwargs["groups"])
+
+    async def _phase_release(self, event: Any) -> None:
+        await self._server._release()
+
+    async def _phase_restore_weights(self, event: Any) -> None:
+        await self._server._restore("weights")
+
+    async def _phase_restore_kv(self, event: Any) -> None:
+        await self._server._restore("kv")
+
+    async def _phase_write_weights(self, event: Any) -> None:
+        await self._server._write_weights(event.kwargs["push"], event.kwargs["version"])
+
+    async def _phase_continue(self, event: Any) -> None:
+        await self._server._continue()
+
+    def _settles_in_serving(self, event: Any) -> bool:
+        return self._server._settled_state() is S.SERVING
+
+    def _settles_in_drained(self, event: Any) -> bool:
+        return self._server._settled_state() is S.DRAINED
+
+    def _settles_in_released(self, event: Any) -> bool:
+        return self._server._settled_state() is S.RELEASED
+
+    def _settles_in_weights_restored(self, event: Any) -> bool:
+        return self._server._settled_state() is S.WEIGHTS_RESTORED
+
+    def _settles_in_kv_restored(self, event: Any) -> bool:
+        return self._server._settled_state() is S.KV_RESTORED
+
+
+class RolloutServer:
+    """Coordinates engine groups through ``serving -> ... -> released -> ... -> serving``.
+
+    All lifecycle calls are coroutines. See ``lifecycle-design.md`` for the states and the
+    invariants every call keeps.
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[EngineGroup],
+        config: LifecycleConfig | None = None,
+        *,
+        name: str = "rollout",
+    ) -> None:
+        if isinstance(groups, EngineGroup) or not isinstance(groups, Sequence):
+            raise InvalidArgument(f"groups must be a sequence of EngineGroup, got {groups!r}")
+        if not groups:
+            raise InvalidArgument("a RolloutServer needs at least one EngineGroup")
+        names: set[str] = set()
+        owners: dict[int, str] = {}
+        for group in groups:
+            if not isinstance(group, EngineGroup):
+                raise InvalidArgument(f"expected an EngineGroup, got {group!r}")
+            if group.name in names:
+                raise InvalidArgument(f"two groups are named {group.name!r}")
+            names.add(group.name)
+            for record in group.records:
+                key = id(record.handle)
+                if key in owners:
+                    raise InvalidArgument(
+                        f"engine {record.id} is also engine of group {owners[key]!r}; "
+                        f"an engine belongs to one group"
+                    )
+                owners[key] = group.name
+        if config is None:
+            config = LifecycleConfig()
+        if not isinstance(config, LifecycleConfig):
+            raise InvalidArgument(f"config must be a LifecycleConfig, got {config!r}")
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument(f"server name must be a non-empty string, got {name!r}")
+        self._name = name
+        self._groups = tuple(groups)
+        self._config = config
+        self._hooks: dict[str, list[Hook]] = {e: [] for e in HOOK_EVENTS}
+        self._lock = asyncio.Lock()
+        self._stragglers: set[asyncio.Future[Any]] = set()
+        self._metrics: dict[str, float] = {}
+        self._model = _Machine(self)
+        self._machine = AsyncMachine(
+            model=self._model,
+            states=[s.value for s in ServerState],
+            transitions=[_plain(row) for row in TRANSITIONS],
+            initial=S.SERVING.value,
+            auto_transitions=False,
+            send_event=True,
+        )
+
+    def __repr__(self) -> str:
+        return f"RolloutServer({self._name!r}, state={self.state.value!r}, groups={self._groups!r})"
+
+    # -- inspection ---------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The server's name (in every event it emits)."""
+        return self._name
+
+    @property
+    def config(self) -> LifecycleConfig:
+        """The lifecycle configuration."""
+        return self._config
+
+    @property
+    def groups(self) -> tuple[EngineGroup, ...]:
+        """The engine groups, in order."""
+        return self._groups
+
+    @property
+    def state(self) -> ServerState:
+        """The aggregate state."""
+        return ServerState(self._model.state)
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """Timings of the last completed call of each kind, as a flat dict."""
+        return dict(self._metrics)
+
+    def snapshot(self) -> ServerSnapshot:
+        """The state and what the server knows of every engine."""
+        return ServerSnapshot(
+            name=self._name,
+            state=self.state,
+            groups=tuple(
+                GroupSnapshot(g.name, g.needs_offload, tuple(r.snapshot() for r in g.records))
+                for g in self._groups
+            ),
+        )
+
+    def engines(self) -> dict[str, Any]:
+        """Engine id -> handle, for every engine."""
+        return {r.id: r.handle for g in self._groups for r in g.records}
+
+    async def probe(self) -> dict[str, EngineOutcome]:
+        """Probe every live engine's liveness without generating; dead ones are marked dead.
+
+        Not serialized with lifecycle calls: it changes no state but an engine's ``alive`` flag,
+        so it can run while a long transition is in flight.
+        """
+        calls = [c for g in self._groups for c in g.probe()]
+        return await self._settle("probe", calls, self._config.deadlines.probe)
+
+    # -- hooks --------------------------------------------------------------------------------
+
+    def on(self, event: str | ServerState, hook: Hook) -> Callable[[], None]:
+        """Call ``hook(LifecycleEvent)`` (sync or async) whenever the server enters ``event``.
+
+        Returns a function that removes the hook. Hooks run in registration order, after the
+        state is entered; a hook that raises leaves the server in that state and the call that
+        entered it raises ``HookFailed``. Hooks may call the server's own methods.
+        """
+        key = event.value if isinstance(event, ServerState) else event
+        if key not in self._hooks:
+            raise InvalidArgument(f"unknown event {event!r}; events: {', '.join(HOOK_EVENTS)}")
+        if not callable(hook):
+            raise InvalidArgument(f"hook for {key!r} must be callable, got {hook!r}")
+        self._hooks[key].append(hook)
+
+        def remove() -> None:
+            if hook in self._hooks[key]:
+                self._hooks[key].remove(hook)
+
+        return remove
+
+    # -- public lifecycle ---------------------------------------------------------------------
+
+    async def offload(self) -> dict[str, float]:
+        """Pause and drain the offloaded groups, then release their memory.
+
+        ``serving -> pausing -> drained -> released`` (from ``drained`` only the release runs).
+        A no-op in ``released``.
+        """
+        if self._config.pause_mode is PauseMode.IN_PLACE:
+            raise InvalidArgument(
+                "offload() cannot use pause_mode 'in_place': requests keep their KV cache and "
+                "releasing memory under them kills the engine; use 'retract' or 'abort'"
+            )
+        return await self._serialized("offload", self._offload)
+
+    async def onload_weights(self) -> dict[str, float]:
+        """Resume the weights (``released -> weights_restored``); KV stays released."""
+        return await self._serialized("onload_weights", self._onload_weights)
+
+    async def update_weights(
+        self, push: WeightPush, version: str | None = None
+    ) -> dict[str, float]:
+        """Write weights while they are resident and generation is paused.
+
+        Legal in ``drained`` and ``weights_restored``. Opens a weight-update session on every
+        engine, calls ``push(WeightUpdate)`` (sync or async), closes the session, sets
+        ``version`` (never aborting a request), and flushes the prefix cache where the KV cache
+        is resident. Engines still serving (groups that do not offload) are paused around the
+        write and continued after it.
+        """
+        if not callable(push):
+            raise InvalidArgument(f"push must be callable, got {push!r}")
+        if version is not None and (not isinstance(version, str) or not version.strip()):
+            raise InvalidArgument(f"version must be a non-empty string or None, got {version!r}")
+        return await self._serialized("update_weights", lambda: self._update_weights(push, version))
+
+    async def onload_kv(self) -> dict[str, float]:
+        """Resume the KV cache, then continue generation.
+
+        ``weights_restored -> kv_restored -> serving``.
+        """
+        return await self._serialized("onload_kv", self._onload_kv)
+
+    async def onload(self) -> dict[str, float]:
+        """Everything ``offload`` undid: weights, then KV, then continue. A no-op in ``serving``."""
+        return await self._serialized("onload", self._onload)
+
+    async def pause(self) -> dict[str, float]:
+        """Pause and drain every group (``serving -> pausing -> drained``); nothing is released."""
+        return await self._serialized("pause", self._pause_all)
+
+    async def resume(self) -> dict[str, float]:
+        """Continue generation from ``drained`` or ``kv_restored``."""
+        return await self._serialized("resume", self._resume)
+
+    async def reset(self) -> ServerState:
+        """Leave ``failed`` for the state the engines' records imply, after inspection.
+
+        Raises ``IllegalTransition`` when the records are not consistent with any state (for
+        example engines holding different tags, or a tag in an unknown state).
+        """
+
+        async def body() -> None:
+            self._require("reset")
+            if self._settled_state() is None:
+                raise IllegalTransition("reset", self.state.value, [S.FAILED.value])
+            await self._advance("reset")
+
+        await self._serialized("reset", body)
+        return self.state
+
+    @asynccontextmanager
+    async def paused(self) -> AsyncIterator[RolloutServer]:
+        """Pause every group for the body (a non-colocated weight sync), then continue."""
+        await self.pause()
+        try:
+            yield self
+        finally:
+            if self.state is not S.FAILED:
+                await self.resume()
+
+    @asynccontextmanager
+    async def offloaded(self) -> AsyncIterator[RolloutServer]:
+        """Offload on enter; on exit restore weights, run hooks, restore KV and continue.
+
+        The exit runs even when the body raises, so engines never stay released by accident.
+        """
+        await self.offload()
+        try:
+            yield self
+        finally:
+            if self.state is not S.FAILED:
+                await self.onload()
+
+    # -- call bodies (run under the lock) -----------------------------------------------------
+
+    async def _offload(self) -> None:
+        state = self.state
+        if state is S.RELEASED:
+            return
+        if state not in (S.SERVING, S.DRAINED):
+            raise IllegalTransition(
+                "offload", state.value, [S.SERVING.value, S.DRAINED.value, S.RELEASED.value]
+            )
+        groups = self._offload_groups()
+        self._preflight_offload(groups)
+        if state is S.SERVING:
+            await self._advance("pause")
+            await self._advance("drain", groups=groups)
+        await self._advance("release")
+
+    async def _onload_weights(self) -> None:
+        if self.state is S.WEIGHTS_RESTORED:
+            return
+        self._require("restore_weights", call="onload_weights")
+        await self._advance("restore_weights")
+
+    async def _update_weights(self, push: WeightPush, version: str | None) -> None:
+        self._require("write_weights", call="update_weights")
+        await self._advance("write_weights", push=push, version=version)
+
+    async def _onload_kv(self) -> None:
+        if self.state is not S.KV_RESTORED:
+            self._require("restore_kv", call="onload_kv")
+            await self._advance("restore_kv")
+        await self._advance("resume")
+
+    async def _onload(self) -> None:
+        state = self.state
+        if state is S.SERVING:
+            return
+        if state not in (S.RELEASED, S.WEIGHTS_RESTORED, S.KV_RESTORED):
+            raise IllegalTransition(
+                "onload",
+                state.value,
+                [S.RELEASED.value, S.WEIGHTS_RESTORED.value, S.KV_RESTORED.value],
+            )
+        if state is S.RELEASED:
+            await self._advance("restore_weights")
+        if self.state is S.WEIGHTS_RESTORED:
+            await self._advance("restore_kv")
+        await self._advance("resume")
+
+    async def _pause_all(self) -> None:
+        if self.state is S.DRAINED:
+            return
+        self._require("pause")
+        await self._advance("pause")
+        await self._advance("drain", groups=self._groups)
+
+    async def _resume(self) -> None:
+        if self.state is S.SERVING:
+            return
+        self._require("resume")
+        await self._advance("resume")
+
+    # -- transitions --------------------------------------------------------------------------
+
+    def _require(self, trigger: str, *, call: str | None = None) -> None:
+        allowed = sources_of(trigger)
+        if self.state not in allowed:
+            raise IllegalTransition(call or trigger, self.state.value, [s.value for s in allowed])
+
+    async def _advance(self, trigger: str, **kwargs: Any) -> None:
+        """Fire one transition: run its phase, change state, run the hooks of the new state."""
+        current = _CURRENT.get()
+        if current is not None and current[1].cancelled:
+            raise asyncio.CancelledError(f"cancelled before {trigger}")
+        previous = self.state
+        log = logger().bind(server=self._name, transition=trigger)
+        log.debug("transition.start", state=previous.value)
+        try:
+            await self._fire(trigger, **kwargs)
+        except (IllegalEngineOp, InvalidArgument, HookFailed):
+            raise  # refused before any engine was touched, or the user's code: no failure
+        except BaseException as exc:
+            if previous is not S.FAILED and not isinstance(exc, asyncio.CancelledError):
+                await self._fire("fail")
+                log.warning("transition.failed", state=previous.value, error=str(exc))
+                await self._run_hooks(S.FAILED, previous)
+            raise
+        state = self.state
+        log.info("state.enter", state=state.value, previous=previous.value)
+        if state is not previous:
+            await self._run_hooks(state, previous)
+
+    async def _fire(self, trigger: str, **kwargs: Any) -> None:
+        # transitions adds one coroutine method per trigger to the model.
+        await getattr(self._model, trigger)(**kwargs)
+
+    async def _run_hooks(self, state: ServerState, previous: ServerState) -> None:
+        for hook in list(self._hooks[state.value]):
+            try:
+                result = hook(LifecycleEvent(state.value, state, previous, self))
+                if inspect.isawaitable(result):
+                    await result
+            except Exception as exc:
+                name = getattr(hook, "__qualname__", repr(hook))
+                logger().warning(
+                    "hook.failed", server=self._name, state=state.value, hook=name, error=str(exc)
+                )
+                raise HookFailed(state.value, name, self.state.value) from exc
+
+    async def _serialized(self, call: str, body: Callable[[], Awaitable[None]]) -> dict[str, float]:
+        current = _CURRENT.get()
+        if current is not None and current[0] is self:
+            # Re-entered from a hook or a weight push: the outer call already holds the lock.
+            await body()
+            return {}
+        op = _Operation(call)
+        task = asyncio.ensure_future(self._locked(op, body))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            # Settle what is in flight before letting go: the operation stops at the next phase
+            # boundary, and the caller sees CancelledError only once state is exact again.
+            op.cancelled = True
+            await asyncio.wait([task])
+            if not task.cancelled() and task.exception() is not None:
+                logger().warning(
+                    "call.cancelled_with_error",
+                    server=self._name,
+                    call=call,
+                    error=str(task.exception()),
+                )
+            raise
+
+    async def _locked(
+        self, op: _Operation, body: Callable[[], Awaitable[None]]
+    ) -> dict[str, float]:
+        async with self._lock:
+            if op.cancelled:
+                raise asyncio.CancelledError(f"{op.call} cancelled before it started")
+            token = _CURRENT.set((self, op))
+            start = time.monotonic()
+            log = logger().bind(server=self._name, call=op.call)
+            log.info("call.start", state=self.state.value)
+            outcome = "error"
+            try:
+                await body()
+                outcome = "ok"
+            except asyncio.CancelledError:
+                outcome = "cancelled"
+                raise
+            finally:
+                _CURRENT.reset(token)
+                total = time.monotonic() - start
+                op.metrics[f"lifecycle/{op.call}/total_s"] = total
+                log.info(
+                    "call.end", state=self.state.value, outcome=outcome, duration_s=round(total, 6)
+                )
+            self._metrics.update(op.metrics)
+            return dict(op.metrics)
+
+    # -- phases (called by the machine) -------------------------------------------------------
+
+    def _offload_groups(self) -> tuple[EngineGroup, ...]:
+        return tuple(g for g in self._groups if g.needs_offload)
+
+    def _preflight_offload(self, groups: Sequence[EngineGroup]) -> None:
+        tags = self._config.release_tags
+        for group in groups:
+            for record in group.live():
+                held = [t.value for t in tags if t in record.released | record.uncertain]
+                if held:
+                    raise IllegalEngineOp(
+                        record.id,
+                        "release_memory_occupation",
+                        f"tags {held} are already released or unknown",
+                    )
+        if self._config.dead_engines is DeadEnginePolicy.FAIL:
+            dead = [r.id for g in groups for r in g.records if not r.alive]
+            if dead:
+                raise IllegalEngineOp(
+                    ", ".join(dead), "offload", "engines are dead; recover() them first"
+                )
+
+    async def _drain(self, groups: Sequence[EngineGroup]) -> None:
+        mode = self._config.pause_mode
+        calls = [c for g in groups for c in g.pause_generation(mode)]
+        outcomes = await self._settle("pause", calls, self._config.deadlines.pause)
+        if not self._succeeded(outcomes):
+            await self._undo_pause()
+            raise PhaseFailed("pause", self._with_unattempted(outcomes, calls), S.FAILED.value)
+        if mode is PauseMode.IN_PLACE:
+            return  # requests keep their KV cache: flush would be refused, and is not needed
+        deadlines = self._config.deadlines
+        interval = self._config.flush_retry_interval
+        calls = [c for g in groups for c in g.flush_cache(deadlines.flush, interval)]
+        # The engine retries internally until the flush deadline; the barrier allows a margin
+        # for the last attempt's answer to arrive.
+        outcomes = await self._settle("flush", calls, deadlines.flush + deadlines.probe)
+        if not self._succeeded(outcomes):
+            await self._undo_pause()
+            raise PhaseFailed("flush", outcomes, S.FAILED.value)
+
+    async def _undo_pause(self) -> None:
+        """After a failed drain, continue the engines that were paused (nothing is released)."""
+        if not self._config.continue_on_failure:
+            return
+        calls: list[PendingCall] = []
+        for group in self._groups:
+            targets = [r for r in group.live() if r.paused and not (r.released | r.uncertain)]
+            calls.extend(group._issue(targets, "continue_generation"))
+        await self._settle("continue_after_failure", calls, self._config.deadlines.continue_)
+
+    async def _release(self) -> None:
+        tags = self._config.release_tags
+        groups = self._offload_groups()
+        for group in groups:
+            group.preflight("release_memory_occupation", tags)
+        calls = [c for g in groups for c in g.release_memory(tags)]
+        outcomes = await self._settle("release", calls, self._config.deadlines.release)
+        if not self._succeeded(outcomes):
+            raise PhaseFailed("release", outcomes, S.FAILED.value)
+
+    async def _restore(self, which: str) -> None:
+        released = self._config.release_tags
+        if which == "weights":
+            tags = tuple(t for t in released if t in WEIGHT_TAGS)
+        else:
+            tags = tuple(t for t in released if t not in WEIGHT_TAGS)
+        if not tags:
+            return
+        groups = self._offload_groups()
+        for group in groups:
+            group.preflight("resume_memory_occupation", tags)
+        calls = [c for g in groups for c in g.resume_memory(tags)]
+        outcomes = await self._settle(f"resume_{which}", calls, self._config.deadlines.resume)
+        if not self._succeeded(outcomes):
+            raise PhaseFailed(f"resume_{which}", outcomes, S.FAILED.value)
+
+    async def _continue(self) -> None:
+        for group in self._groups:
+            group.preflight("continue_generation")
+        calls = [c for g in self._groups for c in g.continue_generation()]
+        outcomes = await self._settle("continue", calls, self._config.deadlines.continue_)
+        if not self._succeeded(outcomes):
+            raise PhaseFailed("continue", outcomes, S.FAILED.value)
+
+    async def _write_weights(self, push: WeightPush, version: str | None) -> None:
+        deadlines = self._config.deadlines
+        for group in self._groups:
+            group.preflight("update_weights")
+        # Engines still serving (groups that keep their memory) are paused around the write.
+        serving = [r for g in self._groups for r in g.live() if not r.paused]
+        if serving:
+            mode = self._config.pause_mode
+            calls = []
+            for group in self._groups:
+                targets = [r for r in group.live() if not r.paused]
+                calls.extend(group._issue(targets, "pause_generation", (mode.value,), mode=mode))
+            await self._require_all("pause_for_update", calls, deadlines.pause)
+        try:
+            calls = [c for g in self._groups for c in g.begin_weight_update()]
+            await self._require_all("begin_weight_update", calls, deadlines.weight_update)
+            engines = {r.id: r.handle for g in self._groups for r in g.live()}
+            try:
+                await self._call_push(push, WeightUpdate(version, engines))
+            finally:
+                calls = [c for g in self._groups for c in g.end_weight_update()]
+                await self._require_all("end_weight_update", calls, deadlines.weight_update)
+            if version is not None:
+                calls = [c for g in self._groups for c in g.update_weight_version(version)]
+                await self._require_all("update_weight_version", calls, deadlines.weight_update)
+            # The prefix cache holds KV computed with the old weights: drop it wherever the KV
+            # cache is resident (a released KV cache comes back empty).
+            calls = []
+            for group in self._groups:
+                targets = [
+                    r
+                    for r in group.live()
+                    if not (r.released | r.uncertain) and r.pause_mode is not PauseMode.IN_PLACE
+                ]
+                calls.extend(
+                    group._issue(
+                        targets, "flush_cache", (deadlines.flush, self._config.flush_retry_interval)
+                    )
+                )
+            await self._require_all("flush_after_update", calls, deadlines.flush + deadlines.probe)
+        finally:
+            if serving:
+                targets_ids = {r.id for r in serving}
+                calls = []
+                for group in self._groups:
+                    targets = [r for r in group.live() if r.id in targets_ids and r.paused]
+                    calls.extend(
+                        group._issue(
+                            targets, "continue_generation", check=EngineRecord.check_continue
+                        )
+                    )
+                await self._require_all("continue_after_update", calls, deadlines.continue_)
+
+    async def _call_push(self, push: WeightPush, update: WeightUpdate) -> None:
+        start = time.monotonic()
+        try:
+            result = push(update)
+            if inspect.isawaitable(result):
+                await asyncio.wait_for(_awaitable(result), self._config.deadlines.weight_update)
+        except Exception as exc:
+            name = getattr(push, "__qualname__", repr(push))
+            raise HookFailed("update_weights", name, self.state.value) from exc
+        finally:
+            self._record_metric("push", time.monotonic() - start)
+
+    async def _require_all(self, phase: str, calls: list[PendingCall], deadline: float) -> None:
+        outcomes = await self._settle(phase, calls, deadline)
+        if not self._succeeded(outcomes):
+            raise PhaseFailed(phase, outcomes, S.FAILED.value)
+
+    # -- gathering ----------------------------------------------------------------------------
+
+    def _succeeded(self, outcomes: Mapping[str, EngineOutcome]) -> bool:
+        skip_dead = self._config.dead_engines is DeadEnginePolicy.SKIP
+        return all(o.ok or (skip_dead and o.outcome is Outcome.DEAD) for o in outcomes.values())
+
+    def _with_unattempted(
+        self, outcomes: dict[str, EngineOutcome], calls: Sequence[PendingCall]
+    ) -> dict[str, EngineOutcome]:
+        out = dict(outcomes)
+        for group in self._groups:
+            for record in group.records:
+                if record.id not in out and not record.alive:
+                    out[record.id] = EngineOutcome(Outcome.NOT_ATTEMPTED, "engine already dead")
+        return out
+
+    def _record_metric(self, phase: str, seconds: float) -> None:
+        current = _CURRENT.get()
+        if current is not None:
+            op = current[1]
+            key = f"lifecycle/{op.call}/{phase}_s"
+            op.metrics[key] = op.metrics.get(key, 0.0) + seconds
+
+    async def _settle(
+        self, phase: str, calls: Sequence[PendingCall], deadline: float
+    ) -> dict[str, EngineOutcome]:
+        """Gather every call of a phase (the barrier), each bounded by ``deadline``."""
+        log = logger().bind(server=self._name, phase=phase)
+        start = time.monotonic()
+        log.info("phase.start", engines=len(calls), deadline_s=deadline)
+        futures: dict[asyncio.Future[Any], PendingCall] = {}
+        ends: dict[asyncio.Future[Any], float] = {}
+
+        def mark_end(done: asyncio.Future[Any]) -> None:
+            ends[done] = time.monotonic()
+
+        for call in calls:
+            log.debug(
+                "engine_call.start", group=call.record.group, engine=call.record.id, op=call.op
+            )
+            future: asyncio.Future[Any] = asyncio.ensure_future(call.ref)
+            future.add_done_callback(mark_end)
+            futures[future] = call
+        pending: set[asyncio.Future[Any]] = set()
+        if futures:
+            _, pending = await asyncio.wait(futures, timeout=deadline)
+        outcomes: dict[str, EngineOutcome] = {}
+        for future, call in futures.items():
+            record = call.record
+            if future in pending:
+                out = EngineOutcome(
+                    Outcome.TIMED_OUT,
+                    f"no answer within {deadline:g}s",
+                    time.monotonic() - call.start,
+                )
+                # The call may still land; keep it referenced so it is not dropped unseen.
+                self._stragglers.add(future)
+                future.add_done_callback(self._stragglers.discard)
+            else:
+                took = ends.get(future, time.monotonic()) - call.start
+                exc = future.exception()
+                out = EngineOutcome(Outcome.OK, "", took) if exc is None else classify(exc, took)
+            record.apply(call.op, call.tags, call.mode, out)
+            outcomes[record.id] = out
+            log.debug(
+                "engine_call.end",
+                group=record.group,
+                engine=record.id,
+                op=call.op,
+                outcome=out.outcome.value,
+                detail=out.detail or None,
+                duration_s=round(out.duration_s, 6),
+            )
+        took = time.monotonic() - start
+        self._record_metric(phase, took)
+        bad = sorted(k for k, v in outcomes.items() if not v.ok)
+        log.info(
+            "phase.end",
+            engines=len(calls),
+            outcome="ok" if not bad else "failed",
+            failed_engines=bad or None,
+            duration_s=round(took, 6),
+        )
+        return outcomes
+
+    # -- reset --------------------------------------------------------------------------------
+
+    def _settled_state(self) -> ServerState | None:
+        """The state the engine records imply, or None when they are inconsistent."""
+        live = [r for g in self._groups for r in g.live()]
+        if any(r.uncertain for r in live):
+            return None
+        offload = [r for g in self._offload_groups() for r in g.live()]
+        released = {frozenset(r.released) for r in offload} or {frozenset()}
+        if len(released) != 1:
+            return None
+        (held,) = released
+        others = [r for g in self._groups if not g.needs_offload for r in g.live()]
+        if any(r.released for r in others):
+            return None
+        if not held:
+            paused = {r.paused for r in live}
+            if paused == {False}:
+                return S.SERVING
+            if paused == {True} and all(
+                r.flushed or r.pause_mode is PauseMode.IN_PLACE for r in live
+            ):
+                return S.DRAINED
+            if all(r.paused for r in offload) and not any(r.paused for r in others):
+                return S.KV_RESTORED
+            return None
+        if any(not r.paused for r in offload):
+            return None
+        tags = set(self._config.release_tags)
+        if held == tags:
+            return S.RELEASED
+        if held == tags - set(WEIGHT_TAGS):
+            return S.WEIGHTS_RESTORED
+        return None
+
+
+def _plain(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A transitions row with state enums turned into their names."""
+
+    def name(value: Any) -> Any:
+        if isinstance(value, list):
+            return [name(v) for v in value]
+        return value.value if isinstance(value, ServerState) else value
+
+    return {k: name(v) for k, v in row.items()}
+
+
+async def _awaitable(result: Awaitable[T]) -> T:
+    return await result
+
+
+__all__ = [
+    "HOOK_EVENTS",
+    "GroupSnapshot",
+    "LifecycleError",
+    "LifecycleEvent",
+    "RolloutServer",
+    "ServerSnapshot",
+    "WeightUpdate",
+]

@@ -1,0 +1,122 @@
+"""Test support: fleets of simulated engines on Ray, and checks of the lifecycle invariants.
+
+Used by the library's own tests, the demo and the benchmarks, and meant for users' tests of code
+built on the library (no GPU needed).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rollout_lifecycle._actor import start_engine_actor
+from rollout_lifecycle._exceptions import InvalidArgument
+from rollout_lifecycle._simulated import SimulatedEngine
+
+History = Sequence[Mapping[str, Any]]
+
+
+def simulated_engine_actors(
+    count: int, *, label: str = "sim", seed: int | None = None, **options: Any
+) -> list[Any]:
+    """Start ``count`` Ray engine actors, each hosting a ``SimulatedEngine(**options)``.
+
+    Engine ``i`` is labelled ``f"{label}-{i}"``; with ``seed`` it draws its op latencies from
+    ``seed + i``, so a fleet is reproducible and its engines differ.
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise InvalidArgument(f"count must be a positive int, got {count!r}")
+    SimulatedEngine(label=label, seed=seed, **options)  # validate options here, not in the actors
+    return [
+        start_engine_actor(
+            functools.partial(
+                SimulatedEngine,
+                label=f"{label}-{i}",
+                seed=None if seed is None else seed + i,
+                **options,
+            )
+        )
+        for i in range(count)
+    ]
+
+
+#: The phases of one colocated cycle, in the order the barriers impose, as (name, op, tag).
+CYCLE_PHASES: tuple[tuple[str, str, str | None], ...] = (
+    ("pause", "pause_generation", None),
+    ("flush", "flush_cache", None),
+    ("release", "release_memory_occupation", None),
+    ("resume_weights", "resume_memory_occupation", "weights"),
+    ("resume_kv", "resume_memory_occupation", "kv_cache"),
+    ("continue", "continue_generation", None),
+)
+
+
+def _phase_of(entry: Mapping[str, Any]) -> str | None:
+    for name, op, tag in CYCLE_PHASES:
+        if entry.get("op") != op:
+            continue
+        if tag is None or tag in (entry.get("tags") or ()):
+            return name
+    return None
+
+
+def _rounds(history: History) -> list[list[Mapping[str, Any]]]:
+    """Split one engine's history at each pause: round k is what follows its k-th pause."""
+    rounds: list[list[Mapping[str, Any]]] = []
+    for entry in history:
+        if entry.get("op") == "pause_generation":
+            rounds.append([])
+        if rounds:
+            rounds[-1].append(entry)
+    return rounds
+
+
+def cycle_order_violations(histories: Mapping[str, History]) -> list[str]:
+    """Barrier violations across engines, round by round (invariants 1, 2 and 4).
+
+    In every round, each phase of ``CYCLE_PHASES`` must end on every engine before the next
+    phase present in that round starts on any engine. Also reports any fatal op.
+    """
+    problems: list[str] = []
+    for engine, history in histories.items():
+        for entry in history:
+            if entry.get("outcome") == "fatal":
+                problems.append(f"{engine}: fatal {entry.get('op')} ({entry.get('detail')})")
+    per_engine = {engine: _rounds(h) for engine, h in histories.items()}
+    count = max((len(r) for r in per_engine.values()), default=0)
+    names = [p[0] for p in CYCLE_PHASES]
+    for k in range(count):
+        spans: dict[str, list[tuple[float, float, str]]] = {n: [] for n in names}
+        for engine, rounds in per_engine.items():
+            if k >= len(rounds):
+                continue
+            for entry in rounds[k]:
+                phase = _phase_of(entry)
+                if phase is not None:
+                    spans[phase].append((float(entry["start"]), float(entry["end"]), engine))
+        present = [n for n in names if spans[n]]
+        for earlier, later in itertools.pairwise(present):
+            last_end = max(spans[earlier], key=lambda s: s[1])
+            first_start = min(spans[later], key=lambda s: s[0])
+            if first_start[0] < last_end[1]:
+                problems.append(
+                    f"round {k}: {later} started on {first_start[2]} at {first_start[0]:.6f} "
+                    f"before {earlier} ended on {last_end[2]} at {last_end[1]:.6f}"
+                )
+    return problems
+
+
+def released_ops(history: History) -> list[Mapping[str, Any]]:
+    """The release calls in one engine's history."""
+    return [e for e in history if e.get("op") == "release_memory_occupation"]
+
+
+__all__ = [
+    "CYCLE_PHASES",
+    "SimulatedEngine",
+    "cycle_order_violations",
+    "released_ops",
+    "simulated_engine_actors",
+]

@@ -1,0 +1,34 @@
+"""Shared fixtures: one local Ray cluster per test session, and fleets of simulated engines."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import ray
+
+from rollout_lifecycle.testing import simulated_engine_actors
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def fleet(ray_cluster: None) -> Iterator[Callable[..., list[Any]]]:
+    """Start simulated engine actors; every actor started is killed when the test ends."""
+    started: list[Any] = []
+
+    def start(count: int, **options: Any) -> list[Any]:
+        actors = simulated_engine_actors(count, **options)
+        started.extend(actors)
+        ray.get([a.ping.remote() for a in actors], timeout=60)
+        return actors
+
+    yield start
+    for actor in started:
+        ray.kill(actor)
