@@ -9,6 +9,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from enum import Enum
+from typing import TypeVar
 
 from rollout_lifecycle._exceptions import InvalidArgument
 
@@ -85,6 +86,18 @@ class Deadlines:
                 )
 
 
+E = TypeVar("E", bound=Enum)
+
+
+def _member(enum: type[E], value: object, what: str) -> E:
+    """``value`` as a member of ``enum``, or an error naming the value and the valid ones."""
+    try:
+        return enum(value)
+    except ValueError:
+        valid = ", ".join(str(m.value) for m in enum)
+        raise InvalidArgument(f"unknown {what} {value!r}; valid: {valid}") from None
+
+
 class DeadEnginePolicy(str, Enum):
     """What a transition does when an engine is found dead."""
 
@@ -110,20 +123,10 @@ class LifecycleConfig:
     flush_retry_interval: float = 0.05
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "pause_mode", PauseMode(self.pause_mode))
-        except ValueError:
-            valid = ", ".join(m.value for m in PauseMode)
-            raise InvalidArgument(
-                f"unknown pause_mode {self.pause_mode!r}; valid: {valid}"
-            ) from None
-        try:
-            object.__setattr__(self, "dead_engines", DeadEnginePolicy(self.dead_engines))
-        except ValueError:
-            valid = ", ".join(m.value for m in DeadEnginePolicy)
-            raise InvalidArgument(
-                f"unknown dead_engines policy {self.dead_engines!r}; valid: {valid}"
-            ) from None
+        object.__setattr__(self, "pause_mode", _member(PauseMode, self.pause_mode, "pause_mode"))
+        object.__setattr__(
+            self, "dead_engines", _member(DeadEnginePolicy, self.dead_engines, "dead_engines")
+        )
         if not isinstance(self.deadlines, Deadlines):
             raise InvalidArgument(f"deadlines must be a Deadlines, got {self.deadlines!r}")
         object.__setattr__(self, "release_tags", parse_tags(self.release_tags, what="release_tags"))

@@ -168,6 +168,55 @@ class EngineHost:
             abort_all_requests=False,
         )
 
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: Any,
+        weight_version: str | None = None,
+        flush_cache: bool = False,
+    ) -> None:
+        """Write weights from serialized tensors (inside a weight-update session)."""
+        await self._optional("update_weights_from_tensor")(
+            serialized_named_tensors,
+            weight_version=weight_version,
+            flush_cache=flush_cache,
+            abort_all_requests=False,
+        )
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: str | None = None,
+        flush_cache: bool = False,
+    ) -> None:
+        """Receive weights over a collective group (inside a weight-update session)."""
+        await self._optional("update_weights_from_distributed")(
+            names,
+            dtypes,
+            shapes,
+            group_name,
+            weight_version=weight_version,
+            flush_cache=flush_cache,
+            abort_all_requests=False,
+        )
+
+    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """Abort requests whose id starts with ``rid`` (or all of them)."""
+        await self._optional("abort_request")(rid, abort_all)
+
+    def _optional(self, name: str) -> Any:
+        method = getattr(self._backend, name, None)
+        if method is None:
+            raise EngineRejected(
+                self._backend.label,
+                name,
+                f"{type(self._backend).__name__} does not support it",
+                501,
+            )
+        return method
+
     async def update_weight_version(self, version: str) -> None:
         """Set the weight version without aborting any request."""
         # SGLang's own default is to abort every request, including retract-preserved ones.
