@@ -32,7 +32,10 @@ from rollout_lifecycle._exceptions import (
     PhaseFailed,
 )
 from rollout_lifecycle._group import EngineGroup, EngineSnapshot
+from rollout_lifecycle._http import HTTPTimeouts, SGLangHTTPEngine, sglang_http_factory
+from rollout_lifecycle._launch import LaunchedSGLangEngine, launched_sglang_factory
 from rollout_lifecycle._outcome import EngineOutcome, Outcome
+from rollout_lifecycle._secret import Secret
 from rollout_lifecycle._server import (
     HOOK_EVENTS,
     GroupSnapshot,
@@ -67,10 +70,12 @@ __all__ = [
     "EngineTimeout",
     "EngineUnreachable",
     "GroupSnapshot",
+    "HTTPTimeouts",
     "HookFailed",
     "IllegalEngineOp",
     "IllegalTransition",
     "InvalidArgument",
+    "LaunchedSGLangEngine",
     "LifecycleConfig",
     "LifecycleError",
     "LifecycleEvent",
@@ -78,12 +83,16 @@ __all__ = [
     "PauseMode",
     "PhaseFailed",
     "RolloutServer",
+    "SGLangHTTPEngine",
+    "Secret",
     "ServerSnapshot",
     "ServerState",
     "SimulatedEngine",
     "Tag",
     "WeightUpdate",
     "__version__",
+    "launched_sglang_factory",
     "mermaid",
+    "sglang_http_factory",
     "start_engine_actor",
 ]

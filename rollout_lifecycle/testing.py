@@ -14,6 +14,7 @@ from typing import Any
 from rollout_lifecycle._actor import start_engine_actor
 from rollout_lifecycle._exceptions import InvalidArgument
 from rollout_lifecycle._simulated import SimulatedEngine
+from rollout_lifecycle._standin import StandInServer
 
 History = Sequence[Mapping[str, Any]]
 
@@ -116,6 +117,7 @@ def released_ops(history: History) -> list[Mapping[str, Any]]:
 __all__ = [
     "CYCLE_PHASES",
     "SimulatedEngine",
+    "StandInServer",
     "cycle_order_violations",
     "released_ops",
     "simulated_engine_actors",

@@ -5,9 +5,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
+from typing import Any
 
-from rollout_lifecycle import mermaid
+import pytest
+import ray
+
+from rollout_lifecycle import RolloutServer, mermaid
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -30,6 +33,16 @@ def test_readme_diagram_is_the_one_the_machine_runs_on() -> None:
 
 
 @pytest.mark.parametrize("index", range(len(blocks("python"))))
-def test_readme_python_block_runs(index: int) -> None:
+def test_readme_python_block_runs(
+    index: int, ray_cluster: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SGLANG_ADMIN_KEY", "readme-example-key")
     code = blocks("python")[index]
-    exec(compile(code, f"README.md python block {index}", "exec"), {"__name__": "__readme__"})
+    namespace: dict[str, Any] = {"__name__": "__readme__"}
+    try:
+        exec(compile(code, f"README.md python block {index}", "exec"), namespace)
+    finally:
+        for actor in namespace.get("actors", []):
+            ray.kill(actor)
+    if "server" in namespace:
+        assert isinstance(namespace["server"], RolloutServer)

@@ -1,0 +1,195 @@
+"""RolloutServer -> Ray engine actors -> HTTP -> stand-in SGLang servers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import ray
+from structlog.testing import capture_logs
+
+from rollout_lifecycle import (
+    Deadlines,
+    EngineGroup,
+    EngineHost,
+    IllegalEngineOp,
+    LifecycleConfig,
+    Outcome,
+    PhaseFailed,
+    RolloutServer,
+    ServerState,
+    Tag,
+    WeightUpdate,
+    start_engine_actor,
+)
+from rollout_lifecycle._http import SGLangHTTPEngine
+from rollout_lifecycle._launch import sglang_http_factory
+from rollout_lifecycle._standin import StandInServer
+from rollout_lifecycle.testing import cycle_order_violations
+
+ADMIN_KEY = "adm-3f9c2e7b1d"
+LATENCY = {
+    "pause_generation": (0.0, 0.03),
+    "flush_cache": (0.0, 0.03),
+    "release_memory_occupation": (0.0, 0.05),
+    "resume_memory_occupation": (0.0, 0.05),
+    "continue_generation": (0.0, 0.02),
+}
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[list[StandInServer]]:
+    started = StandInServer.start_many(4, admin_key=ADMIN_KEY, token_latency=0.004, seed=5)
+    yield started
+    for server in started:
+        server.stop()
+
+
+async def history_of(url: str) -> list[dict[str, Any]]:
+    async with httpx.AsyncClient(timeout=10) as client:
+        answer = await client.get(f"{url}/_standin/history")
+        answer.raise_for_status()
+        result: list[dict[str, Any]] = answer.json()
+        return result
+
+
+async def generate(client: httpx.AsyncClient, url: str, i: int, tokens: int) -> dict[str, Any]:
+    answer = await client.post(
+        f"{url}/generate",
+        json={"input_ids": [i, 7], "sampling_params": {"max_new_tokens": tokens}},
+    )
+    answer.raise_for_status()
+    result: dict[str, Any] = answer.json()
+    return result
+
+
+async def test_full_colocated_cycle_over_http_with_traffic_in_flight(
+    ray_cluster: None, servers: list[StandInServer]
+) -> None:
+    actors = [start_engine_actor(sglang_http_factory(s.url, admin_key=ADMIN_KEY)) for s in servers]
+    try:
+        await asyncio.wait_for(asyncio.gather(*(a.ping.remote() for a in actors)), timeout=60)
+        server = RolloutServer(
+            [EngineGroup("actor", actors[:2]), EngineGroup("critic", actors[2:])]
+        )
+        before = {s.url: len(await history_of(s.url)) for s in servers}
+        async with httpx.AsyncClient(timeout=60) as client:
+            traffic = [
+                asyncio.ensure_future(generate(client, servers[i % 4].url, i, 150))
+                for i in range(24)
+            ]
+            await asyncio.sleep(0.08)
+            await server.offload()
+            assert server.state is ServerState.RELEASED
+            await server.onload_weights()
+
+            async def push(update: WeightUpdate) -> None:
+                await asyncio.gather(
+                    *(
+                        h.update_weights_from_disk.remote("/ckpt/step-1", update.version)
+                        for h in update.engines.values()
+                    )
+                )
+
+            await server.update_weights(push, version="step-1")
+            await server.onload_kv()
+            results = await asyncio.wait_for(asyncio.gather(*traffic), timeout=60)
+        assert [r["meta_info"]["finish_reason"]["type"] for r in results] == ["length"] * 24
+        assert sum(r["meta_info"]["num_retractions"] for r in results) > 0
+        histories = {s.url: (await history_of(s.url))[before[s.url] :] for s in servers}
+        assert cycle_order_violations(histories) == []
+        for history in histories.values():
+            ops = [e["op"] for e in history]
+            assert ops.count("release_memory_occupation") == 1
+            assert "health" not in ops and "health_generate" not in ops
+        versions = await asyncio.gather(*(a.weight_version.remote() for a in actors))
+        assert versions == ["step-1"] * 4
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+
+
+async def test_auth_missing_or_wrong_key_is_refused_with_401_and_the_key_never_logged(
+    servers: list[StandInServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    url = servers[0].url
+    for key in (None, "wrong-key"):
+        engine = SGLangHTTPEngine(url, admin_key=key)
+        server = RolloutServer([EngineGroup("actor", [engine])])
+        with pytest.raises(PhaseFailed) as err:
+            await server.offload()
+        outcome = err.value.outcomes["actor/0"]
+        assert outcome.outcome is Outcome.REJECTED and "401" in outcome.detail
+        await engine.close()
+    caplog.set_level(logging.DEBUG)
+    engine = SGLangHTTPEngine(url, admin_key=ADMIN_KEY)
+    server = RolloutServer([EngineGroup("actor", [engine])])
+    with capture_logs() as events:
+        await server.offload()
+        await server.onload()
+    await engine.close()
+    assert server.state is ServerState.SERVING
+    assert events, "the cycle emitted no events"
+    everything = repr(events) + caplog.text + repr(engine) + repr(server.snapshot())
+    assert ADMIN_KEY not in everything
+
+
+async def test_guard_refuses_fatal_misuse_over_http_and_the_servers_live(
+    servers: list[StandInServer],
+) -> None:
+    engines = [SGLangHTTPEngine(s.url, admin_key=ADMIN_KEY) for s in servers[:2]]
+    group = EngineGroup("actor", engines)
+    server = RolloutServer([group])
+    await server.offload()
+    with pytest.raises(IllegalEngineOp, match="already released"):
+        group.release_memory([Tag.KV_CACHE])
+    await server.onload_weights()
+    with pytest.raises(IllegalEngineOp, match="released"):
+        group.continue_generation()
+    with pytest.raises(IllegalEngineOp, match="not released"):
+        group.resume_memory([Tag.WEIGHTS])
+    await server.onload_kv()
+    infos = await asyncio.gather(*(e.server_info() for e in engines))
+    assert all(not i["paused"] for i in infos)
+    assert all(s.alive() for s in servers[:2])
+    await asyncio.gather(*(e.close() for e in engines))
+
+
+async def test_slow_server_fails_the_phase_by_its_deadline_and_is_named() -> None:
+    slow = StandInServer(admin_key=ADMIN_KEY, op_latency={"pause_generation": 5.0})
+    fast = StandInServer(admin_key=ADMIN_KEY)
+    StandInServer.start_all([slow, fast])
+    try:
+        engines = [SGLangHTTPEngine(u, admin_key=ADMIN_KEY) for u in (fast.url, slow.url)]
+        server = RolloutServer(
+            [EngineGroup("actor", engines)],
+            LifecycleConfig(deadlines=Deadlines(pause=0.5)),
+        )
+        with pytest.raises(PhaseFailed) as err:
+            await asyncio.wait_for(server.offload(), timeout=10)
+        assert err.value.failed_engines == ["actor/1"]
+        assert err.value.outcomes["actor/1"].outcome is Outcome.TIMED_OUT
+        assert server.state is ServerState.FAILED
+        snap = server.snapshot().engines()
+        assert snap["actor/0"].released == () and not snap["actor/0"].paused
+        await asyncio.gather(*(e.close() for e in engines))
+    finally:
+        slow.stop()
+        fast.stop()
+
+
+async def test_unreachable_server_fails_the_phase_without_hanging() -> None:
+    with StandInServer() as gone:
+        url = gone.url
+    engine = SGLangHTTPEngine(url, retries=1)
+    host = EngineHost(engine)
+    server = RolloutServer([EngineGroup("actor", [host])])
+    with pytest.raises(PhaseFailed) as err:
+        await asyncio.wait_for(server.offload(), timeout=10)
+    assert err.value.outcomes["actor/0"].outcome is Outcome.DEAD
+    assert not server.snapshot().engines()["actor/0"].alive
+    await engine.close()
