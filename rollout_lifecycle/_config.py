@@ -72,6 +72,8 @@ class Deadlines:
     continue_: float = 60.0
     weight_update: float = 1800.0
     probe: float = 10.0
+    #: A replacement engine's start-up (its first answer), in ``recover()``.
+    startup: float = 900.0
 
     def __post_init__(self) -> None:
         for f in fields(self):

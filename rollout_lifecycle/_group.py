@@ -20,6 +20,9 @@ from rollout_lifecycle._engine import EngineBackend, EngineHost
 from rollout_lifecycle._exceptions import IllegalEngineOp, InvalidArgument
 from rollout_lifecycle._outcome import EngineOutcome, Outcome
 
+#: Outcomes after which an engine may or may not have carried out the call.
+_EFFECT_UNKNOWN = frozenset({Outcome.TIMED_OUT, Outcome.UNREACHABLE, Outcome.ERROR})
+
 
 def _is_actor(handle: object) -> bool:
     try:
@@ -47,6 +50,7 @@ class EngineSnapshot:
     uncertain: tuple[str, ...]
     last_op: str | None
     last_outcome: str | None
+    stale: bool
 
 
 @dataclass(eq=False)
@@ -66,6 +70,8 @@ class EngineRecord:
     uncertain: set[Tag] = field(default_factory=set)
     last_op: str | None = None
     last_outcome: EngineOutcome | None = None
+    #: A replacement that has not received the fleet's weights yet.
+    stale: bool = False
 
     # -- guards: each raises before a call that would kill the engine is sent ------------------
 
@@ -129,12 +135,13 @@ class EngineRecord:
         if out.outcome is Outcome.DEAD:
             self.alive = False
             return
-        if out.outcome is Outcome.TIMED_OUT:
+        if out.outcome in _EFFECT_UNKNOWN:
+            # No answer, a dropped connection or garbage: the call may or may not have landed.
             if op in ("release_memory_occupation", "resume_memory_occupation"):
-                self.uncertain.update(tags)
+                self.uncertain.update(tags)  # neither a release nor a resume of them is safe now
             elif op == "pause_generation":
-                # The pause may still land: count the engine as paused, so that it is continued
-                # (harmless if it never paused) and never taken for serving.
+                # Count the engine as paused, so that it is continued (harmless if it never
+                # paused) and never taken for serving.
                 self.paused, self.pause_mode, self.flushed = True, mode, False
             return
         if not out.ok:
@@ -164,6 +171,7 @@ class EngineRecord:
             uncertain=tuple(t.value for t in sorted(self.uncertain, key=order.__getitem__)),
             last_op=self.last_op,
             last_outcome=str(self.last_outcome) if self.last_outcome else None,
+            stale=self.stale,
         )
 
 
@@ -240,6 +248,25 @@ class EngineGroup:
     def records(self) -> tuple[EngineRecord, ...]:
         """The ledger entries of the group's engines."""
         return self._records
+
+    def replace(self, record: EngineRecord, engine: Any) -> Any:
+        """Put a new engine in ``record``'s slot, known to hold all its memory and to serve.
+
+        Returns the old handle. The replacement counts as stale until it receives weights.
+        """
+        if record not in self._records:
+            raise InvalidArgument(f"engine {record.id} is not in group {self._name!r}")
+        index = self._records.index(record)
+        handle = _as_handle(engine, self._name, index)
+        if any(r.handle is handle for r in self._records if r is not record):
+            raise InvalidArgument(f"the replacement for {record.id} is already in the group")
+        old = record.handle
+        record.handle = handle
+        record.alive, record.paused, record.pause_mode, record.flushed = True, False, None, False
+        record.released.clear()
+        record.uncertain.clear()
+        record.last_op, record.last_outcome, record.stale = None, None, True
+        return old
 
     def live(self) -> list[EngineRecord]:
         """Records of the engines not known to be dead."""

@@ -11,17 +11,20 @@ propagates.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
+import functools
 import inspect
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 from transitions.extensions.asyncio import AsyncMachine
 
-from rollout_lifecycle._config import WEIGHT_TAGS, DeadEnginePolicy, LifecycleConfig, PauseMode
+from rollout_lifecycle._config import WEIGHT_TAGS, DeadEnginePolicy, LifecycleConfig, PauseMode, Tag
+from rollout_lifecycle._engine import EngineHost
 from rollout_lifecycle._events import logger
 from rollout_lifecycle._exceptions import (
     HookFailed,
@@ -39,6 +42,8 @@ T = TypeVar("T")
 S = ServerState
 
 Hook = Callable[["LifecycleEvent"], Any]
+#: Makes a replacement engine for an engine id (``"group/index"``); may be async.
+EngineFactory = Callable[[str], Any]
 WeightPush = Callable[["WeightUpdate"], Any]
 
 #: The events hooks can subscribe to: entering each state.
@@ -144,9 +149,6 @@ class _Machine:
     def _settles_in_weights_restored(self, event: Any) -> bool:
         return self._server._settled_state() is S.WEIGHTS_RESTORED
 
-    def _settles_in_kv_restored(self, event: Any) -> bool:
-        return self._server._settled_state() is S.KV_RESTORED
-
 
 class RolloutServer:
     """Coordinates engine groups through ``serving -> ... -> released -> ... -> serving``.
@@ -190,10 +192,12 @@ class RolloutServer:
             raise InvalidArgument(f"server name must be a non-empty string, got {name!r}")
         self._name = name
         self._groups = tuple(groups)
+        self._by_name = {g.name: g for g in self._groups}
         self._config = config
         self._hooks: dict[str, list[Hook]] = {e: [] for e in HOOK_EVENTS}
         self._lock = asyncio.Lock()
-        self._stragglers: set[asyncio.Future[Any]] = set()
+        #: Calls that missed their phase's deadline and may still land, by engine id.
+        self._stragglers: dict[str, asyncio.Future[Any]] = {}
         self._metrics: dict[str, float] = {}
         self._model = _Machine(self)
         self._machine = AsyncMachine(
@@ -325,7 +329,10 @@ class RolloutServer:
         return await self._serialized("onload_kv", self._onload_kv)
 
     async def onload(self) -> dict[str, float]:
-        """Everything ``offload`` undid: weights, then KV, then continue. A no-op in ``serving``."""
+        """Everything ``offload`` undid: weights, then KV, then continue. A no-op in ``serving``.
+
+        From ``drained`` (nothing released) it only continues generation.
+        """
         return await self._serialized("onload", self._onload)
 
     async def pause(self) -> dict[str, float]:
@@ -351,6 +358,24 @@ class RolloutServer:
 
         await self._serialized("reset", body)
         return self.state
+
+    async def recover(self, factory: EngineFactory) -> dict[str, EngineOutcome]:
+        """Replace dead engines, and engines whose memory state is unknown, through ``factory``.
+
+        Each replacement is brought to the memory state of its group in the server's current
+        state (paused and flushed, released tags released) before it rejoins, and counts as
+        stale until it receives weights. From ``failed`` the server then settles in the state
+        the engines imply. Returns the outcome of bringing up each replacement.
+        """
+        if not callable(factory):
+            raise InvalidArgument(f"factory must be callable, got {factory!r}")
+        outcomes: dict[str, EngineOutcome] = {}
+
+        async def body() -> None:
+            outcomes.update(await self._recover(factory))
+
+        await self._serialized("recover", body)
+        return outcomes
 
     @asynccontextmanager
     async def paused(self) -> AsyncIterator[RolloutServer]:
@@ -412,11 +437,11 @@ class RolloutServer:
         state = self.state
         if state is S.SERVING:
             return
-        if state not in (S.RELEASED, S.WEIGHTS_RESTORED, S.KV_RESTORED):
+        if state not in (S.DRAINED, S.RELEASED, S.WEIGHTS_RESTORED, S.KV_RESTORED):
             raise IllegalTransition(
                 "onload",
                 state.value,
-                [S.RELEASED.value, S.WEIGHTS_RESTORED.value, S.KV_RESTORED.value],
+                [s.value for s in (S.DRAINED, S.RELEASED, S.WEIGHTS_RESTORED, S.KV_RESTORED)],
             )
         if state is S.RELEASED:
             await self._advance("restore_weights")
@@ -436,6 +461,93 @@ class RolloutServer:
             return
         self._require("resume")
         await self._advance("resume")
+
+    async def _recover(self, factory: EngineFactory) -> dict[str, EngineOutcome]:
+        broken = [r for g in self._groups for r in g.records if not r.alive or r.uncertain]
+        state = self.state
+        target = self._settled_state(skip={r.id for r in broken}) if state is S.FAILED else state
+        if target is None or target in (S.PAUSING, S.KV_RESTORED):
+            raise IllegalTransition(
+                "recover",
+                state.value,
+                [S.SERVING.value, S.DRAINED.value, S.RELEASED.value, S.WEIGHTS_RESTORED.value],
+            )
+        replacements: list[tuple[EngineRecord, Any]] = []
+        for record in broken:  # every replacement exists before anything is retired
+            engine = factory(record.id)
+            if inspect.isawaitable(engine):
+                engine = await engine
+            replacements.append((record, engine))
+        log = logger().bind(server=self._name, call="recover")
+        for record, engine in replacements:
+            old = self._group_of(record).replace(record, engine)
+            log.info("engine.replaced", engine=record.id, target=target.value)
+            await _retire(old, self._config.deadlines.probe)
+        outcomes = await self._bring_up([r for r, _ in replacements], target)
+        if not self._succeeded(outcomes):
+            if state is not S.FAILED:
+                await self._fire("fail")
+            raise PhaseFailed("recover", outcomes, S.FAILED.value)
+        if state is S.FAILED:
+            await self._advance("reset")
+        return outcomes
+
+    async def _bring_up(
+        self, records: Sequence[EngineRecord], target: ServerState
+    ) -> dict[str, EngineOutcome]:
+        """Bring fresh engines (serving, all memory resident) to ``target``, phase by phase."""
+        deadlines = self._config.deadlines
+        outcomes: dict[str, EngineOutcome] = {}
+
+        async def step(
+            phase: str,
+            chosen: list[EngineRecord],
+            op: str,
+            *args: Any,
+            deadline: float,
+            **kw: Any,
+        ) -> list[EngineRecord]:
+            calls = [
+                c
+                for g in self._groups
+                for c in g._issue([r for r in chosen if r.group == g.name], op, args, **kw)
+            ]
+            got = await self._settle(phase, calls, deadline)
+            outcomes.update(got)
+            return [r for r in chosen if got[r.id].ok]
+
+        up = await step("recover_probe", list(records), "server_info", deadline=deadlines.startup)
+        to_pause = [r for r in up if _paused_in(target, self._group_of(r))]
+        mode = self._config.pause_mode
+        paused = await step(
+            "recover_pause",
+            to_pause,
+            "pause_generation",
+            mode.value,
+            mode=mode,
+            deadline=deadlines.pause,
+        )
+        if mode is not PauseMode.IN_PLACE:
+            paused = await step(
+                "recover_flush",
+                paused,
+                "flush_cache",
+                deadlines.flush,
+                self._config.flush_retry_interval,
+                deadline=deadlines.flush + deadlines.probe,
+            )
+        tags = _released_in(target, self._config.release_tags)
+        to_release = [r for r in paused if self._group_of(r).needs_offload and tags]
+        await step(
+            "recover_release",
+            to_release,
+            "release_memory_occupation",
+            [t.value for t in tags],
+            tags=tags,
+            deadline=deadlines.release,
+            check=lambda r: r.check_release(tags),
+        )
+        return outcomes
 
     # -- transitions --------------------------------------------------------------------------
 
@@ -537,6 +649,9 @@ class RolloutServer:
 
     # -- phases (called by the machine) -------------------------------------------------------
 
+    def _group_of(self, record: EngineRecord) -> EngineGroup:
+        return self._by_name[record.group]
+
     def _offload_groups(self) -> tuple[EngineGroup, ...]:
         return tuple(g for g in self._groups if g.needs_offload)
 
@@ -581,11 +696,21 @@ class RolloutServer:
         """After a failed drain, continue the engines that were paused (nothing is released)."""
         if not self._config.continue_on_failure:
             return
-        calls: list[PendingCall] = []
-        for group in self._groups:
-            targets = [r for r in group.live() if r.paused and not (r.released | r.uncertain)]
-            calls.extend(group._issue(targets, "continue_generation"))
-        await self._settle("continue_after_failure", calls, self._config.deadlines.continue_)
+        deadline = self._config.deadlines.continue_
+        targets = [
+            r for g in self._groups for r in g.live() if r.paused and not (r.released | r.uncertain)
+        ]
+        # A pause that missed its deadline may still land: a continue sent before it would be
+        # overtaken, and the engine would stay paused. Give such calls until the deadline.
+        late = [self._stragglers[r.id] for r in targets if r.id in self._stragglers]
+        if late:
+            await asyncio.wait(late, timeout=deadline)
+        calls = [
+            c
+            for g in self._groups
+            for c in g._issue([r for r in targets if r.group == g.name], "continue_generation")
+        ]
+        await self._settle("continue_after_failure", calls, deadline)
 
     async def _release(self) -> None:
         tags = self._config.release_tags
@@ -746,9 +871,10 @@ class RolloutServer:
                     f"no answer within {deadline:g}s",
                     time.monotonic() - call.start,
                 )
-                # The call may still land; keep it referenced so it is not dropped unseen.
-                self._stragglers.add(future)
-                future.add_done_callback(self._stragglers.discard)
+                # The call may still land; keep it, so that nothing is sent to this engine
+                # before it has (see _undo_pause).
+                self._stragglers[record.id] = future
+                future.add_done_callback(functools.partial(self._forget_straggler, record.id))
             else:
                 took = ends.get(future, time.monotonic()) - call.start
                 exc = future.exception()
@@ -776,33 +902,36 @@ class RolloutServer:
         )
         return outcomes
 
+    def _forget_straggler(self, engine: str, future: asyncio.Future[Any]) -> None:
+        if self._stragglers.get(engine) is future:
+            del self._stragglers[engine]
+
     # -- reset --------------------------------------------------------------------------------
 
-    def _settled_state(self) -> ServerState | None:
-        """The state the engine records imply, or None when they are inconsistent."""
-        live = [r for g in self._groups for r in g.live()]
+    def _settled_state(self, skip: Collection[str] = ()) -> ServerState | None:
+        """The state the records of the live engines (but ``skip``) imply; None if they disagree.
+
+        ``drained`` stands for every offloaded engine paused and idle, whether or not the
+        groups that keep their memory are paused too (both ``pause()`` and ``offload()`` reach
+        it); those groups must agree among themselves.
+        """
+        live = [r for g in self._groups for r in g.live() if r.id not in skip]
         if any(r.uncertain for r in live):
             return None
-        offload = [r for g in self._offload_groups() for r in g.live()]
+        offload = [r for g in self._offload_groups() for r in g.live() if r.id not in skip]
+        others = [r for r in live if self._group_of(r).needs_offload is False]
         released = {frozenset(r.released) for r in offload} or {frozenset()}
-        if len(released) != 1:
+        if len(released) != 1 or any(r.released for r in others):
+            return None
+        if len({r.paused for r in others}) > 1:
             return None
         (held,) = released
-        others = [r for g in self._groups if not g.needs_offload for r in g.live()]
-        if any(r.released for r in others):
-            return None
+        idle = all(r.paused and (r.flushed or r.pause_mode is PauseMode.IN_PLACE) for r in offload)
         if not held:
-            paused = {r.paused for r in live}
-            if paused == {False}:
+            if not any(r.paused for r in live):
                 return S.SERVING
-            if paused == {True} and all(
-                r.flushed or r.pause_mode is PauseMode.IN_PLACE for r in live
-            ):
-                return S.DRAINED
-            if all(r.paused for r in offload) and not any(r.paused for r in others):
-                return S.KV_RESTORED
-            return None
-        if any(not r.paused for r in offload):
+            return S.DRAINED if idle else None
+        if not idle or any(r.paused for r in others):
             return None
         tags = set(self._config.release_tags)
         if held == tags:
@@ -810,6 +939,36 @@ class RolloutServer:
         if held == tags - set(WEIGHT_TAGS):
             return S.WEIGHTS_RESTORED
         return None
+
+
+def _paused_in(state: ServerState, group: EngineGroup) -> bool:
+    """Whether an engine of ``group`` is paused when the server is settled in ``state``."""
+    if state is S.SERVING:
+        return False
+    return group.needs_offload or state is S.DRAINED
+
+
+def _released_in(state: ServerState, release_tags: Sequence[Tag]) -> tuple[Tag, ...]:
+    """The tags an offloaded engine holds released when the server is settled in ``state``."""
+    if state is S.RELEASED:
+        return tuple(release_tags)
+    if state is S.WEIGHTS_RESTORED:
+        return tuple(t for t in release_tags if t not in WEIGHT_TAGS)
+    return ()
+
+
+async def _retire(handle: Any, deadline: float) -> None:
+    """Best effort to stop an engine that was replaced (it may be dead already)."""
+    if isinstance(handle, EngineHost):
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(handle.close(), deadline)
+        return
+    try:
+        import ray
+
+        ray.kill(handle, no_restart=True)
+    except Exception:  # a dead actor may refuse to be killed again: nothing left to stop
+        logger().debug("engine.retire_failed", handle=repr(handle))
 
 
 def _plain(row: Mapping[str, Any]) -> dict[str, Any]:

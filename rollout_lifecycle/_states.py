@@ -72,7 +72,7 @@ TRANSITIONS: tuple[dict[str, Any], ...] = (
             "dest": dest,
             "conditions": "_settles_in_" + dest.value,
         }
-        for dest in (S.SERVING, S.DRAINED, S.RELEASED, S.WEIGHTS_RESTORED, S.KV_RESTORED)
+        for dest in (S.SERVING, S.DRAINED, S.RELEASED, S.WEIGHTS_RESTORED)
     ),
 )
 

@@ -23,10 +23,11 @@ def fleet(ray_cluster: None) -> Iterator[Callable[..., list[Any]]]:
     """Start simulated engine actors; every actor started is killed when the test ends."""
     started: list[Any] = []
 
-    def start(count: int, **options: Any) -> list[Any]:
+    def start(count: int, *, wait: bool = True, **options: Any) -> list[Any]:
         actors = simulated_engine_actors(count, **options)
         started.extend(actors)
-        ray.get([a.ping.remote() for a in actors], timeout=60)
+        if wait:
+            ray.get([a.ping.remote() for a in actors], timeout=60)
         return actors
 
     yield start
