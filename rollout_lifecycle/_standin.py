@@ -1,6 +1,9 @@
 """A stand-in SGLang 0.5.23 HTTP server: the simulated engine behind SGLang's routes, no GPU needed.
 
 It answers like SGLang and dies like SGLang (the fatal call's connection drops, the port closes).
+Stand-in only, under ``/_standin/``: the engine's history, memory and counters, and HTTP fault
+injection (``/_standin/faults``: delays, proxy errors, dropped connections, sudden death) for
+tests of what a client does when the network or the server misbehaves.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import contextlib
 import hmac
 import ipaddress
 import json
+import logging
 import math
 import os
 import socket
@@ -19,7 +23,16 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Iterable,
+    Mapping,
+    Sequence,
+)
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal, NoReturn, TypeVar
 
@@ -80,6 +93,18 @@ _FLUSH_TEXT = (
     "(When there are running or waiting requests, the operation will not be performed.)\n"
 )
 _DEATH_POLL_S = 0.05
+
+#: Where fault rules are posted, listed and cleared (stand-in only; SGLang has no such route).
+FAULTS_PATH = "/_standin/faults"
+#: What an injected fault does to a request to its path (GET or POST): ``delay`` sleeps, then
+#: handles the request normally; ``status`` answers an error status (a proxy's error page)
+#: without touching the engine; ``drop`` drops the connection without touching the engine;
+#: ``drop_after`` runs the call on the engine, then drops the connection instead of answering;
+#: ``die`` kills the server at once (exit ``DEATH_EXIT_CODE``), without answering.
+FAULT_KINDS: tuple[str, ...] = ("delay", "status", "drop", "drop_after", "die")
+_FAULT_FIELDS = ("path", "kind", "count", "seconds", "status")
+#: The body length a dropped response announces and never delivers.
+_DROP_ANNOUNCED_BYTES = 64
 
 
 class StandInFailed(LifecycleError, RuntimeError):
@@ -167,6 +192,206 @@ class _AuthMiddleware:
             await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+# --------------------------------------------------------------------------------- faults
+
+
+class _ConnectionDropped(Exception):
+    """Raised once a response has started: uvicorn then closes the connection mid-response."""
+
+
+class _QuietDrops(logging.Filter):
+    """Keeps uvicorn from logging an injected drop as an application error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, _ConnectionDropped)
+
+
+@dataclass
+class _FaultRule:
+    """One injected fault: what happens to the next ``count`` requests to ``path``."""
+
+    path: str
+    kind: str
+    #: Requests still to hit; -1 forever.
+    count: int
+    seconds: float | None = None
+    status: int | None = None
+    applied: int = 0
+
+    def take(self) -> None:
+        """Count one application."""
+        self.applied += 1
+        if self.count > 0:
+            self.count -= 1
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"path": self.path, "kind": self.kind, "count": self.count}
+        if self.seconds is not None:
+            out["seconds"] = self.seconds
+        if self.status is not None:
+            out["status"] = self.status
+        out["applied"] = self.applied
+        return out
+
+
+def _fault_rule(index: int, raw: object, paths: Collection[str]) -> _FaultRule:
+    where = f"fault rule #{index}"
+    if not isinstance(raw, dict):
+        raise _BadRequest(f"{where} must be a JSON object, got {raw!r}")
+    unknown = [k for k in raw if k not in _FAULT_FIELDS]
+    if unknown:
+        raise _BadRequest(
+            f"{where}: unknown field {unknown[0]!r}; fields: {', '.join(_FAULT_FIELDS)}"
+        )
+    path = raw.get("path")
+    if not isinstance(path, str) or path not in paths:
+        valid = ", ".join(sorted(paths))
+        raise _BadRequest(f"{where}: unknown path {path!r}; faults apply to: {valid}")
+    kind = raw.get("kind")
+    if not isinstance(kind, str) or kind not in FAULT_KINDS:
+        raise _BadRequest(f"{where}: unknown kind {kind!r}; valid: {', '.join(FAULT_KINDS)}")
+    count = raw.get("count", 1)
+    if isinstance(count, bool) or not isinstance(count, int) or (count < 1 and count != -1):
+        raise _BadRequest(f"{where}: count must be an int >= 1 or -1 (forever), got {count!r}")
+    seconds = raw.get("seconds")
+    if kind == "delay":
+        if (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, int | float)
+            or not math.isfinite(seconds)
+            or seconds < 0
+        ):
+            raise _BadRequest(
+                f"{where}: a delay needs seconds, a finite number >= 0, got {seconds!r}"
+            )
+        seconds = float(seconds)
+    elif seconds is not None:
+        raise _BadRequest(f"{where}: seconds applies to kind 'delay' only, not {kind!r}")
+    status = raw.get("status")
+    if kind == "status":
+        status = 502 if status is None else status
+        if isinstance(status, bool) or not isinstance(status, int) or not 400 <= status <= 599:
+            raise _BadRequest(f"{where}: status must be an int in 400..599, got {status!r}")
+    elif status is not None:
+        raise _BadRequest(f"{where}: status applies to kind 'status' only, not {kind!r}")
+    return _FaultRule(path=path, kind=kind, count=count, seconds=seconds, status=status)
+
+
+def _parse_fault_rules(body: object, paths: Collection[str]) -> list[_FaultRule]:
+    """The rules of a ``POST /_standin/faults`` body (a list, or ``{"faults": [...]}``).
+
+    All or nothing: the first bad rule raises, naming its index and the bad value.
+    """
+    rules = body
+    if isinstance(body, dict):
+        if set(body) != {"faults"}:
+            raise _BadRequest(
+                f'an object body must be {{"faults": [...]}} alone, got keys {list(body)}'
+            )
+        rules = body["faults"]
+    if not isinstance(rules, list):
+        raise _BadRequest(
+            f'faults must be a JSON list of rules or an object {{"faults": [...]}}, got {rules!r}'
+        )
+    return [_fault_rule(i, raw, paths) for i, raw in enumerate(rules)]
+
+
+def _proxy_error_page(status: int) -> Response:
+    """What a reverse proxy answers when its upstream cannot: an HTML error page."""
+    from http import HTTPStatus
+
+    from starlette.responses import HTMLResponse
+
+    try:
+        title = f"{status} {HTTPStatus(status).phrase}"
+    except ValueError:
+        title = str(status)
+    page = (
+        f"<html>\r\n<head><title>{title}</title></head>\r\n<body>\r\n"
+        f"<center><h1>{title}</h1></center>\r\n<hr><center>nginx</center>\r\n</body>\r\n</html>\r\n"
+    )
+    return HTMLResponse(page, status_code=status)
+
+
+async def _read_body(receive: Receive) -> None:
+    """Consume the request body nobody else will read.
+
+    Closing a socket with unread input makes the kernel reset the connection, and the client
+    then sees a reset (``ReadError``) or a clean close depending on timing; read first, and
+    every drop looks the same to the client.
+    """
+    while True:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+
+
+async def _drop(send: Send, why: str) -> NoReturn:
+    """Start a response, then fail: the server closes the connection with nothing delivered.
+
+    The client reads a status line and headers announcing a body that never comes, so it sees a
+    transport error (httpx: ``RemoteProtocolError``), never an HTTP answer it could act on.
+    """
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(_DROP_ANNOUNCED_BYTES).encode("ascii")),
+            ],
+        }
+    )
+    raise _ConnectionDropped(why)
+
+
+class _FaultMiddleware:
+    """Applies the injected fault rules (pure ASGI: it must control the raw connection)."""
+
+    def __init__(self, app: ASGIApp, *, state: _StandIn) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        rule = self.state.take_fault(scope["path"]) if scope["type"] == "http" else None
+        if rule is None:
+            await self.app(scope, receive, send)
+            return
+        start = time.monotonic()
+        method, path = scope["method"], scope["path"]
+        if rule.kind == "delay":
+            assert rule.seconds is not None
+            await asyncio.sleep(rule.seconds)
+            self.state.record_fault(rule, method, start, f"delayed {rule.seconds:g}s")
+            await self.app(scope, receive, send)
+        elif rule.kind == "status":
+            assert rule.status is not None
+            await _read_body(receive)  # a proxy takes the whole request before it answers
+            self.state.record_fault(rule, method, start, f"answered {rule.status}")
+            await _proxy_error_page(rule.status)(scope, receive, send)
+        elif rule.kind == "drop":
+            await _read_body(receive)
+            self.state.record_fault(rule, method, start, "connection dropped, engine untouched")
+            await _drop(send, f"injected drop on {path}")
+        elif rule.kind == "drop_after":
+            answered: list[int] = []
+
+            async def swallow(message: Any) -> None:
+                if message["type"] == "http.response.start":
+                    answered.append(int(message["status"]))
+
+            await self.app(scope, receive, swallow)
+            status = answered[0] if answered else None
+            detail = f"the call ran and answered {status}; connection dropped instead"
+            self.state.record_fault(rule, method, start, detail)
+            await _drop(send, f"injected drop after {path}")
+        else:  # die, once the request is in, as a handler that kills the engine would
+            await _read_body(receive)
+            self.state.record_fault(rule, method, start, "server killed")
+            self.state.kill(f"injected fault 'die' on {method} {path}")
 
 
 # --------------------------------------------------------------------------------- bodies
@@ -275,6 +500,58 @@ class _StandIn:
         self._written: set[tuple[str, float]] = set()
         self._death_written = False
         self._dying = False
+        #: Paths of the app's routes (the paths a fault rule may name).
+        self.routes: set[str] = set()
+        #: Fault rules in force, first match wins; a rule leaves once its count is spent.
+        self.faults: list[_FaultRule] = []
+        #: Every fault applied so far, as history entries (``op`` ``"fault"``).
+        self.fault_log: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------ faults
+
+    def take_fault(self, path: str) -> _FaultRule | None:
+        """The rule the request to ``path`` meets, counted now; None when none matches."""
+        for rule in self.faults:
+            if rule.path == path:
+                rule.take()
+                if rule.count == 0:
+                    self.faults.remove(rule)
+                return rule
+        return None
+
+    def record_fault(self, rule: _FaultRule, method: str, start: float, detail: str) -> None:
+        """Log one applied fault in the history (and its file, at once)."""
+        entry = {
+            "op": "fault",
+            "engine": self.engine.label,
+            "kind": rule.kind,
+            "path": rule.path,
+            "method": method,
+            "tags": None,
+            "mode": None,
+            "start": start,
+            "end": time.monotonic(),
+            "outcome": "injected",
+            "detail": detail,
+        }
+        self.fault_log.append(entry)
+        self._append([json.dumps(entry, sort_keys=True)])
+
+    def history(self) -> list[dict[str, Any]]:
+        """The engine's ops and the applied faults, in order of start."""
+        return sorted([*self.engine.history(), *self.fault_log], key=lambda e: float(e["start"]))
+
+    def kill(self, reason: str) -> NoReturn:
+        """Kill the engine and the server as a fatal misuse does (an injected ``die``)."""
+        self.engine._die(reason)
+        self.die()
+
+    def _append(self, lines: list[str]) -> None:
+        if self.history_path is None or not lines:
+            return
+        with self.history_path.open("a", encoding="utf-8") as fh:
+            fh.write("".join(line + "\n" for line in lines))
+            fh.flush()
 
     # The file is appended as ops complete, flushed per line, so it survives os._exit.
     def sync_history(self) -> None:
@@ -303,10 +580,7 @@ class _StandIn:
                     sort_keys=True,
                 )
             )
-        if lines:
-            with self.history_path.open("a", encoding="utf-8") as fh:
-                fh.write("".join(line + "\n" for line in lines))
-                fh.flush()
+        self._append(lines)
 
     def die(self) -> NoReturn:
         """The engine is dead: end the process (``on_death``) so no response goes out."""
@@ -372,6 +646,9 @@ def create_app(
     is sent; ``serve`` passes one that exits the process, which drops every connection and
     closes the port as a crashed SGLang does. Without ``on_death`` (in-process use) requests
     raise ``StandInDied`` instead, which an ASGI server answers with a 500.
+
+    Stand-in only: ``/_standin/faults`` injects HTTP faults into later requests (see
+    ``FAULT_KINDS``); each applied fault is logged in the history as op ``"fault"``.
     """
     try:
         from fastapi import FastAPI
@@ -400,6 +677,8 @@ def create_app(
 
     app = FastAPI(lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     app.state.standin = state
+    # The last added runs first: a request passes auth before it can meet an injected fault.
+    app.add_middleware(_FaultMiddleware, state=state)
     app.add_middleware(_AuthMiddleware, api_key=api, admin_key=admin)
 
     def route(path: str, methods: Iterable[str]) -> Callable[[_Handler], _Handler]:
@@ -415,6 +694,8 @@ def create_app(
                     return _error(exc.message, exc.status)
 
             app.add_route(path, endpoint, methods=list(methods))
+            if not path.startswith("/_standin/"):
+                state.routes.add(path)
             return handler
 
         return register
@@ -654,7 +935,7 @@ def create_app(
 
     @route("/_standin/history", ["GET"])
     async def standin_history(_: Request) -> Response:
-        return JSONResponse(json.loads(json.dumps(engine.history(), default=repr)))
+        return JSONResponse(json.loads(json.dumps(state.history(), default=repr)))
 
     @route("/_standin/memory", ["GET"])
     async def standin_memory(_: Request) -> Response:
@@ -663,6 +944,20 @@ def create_app(
     @route("/_standin/stats", ["GET"])
     async def standin_stats(_: Request) -> Response:
         return JSONResponse(engine.stats())
+
+    @route(FAULTS_PATH, ["GET", "POST", "DELETE"])
+    async def standin_faults(request: Request) -> Response:
+        # POST adds rules (all or none), DELETE clears them; each answers the rules in force.
+        if request.method == "POST":
+            raw = await request.body()
+            try:
+                body = json.loads(raw)
+            except ValueError as exc:
+                raise _BadRequest(f"JSON decode error: {exc}") from None
+            state.faults.extend(_parse_fault_rules(body, state.routes))
+        elif request.method == "DELETE":
+            state.faults.clear()
+        return JSONResponse({"faults": [rule.to_json() for rule in state.faults]})
 
     return app
 
@@ -746,6 +1041,10 @@ def serve(
         lifespan="on",
         timeout_graceful_shutdown=2,
     )
+    # An injected drop raises on purpose once its response has started; it is no app error.
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _QuietDrops) for f in uvicorn_log.filters):
+        uvicorn_log.addFilter(_QuietDrops())
     server = uvicorn.Server(config)
 
     async def main() -> bool:
@@ -1013,6 +1312,64 @@ class StandInServer:
         self._stderr.seek(0)
         return self._stderr.read().decode("utf-8", "replace")
 
+    # ------------------------------------------------------------------ stand-in routes
+
+    def _standin_call(self, method: str, path: str, body: object = None) -> Any:
+        """One request to a ``/_standin/`` route, with the key its auth level wants."""
+        import httpx
+
+        # /_standin/* routes are at SGLang's normal level: the api key, when there is one.
+        key = self._api_key
+        headers = {"Authorization": f"Bearer {key.reveal()}"} if key is not None else {}
+        try:
+            with httpx.Client(base_url=self.url, timeout=10.0, trust_env=False) as client:
+                if body is None:
+                    answer = client.request(method, path, headers=headers)
+                else:
+                    answer = client.request(method, path, json=body, headers=headers)
+        except httpx.HTTPError as exc:
+            raise StandInFailed(
+                f"stand-in {self.label}: {method} {path} failed ({type(exc).__name__}: {exc})"
+            ) from None
+        if answer.status_code == 400:
+            try:
+                message = answer.json()["message"]
+            except (ValueError, KeyError, TypeError):
+                message = answer.text
+            raise InvalidArgument(f"stand-in {self.label} refused {method} {path}: {message}")
+        if not answer.is_success:
+            raise StandInFailed(
+                f"stand-in {self.label}: {method} {path} answered {answer.status_code}: "
+                f"{answer.text[:500]}"
+            )
+        return answer.json()
+
+    def inject(self, *rules: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """Add fault rules (``POST /_standin/faults``); returns the rules now in force.
+
+        A rule is ``{"path": "/pause_generation", "kind": K, "count": N, ...}``: ``kind`` one of
+        ``FAULT_KINDS``, ``count`` the requests it hits (default 1, -1 forever), ``seconds`` for
+        a delay, ``status`` (400..599, default 502) for a status. A bad rule raises
+        ``InvalidArgument`` and none is added.
+        """
+        answer = self._standin_call("POST", FAULTS_PATH, [dict(rule) for rule in rules])
+        result: list[dict[str, Any]] = answer["faults"]
+        return result
+
+    def clear_faults(self) -> None:
+        """Remove every fault rule (``DELETE /_standin/faults``)."""
+        self._standin_call("DELETE", FAULTS_PATH)
+
+    def faults(self) -> list[dict[str, Any]]:
+        """The fault rules in force, with the requests each will still hit and has hit."""
+        result: list[dict[str, Any]] = self._standin_call("GET", FAULTS_PATH)["faults"]
+        return result
+
+    def history(self) -> list[dict[str, Any]]:
+        """The engine's ops and the injected faults so far (``GET /_standin/history``)."""
+        result: list[dict[str, Any]] = self._standin_call("GET", "/_standin/history")
+        return result
+
     # ------------------------------------------------------------------ ending
 
     def wait_dead(self, timeout: float) -> bool:
@@ -1054,6 +1411,8 @@ __all__ = [
     "API_KEY_ENV",
     "CONTROL_PATHS",
     "DEATH_EXIT_CODE",
+    "FAULTS_PATH",
+    "FAULT_KINDS",
     "OPEN_PREFIXES",
     "READY_PREFIX",
     "StandInDied",

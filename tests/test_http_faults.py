@@ -1,0 +1,795 @@
+"""HTTP faults between the client and stand-in SGLang servers on loopback.
+
+Faults are injected in the stand-in (``/_standin/faults``): a proxy's 502/503, a dropped
+connection before the engine is touched (``drop``) or after the call ran (``drop_after``), a
+delay, and a sudden death. Calls that are safe to repeat must ride them out; release and resume
+must never be repeated, and the ledger must say what is known (and what is not) afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from rollout_lifecycle import (
+    Deadlines,
+    EngineDead,
+    EngineGroup,
+    EngineRejected,
+    EngineUnreachable,
+    HTTPTimeouts,
+    IllegalEngineOp,
+    IllegalTransition,
+    InvalidArgument,
+    LifecycleConfig,
+    Outcome,
+    PauseMode,
+    PhaseFailed,
+    RolloutServer,
+    ServerState,
+    SGLangHTTPEngine,
+    Tag,
+    WeightUpdate,
+)
+from rollout_lifecycle._standin import DEATH_EXIT_CODE, FAULTS_PATH, StandInServer
+
+ADMIN_KEY = "fault-admin-key-4d1e"
+API_KEY = "fault-api-key-7a20"
+ALL = ["weights", "kv_cache", "cuda_graph"]
+TAGS = [Tag.WEIGHTS, Tag.KV_CACHE, Tag.CUDA_GRAPH]
+#: Client timeouts short enough that a wrong wait fails the test quickly.
+TIMEOUTS = HTTPTimeouts(
+    connect=2.0, control=5.0, memory=5.0, weights=5.0, probe=3.0, generate=30.0, flush_margin=2.0
+)
+DEADLINES = Deadlines(
+    pause=5.0, flush=5.0, release=5.0, resume=5.0, continue_=5.0, weight_update=10.0, probe=3.0
+)
+#: Bound of any one lifecycle call in these tests: nothing may hang.
+BOUND = 15.0
+
+Start = Callable[..., Awaitable[list[StandInServer]]]
+
+
+def engine_for(server: StandInServer, retries: int = 3) -> SGLangHTTPEngine:
+    return SGLangHTTPEngine(
+        server.url,
+        admin_key=ADMIN_KEY,
+        api_key=API_KEY,
+        timeouts=TIMEOUTS,
+        retries=retries,
+        retry_backoff=0.01,
+        label=server.label,
+    )
+
+
+def ops(history: list[dict[str, Any]], op: str) -> list[dict[str, Any]]:
+    return [e for e in history if e["op"] == op]
+
+
+def injected(history: list[dict[str, Any]], path: str, kind: str | None = None) -> int:
+    return sum(
+        1
+        for e in history
+        if e["op"] == "fault"
+        and e["path"] == path
+        and (kind is None or e["kind"] == kind)
+        and e["outcome"] == "injected"
+    )
+
+
+def history_file(server: StandInServer) -> list[dict[str, Any]]:
+    assert server.history_file is not None
+    text = Path(server.history_file).read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.splitlines()]
+
+
+async def history(server: StandInServer) -> list[dict[str, Any]]:
+    return await asyncio.to_thread(server.history)
+
+
+async def info(server: StandInServer) -> dict[str, Any]:
+    async with httpx.AsyncClient(base_url=server.url, timeout=5.0) as client:
+        answer = await client.get("/server_info", headers={"Authorization": f"Bearer {API_KEY}"})
+        answer.raise_for_status()
+        result: dict[str, Any] = answer.json()
+        return result
+
+
+async def wait_for_op(server: StandInServer, op: str, count: int = 1, timeout: float = 5.0) -> None:
+    """Wait (bounded) until ``count`` ``op`` entries are in the server's history."""
+    deadline = time.monotonic() + timeout
+    while len(ops(await history(server), op)) < count:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{server.label}: no {count} x {op} within {timeout}s")
+        await asyncio.sleep(0.05)
+
+
+#: Fresh servers the tests take (one batch: a stand-in spends most of its start importing).
+POOL_SIZE = 24
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[StandInServer]]:
+    """Every server this module uses, started at once; each test takes fresh ones."""
+    where = tmp_path_factory.mktemp("fault-history")
+    servers = [
+        StandInServer(
+            label=f"pool-{i}",
+            admin_key=ADMIN_KEY,
+            api_key=API_KEY,
+            token_latency=0.002,
+            history_file=where / f"pool-{i}.jsonl",
+        )
+        for i in range(POOL_SIZE)
+    ]
+    StandInServer.start_all(servers)
+    left = list(servers)
+    yield left
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def shared(pool: list[StandInServer]) -> StandInServer:
+    """One server for calls that leave it serving (retries, faults the engine never sees)."""
+    return pool.pop()
+
+
+@pytest.fixture
+def plain(shared: StandInServer) -> Iterator[StandInServer]:
+    shared.clear_faults()
+    yield shared
+    shared.clear_faults()
+
+
+@pytest.fixture
+async def standins(pool: list[StandInServer]) -> AsyncIterator[Start]:
+    """Take ``n`` fresh servers (never used by another test); stopped when the test ends."""
+    taken: list[StandInServer] = []
+
+    async def take(n: int) -> list[StandInServer]:
+        assert len(pool) >= n, "the server pool is used up: raise POOL_SIZE"
+        servers = [pool.pop(0) for _ in range(n)]
+        taken.extend(servers)
+        return servers
+
+    yield take
+    for server in taken:
+        server.stop(2.0)
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[Callable[[list[StandInServer]], list[SGLangHTTPEngine]]]:
+    made: list[SGLangHTTPEngine] = []
+
+    def make(servers: list[StandInServer]) -> list[SGLangHTTPEngine]:
+        out = [engine_for(s) for s in servers]
+        made.extend(out)
+        return out
+
+    yield make
+    await asyncio.gather(*(e.close() for e in made))
+
+
+def rollout(engines: list[SGLangHTTPEngine], **deadlines: float) -> RolloutServer:
+    config = LifecycleConfig(
+        pause_mode=PauseMode.RETRACT, deadlines=dataclasses.replace(DEADLINES, **deadlines)
+    )
+    return RolloutServer([EngineGroup("actor", engines)], config)
+
+
+# --------------------------------------------------------------------------------- the facility
+
+
+@pytest.mark.parametrize(
+    ("rule", "named"),
+    [
+        ({"path": "/pause", "kind": "drop"}, "'/pause'"),
+        ({"path": "/_standin/faults", "kind": "drop"}, "'/_standin/faults'"),
+        ({"path": "/flush_cache", "kind": "explode"}, "'explode'"),
+        ({"path": "/flush_cache", "kind": "delay", "seconds": -1}, "-1"),
+        ({"path": "/flush_cache", "kind": "delay"}, "None"),
+        ({"path": "/flush_cache", "kind": "delay", "seconds": "1"}, "'1'"),
+        ({"path": "/flush_cache", "kind": "status", "status": 200}, "200"),
+        ({"path": "/flush_cache", "kind": "status", "status": "502"}, "'502'"),
+        ({"path": "/flush_cache", "kind": "drop", "count": 0}, "0"),
+        ({"path": "/flush_cache", "kind": "drop", "count": -2}, "-2"),
+        ({"path": "/flush_cache", "kind": "drop", "secs": 1}, "'secs'"),
+        ({"path": "/flush_cache", "kind": "drop", "status": 502}, "'drop'"),
+        ({"path": "/flush_cache", "kind": "drop", "seconds": 1}, "'drop'"),
+    ],
+)
+def test_a_bad_rule_is_a_400_naming_the_bad_value_and_adds_nothing(
+    plain: StandInServer, rule: dict[str, Any], named: str
+) -> None:
+    good = {"path": "/pause_generation", "kind": "drop"}
+    with httpx.Client(base_url=plain.url, timeout=5.0) as client:
+        answer = client.post(
+            FAULTS_PATH, json=[good, rule], headers={"Authorization": f"Bearer {API_KEY}"}
+        )
+    assert answer.status_code == 400
+    body = answer.json()
+    assert body["object"] == "error" and body["code"] == 400
+    assert "rule #1" in body["message"] and named in body["message"]
+    with pytest.raises(InvalidArgument, match="rule #0"):
+        plain.inject(rule)
+    assert plain.faults() == []  # all or nothing: the good rule was not added either
+
+
+def test_rules_count_down_list_and_clear(plain: StandInServer) -> None:
+    api = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=plain.url, timeout=5.0, headers=api) as client:
+        wrapped = {"faults": [{"path": "/model_info", "kind": "status", "count": 2}]}
+        assert client.post(FAULTS_PATH, json=wrapped).status_code == 200
+        assert client.post(FAULTS_PATH, json={"faults": []}).status_code == 200
+        for body in ({"faults": [], "extra": 1}, {"path": "/model_info", "kind": "drop"}, 7):
+            assert client.post(FAULTS_PATH, json=body).status_code == 400, body
+        assert client.post(FAULTS_PATH, content=b"{not json").status_code == 400
+    rules = plain.inject({"path": "/model_info", "kind": "delay", "seconds": 0.05, "count": -1})
+    assert rules == [
+        {"path": "/model_info", "kind": "status", "count": 2, "status": 502, "applied": 0},
+        {"path": "/model_info", "kind": "delay", "count": -1, "seconds": 0.05, "applied": 0},
+    ]
+    with httpx.Client(base_url=plain.url, timeout=5.0, headers=api) as client:
+        statuses = [client.get("/model_info").status_code for _ in range(4)]
+    assert statuses == [502, 502, 200, 200]  # first matching rule first; spent rules leave
+    assert plain.faults() == [
+        {"path": "/model_info", "kind": "delay", "count": -1, "seconds": 0.05, "applied": 2}
+    ]
+    plain.clear_faults()
+    assert plain.faults() == []
+
+
+def test_the_faults_route_is_at_the_level_of_the_other_standin_routes(
+    plain: StandInServer,
+) -> None:
+    with httpx.Client(base_url=plain.url, timeout=5.0) as client:
+        for headers in ({}, {"Authorization": f"Bearer {ADMIN_KEY}"}):
+            # /_standin/* is at SGLang's normal level: the api key, not the admin key.
+            assert client.get(FAULTS_PATH, headers=headers).status_code == 401
+            assert client.get("/_standin/history", headers=headers).status_code == 401
+        assert client.get(FAULTS_PATH, headers={"Authorization": f"Bearer {API_KEY}"}).is_success
+
+
+def test_each_kind_as_a_raw_http_client_sees_it(plain: StandInServer) -> None:
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    api = {"Authorization": f"Bearer {API_KEY}"}
+    before = len(plain.history())
+    with httpx.Client(base_url=plain.url, timeout=5.0, headers=admin) as client:
+        plain.inject({"path": "/pause_generation", "kind": "status", "status": 503})
+        answer = client.post("/pause_generation", json={"mode": "retract"})
+        assert answer.status_code == 503 and "503 Service Unavailable" in answer.text
+        assert answer.headers["content-type"].startswith("text/html")
+
+        plain.inject({"path": "/pause_generation", "kind": "drop", "count": 5})
+        for _ in range(5):  # the same transport error every time, never an answer
+            with pytest.raises(httpx.RemoteProtocolError):
+                client.post("/pause_generation", json={"mode": "retract"})
+        assert client.get("/server_info", headers=api).json()["paused"] is False  # untouched
+
+        plain.inject({"path": "/pause_generation", "kind": "drop_after"})
+        with pytest.raises(httpx.RemoteProtocolError):
+            client.post("/pause_generation", json={"mode": "retract"})
+        assert client.get("/server_info", headers=api).json()["paused"] is True  # it ran
+
+        plain.inject({"path": "/continue_generation", "kind": "delay", "seconds": 0.3})
+        started = time.monotonic()
+        assert client.post("/continue_generation", json={}).is_success
+        assert time.monotonic() - started >= 0.3
+    entries = plain.history()[before:]
+    kinds = [(e["kind"], e["path"]) for e in entries if e["op"] == "fault"]
+    assert kinds == [
+        ("status", "/pause_generation"),
+        *[("drop", "/pause_generation")] * 5,
+        ("drop_after", "/pause_generation"),
+        ("delay", "/continue_generation"),
+    ]
+    faults = [e for e in entries if e["op"] == "fault"]
+    assert all(e["outcome"] == "injected" and e["end"] >= e["start"] for e in faults)
+    assert [e["mode"] for e in ops(entries, "pause_generation")] == ["retract"]
+    assert len(ops(entries, "continue_generation")) == 1
+    assert plain.alive() and "Traceback" not in plain.stderr_text()
+
+
+async def test_die_exits_70_like_a_fatal_misuse_and_logs_fault_then_death(
+    standins: Start,
+) -> None:
+    (server,) = await standins(1)
+    server.inject({"path": "/flush_cache", "kind": "die"})
+    async with httpx.AsyncClient(base_url=server.url, timeout=5.0) as client:
+        headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        with pytest.raises(httpx.RemoteProtocolError):
+            await client.post("/flush_cache", headers=headers)
+    assert await asyncio.to_thread(server.wait_dead, 5.0)
+    assert server.returncode == DEATH_EXIT_CODE
+    assert "injected fault 'die' on POST /flush_cache" in server.stderr_text()
+    lines = history_file(server)
+    assert [e["op"] for e in lines] == ["fault", "server_died"]
+    assert lines[0]["kind"] == "die" and lines[0]["outcome"] == "injected"
+    assert lines[1]["outcome"] == "fatal"
+
+
+# --------------------------------------------------------------------------------- the client
+
+
+SAFE_CALLS: dict[str, tuple[str, Callable[[SGLangHTTPEngine], Awaitable[Any]]]] = {
+    "/pause_generation": ("pause_generation", lambda e: e.pause_generation(PauseMode.RETRACT)),
+    "/flush_cache": ("flush_cache", lambda e: e.flush_cache(0.5)),
+    "/continue_generation": ("continue_generation", lambda e: e.continue_generation()),
+    "/server_info": ("server_info", lambda e: e.server_info()),
+}
+FAULTS: dict[str, dict[str, Any]] = {
+    "502": {"kind": "status", "status": 502},
+    "503": {"kind": "status", "status": 503},
+    "drop": {"kind": "drop"},
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+@pytest.mark.parametrize("path", list(SAFE_CALLS))
+async def test_safe_calls_ride_out_proxy_errors_and_drops_and_run_once(
+    plain: StandInServer, path: str, fault: str
+) -> None:
+    op, call = SAFE_CALLS[path]
+    engine = engine_for(plain)
+    try:
+        before = len(await history(plain))
+        await asyncio.to_thread(plain.inject, {"path": path, "count": 2, **FAULTS[fault]})
+        await asyncio.wait_for(call(engine), BOUND)
+        entries = (await history(plain))[before:]
+    finally:
+        await engine.continue_generation()
+        await engine.close()
+    assert injected(entries, path, FAULTS[fault]["kind"]) == 2  # the server saw the retries
+    assert len(ops(entries, op)) == 1  # and the call ran on the engine exactly once
+    assert plain.faults() == []
+
+
+@pytest.mark.parametrize("path", ["/pause_generation", "/flush_cache", "/continue_generation"])
+async def test_a_drop_after_the_call_ran_is_retried_because_repeating_it_is_harmless(
+    plain: StandInServer, path: str
+) -> None:
+    op, call = SAFE_CALLS[path]
+    engine = engine_for(plain)
+    try:
+        before = len(await history(plain))
+        await asyncio.to_thread(plain.inject, {"path": path, "kind": "drop_after"})
+        await asyncio.wait_for(call(engine), BOUND)
+        entries = (await history(plain))[before:]
+    finally:
+        await engine.continue_generation()
+        await engine.close()
+    assert injected(entries, path, "drop_after") == 1
+    assert [e["outcome"] for e in ops(entries, op)] == ["ok", "ok"]
+
+
+async def test_retries_are_bounded_and_the_last_failure_is_raised(plain: StandInServer) -> None:
+    engine = engine_for(plain, retries=2)
+    try:
+        before = len(await history(plain))
+        plain.inject({"path": "/pause_generation", "kind": "status", "status": 503, "count": -1})
+        with pytest.raises(EngineRejected) as rejected:
+            await asyncio.wait_for(engine.pause_generation(PauseMode.RETRACT), BOUND)
+        assert rejected.value.status == 503 and "503 Service Unavailable" in str(rejected.value)
+        plain.clear_faults()
+        plain.inject({"path": "/continue_generation", "kind": "drop", "count": -1})
+        with pytest.raises(EngineUnreachable, match="RemoteProtocolError"):
+            await asyncio.wait_for(engine.continue_generation(), BOUND)
+        plain.clear_faults()
+        entries = (await history(plain))[before:]
+    finally:
+        await engine.close()
+    assert injected(entries, "/pause_generation") == 3  # 1 + 2 retries, then it gave up
+    assert injected(entries, "/continue_generation") == 3
+    assert not ops(entries, "pause_generation") and not ops(entries, "continue_generation")
+
+
+UNSAFE_CALLS: dict[str, Callable[[SGLangHTTPEngine], Awaitable[Any]]] = {
+    "/release_memory_occupation": lambda e: e.release_memory_occupation([Tag.KV_CACHE]),
+    "/resume_memory_occupation": lambda e: e.resume_memory_occupation([Tag.KV_CACHE]),
+    "/begin_weight_update": lambda e: e.begin_weight_update(),
+    "/update_weights_from_disk": lambda e: e.update_weights_from_disk(
+        "/ckpt/x", weight_version="x", flush_cache=False, abort_all_requests=False
+    ),
+    "/update_weight_version": lambda e: e.update_weight_version("x", abort_all_requests=False),
+    "/generate": lambda e: e.generate({"input_ids": [1], "sampling_params": {}}),
+}
+
+
+@pytest.mark.parametrize("fault", ["502", "drop"])
+@pytest.mark.parametrize("path", list(UNSAFE_CALLS))
+async def test_calls_that_must_not_repeat_are_sent_once_whatever_the_fault(
+    plain: StandInServer, path: str, fault: str
+) -> None:
+    engine = engine_for(plain)
+    try:
+        before = len(await history(plain))
+        plain.inject({"path": path, "count": -1, **FAULTS[fault]})
+        # A 502 on a call that must not repeat leaves its effect unknown, as a drop does.
+        with pytest.raises(EngineUnreachable):
+            await asyncio.wait_for(UNSAFE_CALLS[path](engine), BOUND)
+        plain.clear_faults()
+        entries = (await history(plain))[before:]
+    finally:
+        await engine.close()
+    assert injected(entries, path) == 1  # one attempt, no retry
+    assert [e for e in entries if e["op"] != "fault"] == []  # the engine never saw it
+    assert plain.alive()
+
+
+# --------------------------------------------------------------------------------- the server
+
+
+async def test_offload_and_onload_ride_out_faults_on_every_safe_call(
+    standins: Start, engines: Callable[[list[StandInServer]], list[SGLangHTTPEngine]]
+) -> None:
+    servers = await standins(2)
+    a, b = servers
+    a.inject(
+        {"path": "/pause_generation", "kind": "status", "status": 502, "count": 2},
+        {"path": "/flush_cache", "kind": "drop_after"},
+        {"path": "/server_info", "kind": "drop"},
+        {"path": "/continue_generation", "kind": "status", "status": 503},
+    )
+    b.inject(
+        {"path": "/pause_generation", "kind": "drop"},
+        {"path": "/flush_cache", "kind": "status", "status": 503, "count": 3},
+        {"path": "/server_info", "kind": "status", "status": 502},
+        {"path": "/continue_generation", "kind": "drop_after"},
+    )
+    server = rollout(engines(servers))
+    await asyncio.wait_for(server.offload(), BOUND)
+    assert server.state is ServerState.RELEASED
+    probed = await asyncio.wait_for(server.probe(), BOUND)
+    assert all(o.ok for o in probed.values())
+    await asyncio.wait_for(server.onload(), BOUND)
+    assert server.state is ServerState.SERVING
+    histories = [await history(s) for s in servers]
+    for s in servers:
+        assert s.faults() == []  # every injected fault was met
+        entries = histories[servers.index(s)]
+        assert len(ops(entries, "release_memory_occupation")) == 1
+        assert [e["tags"] for e in ops(entries, "resume_memory_occupation")] == [
+            ["weights"],
+            ["kv_cache", "cuda_graph"],
+        ]
+        assert all(e["outcome"] == "ok" for e in entries if e["op"] != "fault")
+    assert injected(histories[0], "/pause_generation") == 2
+    assert len(ops(histories[0], "pause_generation")) == 1
+    assert len(ops(histories[0], "flush_cache")) == 2  # it ran, was dropped, ran again
+    assert len(ops(histories[1], "flush_cache")) == 1
+    assert len(ops(histories[1], "continue_generation")) == 2
+    snap = server.snapshot().engines()
+    assert all(
+        e.alive and not e.paused and not e.released and not e.uncertain for e in snap.values()
+    )
+
+
+async def test_release_answered_502_fails_the_phase_is_not_repeated_and_is_uncertain(
+    standins: Start, engines: Callable[[list[StandInServer]], list[SGLangHTTPEngine]]
+) -> None:
+    servers = await standins(2)
+    servers[0].inject({"path": "/release_memory_occupation", "kind": "status", "status": 502})
+    server = rollout(engines(servers))
+    with pytest.raises(PhaseFailed) as err:
+        await asyncio.wait_for(server.offload(), BOUND)
+    assert err.value.phase == "release" and err.value.failed_engines == ["actor/0"]
+    outcome = err.value.outcomes["actor/0"]
+    # A gateway error does not say the release did not happen: the effect is unknown.
+    assert outcome.outcome is Outcome.UNREACHABLE and "502" in outcome.detail
+    assert err.value.outcomes["actor/1"].ok
+    assert server.state is ServerState.FAILED
+    first, second = [await history(s) for s in servers]
+    assert ops(first, "release_memory_occupation") == []  # here the proxy kept it: nothing landed
+    assert injected(first, "/release_memory_occupation", "status") == 1
+    assert len(ops(second, "release_memory_occupation")) == 1
+    assert all(s.alive() for s in servers)
+    assert (await info(servers[0]))["released_tags"] == []
+    snap = server.snapshot().engines()
+    assert snap["actor/0"].released == () and snap["actor/0"].uncertain == tuple(ALL)
+    assert snap["actor/1"].released == tuple(ALL)
+    with pytest.raises(IllegalEngineOp, match="unknown state"):
+        server.groups[0].release_memory(list(ALL))  # so no second release is ever sent
+
+
+async def test_release_dropped_before_the_engine_fails_unreachable_and_is_uncertain(
+    standins: Start, engines: Callable[[list[StandInServer]], list[SGLangHTTPEngine]]
+) -> None:
+    servers = await standins(2)
+    servers[1].inject({"path": "/release_memory_occupation", "kind": "drop"})
+    server = rollout(engines(servers))
+    with pytest.raises(PhaseFailed) as err:
+        await asyncio.wait_for(server.offload(), BOUND)
+    assert err.value.phase == "release" and err.value.failed_engines == ["actor/1"]
+    assert err.value.outcomes["actor/1"].outcome is Outcome.UNREACHABLE
+    assert "RemoteProtocolError" in err.value.outcomes["actor/1"].detail
+    entries = await history(servers[1])
+    assert ops(entries, "release_memory_occupation") == []  # it never reached the engine
+    assert injected(entries, "/release_memory_occupation", "drop") == 1
+    assert servers[1].alive() and (await info(servers[1]))["released_tags"] == []
+    # The client cannot tell a drop before the call from one after it: unknown, so guarded.
+    snap = server.snapshot().engines()
+    assert snap["actor/1"].released == () and snap["actor/1"].uncertain == tuple(ALL)
+    assert snap["actor/0"].released == tuple(ALL)
+    record = server.groups[0].records[1]
+    with pytest.raises(IllegalEngineOp, match="unknown state"):
+        record.check_release(TAGS)
+    with pytest.raises(IllegalEngineOp, match="unknown state"):
+        record.check_resume(TAGS)
+    with pytest.raises(IllegalEngineOp):
+        server.groups[0].release_memory(TAGS)  # nothing is sent to either engine
+    await asyncio.sleep(0.2)
+    assert ops(await history(servers[1]), "release_memory_occupation") == []
+    assert len(ops(await history(servers[0]), "release_memory_occupation")) == 1
+
+
+async def test_release_that_landed_before_the_drop_is_uncertain_and_never_sent_again(
+    standins: Start, engines: Callable[[list[StandInServer]], list[SGLangHTTPEngine]]
+) -> None:
+    servers = await standins(2)
+    target = servers[0]
+    target.inject({"path": "/release_memory_occupation", "kind": "drop_after"})
+    server = rollout(engines(servers))
+    with pytest.raises(PhaseFailed) as err:
+        await asyncio.wait_for(server.offload(), BOUND)
+    assert err.value.phase == "release" and err.value.failed_engines == ["actor/0"]
+    assert err.value.outcomes["actor/0"].outcome is Outcome.UNREACHABLE
+    # The server did release: it is the client that cannot know.
+    assert sorted((await info(target))["released_tags"]) == sorted(ALL)
+    releases = ops(await history(target), "release_memory_occupation")
+    assert [(e["tags"], e["outcome"]) for e in releases] == [(ALL, "ok")]
+    snap = server.snapshot().engines()
+    assert snap["actor/0"].released == () and snap["actor/0"].uncertain == tuple(ALL)
+    assert snap["actor/1"].released == tuple(ALL) and snap["actor/1"].uncertain == ()
+    group = server.groups[0]
+    with pytest.raises(IllegalEngineOp, match="unknown state"):
+        group.release_memory(TAGS)
+    with pytest.raises(IllegalEngineOp, match="unknown state"):
+        group.resume_memory(TAGS)
+    with pytest.raises(IllegalTransition):
+        await server.offload()  # from failed: refused before the guard is even asked
+    with pytest.raises(IllegalTransition):
+        await server.reset()  # records that hold an unknown tag imply no state
+    await asyncio.sleep(0.2)
+    assert len(ops(await history(target), "release_memory_occupation")) == 1
+    assert target.alive() and servers[1].alive()
+
+
+@pytest.mark.parametrize(
+    ("path", "phase", "deadline"),
+    [
+        ("/pause_generation", "pause", {"pause": 0.3}),
+        ("/flush_cache", "flush", {"flush": 0.15, "probe": 0.15}),
+        ("/release_memory_occupation", "release", {"release": 0.3}),
+    ],
+)
+async def test_a_delay_past_the_deadline_fails_the_phase_on_time_naming_the_engine(
+    standins: Start,
+    engines: Callable[[list[StandInServer]], list[SGLangHTTPEngine]],
+    path: str,
+    phase: str,
+    deadline: dict[str, float],
+) -> None:
+    delay = 1.5
+    servers = await standins(2)
+    slow = servers[1]
+    slow.inject({"path": path, "kind": "delay", "seconds": delay})
+    server = rollout(engines(servers), **deadline)
+    started = time.monotonic()
+    with pytest.raises(PhaseFailed) as err:
+        await asyncio.wait_for(server.offload(), BOUND)
+    took = time.monotonic() - started
+    assert err.value.phase == phase and err.value.failed_engines == ["actor/1"]
+    outcome = err.value.outcomes["actor/1"]
+    assert outcome.outcome is Outcome.TIMED_OUT and "no answer within" in outcome.detail
+    limit = sum(deadline.values())
+    assert limit <= outcome.duration_s < limit + 0.5  # timed out by the phase's deadline
+    assert err.value.outcomes["actor/0"].ok
+    assert server.state is ServerState.FAILED
+    snap = server.snapshot().engines()
+    if phase == "release":
+        # The call may land (it will): neither a release nor a resume of it is safe now.
+        assert took < delay, f"offload took {took:.2f}s"
+        assert snap["actor/1"].uncertain == tuple(ALL)
+        await wait_for_op(slow, "release_memory_occupation")
+        assert sorted((await info(slow))["released_tags"]) == sorted(ALL)
+    else:
+        # After a failed drain the engines are continued, once the late call has landed (the
+        # continue would be overtaken otherwise); bounded by the continue deadline.
+        assert took < delay + 1.5, f"offload took {took:.2f}s"
+        entries = await history(slow)
+        order = [e["op"] for e in entries if e["op"] in (phase_op(phase), "continue_generation")]
+        assert order == [phase_op(phase), "continue_generation"]
+        assert not (await info(slow))["paused"] and not snap["actor/1"].paused
+        for s in servers:
+            assert ops(await history(s), "release_memory_occupation") == []
+    assert slow.alive() and servers[0].alive()
+
+
+def phase_op(phase: str) -> str:
+    return {"pause": "pause_generation", "flush": "flush_cache"}.get(
+        phase, "release_memory_occupation"
+    )
+
+
+async def test_a_pause_later_than_the_continue_deadline_is_still_reflected_in_the_snapshot(
+    standins: Start, engines: Callable[[list[StandInServer]], list[SGLangHTTPEngine]]
+) -> None:
+    (slow,) = await standins(1)
+    slow.inject({"path": "/pause_generation", "kind": "delay", "seconds": 1.5})
+    server = rollout(engines([slow]), pause=0.3, continue_=0.3)
+    with pytest.raises(PhaseFailed) as err:
+        await asyncio.wait_for(server.offload(), BOUND)
+    assert err.value.outcomes["actor/0"].outcome is Outcome.TIMED_OUT
+    await wait_for_op(slow, "pause_generation")
+    await asyncio.sleep(0.1)
+    entries = await history(slow)
+    order = [e["op"] for e in entries if e["op"] in ("pause_generation", "continue_generation")]
+    assert order == ["pause_generation"]  # no continue was sent to be overtaken
+    really_paused = (await info(slow))["paused"]
+    assert really_paused is True
+    # Invariant 7: the snapshot says exactly which engine is paused.
+    assert server.snapshot().engines()["actor/0"].paused is really_paused
+    # recover() continues it once its pause has landed, and the server serves again.
+    await asyncio.wait_for(server.recover(lambda engine_id: None), BOUND)
+    assert server.state is ServerState.SERVING
+    assert (await info(slow))["paused"] is False
+
+
+class _GatewayTimeout(httpx.AsyncBaseTransport):
+    """A reverse proxy that forwards every call, then answers 504 for the release (it gave up
+    waiting for the upstream's answer, which came after all)."""
+
+    def __init__(self) -> None:
+        self._inner = httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self._inner.handle_async_request(request)
+        if request.url.path != "/release_memory_occupation":
+            return response
+        await response.aread()
+        await response.aclose()
+        return httpx.Response(504, text="<html><title>504 Gateway Time-out</title></html>")
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+async def test_a_gateway_504_on_release_leaves_the_tags_uncertain(standins: Start) -> None:
+    (target,) = await standins(1)
+    engine = SGLangHTTPEngine(
+        target.url,
+        admin_key=ADMIN_KEY,
+        api_key=API_KEY,
+        timeouts=TIMEOUTS,
+        retry_backoff=0.01,
+        transport=_GatewayTimeout(),
+    )
+    try:
+        server = rollout([engine])
+        with pytest.raises(PhaseFailed) as err:
+            await asyncio.wait_for(server.offload(), BOUND)
+        assert err.value.outcomes["actor/0"].outcome is Outcome.UNREACHABLE  # effect unknown
+        assert sorted((await info(target))["released_tags"]) == sorted(ALL)  # yet it released
+        snap = server.snapshot().engines()["actor/0"]
+        # The ledger must not claim the tags are resident: the next offload would release
+        # them again, and a double release kills the server.
+        assert snap.uncertain == tuple(ALL)
+        with pytest.raises(IllegalEngineOp, match="unknown state"):
+            server.groups[0].release_memory(list(ALL))  # never a second release
+    finally:
+        await engine.close()
+
+
+async def test_a_server_that_dies_under_release_is_found_dead_and_no_one_is_released_twice(
+    standins: Start, engines: Callable[[list[StandInServer]], list[SGLangHTTPEngine]]
+) -> None:
+    servers = await standins(3)
+    victim = servers[1]
+    victim.inject({"path": "/release_memory_occupation", "kind": "die"})
+    server = rollout(engines(servers))
+    started = time.monotonic()
+    with pytest.raises(PhaseFailed) as err:
+        await asyncio.wait_for(server.offload(), BOUND)
+    assert time.monotonic() - started < 5.0
+    assert err.value.phase == "release" and err.value.failed_engines == ["actor/1"]
+    assert err.value.outcomes["actor/1"].outcome in (Outcome.UNREACHABLE, Outcome.DEAD)
+    assert await asyncio.to_thread(victim.wait_dead, 5.0)
+    assert victim.returncode == DEATH_EXIT_CODE
+    probed = await asyncio.wait_for(server.probe(), BOUND)
+    assert probed["actor/1"].outcome is Outcome.DEAD
+    assert probed["actor/0"].ok and probed["actor/2"].ok
+    snap = server.snapshot().engines()
+    assert not snap["actor/1"].alive
+    assert snap["actor/0"].released == snap["actor/2"].released == tuple(ALL)
+    with pytest.raises(IllegalEngineOp, match="already released"):
+        server.groups[0].release_memory(TAGS)
+    lines = history_file(victim)
+    assert [e["op"] for e in lines[-2:]] == ["fault", "server_died"]
+    assert ops(lines, "release_memory_occupation") == []
+    for survivor in (servers[0], servers[2]):
+        assert survivor.alive()
+        assert len(ops(await history(survivor), "release_memory_occupation")) == 1
+    fresh = engine_for(victim, retries=0)
+    with pytest.raises(EngineDead, match="connection refused"):
+        await fresh.server_info()
+    await fresh.close()
+
+
+async def test_colocated_cycles_over_three_servers_with_random_faults_on_safe_calls(
+    standins: Start, engines: Callable[[list[StandInServer]], list[SGLangHTTPEngine]]
+) -> None:
+    servers = await standins(3)
+    rng = random.Random(20240611)
+    kinds: list[dict[str, Any]] = [
+        {"kind": "status", "status": 502},
+        {"kind": "status", "status": 503},
+        {"kind": "drop"},
+        {"kind": "drop_after"},
+    ]
+    safe_paths = ["/pause_generation", "/flush_cache", "/continue_generation", "/server_info"]
+    server = rollout(engines(servers))
+    cycles = 3
+    total_injected = 0
+    async with httpx.AsyncClient(timeout=30.0) as client:
+        for cycle in range(cycles):
+            for s in servers:
+                rules = [
+                    {"path": path, **rng.choice(kinds)}
+                    for path in safe_paths
+                    for _ in range(rng.randint(0, 3))  # at most 3: retries=3 gets through
+                ]
+                rng.shuffle(rules)
+                total_injected += len(rules)
+                await asyncio.to_thread(s.inject, *rules)
+            traffic = [
+                asyncio.ensure_future(
+                    client.post(
+                        f"{s.url}/generate",
+                        json={"input_ids": [cycle, i], "sampling_params": {"max_new_tokens": 40}},
+                        headers={"Authorization": f"Bearer {API_KEY}"},
+                    )
+                )
+                for s in servers
+                for i in range(2)
+            ]
+            await asyncio.sleep(0.02)
+            await asyncio.wait_for(server.offload(), BOUND)
+            assert server.state is ServerState.RELEASED
+            await asyncio.wait_for(server.probe(), BOUND)
+            await asyncio.wait_for(server.onload_weights(), BOUND)
+
+            def push(update: WeightUpdate) -> None:
+                assert len(update.engines) == 3
+
+            await asyncio.wait_for(server.update_weights(push, version=f"step-{cycle}"), BOUND)
+            await asyncio.wait_for(server.onload_kv(), BOUND)
+            assert server.state is ServerState.SERVING
+            answers = await asyncio.wait_for(asyncio.gather(*traffic), BOUND)
+            finishes = [a.json()["meta_info"]["finish_reason"]["type"] for a in answers]
+            assert finishes == ["length"] * len(traffic)  # retract: nothing lost, nothing aborted
+    seen = 0
+    for s in servers:
+        entries = await history(s)
+        assert s.alive() and s.faults() == []
+        seen += sum(1 for e in entries if e["op"] == "fault")
+        releases = ops(entries, "release_memory_occupation")
+        assert [e["tags"] for e in releases] == [ALL] * cycles
+        resumed = [t for e in ops(entries, "resume_memory_occupation") for t in e["tags"]]
+        assert sorted(resumed) == sorted(ALL * cycles)  # each tag once per cycle
+        assert all(e["outcome"] == "ok" for e in entries if e["op"] != "fault")
+        assert (await info(s))["released_tags"] == []
+    assert seen == total_injected > 0
+    snap = server.snapshot().engines()
+    assert all(
+        e.alive and not e.paused and not e.released and not e.uncertain for e in snap.values()
+    )
