@@ -129,6 +129,8 @@ class EngineHost:
                 await self._backend.flush_cache(max(0.0, remaining))
                 return
             except EngineRejected as exc:
+                if exc.status != 400:
+                    raise  # only 400 means "not idle yet"; a 401 or 503 will not pass by waiting
                 remaining = deadline - (time.monotonic() - start)
                 if remaining <= 0:
                     raise EngineTimeout(

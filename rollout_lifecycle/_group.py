@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_lifecycle._config import PauseMode, Tag
+from rollout_lifecycle._config import PauseMode, Tag, parse_tags
 from rollout_lifecycle._engine import EngineBackend, EngineHost
 from rollout_lifecycle._exceptions import IllegalEngineOp, InvalidArgument
 from rollout_lifecycle._outcome import EngineOutcome, Outcome
@@ -336,14 +336,14 @@ class EngineGroup:
         """Flush every paused engine, each retrying until ``deadline`` seconds pass."""
         return self._run("flush_cache", (deadline, retry_interval))
 
-    def release_memory(self, tags: Sequence[Tag]) -> list[PendingCall]:
+    def release_memory(self, tags: Sequence[Tag | str]) -> list[PendingCall]:
         """Release ``tags`` on every engine (none when the group does not need offload)."""
-        t = tuple(tags)
+        t = parse_tags(tags)
         return self._run("release_memory_occupation", (_tag_list(t),), tags=t)
 
-    def resume_memory(self, tags: Sequence[Tag]) -> list[PendingCall]:
+    def resume_memory(self, tags: Sequence[Tag | str]) -> list[PendingCall]:
         """Resume ``tags`` on every engine that released them."""
-        t = tuple(tags)
+        t = parse_tags(tags)
         return self._run("resume_memory_occupation", (_tag_list(t),), tags=t)
 
     def continue_generation(self) -> list[PendingCall]:

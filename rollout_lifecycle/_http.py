@@ -630,7 +630,7 @@ class SGLangHTTPEngine:
             except (httpx.HTTPError, httpx.InvalidURL, OSError) as exc:
                 failure = self._translate(exc, op, method, path, attempt)
             if response is not None:
-                failure = self._check_status(op, method, path, response, key)
+                failure = self._check_status(op, method, path, response, key, repeatable=retry)
             logger().debug(
                 "http.request",
                 engine=self._label,
@@ -704,6 +704,8 @@ class SGLangHTTPEngine:
         path: str,
         response: httpx.Response,
         key: tuple[str, Secret] | None,
+        *,
+        repeatable: bool,
     ) -> _Failure | None:
         status = response.status_code
         if response.is_success:
@@ -716,6 +718,13 @@ class SGLangHTTPEngine:
             )
             return _Failure(EngineRejected(self._label, op, said, 401), retryable=False)
         message = f"{method} {path} answered {status}: {self._detail(response)}"
+        if status in _RETRY_STATUSES and not repeatable:
+            # A gateway's 502/504 (or a 503 on the way) does not say the server did not do the
+            # call: it may have forwarded it and lost the answer. For a call that must not be
+            # repeated (a release twice kills), the effect is unknown, not refused.
+            return _Failure(
+                EngineUnreachable(self._label, op, f"{message}; effect unknown"), retryable=False
+            )
         return _Failure(
             EngineRejected(self._label, op, message, status), retryable=status in _RETRY_STATUSES
         )

@@ -465,7 +465,20 @@ class RolloutServer:
     async def _recover(self, factory: EngineFactory) -> dict[str, EngineOutcome]:
         broken = [r for g in self._groups for r in g.records if not r.alive or r.uncertain]
         state = self.state
-        target = self._settled_state(skip={r.id for r in broken}) if state is S.FAILED else state
+        skip = {r.id for r in broken}
+        target = self._settled_state(skip=skip) if state is S.FAILED else state
+        # Engines a late pause left paused (a failed drain could not continue them) are
+        # continued when the rest of the fleet is serving.
+        stuck = [
+            r
+            for g in self._groups
+            for r in g.live()
+            if r.id not in skip and r.paused and not (r.released | r.uncertain)
+        ]
+        if target is None and self._settled_state(skip=skip | {r.id for r in stuck}) is S.SERVING:
+            target = S.SERVING
+        else:
+            stuck = [] if target is not S.SERVING else stuck
         if target is None or target in (S.PAUSING, S.KV_RESTORED):
             raise IllegalTransition(
                 "recover",
@@ -484,12 +497,27 @@ class RolloutServer:
             log.info("engine.replaced", engine=record.id, target=target.value)
             await _retire(old, self._config.deadlines.probe)
         outcomes = await self._bring_up([r for r, _ in replacements], target)
+        if stuck:
+            late = [self._stragglers[r.id] for r in stuck if r.id in self._stragglers]
+            if late:
+                await asyncio.wait(late, timeout=self._config.deadlines.pause)
+            stuck = [r for r in stuck if r.id not in self._stragglers]
+            calls = [
+                c
+                for g in self._groups
+                for c in g._issue([r for r in stuck if r.group == g.name], "continue_generation")
+            ]
+            outcomes.update(
+                await self._settle("recover_continue", calls, self._config.deadlines.continue_)
+            )
         if not self._succeeded(outcomes):
             if state is not S.FAILED:
                 await self._fire("fail")
             raise PhaseFailed("recover", outcomes, S.FAILED.value)
         if state is S.FAILED:
             await self._advance("reset")
+            if self.state is S.FAILED:
+                raise IllegalTransition("recover", S.FAILED.value, [])  # records still disagree
         return outcomes
 
     async def _bring_up(
@@ -705,6 +733,9 @@ class RolloutServer:
         late = [self._stragglers[r.id] for r in targets if r.id in self._stragglers]
         if late:
             await asyncio.wait(late, timeout=deadline)
+        # A pause still in flight would overtake a continue sent now: such an engine is left
+        # paused (as recorded) for recover() to continue once the pause has landed.
+        targets = [r for r in targets if r.id not in self._stragglers]
         calls = [
             c
             for g in self._groups

@@ -622,7 +622,9 @@ async def test_retries_are_bounded(name: str, call: Call) -> None:
 @pytest.mark.parametrize(
     ("failure", "expected"),
     [
-        (UNAVAILABLE, EngineRejected),
+        # A 503 on a call that must not repeat: the effect is unknown (a gateway may have
+        # forwarded it), so it is not a refusal.
+        (UNAVAILABLE, EngineUnreachable),
         (REFUSED, EngineDead),
         (raising(httpx.ReadError), EngineUnreachable),
         (raising(httpx.ReadTimeout), EngineTimeout),
