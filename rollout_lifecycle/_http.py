@@ -775,12 +775,12 @@ class SGLangHTTPEngine:
             )
 
     def _expect_no_refusal(self, op: str, response: httpx.Response) -> None:
-        """A 2xx whose body the contract gives no use for (``null``, ``{"status": "ok"}``, text):
-        accepted unless it is a JSON object that says the call failed."""
-        try:
-            data = response.json()
-        except ValueError:
+        """A 2xx whose body the contract gives no use for (``null``, ``{"status": "ok"}``):
+        accepted unless it says the call failed. An empty body is accepted; a body that is not
+        JSON is garbage (something other than SGLang answered), and the effect is unknown."""
+        if not response.content.strip():
             return
+        data = self._json(op, response.request.url.path, response)
         if not isinstance(data, dict):
             return
         refused = data.get("success") is False or (
