@@ -290,7 +290,7 @@ class EngineGroup:
         calls: list[PendingCall] = []
         for record in chosen:
             start = time.monotonic()
-            calls.append(PendingCall(record, op, tags, mode, _send(record.handle, op, args), start))
+            calls.append(PendingCall(record, op, tags, mode, send_to_engine(record.handle, op, args), start))
         return calls
 
     def preflight(self, op: str, tags: Sequence[Tag] = ()) -> None:
@@ -379,7 +379,8 @@ def _as_handle(engine: Any, group: str, index: int) -> Any:
     )
 
 
-def _send(handle: Any, op: str, args: tuple[Any, ...]) -> Awaitable[Any]:
+def send_to_engine(handle: Any, op: str, args: tuple[Any, ...] = ()) -> Awaitable[Any]:
+    """Issue ``op(*args)`` to an engine handle (Ray actor or ``EngineHost``); do not wait."""
     if isinstance(handle, EngineHost):
         task: Awaitable[Any] = asyncio.ensure_future(getattr(handle, op)(*args))
         return task
