@@ -30,6 +30,7 @@ from rollout_lifecycle._exceptions import (
     InvalidArgument,
     LifecycleError,
     PhaseFailed,
+    StaleWeights,
 )
 from rollout_lifecycle._group import EngineGroup, EngineSnapshot
 from rollout_lifecycle._http import HTTPTimeouts, SGLangHTTPEngine, sglang_http_factory
@@ -38,6 +39,7 @@ from rollout_lifecycle._outcome import EngineOutcome, Outcome
 from rollout_lifecycle._secret import Secret
 from rollout_lifecycle._server import (
     HOOK_EVENTS,
+    HOOK_PHASES,
     GroupSnapshot,
     LifecycleEvent,
     RolloutServer,
@@ -46,12 +48,14 @@ from rollout_lifecycle._server import (
 )
 from rollout_lifecycle._simulated import SimulatedEngine
 from rollout_lifecycle._states import TRANSITIONS, ServerState, mermaid
+from rollout_lifecycle._weights import FromDisk, FromDistributed, FromTensor, WeightPushFailed
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ALL_TAGS",
     "HOOK_EVENTS",
+    "HOOK_PHASES",
     "KV_TAGS",
     "TRANSITIONS",
     "WEIGHT_TAGS",
@@ -69,6 +73,9 @@ __all__ = [
     "EngineSnapshot",
     "EngineTimeout",
     "EngineUnreachable",
+    "FromDisk",
+    "FromDistributed",
+    "FromTensor",
     "GroupSnapshot",
     "HTTPTimeouts",
     "HookFailed",
@@ -88,7 +95,9 @@ __all__ = [
     "ServerSnapshot",
     "ServerState",
     "SimulatedEngine",
+    "StaleWeights",
     "Tag",
+    "WeightPushFailed",
     "WeightUpdate",
     "__version__",
     "launched_sglang_factory",

@@ -87,6 +87,21 @@ class HookFailed(LifecycleError):
         super().__init__(f"hook {hook} for event {event!r} raised (server stays {state!r})")
 
 
+class StaleWeights(LifecycleError):
+    """Engines do not report the expected weight version; generation stays paused on them."""
+
+    def __init__(self, expected: str | None, engines: Mapping[str, str | None]) -> None:
+        self._init = (expected, dict(engines))
+        self.expected = expected
+        self.engines = dict(engines)
+        found = ", ".join(f"{k} has {v!r}" for k, v in sorted(self.engines.items()))
+        want = f"weight version {expected!r}" if expected is not None else "new weights"
+        super().__init__(
+            f"{len(self.engines)} engine(s) lack {want} ({found}); generation stays paused "
+            f"until update_weights() reaches them"
+        )
+
+
 class EngineError(LifecycleError):
     """An engine could not carry out a call."""
 

@@ -290,7 +290,9 @@ class EngineGroup:
         calls: list[PendingCall] = []
         for record in chosen:
             start = time.monotonic()
-            calls.append(PendingCall(record, op, tags, mode, send_to_engine(record.handle, op, args), start))
+            calls.append(
+                PendingCall(record, op, tags, mode, send_to_engine(record.handle, op, args), start)
+            )
         return calls
 
     def preflight(self, op: str, tags: Sequence[Tag] = ()) -> None:

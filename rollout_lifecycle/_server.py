@@ -33,6 +33,7 @@ from rollout_lifecycle._exceptions import (
     InvalidArgument,
     LifecycleError,
     PhaseFailed,
+    StaleWeights,
 )
 from rollout_lifecycle._group import EngineGroup, EngineRecord, EngineSnapshot, PendingCall
 from rollout_lifecycle._outcome import EngineOutcome, Outcome, classify
@@ -46,8 +47,21 @@ Hook = Callable[["LifecycleEvent"], Any]
 EngineFactory = Callable[[str], Any]
 WeightPush = Callable[["WeightUpdate"], Any]
 
-#: The events hooks can subscribe to: entering each state.
-HOOK_EVENTS: tuple[str, ...] = tuple(s.value for s in ServerState)
+#: Phases with ``before_<phase>`` / ``after_<phase>`` hook events, in the order a cycle runs them.
+HOOK_PHASES: tuple[str, ...] = (
+    "pause",
+    "flush",
+    "release",
+    "resume_weights",
+    "update_weights",
+    "resume_kv",
+    "continue",
+)
+#: The events hooks can subscribe to: entering each state, and before / after each phase.
+HOOK_EVENTS: tuple[str, ...] = (
+    *(s.value for s in ServerState),
+    *(f"{when}_{phase}" for phase in HOOK_PHASES for when in ("before", "after")),
+)
 
 
 @dataclass(frozen=True)
@@ -58,6 +72,8 @@ class LifecycleEvent:
     state: ServerState
     previous: ServerState
     server: RolloutServer
+    #: The phase, for ``before_<phase>`` / ``after_<phase>`` events.
+    phase: str | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +120,9 @@ class _Operation:
     call: str
     cancelled: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
+    #: Phases whose ``before_`` hooks ran in the transition in progress (their ``after_``
+    #: hooks run once it completes).
+    phases: list[str] = field(default_factory=list)
 
 
 _CURRENT: contextvars.ContextVar[tuple[RolloutServer, _Operation] | None] = contextvars.ContextVar(
@@ -199,6 +218,8 @@ class RolloutServer:
         #: Calls that missed their phase's deadline and may still land, by engine id.
         self._stragglers: dict[str, asyncio.Future[Any]] = {}
         self._metrics: dict[str, float] = {}
+        self._expected_version: str | None = None
+        self._last_outcomes: dict[str, EngineOutcome] = {}
         self._model = _Machine(self)
         self._machine = AsyncMachine(
             model=self._model,
@@ -235,6 +256,12 @@ class RolloutServer:
         return ServerState(self._model.state)
 
     @property
+    def expected_version(self) -> str | None:
+        """The version of the last versioned weight update; generation continues only on
+        engines that report it."""
+        return self._expected_version
+
+    @property
     def metrics(self) -> dict[str, float]:
         """Timings of the last completed call of each kind, as a flat dict."""
         return dict(self._metrics)
@@ -266,11 +293,16 @@ class RolloutServer:
     # -- hooks --------------------------------------------------------------------------------
 
     def on(self, event: str | ServerState, hook: Hook) -> Callable[[], None]:
-        """Call ``hook(LifecycleEvent)`` (sync or async) whenever the server enters ``event``.
+        """Call ``hook(LifecycleEvent)`` (sync or async) on ``event``; returns its remover.
 
-        Returns a function that removes the hook. Hooks run in registration order, after the
-        state is entered; a hook that raises leaves the server in that state and the call that
-        entered it raises ``HookFailed``. Hooks may call the server's own methods.
+        Events: a state's name (entering it), ``before_<phase>`` and ``after_<phase>`` for the
+        phases of ``HOOK_PHASES``. Order within a transition: ``before_<phase>`` hooks run just
+        before the phase's first engine call is sent; once the transition has completed (the
+        state changed) the ``after_<phase>`` hooks of its phases run in phase order, then the
+        hooks of the state entered. Hooks of one event run in registration order. A hook that
+        raises stops the call with ``HookFailed`` and leaves the server in the last state it
+        completed (a ``before_`` hook's phase sends nothing; a drain refused by a hook
+        continues what it paused and returns to ``serving``). Hooks may call the server.
         """
         key = event.value if isinstance(event, ServerState) else event
         if key not in self._hooks:
@@ -413,8 +445,7 @@ class RolloutServer:
         groups = self._offload_groups()
         self._preflight_offload(groups)
         if state is S.SERVING:
-            await self._advance("pause")
-            await self._advance("drain", groups=groups)
+            await self._pause_and_drain(groups)
         await self._advance("release")
 
     async def _onload_weights(self) -> None:
@@ -453,8 +484,16 @@ class RolloutServer:
         if self.state is S.DRAINED:
             return
         self._require("pause")
+        await self._pause_and_drain(self._groups)
+
+    async def _pause_and_drain(self, groups: Sequence[EngineGroup]) -> None:
         await self._advance("pause")
-        await self._advance("drain", groups=self._groups)
+        try:
+            await self._advance("drain", groups=groups)
+        except HookFailed:
+            if self.state is S.PAUSING:  # the hook stopped the drain; what it paused is continued
+                await self._fire("abandon")
+            raise
 
     async def _resume(self) -> None:
         if self.state is S.SERVING:
@@ -592,37 +631,52 @@ class RolloutServer:
         previous = self.state
         log = logger().bind(server=self._name, transition=trigger)
         log.debug("transition.start", state=previous.value)
+        phases: list[str] = []
+        if current is not None:
+            current[1].phases = phases
         try:
             await self._fire(trigger, **kwargs)
-        except (IllegalEngineOp, InvalidArgument, HookFailed):
+        except (IllegalEngineOp, InvalidArgument, HookFailed, StaleWeights):
             raise  # refused before any engine was touched, or the user's code: no failure
         except BaseException as exc:
             if previous is not S.FAILED and not isinstance(exc, asyncio.CancelledError):
                 await self._fire("fail")
                 log.warning("transition.failed", state=previous.value, error=str(exc))
-                await self._run_hooks(S.FAILED, previous)
+                await self._run_hooks(S.FAILED.value, S.FAILED, previous)
             raise
         state = self.state
         log.info("state.enter", state=state.value, previous=previous.value)
+        for phase in phases:
+            await self._run_hooks(f"after_{phase}", state, previous, phase)
         if state is not previous:
-            await self._run_hooks(state, previous)
+            await self._run_hooks(state.value, state, previous)
 
     async def _fire(self, trigger: str, **kwargs: Any) -> None:
         # transitions adds one coroutine method per trigger to the model.
         await getattr(self._model, trigger)(**kwargs)
 
-    async def _run_hooks(self, state: ServerState, previous: ServerState) -> None:
-        for hook in list(self._hooks[state.value]):
+    async def _run_hooks(
+        self, event: str, state: ServerState, previous: ServerState, phase: str | None = None
+    ) -> None:
+        for hook in list(self._hooks[event]):
             try:
-                result = hook(LifecycleEvent(state.value, state, previous, self))
+                result = hook(LifecycleEvent(event, state, previous, self, phase))
                 if inspect.isawaitable(result):
                     await result
             except Exception as exc:
                 name = getattr(hook, "__qualname__", repr(hook))
                 logger().warning(
-                    "hook.failed", server=self._name, state=state.value, hook=name, error=str(exc)
+                    "hook.failed", server=self._name, hook_event=event, hook=name, error=str(exc)
                 )
-                raise HookFailed(state.value, name, self.state.value) from exc
+                raise HookFailed(event, name, self.state.value) from exc
+
+    async def _before(self, phase: str) -> None:
+        """Run the ``before_<phase>`` hooks; the phase's ``after_`` hooks follow the transition."""
+        state = self.state
+        await self._run_hooks(f"before_{phase}", state, state, phase)
+        current = _CURRENT.get()
+        if current is not None:
+            current[1].phases.append(phase)
 
     async def _serialized(self, call: str, body: Callable[[], Awaitable[None]]) -> dict[str, float]:
         current = _CURRENT.get()
@@ -703,6 +757,7 @@ class RolloutServer:
 
     async def _drain(self, groups: Sequence[EngineGroup]) -> None:
         mode = self._config.pause_mode
+        await self._before("pause")
         calls = [c for g in groups for c in g.pause_generation(mode)]
         outcomes = await self._settle("pause", calls, self._config.deadlines.pause)
         if not self._succeeded(outcomes):
@@ -710,6 +765,14 @@ class RolloutServer:
             raise PhaseFailed("pause", self._with_unattempted(outcomes, calls), S.FAILED.value)
         if mode is PauseMode.IN_PLACE:
             return  # requests keep their KV cache: flush would be refused, and is not needed
+        try:
+            await self._before("flush")
+        except HookFailed:
+            if not await self._undo_pause(always=True):
+                raise PhaseFailed(
+                    "continue_after_hook", self._last_outcomes, S.FAILED.value
+                ) from None
+            raise
         deadlines = self._config.deadlines
         interval = self._config.flush_retry_interval
         calls = [c for g in groups for c in g.flush_cache(deadlines.flush, interval)]
@@ -720,10 +783,14 @@ class RolloutServer:
             await self._undo_pause()
             raise PhaseFailed("flush", outcomes, S.FAILED.value)
 
-    async def _undo_pause(self) -> None:
-        """After a failed drain, continue the engines that were paused (nothing is released)."""
-        if not self._config.continue_on_failure:
-            return
+    async def _undo_pause(self, *, always: bool = False) -> bool:
+        """Continue the engines a drain paused (nothing is released); True if none stays paused.
+
+        After a failed drain this follows ``continue_on_failure``; ``always`` is for a drain a
+        hook refused, which must return to ``serving``.
+        """
+        if not (always or self._config.continue_on_failure):
+            return False
         deadline = self._config.deadlines.continue_
         targets = [
             r for g in self._groups for r in g.live() if r.paused and not (r.released | r.uncertain)
@@ -741,13 +808,17 @@ class RolloutServer:
             for g in self._groups
             for c in g._issue([r for r in targets if r.group == g.name], "continue_generation")
         ]
-        await self._settle("continue_after_failure", calls, deadline)
+        self._last_outcomes = await self._settle("continue_after_failure", calls, deadline)
+        return self._succeeded(self._last_outcomes) and not any(
+            r.paused for g in self._groups for r in g.live()
+        )
 
     async def _release(self) -> None:
         tags = self._config.release_tags
         groups = self._offload_groups()
         for group in groups:
             group.preflight("release_memory_occupation", tags)
+        await self._before("release")
         calls = [c for g in groups for c in g.release_memory(tags)]
         outcomes = await self._settle("release", calls, self._config.deadlines.release)
         if not self._succeeded(outcomes):
@@ -759,11 +830,13 @@ class RolloutServer:
             tags = tuple(t for t in released if t in WEIGHT_TAGS)
         else:
             tags = tuple(t for t in released if t not in WEIGHT_TAGS)
-        if not tags:
-            return
         groups = self._offload_groups()
         for group in groups:
-            group.preflight("resume_memory_occupation", tags)
+            if tags:
+                group.preflight("resume_memory_occupation", tags)
+        await self._before(f"resume_{which}")
+        if not tags:
+            return
         calls = [c for g in groups for c in g.resume_memory(tags)]
         outcomes = await self._settle(f"resume_{which}", calls, self._config.deadlines.resume)
         if not self._succeeded(outcomes):
@@ -772,15 +845,50 @@ class RolloutServer:
     async def _continue(self) -> None:
         for group in self._groups:
             group.preflight("continue_generation")
+        targets = [r for g in self._groups for r in g.live() if r.paused]
+        await self._check_versions(targets)
+        await self._before("continue")
         calls = [c for g in self._groups for c in g.continue_generation()]
         outcomes = await self._settle("continue", calls, self._config.deadlines.continue_)
         if not self._succeeded(outcomes):
             raise PhaseFailed("continue", outcomes, S.FAILED.value)
 
+    async def _check_versions(self, targets: Sequence[EngineRecord]) -> None:
+        """Refuse to continue engines without the expected weights (``StaleWeights``).
+
+        An engine must report the version of the last versioned update, and a replacement must
+        have received an update since it joined. Nothing is continued when one lacks them.
+        """
+        expected = self._expected_version
+        stale = {r.id: None for r in targets if r.stale}
+        if expected is not None and targets:
+            calls = [
+                c
+                for g in self._groups
+                for c in g._issue([r for r in targets if r.group == g.name], "weight_version")
+            ]
+            outcomes = await self._settle("check_versions", calls, self._config.deadlines.probe)
+            for call in calls:
+                record = call.record
+                if not outcomes[record.id].ok:
+                    raise PhaseFailed("check_versions", outcomes, S.FAILED.value)
+                found = await call.ref  # settled: returns at once
+                if found == expected:
+                    stale.pop(record.id, None)
+                    record.stale = False
+                else:
+                    stale[record.id] = found
+        if stale:
+            raise StaleWeights(expected, stale)
+
     async def _write_weights(self, push: WeightPush, version: str | None) -> None:
         deadlines = self._config.deadlines
         for group in self._groups:
             group.preflight("update_weights")
+        await self._before("update_weights")
+        if version is not None:
+            # From here on generation continues only on engines that report this version.
+            self._expected_version = version
         # Engines still serving (groups that keep their memory) are paused around the write.
         serving = [r for g in self._groups for r in g.live() if not r.paused]
         if serving:
@@ -790,45 +898,51 @@ class RolloutServer:
                 targets = [r for r in group.live() if not r.paused]
                 calls.extend(group._issue(targets, "pause_generation", (mode.value,), mode=mode))
             await self._require_all("pause_for_update", calls, deadlines.pause)
+        calls = [c for g in self._groups for c in g.begin_weight_update()]
+        await self._require_all("begin_weight_update", calls, deadlines.weight_update)
+        engines = {r.id: r.handle for g in self._groups for r in g.live()}
         try:
-            calls = [c for g in self._groups for c in g.begin_weight_update()]
-            await self._require_all("begin_weight_update", calls, deadlines.weight_update)
-            engines = {r.id: r.handle for g in self._groups for r in g.live()}
-            try:
-                await self._call_push(push, WeightUpdate(version, engines))
-            finally:
-                calls = [c for g in self._groups for c in g.end_weight_update()]
-                await self._require_all("end_weight_update", calls, deadlines.weight_update)
-            if version is not None:
-                calls = [c for g in self._groups for c in g.update_weight_version(version)]
-                await self._require_all("update_weight_version", calls, deadlines.weight_update)
-            # The prefix cache holds KV computed with the old weights: drop it wherever the KV
-            # cache is resident (a released KV cache comes back empty).
-            calls = []
-            for group in self._groups:
-                targets = [
-                    r
-                    for r in group.live()
-                    if not (r.released | r.uncertain) and r.pause_mode is not PauseMode.IN_PLACE
-                ]
-                calls.extend(
-                    group._issue(
-                        targets, "flush_cache", (deadlines.flush, self._config.flush_retry_interval)
-                    )
-                )
-            await self._require_all("flush_after_update", calls, deadlines.flush + deadlines.probe)
+            await self._call_push(push, WeightUpdate(version, engines))
         finally:
-            if serving:
-                targets_ids = {r.id for r in serving}
-                calls = []
-                for group in self._groups:
-                    targets = [r for r in group.live() if r.id in targets_ids and r.paused]
-                    calls.extend(
-                        group._issue(
-                            targets, "continue_generation", check=EngineRecord.check_continue
-                        )
-                    )
-                await self._require_all("continue_after_update", calls, deadlines.continue_)
+            calls = [c for g in self._groups for c in g.end_weight_update()]
+            await self._require_all("end_weight_update", calls, deadlines.weight_update)
+        if version is not None:
+            calls = [c for g in self._groups for c in g.update_weight_version(version)]
+            await self._require_all("update_weight_version", calls, deadlines.weight_update)
+        else:
+            for group in self._groups:
+                for record in group.live():
+                    record.stale = False  # unversioned: having been written to is all we know
+        # The prefix cache holds KV computed with the old weights: drop it wherever the KV
+        # cache is resident (a released KV cache comes back empty).
+        calls = []
+        for group in self._groups:
+            targets = [
+                r
+                for r in group.live()
+                if not (r.released | r.uncertain) and r.pause_mode is not PauseMode.IN_PLACE
+            ]
+            calls.extend(
+                group._issue(
+                    targets, "flush_cache", (deadlines.flush, self._config.flush_retry_interval)
+                )
+            )
+        await self._require_all("flush_after_update", calls, deadlines.flush + deadlines.probe)
+        # Only a complete write continues what it paused, and only on the expected weights; on
+        # any failure those engines stay paused until the next continue checks them again.
+        resumed = [r for r in serving if r.alive and r.paused]
+        if resumed:
+            await self._check_versions(resumed)
+            calls = [
+                c
+                for g in self._groups
+                for c in g._issue(
+                    [r for r in resumed if r.group == g.name],
+                    "continue_generation",
+                    check=EngineRecord.check_continue,
+                )
+            ]
+            await self._require_all("continue_after_update", calls, deadlines.continue_)
 
     async def _call_push(self, push: WeightPush, update: WeightUpdate) -> None:
         start = time.monotonic()

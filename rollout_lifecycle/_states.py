@@ -33,6 +33,8 @@ S = ServerState
 #: written, and it is only legal where the weights are resident (invariant 5).
 TRANSITIONS: tuple[dict[str, Any], ...] = (
     {"trigger": "pause", "source": S.SERVING, "dest": S.PAUSING},
+    # A hook refused the drain before anything was left paused: back to serving.
+    {"trigger": "abandon", "source": S.PAUSING, "dest": S.SERVING},
     {"trigger": "drain", "source": S.PAUSING, "dest": S.DRAINED, "before": "_phase_drain"},
     {"trigger": "release", "source": S.DRAINED, "dest": S.RELEASED, "before": "_phase_release"},
     {
@@ -43,7 +45,7 @@ TRANSITIONS: tuple[dict[str, Any], ...] = (
     },
     {
         "trigger": "write_weights",
-        "source": [S.DRAINED, S.WEIGHTS_RESTORED],
+        "source": [S.DRAINED, S.WEIGHTS_RESTORED, S.KV_RESTORED],
         "dest": None,
         "before": "_phase_write_weights",
     },

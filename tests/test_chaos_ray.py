@@ -12,11 +12,13 @@ import ray
 from rollout_lifecycle import (
     DeadEnginePolicy,
     EngineGroup,
+    FromDisk,
     LifecycleConfig,
     Outcome,
     PhaseFailed,
     RolloutServer,
     ServerState,
+    StaleWeights,
 )
 from rollout_lifecycle._simulated import DEFAULT_MEMORY_BYTES
 
@@ -39,6 +41,20 @@ def factory_for(fleet: Fleet, made: list[str]) -> Callable[[str], Any]:
         return actor
 
     return make
+
+
+async def onload_with_weights(server: RolloutServer) -> None:
+    """A replacement is stale: generation continues only once it has received weights."""
+    if server.state is ServerState.RELEASED:
+        await asyncio.wait_for(server.onload_weights(), timeout=60)
+    if server.state is not ServerState.SERVING:
+        with pytest.raises(StaleWeights, match="actor/"):
+            await server.onload()
+        await asyncio.wait_for(server.update_weights(FromDisk("/ckpt/1"), "v1"), timeout=60)
+        await asyncio.wait_for(server.onload(), timeout=60)
+    assert not any(e.stale for e in server.snapshot().engines().values()) or (
+        server.expected_version is None and server.state is ServerState.SERVING
+    )
 
 
 async def assert_fleet_whole_and_serving(server: RolloutServer) -> None:
@@ -99,7 +115,7 @@ async def test_engine_killed_mid_phase_is_named_and_recover_restores_the_fleet(
     assert replaced.alive and replaced.stale
     assert replaced.released == healthy[0].released
     assert replaced.paused == healthy[0].paused
-    await asyncio.wait_for(server.onload(), timeout=60)
+    await onload_with_weights(server)
     await assert_fleet_whole_and_serving(server)
 
 
@@ -121,7 +137,7 @@ async def test_skip_policy_goes_on_without_a_dead_engine_then_recovers_it(fleet:
     assert server.snapshot().engines()["actor/0"].released == ("weights", "kv_cache", "cuda_graph")
     memory = await server.engines()["actor/0"].memory.remote()
     assert memory == {"weights": 0, "kv_cache": 0, "cuda_graph": 0}
-    await asyncio.wait_for(server.onload(), timeout=60)
+    await onload_with_weights(server)
     await assert_fleet_whole_and_serving(server)
 
 

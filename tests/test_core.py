@@ -43,7 +43,12 @@ def test_server_states_are_exactly_the_designed_names() -> None:
 
 
 def test_transition_table_allows_weight_writes_only_where_weights_are_resident() -> None:
-    assert set(sources_of("write_weights")) == {ServerState.DRAINED, ServerState.WEIGHTS_RESTORED}
+    assert set(sources_of("write_weights")) == {
+        ServerState.DRAINED,
+        ServerState.WEIGHTS_RESTORED,
+        ServerState.KV_RESTORED,
+    }
+    assert ServerState.RELEASED not in sources_of("write_weights")
     assert sources_of("restore_kv") == (ServerState.WEIGHTS_RESTORED,)
     assert set(sources_of("resume")) == {ServerState.DRAINED, ServerState.KV_RESTORED}
     assert ServerState.FAILED not in sources_of("fail")

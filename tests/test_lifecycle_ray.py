@@ -198,7 +198,7 @@ async def test_illegal_calls_raise_and_send_nothing(fleet: Fleet) -> None:
     with pytest.raises(IllegalTransition) as err:
         await server.update_weights(disk_push, version="v1")
     assert err.value.state == "released"
-    assert set(err.value.allowed) == {"drained", "weights_restored"}
+    assert set(err.value.allowed) == {"drained", "weights_restored", "kv_restored"}
     with pytest.raises(IllegalTransition):
         await server.onload_kv()  # weights must come back before the KV cache
     with pytest.raises(IllegalTransition):

@@ -1,0 +1,133 @@
+"""Built-in weight-update strategies for ``RolloutServer.update_weights``.
+
+Each is a callable taking the ``WeightUpdate`` the server passes to a push: it writes to every
+engine in parallel, with ``flush_cache`` and ``abort_all_requests`` false (the server flushes
+the prefix cache itself once every engine has the new weights), and names every engine that
+failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rollout_lifecycle._exceptions import InvalidArgument, LifecycleError
+from rollout_lifecycle._group import send_to_engine
+from rollout_lifecycle._outcome import classify
+
+if TYPE_CHECKING:
+    from rollout_lifecycle._server import WeightUpdate
+
+
+class WeightPushFailed(LifecycleError):
+    """Some engines did not take the new weights; ``failures`` says why, by engine id."""
+
+    def __init__(self, strategy: str, failures: Mapping[str, str]) -> None:
+        self._init = (strategy, dict(failures))
+        self.strategy = strategy
+        self.failures = dict(failures)
+        detail = "; ".join(f"{k}: {v}" for k, v in sorted(self.failures.items()))
+        super().__init__(f"{strategy} failed on {len(self.failures)} engine(s): {detail}")
+
+
+async def _write_all(
+    strategy: str, update: WeightUpdate, op: str, args_for: Mapping[str, tuple[Any, ...]]
+) -> None:
+    ids = list(args_for)
+    results = await asyncio.gather(
+        *(send_to_engine(update.engines[i], op, args_for[i]) for i in ids), return_exceptions=True
+    )
+    failures = {
+        i: str(classify(r))
+        for i, r in zip(ids, results, strict=True)
+        if isinstance(r, BaseException)
+    }
+    if failures:
+        raise WeightPushFailed(strategy, failures)
+
+
+def _nonempty(name: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidArgument(f"{name} must be a non-empty string, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class FromDisk:
+    """Every engine loads ``model_path`` (``/update_weights_from_disk``)."""
+
+    model_path: str
+
+    def __post_init__(self) -> None:
+        _nonempty("model_path", self.model_path)
+
+    async def __call__(self, update: WeightUpdate) -> None:
+        args = (self.model_path, update.version, False)
+        await _write_all(
+            "FromDisk", update, "update_weights_from_disk", dict.fromkeys(update.engines, args)
+        )
+
+
+@dataclass(frozen=True)
+class FromTensor:
+    """Every engine receives serialized tensors (``/update_weights_from_tensor``).
+
+    ``payload`` is one list of base64 strings (one per tensor-parallel rank) for every engine,
+    or a mapping from engine id to its own list.
+    """
+
+    payload: Sequence[str] | Mapping[str, Sequence[str]]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.payload, str) or not isinstance(self.payload, Sequence | Mapping):
+            raise InvalidArgument(
+                f"payload must be a list of serialized tensors or a mapping of them by engine id, "
+                f"got {type(self.payload).__name__}"
+            )
+
+    async def __call__(self, update: WeightUpdate) -> None:
+        if isinstance(self.payload, Mapping):
+            missing = sorted(set(update.engines) - set(self.payload))
+            if missing:
+                raise InvalidArgument(f"FromTensor has no payload for engines {missing}")
+            args = {i: (list(self.payload[i]), update.version, False) for i in update.engines}
+        else:
+            args = dict.fromkeys(update.engines, (list(self.payload), update.version, False))
+        await _write_all("FromTensor", update, "update_weights_from_tensor", args)
+
+
+@dataclass(frozen=True)
+class FromDistributed:
+    """Every engine receives tensors over collective group ``group_name``
+    (``/update_weights_from_distributed``); the trainer broadcasts them meanwhile."""
+
+    names: Sequence[str]
+    dtypes: Sequence[str]
+    shapes: Sequence[Sequence[int]]
+    group_name: str
+
+    def __post_init__(self) -> None:
+        _nonempty("group_name", self.group_name)
+        if not (len(self.names) == len(self.dtypes) == len(self.shapes)) or not self.names:
+            raise InvalidArgument(
+                f"names, dtypes and shapes must be non-empty and of one length, got "
+                f"{len(self.names)}, {len(self.dtypes)} and {len(self.shapes)}"
+            )
+
+    async def __call__(self, update: WeightUpdate) -> None:
+        args = (
+            list(self.names),
+            list(self.dtypes),
+            [list(s) for s in self.shapes],
+            self.group_name,
+            update.version,
+            False,
+        )
+        await _write_all(
+            "FromDistributed",
+            update,
+            "update_weights_from_distributed",
+            dict.fromkeys(update.engines, args),
+        )

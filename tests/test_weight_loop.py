@@ -1,0 +1,201 @@
+"""The weight-update loop: phase hooks, versioned updates, stale engines, the slime-order defect."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rollout_lifecycle import (
+    EngineGroup,
+    FromDisk,
+    HookFailed,
+    IllegalEngineOp,
+    IllegalTransition,
+    LifecycleEvent,
+    RolloutServer,
+    ServerState,
+    SimulatedEngine,
+    StaleWeights,
+    WeightPushFailed,
+    WeightUpdate,
+)
+from rollout_lifecycle._faults import FaultyEngine
+
+
+def sims(n: int, label: str = "e") -> list[SimulatedEngine]:
+    return [SimulatedEngine(f"{label}{i}", token_latency=0.001) for i in range(n)]
+
+
+def ops(engine: SimulatedEngine) -> list[str]:
+    return [e["op"] for e in engine.history()]
+
+
+async def test_generation_cannot_continue_after_the_update_while_kv_is_released() -> None:
+    """slime's order (update weights, then continue, with KV still released) is refused."""
+    engines = sims(3)
+    group = EngineGroup("actor", engines)
+    server = RolloutServer([group])
+    await server.offload()
+    await server.onload_weights()
+    await server.update_weights(FromDisk("/ckpt/1"), version="v1")
+    assert server.state is ServerState.WEIGHTS_RESTORED
+    with pytest.raises(IllegalTransition) as err:
+        await server.resume()
+    assert err.value.state == "weights_restored"
+    with pytest.raises(IllegalEngineOp, match="kv_cache"):
+        group.continue_generation()
+
+    async def continue_too_early(event: LifecycleEvent) -> None:
+        await event.server.resume()
+
+    remove = server.on("after_update_weights", continue_too_early)
+    with pytest.raises(HookFailed) as hook_err:
+        await server.update_weights(FromDisk("/ckpt/1"), version="v1")
+    assert isinstance(hook_err.value.__cause__, IllegalTransition)
+    remove()
+    assert all("continue_generation" not in ops(e) for e in engines)
+    assert all(not e.dead for e in engines)
+    await server.onload_kv()
+    assert server.state is ServerState.SERVING
+
+
+async def test_after_n_steps_every_engine_reports_version_n() -> None:
+    actor, reward = sims(3, "a"), sims(2, "r")
+    server = RolloutServer(
+        [EngineGroup("actor", actor), EngineGroup("reward", reward, needs_offload=False)]
+    )
+    for step in range(1, 6):
+        await server.offload()
+        await server.onload_weights()
+        await server.update_weights(FromDisk(f"/ckpt/{step}"), version=f"step-{step}")
+        await server.onload_kv()
+    versions = await asyncio.gather(*(e.weight_version() for e in actor + reward))
+    assert versions == ["step-5"] * 5
+    assert server.expected_version == "step-5"
+    for engine in reward:  # paused around each write, continued after it, never released
+        history = ops(engine)
+        assert "release_memory_occupation" not in history
+        assert history.count("pause_generation") == history.count("continue_generation") == 5
+        assert not (await engine.server_info())["paused"]
+
+
+async def test_an_engine_that_missed_the_update_blocks_continue_with_stale_weights() -> None:
+    inner = sims(3)
+    engines = [FaultyEngine(e) for e in inner]
+    server = RolloutServer([EngineGroup("actor", engines)])
+    await server.offload()
+    await server.onload_weights()
+    engines[1].arm("update_weights_from_disk", "reject")
+    with pytest.raises(HookFailed) as err:
+        await server.update_weights(FromDisk("/ckpt/2"), version="v2")
+    assert isinstance(err.value.__cause__, WeightPushFailed)
+    assert list(err.value.__cause__.failures) == ["actor/1"]
+    with pytest.raises(StaleWeights) as stale:
+        await server.onload_kv()
+    assert stale.value.engines == {"actor/1": "0"} and stale.value.expected == "v2"
+    assert server.state is ServerState.KV_RESTORED  # KV is back; generation stays paused
+    infos = [await e.server_info() for e in inner]
+    assert all(i["paused"] for i in infos)
+    await server.update_weights(FromDisk("/ckpt/2"), version="v2")  # the retry reaches it
+    await server.onload_kv()
+    assert server.state is ServerState.SERVING
+    assert [await e.weight_version() for e in inner] == ["v2"] * 3
+
+
+async def test_the_prefix_cache_is_flushed_after_each_update() -> None:
+    engines = sims(2)
+    server = RolloutServer([EngineGroup("actor", engines)])
+    for step in range(3):
+        await asyncio.gather(
+            *(e.generate({"input_ids": [1, 2, step], "sampling_params": {}}) for e in engines)
+        )
+        assert all(e.stats()["prefix_cache_size"] > 0 for e in engines)
+        async with server.paused():  # a non-colocated sync keeps the KV cache resident
+            await server.update_weights(FromDisk(f"/ckpt/{step}"), version=f"v{step}")
+        assert all(e.stats()["prefix_cache_size"] == 0 for e in engines)
+        for engine in engines:
+            history = ops(engine)
+            last_write = max(i for i, op in enumerate(history) if op == "update_weights_from_disk")
+            assert "flush_cache" in history[last_write:]
+
+
+async def test_phase_hooks_run_in_the_documented_order() -> None:
+    server = RolloutServer([EngineGroup("actor", sims(2))])
+    seen: list[str] = []
+
+    def record(event: LifecycleEvent) -> None:
+        seen.append(event.event)
+
+    for event in (
+        *(s.value for s in ServerState),
+        *(
+            f"{w}_{p}"
+            for p in ("pause", "flush", "release", "resume_weights")
+            for w in ("before", "after")
+        ),
+        *(
+            f"{w}_{p}"
+            for p in ("update_weights", "resume_kv", "continue")
+            for w in ("before", "after")
+        ),
+    ):
+        server.on(event, record)
+
+    async def push(update: WeightUpdate) -> None:
+        seen.append("push")
+
+    await server.offload()
+    await server.onload_weights()
+    await server.update_weights(push, version="v1")
+    await server.onload_kv()
+    assert seen == [
+        "pausing",
+        "before_pause",
+        "before_flush",
+        "after_pause",
+        "after_flush",
+        "drained",
+        "before_release",
+        "after_release",
+        "released",
+        "before_resume_weights",
+        "after_resume_weights",
+        "weights_restored",
+        "before_update_weights",
+        "push",
+        "after_update_weights",
+        "before_resume_kv",
+        "after_resume_kv",
+        "kv_restored",
+        "before_continue",
+        "after_continue",
+        "serving",
+    ]
+
+
+async def test_a_before_hook_that_raises_sends_nothing_and_a_retry_works() -> None:
+    engines = sims(2)
+    server = RolloutServer([EngineGroup("actor", engines)])
+    refusals = {"before_release": 1, "before_flush": 1}
+
+    def refuse_once(event: LifecycleEvent) -> None:
+        if refusals.get(event.event, 0) > 0:
+            refusals[event.event] -= 1
+            raise RuntimeError(f"not now ({event.event})")
+
+    server.on("before_flush", refuse_once)
+    server.on("before_release", refuse_once)
+    with pytest.raises(HookFailed, match="before_flush"):
+        await server.offload()
+    # The drain was refused half-way: what it paused was continued, and it is serving again.
+    assert server.state is ServerState.SERVING
+    assert all(ops(e) == ["pause_generation", "continue_generation"] for e in engines)
+    with pytest.raises(HookFailed, match="before_release"):
+        await server.offload()
+    assert server.state is ServerState.DRAINED  # the last completed state; nothing released
+    assert all("release_memory_occupation" not in ops(e) for e in engines)
+    await server.offload()
+    assert server.state is ServerState.RELEASED
+    await server.onload()
+    assert all(not e.dead for e in engines)
