@@ -1,0 +1,613 @@
+"""GenerationClient: routing, holding while not serving, and resubmission of aborted or lost work.
+
+In-process fleets of simulated engines (no Ray) except the last tests, which use engine actors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import pickle
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import ray
+
+from rollout_lifecycle import (
+    EngineGroup,
+    EngineRejected,
+    InvalidArgument,
+    LifecycleConfig,
+    PauseMode,
+    RolloutServer,
+    ServerState,
+    SimulatedEngine,
+    WeightUpdate,
+)
+from rollout_lifecycle._generation import (
+    GenerationClient,
+    GenerationError,
+    GenerationTimeout,
+    TooManyResubmissions,
+)
+from rollout_lifecycle.testing import cycle_order_violations
+
+Fleet = Callable[..., list[Any]]
+
+
+class RecordingEngine(SimulatedEngine):
+    """A simulated engine that keeps a copy of every generate request it receives."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.requests: list[dict[str, Any]] = []
+
+    async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        self.requests.append(copy.deepcopy(request))
+        return await super().generate(request)
+
+
+class AlwaysAborts(SimulatedEngine):
+    """Answers every request with one token and finish_reason abort (with ``status`` if set)."""
+
+    def __init__(self, *args: Any, status: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.status = status
+        self.calls = 0
+
+    async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        self.calls += 1
+        return {
+            "text": "x",
+            "output_ids": [7],
+            "meta_info": {
+                "finish_reason": {"type": "abort", "message": "no", "status_code": self.status},
+                "num_retractions": 0,
+            },
+        }
+
+
+def engines(
+    count: int, label: str = "sim", cls: type[SimulatedEngine] = RecordingEngine, **kw: Any
+) -> list[Any]:
+    return [cls(f"{label}-{i}", **kw) for i in range(count)]
+
+
+def request(i: int, tokens: int = 20) -> dict[str, Any]:
+    return {"input_ids": [i + 1, i + 2, i + 3], "sampling_params": {"max_new_tokens": tokens}}
+
+
+async def until(condition: Callable[[], bool], timeout: float = 5.0, what: str = "") -> None:
+    """Wait (bounded) until ``condition()`` holds."""
+    step = 0.005
+    for _ in range(int(timeout / step)):
+        if condition():
+            return
+        await asyncio.sleep(step)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}")
+
+
+def engine_stat(sims: list[Any], key: str) -> int:
+    return sum(s.stats()[key] for s in sims)
+
+
+async def noop_push(update: WeightUpdate) -> None:
+    return None
+
+
+@pytest.fixture
+async def sims_to_close() -> Any:
+    """Close every simulated engine a test made, so no scheduler task outlives its loop."""
+    made: list[SimulatedEngine] = []
+    yield made
+    for engine in made:
+        await engine.close()
+
+
+# -- routing ---------------------------------------------------------------------------------
+
+
+async def test_least_outstanding_routing_spreads_a_batch_evenly(sims_to_close: list[Any]) -> None:
+    sims = engines(4, token_latency=0.002)
+    sims_to_close.extend(sims)
+    server = RolloutServer([EngineGroup("actor", sims)])
+    client = GenerationClient(server)
+    results = await asyncio.wait_for(client.generate_batch([request(i, 10) for i in range(12)]), 10)
+    served = Counter(r["meta_info"]["engines"][0] for r in results)
+    assert served == {"actor/0": 3, "actor/1": 3, "actor/2": 3, "actor/3": 3}
+    assert [s.stats()["submitted"] for s in sims] == [3, 3, 3, 3]
+    assert all(len(r["output_ids"]) == 10 for r in results)
+    assert client.outstanding() == dict.fromkeys(server.engines(), 0)
+    assert client.stats()["submitted"] == client.stats()["completed"] == 12
+    # Results come back in request order.
+    assert [r["meta_info"]["prompt_tokens"] for r in results] == [3] * 12
+    assert [s.requests[0]["input_ids"][0] for s in sims] == [1, 2, 3, 4]
+
+
+async def test_routing_prefers_the_engine_with_fewest_outstanding(
+    sims_to_close: list[Any],
+) -> None:
+    sims = engines(2, token_latency=0.002)
+    sims_to_close.extend(sims)
+    server = RolloutServer([EngineGroup("actor", sims)])
+    client = GenerationClient(server)
+    long = asyncio.ensure_future(client.generate(request(0, 200)))
+    await until(lambda: client.outstanding()["actor/0"] == 1)
+    short = await asyncio.wait_for(
+        asyncio.gather(*(client.generate(request(i, 5)) for i in range(1, 3))), 5
+    )
+    # The first short one goes to the idle engine; the second ties (1 each) and takes order.
+    assert [r["meta_info"]["engines"] for r in short] == [["actor/1"], ["actor/0"]]
+    await asyncio.wait_for(long, 5)
+
+
+# -- holding ---------------------------------------------------------------------------------
+
+
+async def test_request_submitted_while_offloaded_is_held_until_onload(
+    sims_to_close: list[Any],
+) -> None:
+    sims = engines(2, token_latency=0.002)
+    sims_to_close.extend(sims)
+    server = RolloutServer([EngineGroup("actor", sims)])
+    client = GenerationClient(server)
+    client.recheck_interval = 60.0  # only the hooks can wake the held request in time
+    await server.offload()
+    task = asyncio.ensure_future(client.generate(request(0, 15)))
+    await until(lambda: client.stats()["holding"] == 1, what="the request to be held")
+    await server.onload_weights()
+    await server.update_weights(noop_push, version="v1")
+    await asyncio.sleep(0.1)  # held through every state until serving
+    assert not task.done()
+    assert engine_stat(sims, "submitted") == 0  # it never reached an engine
+    await server.onload_kv()
+    result = await asyncio.wait_for(task, 5)
+    assert len(result["output_ids"]) == 15
+    assert result["meta_info"]["finish_reason"]["type"] == "length"
+    assert result["meta_info"]["num_resubmissions"] == 0
+    assert result["meta_info"]["weight_version"] == "v1"
+    assert engine_stat(sims, "submitted") == 1
+    assert client.stats()["held"] == 1 and client.stats()["holding"] == 0
+
+
+async def test_group_without_offload_keeps_serving_during_offload(
+    sims_to_close: list[Any],
+) -> None:
+    actor = engines(2, "actor", token_latency=0.002)
+    ref = engines(1, "ref", token_latency=0.002)
+    sims_to_close.extend(actor + ref)
+    server = RolloutServer(
+        [EngineGroup("actor", actor), EngineGroup("ref", ref, needs_offload=False)]
+    )
+    client = GenerationClient(server)
+    await server.offload()
+    assert server.state is ServerState.RELEASED
+    held = asyncio.ensure_future(client.generate(request(1, 10), group="actor"))
+    served = await asyncio.wait_for(client.generate(request(2, 10), group="ref"), 5)
+    anywhere = await asyncio.wait_for(client.generate(request(3, 10)), 5)
+    assert server.state is ServerState.RELEASED
+    assert served["meta_info"]["engines"] == ["ref/0"]
+    assert anywhere["meta_info"]["engines"] == ["ref/0"]  # the only group serving
+    assert not held.done() and engine_stat(actor, "submitted") == 0
+    await server.onload()
+    result = await asyncio.wait_for(held, 5)
+    assert result["meta_info"]["engines"][0].startswith("actor/")
+    assert len(result["output_ids"]) == 10
+
+
+async def test_group_without_offload_is_held_while_paused_around_a_weight_update(
+    sims_to_close: list[Any],
+) -> None:
+    actor = engines(1, "actor", token_latency=0.002)
+    ref = engines(1, "ref", token_latency=0.002)
+    sims_to_close.extend(actor + ref)
+    server = RolloutServer(
+        [EngineGroup("actor", actor), EngineGroup("ref", ref, needs_offload=False)]
+    )
+    client = GenerationClient(server)
+    client.recheck_interval = 60.0  # only a hook can wake the held request in time
+    held: list[asyncio.Future[dict[str, Any]]] = []
+
+    async def push(update: WeightUpdate) -> None:
+        assert server.snapshot().engines()["ref/0"].paused
+        held.append(asyncio.ensure_future(client.generate(request(0, 10), group="ref")))
+        await until(lambda: client.stats()["holding"] == 1, what="the ref request to be held")
+        await asyncio.sleep(0.05)
+        assert ref[0].stats()["submitted"] == 0
+
+    await server.offload()
+    await server.onload_weights()
+    await server.update_weights(push, version="v2")
+    assert server.state is ServerState.WEIGHTS_RESTORED
+    result = await asyncio.wait_for(held[0], 5)
+    assert result["meta_info"]["engines"] == ["ref/0"]
+    assert result["meta_info"]["weight_version"] == "v2"
+    await server.onload()
+
+
+async def test_hold_timeout_raises_a_clear_error_naming_the_state(
+    sims_to_close: list[Any],
+) -> None:
+    sims = engines(1)
+    sims_to_close.extend(sims)
+    server = RolloutServer([EngineGroup("actor", sims)])
+    client = GenerationClient(server, hold_timeout=0.2)
+    await server.offload()
+    with pytest.raises(GenerationTimeout) as info:
+        await asyncio.wait_for(client.generate(request(0)), 5)
+    error = info.value
+    assert error.state == "released" and error.limit == "hold_timeout"
+    assert "'released'" in str(error) and "hold_timeout=0.2s" in str(error)
+    assert error.partial is None
+    assert engine_stat(sims, "submitted") == 0
+    assert client.stats() == {
+        "submitted": 1,
+        "completed": 0,
+        "failed": 1,
+        "resubmissions": 0,
+        "engine_deaths": 0,
+        "retractions": 0,
+        "held": 1,
+        "holding": 0,
+        "in_flight": 0,
+    }
+    copied = pickle.loads(pickle.dumps(error))
+    assert (copied.state, copied.limit, str(copied)) == (error.state, error.limit, str(error))
+    await server.onload()
+
+
+async def test_request_timeout_stops_the_engine_call_and_keeps_the_partial_output(
+    sims_to_close: list[Any],
+) -> None:
+    sims = engines(1, token_latency=0.01)
+    sims_to_close.extend(sims)
+    server = RolloutServer([EngineGroup("actor", sims)])
+    client = GenerationClient(server, request_timeout=0.2)
+    with pytest.raises(GenerationTimeout) as info:
+        await asyncio.wait_for(client.generate(request(0, 1000)), 5)
+    assert info.value.limit == "request_timeout"
+    await until(lambda: sims[0].stats()["in_flight"] == 0, what="the engine to drop the call")
+    assert client.outstanding() == {"actor/0": 0}
+
+
+# -- resubmission ----------------------------------------------------------------------------
+
+
+async def run_cycles(mode: PauseMode, sims: list[Any], count: int, cycles: int) -> Any:
+    server = RolloutServer(
+        [EngineGroup("actor", sims[:2]), EngineGroup("critic", sims[2:])],
+        LifecycleConfig(pause_mode=mode),
+    )
+    client = GenerationClient(server, hold_timeout=30)
+    tokens = [60 + 5 * i for i in range(count)]
+    batch = asyncio.ensure_future(
+        client.generate_batch([request(i, n) for i, n in enumerate(tokens)])
+    )
+    await until(lambda: engine_stat(sims, "running") == count, what="every request to run")
+    in_flight = []
+    for cycle in range(cycles):
+        in_flight.append(engine_stat(sims, "in_flight"))
+        await server.offload()
+        await asyncio.sleep(0.01)  # the trainer's step
+        await server.onload_weights()
+        await server.update_weights(noop_push, version=f"v{cycle}")
+        await server.onload_kv()
+        await asyncio.sleep(0.03)  # some decoding between steps
+    results = await asyncio.wait_for(batch, 30)
+    assert [len(r["output_ids"]) for r in results] == tokens
+    assert all(r["meta_info"]["finish_reason"]["type"] == "length" for r in results)
+    assert all(
+        len(r["meta_info"]["engines"]) == r["meta_info"]["num_resubmissions"] + 1 for r in results
+    )
+    histories = {s.label: s.history() for s in sims}
+    assert cycle_order_violations(histories) == []
+    return client, results, in_flight
+
+
+async def test_abort_mode_resubmits_every_request_across_offload_cycles(
+    sims_to_close: list[Any],
+) -> None:
+    sims = engines(4, token_latency=0.002)
+    sims_to_close.extend(sims)
+    client, results, in_flight = await run_cycles(PauseMode.ABORT, sims, 16, 3)
+    stats = client.stats()
+    resubmitted = [r["meta_info"]["num_resubmissions"] for r in results]
+    assert all(n >= 1 for n in resubmitted)
+    assert stats["submitted"] == stats["completed"] == 16 and stats["failed"] == 0
+    assert stats["resubmissions"] == sum(resubmitted) == engine_stat(sims, "aborted")
+    assert engine_stat(sims, "completed") == 16
+    assert stats["held"] >= 16 and stats["in_flight"] == 0 and stats["holding"] == 0
+    assert all(r["meta_info"]["num_retractions"] == 0 for r in results)
+    # Each resubmission carried the prompt plus the partial output, with the budget reduced.
+    for sim in sims:
+        for body in sim.requests:
+            i = body["input_ids"][0] - 1
+            assert body["input_ids"][:3] == [i + 1, i + 2, i + 3]
+            produced = len(body["input_ids"]) - 3
+            assert body["sampling_params"]["max_new_tokens"] == 60 + 5 * i - produced
+    print(
+        f"\nabort: {stats['submitted']} submitted, {stats['completed']} completed, "
+        f"{stats['resubmissions']} resubmissions ({engine_stat(sims, 'aborted')} engine aborts), "
+        f"{stats['held']} holds, in flight at each offload: {in_flight}, "
+        f"tokens {sum(len(r['output_ids']) for r in results)}"
+    )
+
+
+async def test_retract_mode_resubmits_nothing_and_counts_retractions(
+    sims_to_close: list[Any],
+) -> None:
+    sims = engines(4, token_latency=0.002)
+    sims_to_close.extend(sims)
+    client, results, in_flight = await run_cycles(PauseMode.RETRACT, sims, 16, 3)
+    stats = client.stats()
+    assert all(r["meta_info"]["num_resubmissions"] == 0 for r in results)
+    assert all(r["meta_info"]["num_retractions"] >= 1 for r in results)
+    assert all(len(r["meta_info"]["engines"]) == 1 for r in results)
+    assert stats["submitted"] == stats["completed"] == 16
+    assert stats["resubmissions"] == 0 == engine_stat(sims, "aborted")
+    assert stats["retractions"] == sum(r["meta_info"]["num_retractions"] for r in results)
+    assert stats["held"] == 0
+    print(
+        f"\nretract: {stats['submitted']} submitted, {stats['completed']} completed, "
+        f"{stats['resubmissions']} resubmissions, {stats['retractions']} retractions, "
+        f"in flight at each offload: {in_flight}"
+    )
+
+
+async def test_text_prompt_is_resubmitted_as_text_plus_partial_text(
+    sims_to_close: list[Any],
+) -> None:
+    sims = engines(1, token_latency=0.002)
+    sims_to_close.extend(sims)
+    server = RolloutServer(
+        [EngineGroup("actor", sims)], LifecycleConfig(pause_mode=PauseMode.ABORT)
+    )
+    client = GenerationClient(server)
+    body = {"text": "hello", "sampling_params": {"max_new_tokens": 40, "min_new_tokens": 30}}
+    task = asyncio.ensure_future(client.generate(body, group="actor"))
+    await until(lambda: sims[0].stats()["tokens"] >= 3)
+    await server.offload()
+    await server.onload()
+    result = await asyncio.wait_for(task, 5)
+    assert body == {
+        "text": "hello",
+        "sampling_params": {"max_new_tokens": 40, "min_new_tokens": 30},
+    }
+    first, second = sims[0].requests
+    partial = second["text"][len("hello") :]
+    assert first["text"] == "hello" and second["text"].startswith("hello") and partial
+    assert second["sampling_params"] == {
+        "max_new_tokens": 40 - len(partial),
+        "min_new_tokens": 30 - len(partial),
+    }
+    assert result["text"].startswith(partial) and len(result["text"]) == 40
+    assert len(result["output_ids"]) == 40
+    assert result["meta_info"]["num_resubmissions"] == 1
+    assert result["meta_info"]["completion_tokens"] == 40
+
+
+async def test_caller_rid_keeps_its_prefix_on_resubmission(sims_to_close: list[Any]) -> None:
+    sims = engines(1, token_latency=0.002)
+    sims_to_close.extend(sims)
+    server = RolloutServer(
+        [EngineGroup("actor", sims)], LifecycleConfig(pause_mode=PauseMode.ABORT)
+    )
+    client = GenerationClient(server)
+    task = asyncio.ensure_future(client.generate({**request(0, 40), "rid": "job-7"}))
+    await until(lambda: sims[0].stats()["tokens"] >= 3)
+    await server.offload()
+    await server.onload()
+    await asyncio.wait_for(task, 5)
+    assert [r["rid"] for r in sims[0].requests] == ["job-7", "job-7-resubmit-1"]
+
+
+@pytest.mark.parametrize("kill", ["close", "die"])
+async def test_killed_engine_requests_complete_on_another_engine(
+    kill: str, sims_to_close: list[Any]
+) -> None:
+    sims = engines(2, token_latency=0.003)
+    sims_to_close.extend(sims)
+    server = RolloutServer([EngineGroup("actor", sims)])
+    client = GenerationClient(server)
+    batch = asyncio.ensure_future(client.generate_batch([request(i, 50) for i in range(4)]))
+    await until(lambda: engine_stat(sims, "tokens") >= 20, what="tokens on both engines")
+    if kill == "close":
+        await sims[0].close()
+    else:
+        sims[0]._die("injected: GPU fell off the bus")
+    results = await asyncio.wait_for(batch, 10)
+    moved = [r for r in results if r["meta_info"]["engines"][0] == "actor/0"]
+    assert len(moved) == 2
+    for r in moved:
+        assert r["meta_info"]["engines"] == ["actor/0", "actor/1"]
+        assert r["meta_info"]["num_resubmissions"] == 1
+    assert all(len(r["output_ids"]) == 50 for r in results)
+    assert client.stats()["engine_deaths"] == 2 and client.stats()["completed"] == 4
+    # The server has not noticed yet; the client does not send there again.
+    assert server.snapshot().engines()["actor/0"].alive
+    again = await asyncio.wait_for(client.generate(request(9, 5)), 5)
+    assert again["meta_info"]["engines"] == ["actor/1"]
+
+
+async def test_every_engine_dead_holds_then_times_out(sims_to_close: list[Any]) -> None:
+    sims = engines(1, token_latency=0.003)
+    sims_to_close.extend(sims)
+    server = RolloutServer([EngineGroup("actor", sims)])
+    client = GenerationClient(server, hold_timeout=0.2)
+    task = asyncio.ensure_future(client.generate(request(0, 100)))
+    await until(lambda: sims[0].stats()["tokens"] >= 3)
+    sims[0]._die("injected")
+    with pytest.raises(GenerationTimeout) as info:
+        await asyncio.wait_for(task, 5)
+    assert info.value.state == "serving" and "actor/0 died under a request" in str(info.value)
+    assert info.value.partial is not None
+    assert info.value.partial["meta_info"]["engines"] == ["actor/0"]
+
+
+async def test_resubmissions_are_bounded(sims_to_close: list[Any]) -> None:
+    sims = engines(1, cls=AlwaysAborts)
+    sims_to_close.extend(sims)
+    server = RolloutServer([EngineGroup("actor", sims)])
+    client = GenerationClient(server, max_resubmissions=3)
+    with pytest.raises(TooManyResubmissions) as info:
+        await asyncio.wait_for(client.generate(request(0, 50)), 5)
+    assert sims[0].calls == 4
+    assert info.value.partial is not None and info.value.partial["output_ids"] == [7] * 4
+    assert "max_resubmissions=3" in str(info.value)
+
+
+async def test_an_abort_that_refuses_the_request_is_final(sims_to_close: list[Any]) -> None:
+    sims = engines(1, cls=AlwaysAborts, status=400)
+    sims_to_close.extend(sims)
+    server = RolloutServer([EngineGroup("actor", sims)])
+    client = GenerationClient(server)
+    result = await asyncio.wait_for(client.generate(request(0, 50)), 5)
+    assert sims[0].calls == 1
+    assert result["meta_info"]["finish_reason"]["status_code"] == 400
+
+
+async def test_engine_refusal_propagates_unchanged(sims_to_close: list[Any]) -> None:
+    sims = engines(1)
+    sims_to_close.extend(sims)
+    server = RolloutServer([EngineGroup("actor", sims)])
+    client = GenerationClient(server)
+    first = asyncio.ensure_future(client.generate({**request(0, 100), "rid": "dup"}))
+    await until(lambda: sims[0].stats()["in_flight"] == 1)
+    # Valid for the client, refused by the engine (a rid already in flight): not resubmitted.
+    with pytest.raises(EngineRejected, match="duplicate request id"):
+        await asyncio.wait_for(client.generate({**request(1, 5), "rid": "dup"}), 5)
+    assert client.stats()["resubmissions"] == 0
+    assert len((await asyncio.wait_for(first, 5))["output_ids"]) == 100
+
+
+async def test_cancelled_caller_leaves_nothing_at_the_engine(sims_to_close: list[Any]) -> None:
+    sims = engines(1, token_latency=0.01)
+    sims_to_close.extend(sims)
+    server = RolloutServer([EngineGroup("actor", sims)])
+    client = GenerationClient(server)
+    task = asyncio.ensure_future(client.generate(request(0, 500)))
+    await until(lambda: sims[0].stats()["running"] == 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await until(lambda: sims[0].stats()["in_flight"] == 0)
+    assert client.outstanding() == {"actor/0": 0}
+    assert client.stats()["failed"] == 1 and client.stats()["in_flight"] == 0
+
+
+# -- refusals --------------------------------------------------------------------------------
+
+
+BAD_REQUESTS = [
+    (["input_ids", [1]], "must be a dict"),
+    ({}, "exactly one of 'input_ids'"),
+    ({"input_ids": [1], "text": "a"}, "exactly one of 'input_ids'"),
+    ({"input_ids": []}, "non-empty list"),
+    ({"input_ids": [[1, 2]]}, "input_ids must be"),
+    ({"input_ids": [1, -2]}, "input_ids must be"),
+    ({"input_ids": [True]}, "input_ids must be"),
+    ({"input_ids": "12"}, "input_ids must be"),
+    ({"text": ""}, "text must be a non-empty string"),
+    ({"text": ["a", "b"]}, "text must be"),
+    ({"text": "a", "sampling_params": [1]}, "sampling_params must be a dict"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens must be a positive"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": -3}}, "max_new_tokens must be a positive"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": 2.5}}, "max_new_tokens must be"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": True}}, "max_new_tokens must be"),
+    ({"text": "a", "stream": True}, "stream must be false"),
+    ({"text": "a", "rid": ""}, "rid must be"),
+]
+
+
+@pytest.mark.parametrize(("bad", "message"), BAD_REQUESTS)
+async def test_bad_request_is_refused_before_any_engine_is_touched(
+    bad: Any, message: str, sims_to_close: list[Any]
+) -> None:
+    sims = engines(2)
+    sims_to_close.extend(sims)
+    server = RolloutServer([EngineGroup("actor", sims)])
+    client = GenerationClient(server)
+    with pytest.raises(InvalidArgument, match=message):
+        await client.generate(bad)
+    with pytest.raises(InvalidArgument, match=f"request #1: .*{message}"):
+        await client.generate_batch([request(0), bad, request(1)])
+    assert engine_stat(sims, "submitted") == 0 and all(s.requests == [] for s in sims)
+    assert client.stats()["submitted"] == 0
+
+
+async def test_unknown_group_and_bad_batches_are_refused(sims_to_close: list[Any]) -> None:
+    sims = engines(1)
+    sims_to_close.extend(sims)
+    server = RolloutServer([EngineGroup("actor", sims)])
+    client = GenerationClient(server)
+    with pytest.raises(InvalidArgument, match=r"unknown group 'critic'.*'actor'"):
+        await client.generate(request(0), group="critic")
+    with pytest.raises(InvalidArgument, match="unknown group 3"):
+        await client.generate(request(0), group=3)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="list of dicts"):
+        await client.generate_batch(request(0))  # type: ignore[arg-type]
+    assert await client.generate_batch([]) == []
+    assert engine_stat(sims, "submitted") == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"hold_timeout": 0}, "hold_timeout .* got 0"),
+        ({"hold_timeout": float("inf")}, "hold_timeout .* got inf"),
+        ({"request_timeout": -1}, "request_timeout .* got -1"),
+        ({"request_timeout": "5"}, "request_timeout .* got '5'"),
+        ({"max_resubmissions": -1}, "max_resubmissions .* got -1"),
+        ({"max_resubmissions": 1.5}, "max_resubmissions .* got 1.5"),
+        ({"max_resubmissions": True}, "max_resubmissions .* got True"),
+    ],
+)
+def test_constructor_refuses_bad_values(kwargs: dict[str, Any], message: str) -> None:
+    server = RolloutServer([EngineGroup("actor", [SimulatedEngine()])])
+    with pytest.raises(InvalidArgument, match=message):
+        GenerationClient(server, **kwargs)
+    with pytest.raises(InvalidArgument, match="must be a RolloutServer"):
+        GenerationClient(object())  # type: ignore[arg-type]
+
+
+async def test_close_removes_hooks_and_refuses_new_requests(sims_to_close: list[Any]) -> None:
+    sims = engines(1)
+    sims_to_close.extend(sims)
+    server = RolloutServer([EngineGroup("actor", sims)])
+    before = {k: len(v) for k, v in server._hooks.items()}
+    client = GenerationClient(server)
+    added = {k for k, v in server._hooks.items() if len(v) == before[k] + 1}
+    assert {s.value for s in ServerState} <= added
+    client.close()
+    client.close()
+    assert {k: len(v) for k, v in server._hooks.items()} == before
+    with pytest.raises(GenerationError, match="closed"):
+        await client.generate(request(0))
+
+
+# -- over Ray --------------------------------------------------------------------------------
+
+
+async def test_over_ray_actors_aborts_and_a_dead_actor_lose_no_request(fleet: Fleet) -> None:
+    actors = fleet(3, label="ray", token_latency=0.003)
+    server = RolloutServer(
+        [EngineGroup("actor", actors)], LifecycleConfig(pause_mode=PauseMode.ABORT)
+    )
+    client = GenerationClient(server, hold_timeout=30)
+    batch = asyncio.ensure_future(client.generate_batch([request(i, 60) for i in range(6)]))
+    await until(lambda: sum(client.outstanding().values()) == 6)
+    await asyncio.sleep(0.03)
+    await server.offload()
+    await server.onload()
+    await until(lambda: client.outstanding()["actor/2"] == 2, what="resubmissions on actor/2")
+    lost = client.outstanding()["actor/2"]
+    ray.kill(actors[2])
+    results = await asyncio.wait_for(batch, 30)
+    assert all(len(r["output_ids"]) == 60 for r in results)
+    assert all(r["meta_info"]["num_resubmissions"] >= 1 for r in results)
+    stats = client.stats()
+    assert stats["completed"] == 6 and stats["engine_deaths"] == lost == 2
+    assert all(r["meta_info"]["engines"][-1] != "actor/2" for r in results)
+    print(f"\nray: {stats}")
