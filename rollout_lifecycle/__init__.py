@@ -32,6 +32,12 @@ from rollout_lifecycle._exceptions import (
     PhaseFailed,
     StaleWeights,
 )
+from rollout_lifecycle._generation import (
+    GenerationClient,
+    GenerationError,
+    GenerationTimeout,
+    TooManyResubmissions,
+)
 from rollout_lifecycle._group import EngineGroup, EngineSnapshot
 from rollout_lifecycle._http import HTTPTimeouts, SGLangHTTPEngine, sglang_http_factory
 from rollout_lifecycle._launch import LaunchedSGLangEngine, launched_sglang_factory
@@ -76,6 +82,9 @@ __all__ = [
     "FromDisk",
     "FromDistributed",
     "FromTensor",
+    "GenerationClient",
+    "GenerationError",
+    "GenerationTimeout",
     "GroupSnapshot",
     "HTTPTimeouts",
     "HookFailed",
@@ -97,6 +106,7 @@ __all__ = [
     "SimulatedEngine",
     "StaleWeights",
     "Tag",
+    "TooManyResubmissions",
     "WeightPushFailed",
     "WeightUpdate",
     "__version__",

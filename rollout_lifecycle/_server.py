@@ -35,6 +35,7 @@ from rollout_lifecycle._exceptions import (
     PhaseFailed,
     StaleWeights,
 )
+from rollout_lifecycle._generation import GenerationClient
 from rollout_lifecycle._group import EngineGroup, EngineRecord, EngineSnapshot, PendingCall
 from rollout_lifecycle._outcome import EngineOutcome, Outcome, classify
 from rollout_lifecycle._states import TRANSITIONS, ServerState, sources_of
@@ -219,6 +220,7 @@ class RolloutServer:
         self._stragglers: dict[str, asyncio.Future[Any]] = {}
         self._metrics: dict[str, float] = {}
         self._expected_version: str | None = None
+        self._generation: GenerationClient | None = None
         self._last_outcomes: dict[str, EngineOutcome] = {}
         self._model = _Machine(self)
         self._machine = AsyncMachine(
@@ -280,6 +282,31 @@ class RolloutServer:
     def engines(self) -> dict[str, Any]:
         """Engine id -> handle, for every engine."""
         return {r.id: r.handle for g in self._groups for r in g.records}
+
+    async def generate(
+        self, request: dict[str, Any], *, group: str | None = None
+    ) -> dict[str, Any]:
+        """Run one generate request to completion on a serving engine (least outstanding first).
+
+        Held while the server is not serving (or, for a group that keeps its memory, while its
+        engines are paused); an aborted request is resubmitted as prompt + partial output, so
+        the caller gets one complete answer. ``meta_info`` adds ``num_resubmissions``,
+        ``num_retractions`` and ``engines``. Not serialized with lifecycle calls.
+        """
+        return await self.generation.generate(request, group=group)
+
+    async def generate_batch(
+        self, requests: Sequence[dict[str, Any]], *, group: str | None = None
+    ) -> list[dict[str, Any]]:
+        """``generate`` for many requests at once; answers in request order."""
+        return await self.generation.generate_batch(list(requests), group=group)
+
+    @property
+    def generation(self) -> GenerationClient:
+        """The server's generation client (created on first use)."""
+        if self._generation is None:
+            self._generation = GenerationClient(self)
+        return self._generation
 
     async def probe(self) -> dict[str, EngineOutcome]:
         """Probe every live engine's liveness without generating; dead ones are marked dead.

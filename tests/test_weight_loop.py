@@ -12,7 +12,9 @@ from rollout_lifecycle import (
     HookFailed,
     IllegalEngineOp,
     IllegalTransition,
+    LifecycleConfig,
     LifecycleEvent,
+    PauseMode,
     RolloutServer,
     ServerState,
     SimulatedEngine,
@@ -199,3 +201,46 @@ async def test_a_before_hook_that_raises_sends_nothing_and_a_retry_works() -> No
     assert server.state is ServerState.RELEASED
     await server.onload()
     assert all(not e.dead for e in engines)
+
+
+@pytest.mark.parametrize("mode", [PauseMode.RETRACT, PauseMode.ABORT])
+async def test_no_request_is_lost_across_ten_update_cycles(
+    mode: PauseMode, capsys: pytest.CaptureFixture[str]
+) -> None:
+    engines = [SimulatedEngine(f"e{i}", token_latency=0.002) for i in range(4)]
+    server = RolloutServer(
+        [
+            EngineGroup("actor", engines[:3]),
+            EngineGroup("reward", engines[3:], needs_offload=False),
+        ],
+        LifecycleConfig(pause_mode=mode),
+    )
+    requests = [
+        {"input_ids": [i, 5], "sampling_params": {"max_new_tokens": 40 + i % 30}} for i in range(48)
+    ]
+    batch = asyncio.ensure_future(server.generate_batch(requests))
+    for cycle in range(10):
+        await asyncio.sleep(0.03)  # decoding between steps
+        await server.offload()
+        await server.onload_weights()
+        await server.update_weights(FromDisk(f"/ckpt/{cycle}"), version=f"v{cycle}")
+        await server.onload_kv()
+    results = await asyncio.wait_for(batch, timeout=60)
+    completed = sum(
+        r["meta_info"]["finish_reason"]["type"] == "length"
+        and len(r["output_ids"]) == q["sampling_params"]["max_new_tokens"]
+        for r, q in zip(results, requests, strict=True)
+    )
+    resubmitted = sum(r["meta_info"]["num_resubmissions"] for r in results)
+    aborted_by_engines = sum(e.stats().get("aborted", 0) for e in engines)
+    with capsys.disabled():
+        print(
+            f"\n[{mode.value}] 10 update cycles: submitted={len(requests)} completed={completed} "
+            f"aborted={aborted_by_engines} resubmitted={resubmitted} "
+            f"retractions={sum(r['meta_info']['num_retractions'] for r in results)}"
+        )
+    assert completed == len(requests)
+    if mode is PauseMode.RETRACT:
+        assert aborted_by_engines == resubmitted == 0
+    else:
+        assert resubmitted == aborted_by_engines > 0  # every abort was resubmitted
