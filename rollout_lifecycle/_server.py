@@ -679,8 +679,13 @@ class RolloutServer:
             await self._run_hooks(state.value, state, previous)
 
     async def _fire(self, trigger: str, **kwargs: Any) -> None:
-        # transitions adds one coroutine method per trigger to the model.
-        await getattr(self._model, trigger)(**kwargs)
+        # transitions adds one coroutine method per trigger to the model. It answers False when
+        # the transition did not happen: the conditions of ``reset`` did not hold (the caller
+        # checks the state), or a CancelledError reached a phase and transitions swallowed it,
+        # which leaves calls unsettled: that must fail the transition, never pass for success.
+        done = await getattr(self._model, trigger)(**kwargs)
+        if not done and trigger != "reset":
+            raise LifecycleError(f"transition {trigger!r} was interrupted inside a phase")
 
     async def _run_hooks(
         self, event: str, state: ServerState, previous: ServerState, phase: str | None = None
@@ -709,10 +714,12 @@ class RolloutServer:
         current = _CURRENT.get()
         if current is not None and current[0] is self:
             # Re-entered from a hook or a weight push: the outer call already holds the lock.
-            await body()
-            return {}
-        op = _Operation(call)
-        task = asyncio.ensure_future(self._locked(op, body))
+            # Cancelling the nested call stops it at its next phase boundary, like any call.
+            op = _Operation(call, metrics=current[1].metrics)
+            task: asyncio.Future[dict[str, float]] = asyncio.ensure_future(self._inline(op, body))
+        else:
+            op = _Operation(call)
+            task = asyncio.ensure_future(self._locked(op, body))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -728,6 +735,16 @@ class RolloutServer:
                     error=str(task.exception()),
                 )
             raise
+
+    async def _inline(
+        self, op: _Operation, body: Callable[[], Awaitable[None]]
+    ) -> dict[str, float]:
+        token = _CURRENT.set((self, op))
+        try:
+            await body()
+        finally:
+            _CURRENT.reset(token)
+        return {}
 
     async def _locked(
         self, op: _Operation, body: Callable[[], Awaitable[None]]

@@ -244,3 +244,26 @@ async def test_no_request_is_lost_across_ten_update_cycles(
         assert aborted_by_engines == resubmitted == 0
     else:
         assert resubmitted == aborted_by_engines > 0  # every abort was resubmitted
+
+
+async def test_cancelling_a_call_made_from_a_hook_settles_its_phase_and_records_stay_true() -> None:
+    inner = sims(2)
+    engines = [FaultyEngine(e) for e in inner]
+    server = RolloutServer([EngineGroup("actor", engines)])
+    engines[0].arm("resume_memory_occupation", "slow", seconds=0.3)
+
+    async def impatient(event: LifecycleEvent) -> None:
+        await asyncio.wait_for(event.server.onload_weights(), 0.05)
+
+    remove = server.on("released", impatient)
+    with pytest.raises(HookFailed) as err:
+        await server.offload()
+    remove()
+    assert isinstance(err.value.__cause__, TimeoutError)
+    # The nested resume was settled, not abandoned: records and engines agree.
+    assert server.state is ServerState.WEIGHTS_RESTORED
+    for record, engine in zip(server.snapshot().engines().values(), inner, strict=True):
+        released = tuple(t for t, b in engine.memory().items() if b == 0)
+        assert set(record.released) == set(released) == {"kv_cache", "cuda_graph"}
+    await server.onload()
+    assert server.state is ServerState.SERVING and not any(e.dead for e in inner)
