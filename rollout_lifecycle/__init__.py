@@ -55,6 +55,7 @@ from rollout_lifecycle._server import (
 from rollout_lifecycle._simulated import SimulatedEngine
 from rollout_lifecycle._states import TRANSITIONS, ServerState, mermaid
 from rollout_lifecycle._weights import FromDisk, FromDistributed, FromTensor, WeightPushFailed
+from rollout_lifecycle.sync import SyncRolloutServer
 
 __version__ = "0.1.0"
 
@@ -105,6 +106,7 @@ __all__ = [
     "ServerState",
     "SimulatedEngine",
     "StaleWeights",
+    "SyncRolloutServer",
     "Tag",
     "TooManyResubmissions",
     "WeightPushFailed",

@@ -1,0 +1,638 @@
+"""``SyncRolloutServer``: drive the lifecycle from a synchronous training loop, without asyncio.
+
+It runs a ``RolloutServer`` on an event-loop thread of its own; every method blocks until done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import inspect
+import math
+import threading
+import weakref
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Generic, TypeVar
+
+from rollout_lifecycle._config import LifecycleConfig
+from rollout_lifecycle._events import logger
+from rollout_lifecycle._exceptions import InvalidArgument, LifecycleError
+from rollout_lifecycle._group import EngineGroup
+from rollout_lifecycle._outcome import EngineOutcome
+from rollout_lifecycle._server import LifecycleEvent, RolloutServer, ServerSnapshot, WeightUpdate
+from rollout_lifecycle._states import ServerState
+
+T = TypeVar("T")
+
+#: What the facade's hooks receive (``event.server`` is the async server; close over the facade
+#: to call it).
+SyncHook = Callable[[LifecycleEvent], Any]
+SyncWeightPush = Callable[[WeightUpdate], Any]
+SyncEngineFactory = Callable[[str], Any]
+
+#: ``facade``: the SyncRolloutServer whose worker thread this is (hooks, pushes, factories).
+_LOCAL = threading.local()
+
+
+class SyncServerClosed(LifecycleError):
+    """The ``SyncRolloutServer`` is closed (or was closed while this call ran)."""
+
+    def __init__(self, name: str, call: str, during: bool = False) -> None:
+        self._init = (name, call, during)
+        self.call = call
+        if during:
+            message = (
+                f"SyncRolloutServer {name!r} was closed while {call} was running; the call "
+                f"was cancelled once the server had settled"
+            )
+        else:
+            message = f"SyncRolloutServer {name!r} is closed; {call} is no longer available"
+        super().__init__(message)
+
+
+class CalledFromLoopThread(LifecycleError):
+    """A facade method was called on the facade's own event-loop thread, which it would block."""
+
+    def __init__(self, name: str, call: str) -> None:
+        self._init = (name, call)
+        self.call = call
+        super().__init__(
+            f"SyncRolloutServer {name!r}: {call} was called from the facade's own event-loop "
+            f"thread (an async hook, or a coroutine on that loop), which it would block forever; "
+            f"there, await the async server (event.server, or facade.server)"
+        )
+
+
+class SyncCallTimeout(LifecycleError, TimeoutError):
+    """A call outlived its ``timeout``: it was cancelled, and returned once the server settled."""
+
+    def __init__(self, call: str, timeout: float, state: str) -> None:
+        self._init = (call, timeout, state)
+        self.call = call
+        self.timeout = timeout
+        self.state = state
+        super().__init__(
+            f"{call} did not finish within {timeout:g}s; it was cancelled, and the server "
+            f"settled in state {state!r}"
+        )
+
+
+class _Call(Generic[T]):
+    """One coroutine run on the loop for a blocked caller; ``done`` is set once it settled."""
+
+    def __init__(self, nested: bool) -> None:
+        #: Made from inside an operation of the same server (a hook, push or factory) and part
+        #: of it: cancelling it alone would interrupt a phase, so it is never cancelled alone.
+        self.nested = nested
+        self.done = threading.Event()
+        self.task: asyncio.Task[T] | None = None
+        self.value: list[T] = []
+        self.error: BaseException | None = None
+        self.cancelled = False
+
+    def finish(self, task: asyncio.Task[T]) -> None:
+        if task.cancelled():
+            self.cancelled = True
+        elif (error := task.exception()) is not None:
+            self.error = error
+        else:
+            self.value.append(task.result())
+        self.done.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.done.set()
+
+
+class _Runtime:
+    """What the loop thread shares with the facade (never the facade itself, so that a facade
+    nobody closed can still be garbage-collected, and its finalizer stop the loop)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.loop = asyncio.new_event_loop()
+        self.guard = threading.Lock()
+        self.closed = False
+        #: Calls scheduled and not yet settled; failed if the loop thread ever ends under them.
+        self.pending: set[_Call[Any]] = set()
+        #: Worker threads running a sync callable; touched on the loop thread only.
+        self.workers: set[threading.Thread] = set()
+        self.thread = threading.Thread(
+            target=_run_loop, args=(self,), name=f"rollout-sync-{name}", daemon=True
+        )
+
+    def stop(self) -> None:
+        with self.guard:
+            self.closed = True
+        with contextlib.suppress(RuntimeError):  # the loop is closed already
+            self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def _run_loop(runtime: _Runtime) -> None:
+    loop = runtime.loop
+    asyncio.set_event_loop(loop)
+    try:
+        while True:
+            try:
+                loop.run_forever()
+                break
+            except (KeyboardInterrupt, SystemExit) as exc:
+                # A task re-raises these out of the loop after handing them to its awaiter (the
+                # blocked caller gets it too); the loop itself carries on.
+                logger().warning("sync.loop_interrupted", server=runtime.name, error=repr(exc))
+        _drain(runtime)
+    finally:
+        with runtime.guard:
+            runtime.closed = True
+            stranded = list(runtime.pending)
+        for call in stranded:
+            if not call.done.is_set():
+                call.fail(SyncServerClosed(runtime.name, "(loop)", during=True))
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
+def _drain(runtime: _Runtime) -> None:
+    """Cancel the calls in flight, let them settle, then cancel what is left on the loop.
+
+    Only the facade's top-level calls are cancelled first: a server call settles its phase
+    before it stops (its inner tasks must not be cancelled under it), and the calls nested in
+    an operation stop with it. Then the remaining tasks (engine-side work of in-process engines,
+    calls that missed their deadline) are cancelled.
+    """
+    loop = runtime.loop
+    with runtime.guard:
+        running = [(c.nested, c.task) for c in runtime.pending if c.task is not None]
+    tasks = [task for _, task in running]
+    for nested, task in running:
+        if not nested:
+            task.cancel()
+    if tasks:
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+    while True:
+        left = asyncio.all_tasks(loop)
+        if not left:
+            break
+        for task in left:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.run_until_complete(loop.shutdown_default_executor())
+
+
+async def _now(read: Callable[[], T]) -> T:
+    return read()
+
+
+async def _awaited(make: Callable[[], Awaitable[T]]) -> T:
+    return await make()
+
+
+def _is_async(fn: object) -> bool:
+    # A callable object (a built-in strategy such as ``FromDisk``) is async by its ``__call__``.
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+def _check_timeout(timeout: object) -> float | None:
+    if timeout is None:
+        return None
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
+        raise InvalidArgument(
+            f"timeout must be None or a finite number of seconds > 0, got {timeout!r}"
+        )
+    return float(timeout)
+
+
+class SyncRolloutServer:
+    """A ``RolloutServer`` for synchronous code: every lifecycle call blocks until it is done.
+
+    ``SyncRolloutServer(groups, config, name=...)`` builds the server on the facade's own loop
+    thread; ``SyncRolloutServer.wrap(factory)`` builds it by calling ``factory()`` (sync or
+    async) there. Methods mirror the async API and raise what it raises (the same exception
+    objects); each blocking call takes an optional ``timeout`` in seconds. Use the facade as a
+    context manager, or call ``close()``.
+
+    Threading design:
+
+    * **One loop thread owns the server.** The ``RolloutServer`` (its lock, its state machine,
+      its generation client) is built on that thread and only used there. A method schedules a
+      coroutine on the loop and blocks its caller on a ``threading.Event``.
+    * **Every sync callable handed over runs in a worker thread of its own**: hooks, weight
+      pushes, ``recover`` factories. It may block (``ray.get``, a collective) without stalling
+      the loop, and it may call the facade again; an awaitable it returns is awaited on the
+      loop. Async callables (``async def``, a built-in strategy such as ``FromDisk``) run on the
+      loop, as on the async server.
+    * **Re-entry is routed by context, so it cannot deadlock.** A call runs in a copy of its
+      caller's ``contextvars`` context, and a worker thread in a copy of the context of the
+      operation that started it. A hook calling ``facade.update_weights(...)`` is thus seen by
+      the server as a call from inside the operation that holds its lock, exactly like an async
+      hook awaiting ``server.update_weights(...)``: it runs inline instead of waiting for the
+      lock. Such a nested call is part of that operation: it is never cancelled on its own (that
+      would interrupt a phase), so its ``timeout`` does not apply; the operation's does. A thread
+      the hook starts itself does not inherit the context: calling the facade from there while
+      the hook waits for it would wait for the lock.
+    * **Nothing is abandoned.** A call that outlives its ``timeout`` (``SyncCallTimeout``) or
+      whose caller is interrupted (Ctrl-C) is cancelled as a cancelled async caller is: the
+      server settles the phase in flight first, so the state is exact when the caller hears of
+      it. A worker thread cannot be interrupted: a cancelled call waits for its callable.
+    * Calling a blocking member from the loop thread itself (an async hook, a coroutine on that
+      loop) raises ``CalledFromLoopThread`` instead of deadlocking; await ``facade.server``
+      there. ``close()`` cancels the calls in flight (each settles; its caller gets
+      ``SyncServerClosed``), stops the loop and joins every thread the facade started. The
+      engines are the caller's: ``close()`` leaves them as they are.
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[EngineGroup],
+        config: LifecycleConfig | None = None,
+        *,
+        name: str = "rollout",
+    ) -> None:
+        self._start(name, lambda: RolloutServer(groups, config, name=name))
+
+    @classmethod
+    def wrap(cls, server_factory: Callable[[], Any]) -> SyncRolloutServer:
+        """A facade over the ``RolloutServer`` that ``server_factory()`` returns (or, if async,
+        resolves to); it is called on the facade's loop thread, where the server must live."""
+        if isinstance(server_factory, RolloutServer) or not callable(server_factory):
+            raise InvalidArgument(
+                f"wrap() needs a callable returning a RolloutServer (the server must be built on "
+                f"the facade's loop thread), got {server_factory!r}"
+            )
+        facade = cls.__new__(cls)
+        facade._start(None, server_factory)
+        return facade
+
+    def _start(self, name: str | None, factory: Callable[[], Any]) -> None:
+        self._runtime = _Runtime(name if isinstance(name, str) and name else "rollout")
+        self._runtime.thread.start()
+        self._finalizer = weakref.finalize(self, _Runtime.stop, self._runtime)
+
+        async def build() -> RolloutServer:
+            server = factory()
+            if inspect.isawaitable(server):
+                server = await server
+            if not isinstance(server, RolloutServer):
+                raise InvalidArgument(
+                    f"the server factory returned {server!r}, not a RolloutServer"
+                )
+            return server
+
+        try:
+            self._server = self._call("__init__", build)
+        except BaseException:
+            self._shutdown()
+            raise
+        self._runtime.name = self._server.name
+
+    def __repr__(self) -> str:
+        if self._runtime.closed:
+            return f"SyncRolloutServer({self._runtime.name!r}, closed)"
+        return f"SyncRolloutServer({self._runtime.name!r}, state={self._server.state.value!r})"
+
+    def __enter__(self) -> SyncRolloutServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- inspection ---------------------------------------------------------------------------
+
+    @property
+    def server(self) -> RolloutServer:
+        """The async server. It lives on the facade's loop thread: await it there (from async
+        hooks), never from another thread. Unlike the blocking members, readable anywhere."""
+        if self._runtime.closed:
+            raise SyncServerClosed(self._runtime.name, "server")
+        return self._server
+
+    @property
+    def name(self) -> str:
+        """The server's name."""
+        return self._runtime.name
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` has been called."""
+        return self._runtime.closed
+
+    @property
+    def state(self) -> ServerState:
+        """The aggregate state."""
+        return self._call("state", lambda: _now(lambda: self._server.state))
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """Timings of the last completed call of each kind, as a flat dict."""
+        return self._call("metrics", lambda: _now(lambda: self._server.metrics))
+
+    @property
+    def expected_version(self) -> str | None:
+        """The version of the last versioned weight update."""
+        return self._call("expected_version", lambda: _now(lambda: self._server.expected_version))
+
+    def snapshot(self) -> ServerSnapshot:
+        """The state and what the server knows of every engine."""
+        return self._call("snapshot", lambda: _now(self._server.snapshot))
+
+    def probe(self, *, timeout: float | None = None) -> dict[str, EngineOutcome]:
+        """Probe every live engine's liveness without generating; dead ones are marked dead."""
+        return self._call("probe", lambda: self._server.probe(), timeout)
+
+    # -- hooks --------------------------------------------------------------------------------
+
+    def on(self, event: str | ServerState, hook: SyncHook) -> Callable[[], None]:
+        """Call ``hook(LifecycleEvent)`` on ``event`` (see ``RolloutServer.on``); returns its
+        remover. A sync hook runs in a worker thread and may call this facade."""
+        target = self._threaded(hook) if callable(hook) else hook
+        remove = self._call("on", lambda: _now(lambda: self._server.on(event, target)))
+
+        def remover() -> None:
+            if self._runtime.closed or self._on_loop_thread():
+                remove()  # nothing runs hooks any more, or we are where they run
+            else:
+                self._call("remove_hook", lambda: _now(remove))
+
+        return remover
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def offload(self, *, timeout: float | None = None) -> dict[str, float]:
+        """Pause and drain the offloaded groups, then release their memory."""
+        return self._call("offload", lambda: self._server.offload(), timeout, lifecycle=True)
+
+    def onload_weights(self, *, timeout: float | None = None) -> dict[str, float]:
+        """Resume the weights (``released -> weights_restored``); KV stays released."""
+        return self._call(
+            "onload_weights", lambda: self._server.onload_weights(), timeout, lifecycle=True
+        )
+
+    def update_weights(
+        self, push: SyncWeightPush, version: str | None = None, *, timeout: float | None = None
+    ) -> dict[str, float]:
+        """Write weights while they are resident and generation is paused.
+
+        ``push(WeightUpdate)`` may be a plain function (run in a worker thread: it may block,
+        e.g. on ``ray.get`` or a broadcast) or async / a built-in strategy (run on the loop). A
+        sync push cannot be interrupted: past the server's weight-update deadline the call
+        waits for it to return, then fails with ``HookFailed``.
+        """
+        target = self._threaded(push) if callable(push) else push
+        return self._call(
+            "update_weights",
+            lambda: self._server.update_weights(target, version),
+            timeout,
+            lifecycle=True,
+        )
+
+    def onload_kv(self, *, timeout: float | None = None) -> dict[str, float]:
+        """Resume the KV cache, then continue generation."""
+        return self._call("onload_kv", lambda: self._server.onload_kv(), timeout, lifecycle=True)
+
+    def onload(self, *, timeout: float | None = None) -> dict[str, float]:
+        """Everything ``offload`` undid: weights, then KV, then continue."""
+        return self._call("onload", lambda: self._server.onload(), timeout, lifecycle=True)
+
+    def pause(self, *, timeout: float | None = None) -> dict[str, float]:
+        """Pause and drain every group; nothing is released."""
+        return self._call("pause", lambda: self._server.pause(), timeout, lifecycle=True)
+
+    def resume(self, *, timeout: float | None = None) -> dict[str, float]:
+        """Continue generation from ``drained`` or ``kv_restored``."""
+        return self._call("resume", lambda: self._server.resume(), timeout, lifecycle=True)
+
+    def reset(self, *, timeout: float | None = None) -> ServerState:
+        """Leave ``failed`` for the state the engines' records imply."""
+        return self._call("reset", lambda: self._server.reset(), timeout, lifecycle=True)
+
+    def recover(
+        self, factory: SyncEngineFactory, *, timeout: float | None = None
+    ) -> dict[str, EngineOutcome]:
+        """Replace dead and uncertain engines through ``factory(engine_id)`` (a sync factory runs
+        in a worker thread); see ``RolloutServer.recover``."""
+        target = self._threaded(factory) if callable(factory) else factory
+        return self._call("recover", lambda: self._server.recover(target), timeout, lifecycle=True)
+
+    @contextmanager
+    def paused(self, *, timeout: float | None = None) -> Iterator[SyncRolloutServer]:
+        """Pause every group for the body (a non-colocated weight sync), then continue."""
+        self.pause(timeout=timeout)
+        try:
+            yield self
+        finally:
+            if self.state is not ServerState.FAILED:
+                self.resume(timeout=timeout)
+
+    @contextmanager
+    def offloaded(self, *, timeout: float | None = None) -> Iterator[SyncRolloutServer]:
+        """Offload on enter; on exit, even when the body raises, restore weights, run the hooks
+        (your weight push), restore KV and continue."""
+        self.offload(timeout=timeout)
+        try:
+            yield self
+        finally:
+            if self.state is not ServerState.FAILED:
+                self.onload(timeout=timeout)
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def generate(
+        self, request: dict[str, Any], group: str | None = None, *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """Run one generate request to its full answer, on serving engines only (held while
+        they are paused; aborted work is resubmitted)."""
+        return self._call("generate", lambda: self._server.generate(request, group=group), timeout)
+
+    def generate_batch(
+        self,
+        requests: Sequence[dict[str, Any]],
+        group: str | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> list[dict[str, Any]]:
+        """Run every request concurrently; answers in request order."""
+        return self._call(
+            "generate_batch",
+            lambda: self._server.generate_batch(requests, group=group),
+            timeout,
+        )
+
+    # -- closing ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Cancel calls in flight (each settles first), stop the loop and join every thread.
+
+        Idempotent. Afterwards every method raises ``SyncServerClosed``. Engines are left as
+        they are.
+        """
+        runtime = self._runtime
+        with runtime.guard:
+            if runtime.closed:
+                return
+            if self._on_loop_thread():
+                raise CalledFromLoopThread(runtime.name, "close")
+            if getattr(_LOCAL, "facade", None) is self:
+                raise LifecycleError(
+                    f"SyncRolloutServer {runtime.name!r}: close() was called from one of its own "
+                    f"hooks, pushes or factories, which the call in flight waits for"
+                )
+            runtime.closed = True
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        runtime = self._runtime
+        runtime.stop()
+        runtime.thread.join()
+        for worker in list(runtime.workers):
+            worker.join()
+        self._finalizer.detach()
+
+    # -- machinery ----------------------------------------------------------------------------
+
+    def _on_loop_thread(self) -> bool:
+        return threading.get_ident() == self._runtime.thread.ident
+
+    def _check_usable(self, call: str) -> None:
+        if self._runtime.closed:
+            raise SyncServerClosed(self._runtime.name, call)
+        if self._on_loop_thread():
+            raise CalledFromLoopThread(self._runtime.name, call)
+
+    def _call(
+        self,
+        call: str,
+        make: Callable[[], Awaitable[T]],
+        timeout: float | None = None,
+        *,
+        lifecycle: bool = False,
+    ) -> T:
+        """Run ``make()`` on the loop, in a copy of the caller's context; block until settled.
+
+        A ``lifecycle`` call made from one of this facade's worker threads joins the operation
+        in progress (it runs inline, under that operation's lock); it is bounded by that
+        operation, never cancelled on its own: its ``timeout`` does not apply.
+        """
+        limit = _check_timeout(timeout)
+        nested = lifecycle and getattr(_LOCAL, "facade", None) is self
+        if nested:
+            limit = None
+        runtime = self._runtime
+        pending: _Call[T] = _Call(nested)
+
+        def start() -> None:
+            if runtime.closed:
+                pending.fail(SyncServerClosed(runtime.name, call))
+                return
+            task = runtime.loop.create_task(_awaited(make))
+            pending.task = task
+            task.add_done_callback(pending.finish)
+
+        # The check and the scheduling are one step for close(): a call scheduled before it
+        # marked the facade closed runs (or is cancelled) before the loop stops.
+        with runtime.guard:
+            self._check_usable(call)
+            runtime.pending.add(pending)
+            runtime.loop.call_soon_threadsafe(start, context=contextvars.copy_context())
+        try:
+            try:
+                finished = pending.done.wait(limit)
+            except BaseException:
+                # Interrupted (Ctrl-C): like a cancelled async caller, settle first, then raise.
+                self._cancel(pending)
+                pending.done.wait()
+                raise
+            if not finished:
+                self._cancel(pending)
+                pending.done.wait()
+        finally:
+            with runtime.guard:
+                runtime.pending.discard(pending)
+        if pending.cancelled:
+            if runtime.closed:
+                raise SyncServerClosed(runtime.name, call, during=True)
+            if limit is not None and not finished:
+                raise SyncCallTimeout(call, limit, self._server.state.value)
+            raise asyncio.CancelledError(f"{call} was cancelled")
+        if pending.error is not None:
+            raise pending.error
+        return pending.value[0]
+
+    def _cancel(self, pending: _Call[Any]) -> None:
+        def cancel() -> None:
+            if pending.task is not None:
+                pending.task.cancel()
+
+        with contextlib.suppress(RuntimeError):  # closed loop: the call has been settled
+            self._runtime.loop.call_soon_threadsafe(cancel)
+
+    def _threaded(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` as the server should call it: async callables as they are, sync ones in a
+        worker thread (whatever awaitable they return is awaited on the loop)."""
+        if _is_async(fn):
+            return fn
+
+        async def in_worker(*args: Any) -> Any:
+            result = await self._in_thread(fn, args)
+            if inspect.isawaitable(result):
+                result = await result
+            return result
+
+        # HookFailed names the hook by its qualified name.
+        in_worker.__qualname__ = getattr(fn, "__qualname__", repr(fn))
+        in_worker.__name__ = getattr(fn, "__name__", in_worker.__qualname__)
+        return in_worker
+
+    async def _in_thread(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """Run ``fn(*args)`` in a new thread, in a copy of this task's context (so that a call
+        back into the facade is seen as a re-entry of the operation in progress)."""
+        runtime = self._runtime
+        loop = runtime.loop
+        future: asyncio.Future[Any] = loop.create_future()
+        context = contextvars.copy_context()
+
+        def settle(result: Any, error: BaseException | None) -> None:
+            if future.done():
+                return
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
+
+        def work() -> None:
+            _LOCAL.facade = self
+            try:
+                outcome: tuple[Any, BaseException | None] = (context.run(fn, *args), None)
+            except BaseException as exc:
+                outcome = (None, exc)
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+                loop.call_soon_threadsafe(settle, *outcome)
+
+        # Threads that have ended are forgotten here; close() joins the rest.
+        runtime.workers.difference_update([t for t in runtime.workers if not t.is_alive()])
+        thread = threading.Thread(target=work, name=f"{runtime.thread.name}-worker", daemon=True)
+        runtime.workers.add(thread)
+        thread.start()
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            # A thread cannot be interrupted: wait for the callable to return, then propagate.
+            while not future.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([future])
+            raise
+
+
+__all__ = [
+    "CalledFromLoopThread",
+    "SyncCallTimeout",
+    "SyncRolloutServer",
+    "SyncServerClosed",
+]
