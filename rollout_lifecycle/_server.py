@@ -16,6 +16,7 @@ import contextvars
 import functools
 import inspect
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
@@ -36,7 +37,13 @@ from rollout_lifecycle._exceptions import (
     StaleWeights,
 )
 from rollout_lifecycle._generation import GenerationClient
-from rollout_lifecycle._group import EngineGroup, EngineRecord, EngineSnapshot, PendingCall
+from rollout_lifecycle._group import (
+    EngineGroup,
+    EngineRecord,
+    EngineSnapshot,
+    PendingCall,
+    send_to_engine,
+)
 from rollout_lifecycle._outcome import EngineOutcome, Outcome, classify
 from rollout_lifecycle._states import TRANSITIONS, ServerState, sources_of
 
@@ -533,18 +540,8 @@ class RolloutServer:
         state = self.state
         skip = {r.id for r in broken}
         target = self._settled_state(skip=skip) if state is S.FAILED else state
-        # Engines a late pause left paused (a failed drain could not continue them) are
-        # continued when the rest of the fleet is serving.
-        stuck = [
-            r
-            for g in self._groups
-            for r in g.live()
-            if r.id not in skip and r.paused and not (r.released | r.uncertain)
-        ]
-        if target is None and self._settled_state(skip=skip | {r.id for r in stuck}) is S.SERVING:
-            target = S.SERVING
-        else:
-            stuck = [] if target is not S.SERVING else stuck
+        if target is None and state is S.FAILED:
+            target = self._majority_state(skip)
         if target is None or target in (S.PAUSING, S.KV_RESTORED):
             raise IllegalTransition(
                 "recover",
@@ -563,19 +560,7 @@ class RolloutServer:
             log.info("engine.replaced", engine=record.id, target=target.value)
             await _retire(old, self._config.deadlines.probe)
         outcomes = await self._bring_up([r for r, _ in replacements], target)
-        if stuck:
-            late = [self._stragglers[r.id] for r in stuck if r.id in self._stragglers]
-            if late:
-                await asyncio.wait(late, timeout=self._config.deadlines.pause)
-            stuck = [r for r in stuck if r.id not in self._stragglers]
-            calls = [
-                c
-                for g in self._groups
-                for c in g._issue([r for r in stuck if r.group == g.name], "continue_generation")
-            ]
-            outcomes.update(
-                await self._settle("recover_continue", calls, self._config.deadlines.continue_)
-            )
+        outcomes.update(await self._heal(target, skip))
         if not self._succeeded(outcomes):
             if state is not S.FAILED:
                 await self._fire("fail")
@@ -586,34 +571,100 @@ class RolloutServer:
                 raise IllegalTransition("recover", S.FAILED.value, [])  # records still disagree
         return outcomes
 
-    async def _bring_up(
-        self, records: Sequence[EngineRecord], target: ServerState
+    def _majority_state(self, skip: Collection[str]) -> ServerState | None:
+        """After a phase failed part-way, the state most offloaded engines are in."""
+        offload = [r for g in self._offload_groups() for r in g.live() if r.id not in skip]
+        if not offload:
+            return S.SERVING
+        held = Counter(frozenset(r.released) for r in offload).most_common()
+        top = [h for h, n in held if n == held[0][1]]
+        tags = min(top, key=len)  # on a tie, the most restored
+        if not tags:
+            # A drain that did not complete (paused, never flushed) is undone, not finished.
+            drained = sum(r.paused and r.flushed for r in offload)
+            return S.DRAINED if drained * 2 > len(offload) else S.SERVING
+        for state in (S.RELEASED, S.WEIGHTS_RESTORED):
+            if set(tags) == set(_released_in(state, self._config.release_tags)):
+                return state
+        return None
+
+    async def _heal(self, target: ServerState, skip: Collection[str]) -> dict[str, EngineOutcome]:
+        """Move healthy engines that a part-way failure left behind (or ahead) to ``target``.
+
+        Resumes what is released beyond the target, pauses, flushes and releases what is
+        short of it, and continues engines left paused in a serving fleet (once a late pause
+        has landed).
+        """
+        deadlines = self._config.deadlines
+        tags = set(_released_in(target, self._config.release_tags))
+        healthy = [r for g in self._groups for r in g.live() if r.id not in skip]
+        outcomes: dict[str, EngineOutcome] = {}
+        ahead = [r for r in healthy if r.released - tags]
+        for extra in {frozenset(r.released - tags) for r in ahead}:
+            group_tags = tuple(t for t in self._config.release_tags if t in extra)
+            chosen = [r for r in ahead if r.released - tags == extra]
+            outcomes.update(
+                await self._step(
+                    "recover_resume", chosen, "resume_memory_occupation",
+                    [t.value for t in group_tags], deadline=deadlines.resume, tags=group_tags,
+                    check=lambda r, t=group_tags: r.check_resume(t),
+                )
+            )  # fmt: skip
+        short = [r for r in healthy if self._group_of(r).needs_offload and tags - r.released]
+        if short:
+            outcomes.update(await self._bring_up(short, target, fresh=False))
+        if target is S.SERVING:
+            stuck = [r for r in healthy if r.paused and not (r.released | r.uncertain)]
+            late = [self._stragglers[r.id] for r in stuck if r.id in self._stragglers]
+            if late:
+                await asyncio.wait(late, timeout=deadlines.pause)
+            stuck = [r for r in stuck if r.id not in self._stragglers]
+            outcomes.update(
+                await self._step(
+                    "recover_continue", stuck, "continue_generation", deadline=deadlines.continue_
+                )
+            )
+        return outcomes
+
+    async def _step(
+        self,
+        phase: str,
+        chosen: Sequence[EngineRecord],
+        op: str,
+        *args: Any,
+        deadline: float,
+        **kw: Any,
     ) -> dict[str, EngineOutcome]:
-        """Bring fresh engines (serving, all memory resident) to ``target``, phase by phase."""
+        """Issue ``op`` to the ``chosen`` engines (guarded) and settle them as one phase."""
+        calls = [
+            c
+            for g in self._groups
+            for c in g._issue([r for r in chosen if r.group == g.name], op, args, **kw)
+        ]
+        return await self._settle(phase, calls, deadline)
+
+    async def _bring_up(
+        self, records: Sequence[EngineRecord], target: ServerState, *, fresh: bool = True
+    ) -> dict[str, EngineOutcome]:
+        """Bring engines to ``target``'s memory state, phase by phase: fresh ones (serving, all
+        memory resident) are probed first; a held tag is never released again."""
         deadlines = self._config.deadlines
         outcomes: dict[str, EngineOutcome] = {}
 
         async def step(
-            phase: str,
-            chosen: list[EngineRecord],
-            op: str,
-            *args: Any,
-            deadline: float,
-            **kw: Any,
+            phase: str, chosen: list[EngineRecord], op: str, *args: Any, deadline: float, **kw: Any
         ) -> list[EngineRecord]:
-            calls = [
-                c
-                for g in self._groups
-                for c in g._issue([r for r in chosen if r.group == g.name], op, args, **kw)
-            ]
-            got = await self._settle(phase, calls, deadline)
+            got = await self._step(phase, chosen, op, *args, deadline=deadline, **kw)
             outcomes.update(got)
             return [r for r in chosen if got[r.id].ok]
 
-        up = await step("recover_probe", list(records), "server_info", deadline=deadlines.startup)
-        to_pause = [r for r in up if _paused_in(target, self._group_of(r))]
+        up = list(records)
+        if fresh:
+            up = await step("recover_probe", up, "server_info", deadline=deadlines.startup)
         mode = self._config.pause_mode
-        paused = await step(
+        to_pause = [r for r in up if _paused_in(target, self._group_of(r)) and not r.paused]
+        paused = [r for r in up if r.paused and r not in to_pause]
+        paused += await step(
             "recover_pause",
             to_pause,
             "pause_generation",
@@ -622,25 +673,34 @@ class RolloutServer:
             deadline=deadlines.pause,
         )
         if mode is not PauseMode.IN_PLACE:
-            paused = await step(
+            unflushed = [r for r in paused if not r.flushed]
+            paused = [r for r in paused if r.flushed] + await step(
                 "recover_flush",
-                paused,
+                unflushed,
                 "flush_cache",
                 deadlines.flush,
                 self._config.flush_retry_interval,
                 deadline=deadlines.flush + deadlines.probe,
             )
-        tags = _released_in(target, self._config.release_tags)
-        to_release = [r for r in paused if self._group_of(r).needs_offload and tags]
-        await step(
-            "recover_release",
-            to_release,
-            "release_memory_occupation",
-            [t.value for t in tags],
-            tags=tags,
-            deadline=deadlines.release,
-            check=lambda r: r.check_release(tags),
-        )
+        all_tags = _released_in(target, self._config.release_tags)
+        for missing in {tuple(t for t in all_tags if t not in r.released) for r in paused}:
+            chosen = [
+                r
+                for r in paused
+                if self._group_of(r).needs_offload
+                and tuple(t for t in all_tags if t not in r.released) == missing
+            ]
+            if not missing or not chosen:
+                continue
+            await step(
+                "recover_release",
+                chosen,
+                "release_memory_occupation",
+                [t.value for t in missing],
+                tags=missing,
+                deadline=deadlines.release,
+                check=lambda r, t=missing: r.check_release(t),
+            )
         return outcomes
 
     # -- transitions --------------------------------------------------------------------------
@@ -943,7 +1003,24 @@ class RolloutServer:
                 calls.extend(group._issue(targets, "pause_generation", (mode.value,), mode=mode))
             await self._require_all("pause_for_update", calls, deadlines.pause)
         calls = [c for g in self._groups for c in g.begin_weight_update()]
-        await self._require_all("begin_weight_update", calls, deadlines.weight_update)
+        outcomes = await self._settle("begin_weight_update", calls, deadlines.weight_update)
+        if not self._succeeded(outcomes):
+            # Close the sessions that did (or may have) opened, or every later update would be
+            # refused with "a weight update session is open". Ending one that is not open is a
+            # harmless 400.
+            opened = [
+                c.record
+                for c in calls
+                if c.record.alive
+                and outcomes[c.record.id].outcome not in (Outcome.REJECTED, Outcome.REFUSED)
+            ]
+            closing = [
+                c
+                for g in self._groups
+                for c in g._issue([r for r in opened if r.group == g.name], "end_weight_update")
+            ]
+            await self._settle("end_weight_update", closing, deadlines.weight_update)
+            raise PhaseFailed("begin_weight_update", outcomes, S.FAILED.value)
         engines = {r.id: r.handle for g in self._groups for r in g.live()}
         try:
             await self._call_push(push, WeightUpdate(version, engines))
@@ -1120,8 +1197,8 @@ class RolloutServer:
             if not any(r.paused for r in live):
                 return S.SERVING
             return S.DRAINED if idle else None
-        if not idle or any(r.paused for r in others):
-            return None
+        if not idle:
+            return None  # (groups that keep their memory may be paused: a write that failed)
         tags = set(self._config.release_tags)
         if held == tags:
             return S.RELEASED
@@ -1147,7 +1224,15 @@ def _released_in(state: ServerState, release_tags: Sequence[Tag]) -> tuple[Tag, 
 
 
 async def _retire(handle: Any, deadline: float) -> None:
-    """Best effort to stop an engine that was replaced (it may be dead already)."""
+    """Best effort to stop an engine that was replaced (it may be dead already).
+
+    A live one first aborts its requests, so each returns with its partial output (and a
+    generation client resubmits it) instead of being dropped with the engine.
+    """
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(
+            _awaitable(send_to_engine(handle, "pause_generation", ("abort",))), deadline
+        )
     if isinstance(handle, EngineHost):
         with contextlib.suppress(Exception):
             await asyncio.wait_for(handle.close(), deadline)

@@ -15,6 +15,7 @@ from rollout_lifecycle import (
     LifecycleConfig,
     LifecycleEvent,
     PauseMode,
+    PhaseFailed,
     RolloutServer,
     ServerState,
     SimulatedEngine,
@@ -267,3 +268,25 @@ async def test_cancelling_a_call_made_from_a_hook_settles_its_phase_and_records_
         assert set(record.released) == set(released) == {"kv_cache", "cuda_graph"}
     await server.onload()
     assert server.state is ServerState.SERVING and not any(e.dead for e in inner)
+
+
+async def test_recover_heals_engines_that_a_part_way_failure_left_behind() -> None:
+    inner = sims(3)
+    engines = [FaultyEngine(e) for e in inner]
+    server = RolloutServer([EngineGroup("actor", engines)])
+    await server.offload()
+    engines[0].arm("resume_memory_occupation", "reject")
+    with pytest.raises(PhaseFailed) as err:
+        await server.onload_weights()
+    assert err.value.failed_engines == ["actor/0"]
+    assert server.state is ServerState.FAILED
+    # Two engines have their weights back, one does not: recover() moves it to its peers.
+    outcomes = await server.recover(lambda engine_id: pytest.fail("nothing to replace"))
+    assert outcomes["actor/0"].ok
+    assert server.state is ServerState.WEIGHTS_RESTORED
+    assert {e.released for e in server.snapshot().engines().values()} == {
+        ("kv_cache", "cuda_graph")
+    }
+    await server.onload()
+    assert server.state is ServerState.SERVING
+    assert all(all(b > 0 for b in e.memory().values()) for e in inner)
