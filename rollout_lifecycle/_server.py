@@ -713,9 +713,10 @@ class RolloutServer:
     async def _advance(self, trigger: str, **kwargs: Any) -> None:
         """Fire one transition: run its phase, change state, run the hooks of the new state."""
         current = _CURRENT.get()
-        if current is not None and current[1].cancelled:
-            raise asyncio.CancelledError(f"cancelled before {trigger}")
         previous = self.state
+        # ``pausing`` only leads into the drain: a cancelled call never stops there.
+        if current is not None and current[1].cancelled and previous is not S.PAUSING:
+            raise asyncio.CancelledError(f"cancelled before {trigger}")
         log = logger().bind(server=self._name, transition=trigger)
         log.debug("transition.start", state=previous.value)
         phases: list[str] = []

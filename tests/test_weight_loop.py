@@ -290,3 +290,22 @@ async def test_recover_heals_engines_that_a_part_way_failure_left_behind() -> No
     await server.onload()
     assert server.state is ServerState.SERVING
     assert all(all(b > 0 for b in e.memory().values()) for e in inner)
+
+
+async def test_a_caller_cancelled_right_after_the_pause_trigger_never_leaves_pausing() -> None:
+    engines = sims(2)
+    server = RolloutServer([EngineGroup("actor", engines)])
+    entered = asyncio.Event()
+
+    async def linger(event: LifecycleEvent) -> None:
+        entered.set()
+        await asyncio.sleep(0.05)  # the caller is cancelled while the server is in pausing
+
+    server.on("pausing", linger)
+    task = asyncio.ensure_future(server.offload())
+    await asyncio.wait_for(entered.wait(), timeout=5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert server.state is ServerState.DRAINED  # the drain ran; the release did not start
+    assert all("release_memory_occupation" not in ops(e) for e in engines)
