@@ -9,7 +9,6 @@ try/finally), so a failed step never leaves the engines released.
 from __future__ import annotations
 
 import asyncio
-import logging
 import sys
 
 import ray
@@ -21,7 +20,7 @@ from rollout_lifecycle import (
     RolloutServer,
     ServerState,
 )
-from rollout_lifecycle.testing import simulated_engine_actors
+from rollout_lifecycle.testing import local_ray, simulated_engine_actors
 
 
 class Trainer:
@@ -79,16 +78,8 @@ async def run() -> int:
 
 
 def main() -> int:
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(
-            num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False
-        )
-    try:
+    with local_ray():
         return asyncio.run(run())
-    finally:
-        if started_ray:
-            ray.shutdown()
 
 
 if __name__ == "__main__":

@@ -13,14 +13,13 @@ accounting per tag) + what the simulated trainer holds; both orders run on the s
 from __future__ import annotations
 
 import asyncio
-import logging
 import sys
 from typing import Any
 
 import ray
 
 from rollout_lifecycle import EngineGroup, LifecycleEvent, RolloutServer, WeightUpdate
-from rollout_lifecycle.testing import simulated_engine_actors
+from rollout_lifecycle.testing import local_ray, simulated_engine_actors
 
 GIB = 1 << 30
 #: Per GPU: the engine's tags, the trainer while training, and its weights copy kept for the push.
@@ -124,16 +123,8 @@ async def run() -> int:
 
 
 def main() -> int:
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(
-            num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False
-        )
-    try:
+    with local_ray():
         return asyncio.run(run())
-    finally:
-        if started_ray:
-            ray.shutdown()
 
 
 if __name__ == "__main__":

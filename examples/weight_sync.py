@@ -10,13 +10,12 @@ once it is over; none is aborted.
 from __future__ import annotations
 
 import asyncio
-import logging
 import sys
 
 import ray
 
 from rollout_lifecycle import EngineGroup, FromDisk, RolloutServer, ServerState
-from rollout_lifecycle.testing import simulated_engine_actors
+from rollout_lifecycle.testing import local_ray, simulated_engine_actors
 
 SYNCS = 3
 
@@ -62,16 +61,8 @@ async def run() -> int:
 
 
 def main() -> int:
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(
-            num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False
-        )
-    try:
+    with local_ray():
         return asyncio.run(run())
-    finally:
-        if started_ray:
-            ray.shutdown()
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 import time
@@ -270,16 +269,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         _positive("groups", args.groups, 8)
         _positive("engines", args.engines, 16)
         _positive("requests", args.requests, 10_000)
-        import ray
+        from rollout_lifecycle.testing import local_ray
 
         started = time.monotonic()
-        ray.init(
-            num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False
-        )
-        try:
+        with local_ray():
             code = asyncio.run(_demo(args))
-        finally:
-            ray.shutdown()
         print(f"demo finished in {time.monotonic() - started:.1f}s")
         return code
     return 2  # pragma: no cover - argparse rejects unknown commands

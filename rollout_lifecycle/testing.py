@@ -6,9 +6,11 @@ built on the library (no GPU needed).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
-from collections.abc import Mapping, Sequence
+import logging
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from rollout_lifecycle._actor import start_engine_actor
@@ -17,6 +19,24 @@ from rollout_lifecycle._simulated import SimulatedEngine
 from rollout_lifecycle._standin import StandInServer
 
 History = Sequence[Mapping[str, Any]]
+
+
+@contextlib.contextmanager
+def local_ray() -> Iterator[None]:
+    """A local Ray cluster for a script or demo (2 CPUs, no dashboard, quiet), unless one is
+    running already; shut down on exit only if it was started here."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(
+            num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False
+        )
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
 
 
 def simulated_engine_actors(
@@ -119,6 +139,7 @@ __all__ = [
     "SimulatedEngine",
     "StandInServer",
     "cycle_order_violations",
+    "local_ray",
     "released_ops",
     "simulated_engine_actors",
 ]
