@@ -1,0 +1,397 @@
+"""Fault injection for tests of code built on the library: ``FaultyEngine`` wraps an engine
+backend and rejects, delays, kills or loses the answers of its lifecycle calls on demand."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from rollout_lifecycle._config import PauseMode, Tag
+from rollout_lifecycle._engine import EngineBackend
+from rollout_lifecycle._exceptions import (
+    EngineDead,
+    EngineRejected,
+    EngineTimeout,
+    EngineUnreachable,
+    InvalidArgument,
+)
+
+T = TypeVar("T")
+
+#: What an armed fault does to a call.
+FAULT_KINDS: tuple[str, ...] = ("reject", "slow", "die", "drop_after")
+
+#: The calls a fault can be armed on, and that ``FaultyEngine.calls`` records.
+FAULT_OPS: tuple[str, ...] = (
+    "pause_generation",
+    "continue_generation",
+    "flush_cache",
+    "release_memory_occupation",
+    "resume_memory_occupation",
+    "begin_weight_update",
+    "end_weight_update",
+    "update_weights_from_disk",
+    "update_weights_from_tensor",
+    "update_weights_from_distributed",
+    "update_weight_version",
+    "weight_version",
+    "server_info",
+    "abort_request",
+)
+
+
+@dataclass
+class _Armed:
+    kind: str
+    remaining: int
+    seconds: float
+
+
+def _tag_values(tags: Sequence[Tag | str] | None) -> list[str] | None:
+    if tags is None or isinstance(tags, str):
+        return None
+    return [t.value if isinstance(t, Tag) else str(t) for t in tags]
+
+
+class FaultyEngine:
+    """An ``EngineBackend`` that forwards to ``inner`` and injects the faults it is armed with.
+
+    Kinds (``arm(op, kind)``): ``"reject"`` answers 503 without calling ``inner``; ``"slow"``
+    sleeps ``seconds`` and then calls ``inner`` (a call that misses its deadline and still
+    lands); ``"die"`` kills the engine: this and every later call raise ``EngineDead`` and
+    ``inner`` is closed, so its in-flight generates fail with ``EngineDead``; ``"drop_after"``
+    calls ``inner`` and then raises ``EngineUnreachable`` (the effect landed, the answer was
+    lost). Every lifecycle call is logged in ``calls``.
+    """
+
+    def __init__(self, inner: EngineBackend, *, label: str | None = None) -> None:
+        if not isinstance(inner, EngineBackend):
+            raise InvalidArgument(f"inner must be an engine backend, got {inner!r}")
+        if label is not None and (not isinstance(label, str) or not label):
+            raise InvalidArgument(f"label must be a non-empty string or None, got {label!r}")
+        self._inner = inner
+        self._label = label
+        self._armed: dict[str, deque[_Armed]] = {}
+        self._in_flight = 0
+        self._dead = False
+        #: One entry per lifecycle call forwarded or failed, in order of start: ``op``,
+        #: ``start``, ``end`` (None while in flight), ``outcome`` (``pending``, ``ok``,
+        #: ``rejected``, ``dead``, ``unreachable``, ``timed_out``, ``cancelled`` or ``error``),
+        #: ``tags`` (release and resume), ``injected`` (the fault kind, or None) and ``landed``
+        #: (``inner`` carried the call out).
+        self.calls: list[dict[str, Any]] = []
+        #: When ``close()`` was first called (the owner retired the engine), else None.
+        self.closed_at: float | None = None
+
+    def __repr__(self) -> str:
+        return f"FaultyEngine({self.label!r}, dead={self._dead}, in_flight={self._in_flight})"
+
+    # -- fault control ------------------------------------------------------------------------
+
+    def arm(self, op: str, kind: str, *, count: int = 1, seconds: float = 0.0) -> None:
+        """Make the next ``count`` calls of ``op`` fail as ``kind`` (after those armed before)."""
+        if op not in FAULT_OPS:
+            raise InvalidArgument(f"unknown op {op!r}; valid: {', '.join(FAULT_OPS)}")
+        if kind not in FAULT_KINDS:
+            raise InvalidArgument(f"unknown fault kind {kind!r}; valid: {', '.join(FAULT_KINDS)}")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise InvalidArgument(f"count must be an int >= 1, got {count!r}")
+        if (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, int | float)
+            or not math.isfinite(seconds)
+            or seconds < 0
+        ):
+            raise InvalidArgument(f"seconds must be a finite number >= 0, got {seconds!r}")
+        if kind == "slow" and seconds <= 0:
+            raise InvalidArgument(f"a 'slow' fault needs seconds > 0, got {seconds!r}")
+        if kind != "slow" and seconds:
+            raise InvalidArgument(f"seconds only applies to kind 'slow', got {seconds!r}")
+        self._armed.setdefault(op, deque()).append(_Armed(kind, count, float(seconds)))
+
+    def disarm(self) -> None:
+        """Forget every armed fault (an injected death stays)."""
+        self._armed.clear()
+
+    def _take(self, op: str) -> _Armed | None:
+        queue = self._armed.get(op)
+        if not queue:
+            return None
+        armed = queue[0]
+        armed.remaining -= 1
+        if armed.remaining <= 0:
+            queue.popleft()
+        return armed
+
+    # -- inspection ---------------------------------------------------------------------------
+
+    @property
+    def label(self) -> str:
+        """The given label, else the inner engine's."""
+        return self._label if self._label is not None else self._inner.label
+
+    @property
+    def inner(self) -> EngineBackend:
+        """The wrapped backend."""
+        return self._inner
+
+    @property
+    def in_flight(self) -> int:
+        """Lifecycle calls that have started and not returned (sleeping ``slow`` ones included)."""
+        return self._in_flight
+
+    @property
+    def injected_death(self) -> bool:
+        """True once a ``"die"`` fault has killed the engine."""
+        return self._dead
+
+    # -- the wrapper ----------------------------------------------------------------------------
+
+    async def _kill(self) -> None:
+        self._dead = True
+        close = getattr(self._inner, "close", None)
+        if close is not None:
+            with contextlib.suppress(Exception):
+                await close()
+
+    def _dead_error(self, op: str) -> EngineDead:
+        return EngineDead(self.label, op, "connection refused: engine died (injected fault)")
+
+    async def _call(
+        self,
+        op: str,
+        invoke: Callable[[], Awaitable[T]],
+        *,
+        tags: Sequence[Tag | str] | None = None,
+    ) -> T:
+        entry: dict[str, Any] = {
+            "op": op,
+            "start": time.monotonic(),
+            "end": None,
+            "outcome": "pending",
+            "tags": _tag_values(tags),
+            "injected": None,
+            "landed": False,
+        }
+        self.calls.append(entry)
+        self._in_flight += 1
+        try:
+            if self._dead:
+                entry["injected"] = "die"
+                raise self._dead_error(op)
+            armed = self._take(op)
+            kind = armed.kind if armed is not None else None
+            entry["injected"] = kind
+            if kind == "reject":
+                raise EngineRejected(self.label, op, "injected fault: service unavailable", 503)
+            if kind == "die":
+                await self._kill()
+                raise EngineDead(self.label, op, "connection dropped: engine died (injected fault)")
+            if armed is not None and kind == "slow":
+                await asyncio.sleep(armed.seconds)
+                if self._dead:
+                    raise self._dead_error(op)
+            result = await invoke()
+            entry["landed"] = True
+            if kind == "drop_after":
+                raise EngineUnreachable(
+                    self.label, op, "injected fault: connection lost after the call landed"
+                )
+            entry["outcome"] = "ok"
+            return result
+        except EngineRejected:
+            entry["outcome"] = "rejected"
+            raise
+        except EngineDead:
+            entry["outcome"] = "dead"
+            raise
+        except EngineUnreachable:
+            entry["outcome"] = "unreachable"
+            raise
+        except EngineTimeout:
+            entry["outcome"] = "timed_out"
+            raise
+        except asyncio.CancelledError:
+            entry["outcome"] = "cancelled"
+            raise
+        except BaseException:
+            entry["outcome"] = "error"
+            raise
+        finally:
+            entry["end"] = time.monotonic()
+            self._in_flight -= 1
+
+    # -- EngineBackend ----------------------------------------------------------------------------
+
+    async def pause_generation(self, mode: PauseMode) -> None:
+        """``POST /pause_generation``."""
+        await self._call("pause_generation", lambda: self._inner.pause_generation(mode))
+
+    async def continue_generation(self) -> None:
+        """``POST /continue_generation``."""
+        await self._call("continue_generation", self._inner.continue_generation)
+
+    async def flush_cache(self, timeout: float) -> None:
+        """``POST /flush_cache?timeout=T``."""
+        await self._call("flush_cache", lambda: self._inner.flush_cache(timeout))
+
+    async def release_memory_occupation(self, tags: Sequence[Tag]) -> None:
+        """``POST /release_memory_occupation``."""
+        await self._call(
+            "release_memory_occupation",
+            lambda: self._inner.release_memory_occupation(tags),
+            tags=tags,
+        )
+
+    async def resume_memory_occupation(self, tags: Sequence[Tag]) -> None:
+        """``POST /resume_memory_occupation``."""
+        await self._call(
+            "resume_memory_occupation",
+            lambda: self._inner.resume_memory_occupation(tags),
+            tags=tags,
+        )
+
+    async def begin_weight_update(self) -> None:
+        """``POST /begin_weight_update``."""
+        await self._call("begin_weight_update", self._inner.begin_weight_update)
+
+    async def end_weight_update(self) -> None:
+        """``POST /end_weight_update``."""
+        await self._call("end_weight_update", self._inner.end_weight_update)
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None,
+        flush_cache: bool,
+        abort_all_requests: bool,
+    ) -> None:
+        """``POST /update_weights_from_disk``."""
+        await self._call(
+            "update_weights_from_disk",
+            lambda: self._inner.update_weights_from_disk(
+                model_path,
+                weight_version=weight_version,
+                flush_cache=flush_cache,
+                abort_all_requests=abort_all_requests,
+            ),
+        )
+
+    async def update_weights_from_tensor(
+        self,
+        payload: Any,
+        *,
+        weight_version: str | None,
+        flush_cache: bool,
+        abort_all_requests: bool,
+    ) -> None:
+        """``POST /update_weights_from_tensor`` (501 if ``inner`` has no such call)."""
+        op = "update_weights_from_tensor"
+        method = self._optional(op)
+        await self._call(
+            op,
+            lambda: method(
+                payload,
+                weight_version=weight_version,
+                flush_cache=flush_cache,
+                abort_all_requests=abort_all_requests,
+            ),
+        )
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        *,
+        weight_version: str | None,
+        flush_cache: bool,
+        abort_all_requests: bool,
+    ) -> None:
+        """``POST /update_weights_from_distributed`` (501 if ``inner`` has no such call)."""
+        op = "update_weights_from_distributed"
+        method = self._optional(op)
+        await self._call(
+            op,
+            lambda: method(
+                names,
+                dtypes,
+                shapes,
+                group_name,
+                weight_version=weight_version,
+                flush_cache=flush_cache,
+                abort_all_requests=abort_all_requests,
+            ),
+        )
+
+    async def update_weight_version(self, version: str, *, abort_all_requests: bool) -> None:
+        """``POST /update_weight_version``."""
+        await self._call(
+            "update_weight_version",
+            lambda: self._inner.update_weight_version(
+                version, abort_all_requests=abort_all_requests
+            ),
+        )
+
+    async def weight_version(self) -> str | None:
+        """The loaded weight version (``GET /model_info``)."""
+        return await self._call("weight_version", self._inner.weight_version)
+
+    async def server_info(self) -> dict[str, Any]:
+        """``GET /server_info``."""
+        return await self._call("server_info", self._inner.server_info)
+
+    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """``POST /abort_request`` (501 if ``inner`` has no such call)."""
+        op = "abort_request"
+        method = self._optional(op)
+        await self._call(op, lambda: method(rid, abort_all))
+
+    def _optional(self, op: str) -> Callable[..., Awaitable[Any]]:
+        method: Callable[..., Awaitable[Any]] | None = getattr(self._inner, op, None)
+        if method is None:
+            raise EngineRejected(
+                self.label, op, f"{type(self._inner).__name__} does not support it", 501
+            )
+        return method
+
+    async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        """``POST /generate``, passed through (``EngineDead`` once a fault killed the engine)."""
+        if self._dead:
+            raise self._dead_error("generate")
+        return await self._inner.generate(request)
+
+    async def close(self) -> None:
+        """Close ``inner``."""
+        if self.closed_at is None:
+            self.closed_at = time.monotonic()
+        await self._inner.close()
+
+    # -- what the simulated engine offers tests -------------------------------------------------
+
+    def history(self) -> list[dict[str, Any]]:
+        """The inner engine's own op history (``[]`` if it keeps none)."""
+        recorder = getattr(self._inner, "history", None)
+        if recorder is None:
+            return []
+        result: list[dict[str, Any]] = recorder()
+        return result
+
+    def memory(self) -> dict[str, int]:
+        """The inner engine's resident bytes per tag (``{}`` if it does not account memory)."""
+        meter = getattr(self._inner, "memory", None)
+        if meter is None:
+            return {}
+        result: dict[str, int] = meter()
+        return result
+
+
+__all__ = ["FAULT_KINDS", "FAULT_OPS", "FaultyEngine"]
