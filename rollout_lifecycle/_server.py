@@ -521,8 +521,8 @@ class RolloutServer:
         await self._pause_and_drain(self._groups)
 
     async def _pause_and_drain(self, groups: Sequence[EngineGroup]) -> None:
-        await self._advance("pause")
         try:
+            await self._advance("pause")  # a 'pausing' hook may refuse before anything is sent
             await self._advance("drain", groups=groups)
         except HookFailed:
             if self.state is S.PAUSING:  # the hook stopped the drain; what it paused is continued

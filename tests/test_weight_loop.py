@@ -309,3 +309,16 @@ async def test_a_caller_cancelled_right_after_the_pause_trigger_never_leaves_pau
         await task
     assert server.state is ServerState.DRAINED  # the drain ran; the release did not start
     assert all("release_memory_occupation" not in ops(e) for e in engines)
+
+
+async def test_a_pausing_hook_that_raises_returns_the_server_to_serving() -> None:
+    engines = sims(2)
+    server = RolloutServer([EngineGroup("actor", engines)])
+    remove = server.on("pausing", lambda event: 1 / 0)
+    with pytest.raises(HookFailed, match="pausing"):
+        await server.offload()
+    assert server.state is ServerState.SERVING
+    assert all(ops(e) == [] for e in engines)  # nothing was sent
+    remove()
+    await server.offload()
+    assert server.state is ServerState.RELEASED
