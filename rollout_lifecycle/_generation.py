@@ -524,6 +524,8 @@ class GenerationClient:
             and not record.paused
             and not record.released
             and not record.uncertain
+            # A replacement without the fleet's versioned weights generates nothing for us.
+            and not (record.stale and self._server.expected_version is not None)
             and self._dead.get(record.id) is not record.handle
         )
 
@@ -596,6 +598,8 @@ class GenerationClient:
                     notes.append(f"{r.id} paused")
                 elif r.released or r.uncertain:
                     notes.append(f"{r.id} holds released memory")
+                elif r.stale and self._server.expected_version is not None:
+                    notes.append(f"{r.id} lacks weight version {self._server.expected_version!r}")
         return f"the server is {state.value!r} and no engine of {where} serves ({', '.join(notes)})"
 
     # -- wake-ups -----------------------------------------------------------------------------

@@ -322,3 +322,27 @@ async def test_a_pausing_hook_that_raises_returns_the_server_to_serving() -> Non
     remove()
     await server.offload()
     assert server.state is ServerState.RELEASED
+
+
+async def test_the_generation_client_skips_a_replacement_until_it_has_the_version() -> None:
+    engines = sims(2)
+    server = RolloutServer([EngineGroup("actor", engines)])
+    async with server.paused():
+        await server.update_weights(FromDisk("/ckpt/1"), version="v1")
+    await engines[1].close()  # it dies; its replacement starts on the initial weights
+    await server.probe()
+    fresh = SimulatedEngine("fresh", token_latency=0.001)
+    await server.recover(lambda engine_id: fresh)
+    assert server.snapshot().engines()["actor/1"].stale
+    answers = await server.generate_batch(
+        [{"input_ids": [i], "sampling_params": {"max_new_tokens": 4}} for i in range(6)]
+    )
+    assert {a["meta_info"]["weight_version"] for a in answers} == {"v1"}
+    assert fresh.stats()["completed"] == 0  # nothing was routed to the stale replacement
+    async with server.paused():
+        await server.update_weights(FromDisk("/ckpt/1"), version="v1")
+    assert not server.snapshot().engines()["actor/1"].stale
+    await server.generate_batch(
+        [{"input_ids": [i], "sampling_params": {"max_new_tokens": 4}} for i in range(6)]
+    )
+    assert fresh.stats()["completed"] > 0
