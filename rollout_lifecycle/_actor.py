@@ -15,16 +15,21 @@ from rollout_lifecycle._engine import EngineBackend, EngineHost
 from rollout_lifecycle._exceptions import InvalidArgument
 
 
+def build_backend(factory: Callable[[], EngineBackend]) -> EngineBackend:
+    """Call an engine factory and check that it made an engine backend."""
+    backend = factory()
+    if not isinstance(backend, EngineBackend):
+        raise InvalidArgument(
+            f"engine factory returned {type(backend).__name__}, not an engine backend"
+        )
+    return backend
+
+
 class EngineActorBody(EngineHost):
     """``EngineHost`` built from a backend factory; the class behind ``EngineActor``."""
 
     def __init__(self, factory: Callable[[], EngineBackend]) -> None:
-        backend = factory()
-        if not isinstance(backend, EngineBackend):
-            raise InvalidArgument(
-                f"engine factory returned {type(backend).__name__}, not an engine backend"
-            )
-        super().__init__(backend)
+        super().__init__(build_backend(factory))
 
     async def ping(self) -> str:
         """Answer once the actor is up; returns the backend's label."""

@@ -1,0 +1,139 @@
+"""Many engines in one Ray actor: a fleet of thousands of simulated engines on a few cores.
+
+A ``MultiEngineActor`` hosts several engine backends on one event loop; a ``HostedEngine`` names
+one of them and is what an ``EngineGroup`` holds in its place. Each call to a hosted engine is
+still its own Ray call (``actor.call.remote(index, op, ...)``), so a group drives it, guards it
+and times it exactly like an engine with an actor of its own.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from rollout_lifecycle._actor import build_backend
+from rollout_lifecycle._engine import EngineBackend, EngineHost
+from rollout_lifecycle._exceptions import InvalidArgument
+from rollout_lifecycle._simulated import SimulatedEngine
+
+#: The calls a hosted engine answers: the public methods of ``EngineHost``.
+HOSTED_OPS: frozenset[str] = frozenset(
+    name for name in dir(EngineHost) if not name.startswith("_") and name != "backend"
+)
+
+
+class MultiEngineActorBody:
+    """Hosts one ``EngineHost`` per backend factory; the class behind ``MultiEngineActor``."""
+
+    def __init__(self, factories: Sequence[Callable[[], EngineBackend]]) -> None:
+        if not factories:
+            raise InvalidArgument("a multi-engine actor needs at least one engine factory")
+        self._hosts = [EngineHost(build_backend(f)) for f in factories]
+
+    async def call(self, index: int, op: str, *args: Any) -> Any:
+        """Run ``op(*args)`` on engine ``index``, as its own actor would."""
+        if op not in HOSTED_OPS:
+            raise InvalidArgument(f"{op!r} is not an engine operation")
+        return await getattr(self._hosts[index], op)(*args)
+
+    async def ping(self) -> list[str]:
+        """Answer once the actor is up; the label of every hosted engine, in order."""
+        return [h.backend.label for h in self._hosts]
+
+    async def histories(self) -> list[list[dict[str, Any]]]:
+        """Every hosted engine's recorded calls (``EngineHost.history``), in order."""
+        return [await h.history() for h in self._hosts]
+
+    async def memories(self) -> list[dict[str, int]]:
+        """Every hosted engine's resident bytes per tag (``EngineHost.memory``), in order."""
+        return [await h.memory() for h in self._hosts]
+
+    async def close(self) -> None:
+        """Close every hosted engine."""
+        for host in self._hosts:
+            await host.close()
+
+
+#: The Ray actor class; ``start_multi_engine_actor`` starts one.
+MultiEngineActor: Any = ray.remote(MultiEngineActorBody)
+
+
+@dataclass(frozen=True, eq=False)
+class HostedEngine:
+    """A handle on engine ``index`` of a ``MultiEngineActor``; an ``EngineGroup`` accepts it."""
+
+    actor: Any
+    index: int
+
+    def send(self, op: str, args: tuple[Any, ...] = ()) -> Any:
+        """Issue ``op(*args)`` to the hosted engine; returns the Ray object ref, without waiting."""
+        return self.actor.call.remote(self.index, op, *args)
+
+
+def start_multi_engine_actor(
+    factories: Sequence[Callable[[], EngineBackend]], **options: Any
+) -> tuple[Any, list[HostedEngine]]:
+    """Start one actor hosting an engine per factory; returns it and a handle per engine.
+
+    No CPU is reserved by default (the engines' work is I/O); the actor accepts as many
+    concurrent calls as its engines can have generate requests in flight.
+    """
+    if isinstance(factories, str | bytes) or not isinstance(factories, Sequence) or not factories:
+        raise InvalidArgument(f"factories must be a non-empty sequence, got {factories!r}")
+    for factory in factories:
+        if not callable(factory):
+            raise InvalidArgument(f"every factory must be callable, got {factory!r}")
+    opts: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 100_000, **options}
+    actor = MultiEngineActor.options(**opts).remote(list(factories))
+    return actor, [HostedEngine(actor, i) for i in range(len(factories))]
+
+
+def simulated_multi_engine_actors(
+    actors: int,
+    engines_per_actor: int,
+    *,
+    label: str = "sim",
+    seed: int | None = None,
+    **options: Any,
+) -> tuple[list[Any], list[HostedEngine]]:
+    """Start ``actors`` actors of ``engines_per_actor`` ``SimulatedEngine(**options)`` each.
+
+    Engine ``i`` (counting across actors) is labelled ``f"{label}-{i}"`` and, with ``seed``,
+    draws its op latencies from ``seed + i``, as in ``simulated_engine_actors``. Returns the
+    actors and the engine handles in order.
+    """
+    for name, value in (("actors", actors), ("engines_per_actor", engines_per_actor)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
+    SimulatedEngine(label=label, seed=seed, **options)  # validate options here, not in the actors
+    started: list[Any] = []
+    handles: list[HostedEngine] = []
+    for a in range(actors):
+        first = a * engines_per_actor
+        factories = [
+            functools.partial(
+                SimulatedEngine,
+                label=f"{label}-{i}",
+                seed=None if seed is None else seed + i,
+                **options,
+            )
+            for i in range(first, first + engines_per_actor)
+        ]
+        actor, hosted = start_multi_engine_actor(factories)
+        started.append(actor)
+        handles.extend(hosted)
+    return started, handles
+
+
+__all__ = [
+    "HOSTED_OPS",
+    "HostedEngine",
+    "MultiEngineActor",
+    "MultiEngineActorBody",
+    "simulated_multi_engine_actors",
+    "start_multi_engine_actor",
+]

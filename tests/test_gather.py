@@ -1,0 +1,100 @@
+"""The barrier's wait (``_gather.gather_calls``): every call's end, value or error, the deadline,
+and the late calls, for in-process tasks and Ray object refs alike."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import ray
+
+from rollout_lifecycle._gather import gather_calls
+
+
+async def _after(seconds: float, value: Any = None, error: BaseException | None = None) -> Any:
+    await asyncio.sleep(seconds)
+    if error is not None:
+        raise error
+    return value
+
+
+def _waiters() -> int:
+    return sum(t.name == "rollout-lifecycle-wait" for t in threading.enumerate())
+
+
+async def test_in_process_calls_land_with_their_values_errors_and_end_times() -> None:
+    start = time.monotonic()
+    refs = [
+        asyncio.ensure_future(_after(0.05, "slow")),
+        asyncio.ensure_future(_after(0.0, "fast")),
+        asyncio.ensure_future(_after(0.01, error=ValueError("bad"))),
+    ]
+    landed = await gather_calls(refs, timeout=5)
+    assert landed.values[:2] == ["slow", "fast"]
+    assert isinstance(landed.errors[2], ValueError) and landed.errors[:2] == [None, None]
+    ends = [e for e in landed.ends if e is not None]
+    assert len(ends) == 3 and all(start <= e <= time.monotonic() for e in ends)
+    assert landed.ends[1] < landed.ends[0]  # type: ignore[operator]
+    assert landed.late == {}
+
+
+async def test_a_call_past_the_deadline_is_late_and_lands_later() -> None:
+    refs = [asyncio.ensure_future(_after(0.0, 1)), asyncio.ensure_future(_after(0.3, 2))]
+    began = time.monotonic()
+    landed = await gather_calls(refs, timeout=0.05)
+    assert time.monotonic() - began < 0.25
+    assert landed.ends[1] is None and set(landed.late) == {1}
+    assert await landed.late[1] == 2
+
+
+async def test_no_calls_return_at_once() -> None:
+    landed = await gather_calls([], timeout=1)
+    assert landed.ends == [] and landed.late == {}
+
+
+async def test_ray_refs_land_with_values_errors_and_late_ones(
+    fleet: Callable[..., list[Any]],
+) -> None:
+    fast, slow = fleet(2, op_latency={"pause_generation": 0.6})
+    refs = [
+        fast.server_info.remote(),
+        fast.release_memory_occupation.remote("kv_cache"),  # a string, not a list: raises
+        slow.pause_generation.remote("retract"),
+        asyncio.ensure_future(_after(0.0, "local")),  # one phase may mix both kinds
+    ]
+    landed = await gather_calls(refs, timeout=0.2)
+    assert landed.values[0]["label"] == "sim-0" and landed.errors[0] is None
+    assert isinstance(landed.errors[1], ray.exceptions.RayTaskError)
+    assert landed.values[3] == "local"
+    assert [i for i, e in enumerate(landed.ends) if e is None] == [2]
+    assert await asyncio.wait_for(landed.late[2], 5) is None
+    assert _waiters() == 0
+
+
+async def test_a_cancelled_wait_stops_its_helper_thread(fleet: Callable[..., list[Any]]) -> None:
+    (engine,) = fleet(1, op_latency={"pause_generation": 1.0})
+    task = asyncio.ensure_future(gather_calls([engine.pause_generation.remote("retract")], 30))
+    await asyncio.sleep(0.1)
+    assert _waiters() == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(100):
+        if _waiters() == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert _waiters() == 0
+
+
+async def test_refs_ray_cannot_wait_for_together_are_still_waited_for(
+    fleet: Callable[..., list[Any]],
+) -> None:
+    (engine,) = fleet(1)
+    ref = engine.server_info.remote()
+    landed = await gather_calls([ref, ref], timeout=10)  # ray.wait refuses duplicates
+    assert landed.late == {} and landed.errors == [None, None]
+    assert [v["label"] for v in landed.values] == ["sim-0", "sim-0"]
