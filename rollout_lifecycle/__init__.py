@@ -54,6 +54,7 @@ from rollout_lifecycle._server import (
 )
 from rollout_lifecycle._simulated import SimulatedEngine
 from rollout_lifecycle._states import TRANSITIONS, ServerState, mermaid
+from rollout_lifecycle._timeline import Span, Timeline
 from rollout_lifecycle._weights import FromDisk, FromDistributed, FromTensor, WeightPushFailed
 from rollout_lifecycle.sync import SyncRolloutServer
 
@@ -105,9 +106,11 @@ __all__ = [
     "ServerSnapshot",
     "ServerState",
     "SimulatedEngine",
+    "Span",
     "StaleWeights",
     "SyncRolloutServer",
     "Tag",
+    "Timeline",
     "TooManyResubmissions",
     "WeightPushFailed",
     "WeightUpdate",

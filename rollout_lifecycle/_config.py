@@ -123,6 +123,14 @@ class LifecycleConfig:
     dead_engines: DeadEnginePolicy = DeadEnginePolicy.FAIL
     #: Pause between flush attempts while an engine is not idle yet.
     flush_retry_interval: float = 0.05
+    #: How many of the last public calls ``RolloutServer.timeline`` keeps the spans of (one
+    #: span per phase and per engine call); 0 records none.
+    timeline_calls: int = 16
+    #: Ask every engine for its resident bytes per tag before and after each public call
+    #: (``lifecycle/<call>/<tag>_bytes_before`` / ``_after`` metrics). One extra call per engine
+    #: on each side of the call, so off by default; engines that do not account memory
+    #: (a real SGLang server over HTTP) report nothing.
+    memory_metrics: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pause_mode", _member(PauseMode, self.pause_mode, "pause_mode"))
@@ -142,3 +150,8 @@ class LifecycleConfig:
                 f"flush_retry_interval must be a positive number of seconds no larger than the "
                 f"flush deadline, got {interval!r}"
             )
+        calls = self.timeline_calls
+        if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
+            raise InvalidArgument(f"timeline_calls must be an int >= 0, got {calls!r}")
+        if not isinstance(self.memory_metrics, bool):
+            raise InvalidArgument(f"memory_metrics must be a bool, got {self.memory_metrics!r}")

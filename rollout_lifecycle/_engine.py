@@ -114,11 +114,13 @@ class EngineHost:
         """Continue generation."""
         await self._backend.continue_generation()
 
-    async def flush_cache(self, deadline: float, retry_interval: float = 0.05) -> None:
+    async def flush_cache(self, deadline: float, retry_interval: float = 0.05) -> int:
         """Flush until the engine is idle, retrying on 400 until ``deadline`` seconds pass.
 
         A 400 from flush is not fatal: it is the idle barrier saying "not yet". Each attempt
-        asks the server to wait for idleness itself for the time that remains.
+        asks the server to wait for idleness itself for the time that remains. Returns the
+        number of attempts the flush took (1 when the engine was idle at once), which the
+        server reports as ``lifecycle/<call>/<phase>_retries``.
         """
         start = time.monotonic()
         attempts = 0
@@ -127,7 +129,7 @@ class EngineHost:
             attempts += 1
             try:
                 await self._backend.flush_cache(max(0.0, remaining))
-                return
+                return attempts
             except EngineRejected as exc:
                 if exc.status != 400:
                     raise  # only 400 means "not idle yet"; a 401 or 503 will not pass by waiting

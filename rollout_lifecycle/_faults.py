@@ -88,6 +88,8 @@ class FaultyEngine:
         self.calls: list[dict[str, Any]] = []
         #: When ``close()`` was first called (the owner retired the engine), else None.
         self.closed_at: float | None = None
+        #: When a ``"die"`` fault killed the engine, else None.
+        self.died_at: float | None = None
 
     def __repr__(self) -> str:
         return f"FaultyEngine({self.label!r}, dead={self._dead}, in_flight={self._in_flight})"
@@ -154,6 +156,8 @@ class FaultyEngine:
     # -- the wrapper ----------------------------------------------------------------------------
 
     async def _kill(self) -> None:
+        if not self._dead:
+            self.died_at = time.monotonic()
         self._dead = True
         close = getattr(self._inner, "close", None)
         if close is not None:

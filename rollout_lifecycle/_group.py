@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from rollout_lifecycle._config import PauseMode, Tag, parse_tags
 from rollout_lifecycle._engine import EngineBackend, EngineHost
 from rollout_lifecycle._exceptions import IllegalEngineOp, InvalidArgument
+from rollout_lifecycle._multi import HostedEngine
 from rollout_lifecycle._outcome import EngineOutcome, Outcome
 
 #: Outcomes after which an engine may or may not have carried out the call.
@@ -51,6 +52,36 @@ class EngineSnapshot:
     last_op: str | None
     last_outcome: str | None
     stale: bool
+    #: A pause or continue did not answer: the engine may be paused or serving.
+    pause_unknown: bool = False
+    #: A weight-update session may be open (its begin or end did not complete).
+    session_unknown: bool = False
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EngineSnapshot:
+        """The snapshot whose ``asdict`` gave ``data`` (JSON lists stand for the tuples);
+        unknown keys are ignored, a missing or mistyped field raises ``InvalidArgument``."""
+        if not isinstance(data, Mapping):
+            raise InvalidArgument(f"an engine snapshot must be a mapping, got {data!r}")
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in data:
+                if f.default is MISSING:
+                    raise InvalidArgument(f"engine snapshot lacks {f.name!r}")
+                continue
+            value = data[f.name]
+            kind = str(f.type)
+            if kind == "tuple[str, ...]" and isinstance(value, list | tuple):
+                value = tuple(value)
+                ok = all(isinstance(v, str) for v in value)
+            elif kind == "bool":
+                ok = isinstance(value, bool)
+            else:
+                ok = isinstance(value, str) or (value is None and kind == "str | None")
+            if not ok:
+                raise InvalidArgument(f"engine snapshot field {f.name!r} is {kind}, got {value!r}")
+            values[f.name] = value
+        return cls(**values)
 
 
 @dataclass(eq=False)
@@ -72,6 +103,13 @@ class EngineRecord:
     last_outcome: EngineOutcome | None = None
     #: A replacement that has not received the fleet's weights yet.
     stale: bool = False
+    #: A pause or continue did not answer: whether the engine is paused is not known. It is
+    #: recorded as paused and not flushed, so it is continued or paused again before anything
+    #: else, and never released on the strength of an old flush.
+    pause_unknown: bool = False
+    #: A begin or end of a weight-update session did not complete: a session may be open, and
+    #: the next update closes it first.
+    session_unknown: bool = False
 
     # -- guards: each raises before a call that would kill the engine is sent ------------------
 
@@ -91,6 +129,8 @@ class EngineRecord:
             raise self._refuse(op, f"tags {_tag_list(self.uncertain)} are in an unknown state")
         if not self.paused:
             raise self._refuse(op, "the engine is not paused (release would hit live requests)")
+        if self.pause_unknown:
+            raise self._refuse(op, "its last pause or continue did not answer: pause it again")
         if self.pause_mode is PauseMode.IN_PLACE:
             raise self._refuse(op, "paused in_place: requests still hold their KV cache")
         if not self.flushed:
@@ -139,15 +179,23 @@ class EngineRecord:
             # No answer, a dropped connection or garbage: the call may or may not have landed.
             if op in ("release_memory_occupation", "resume_memory_occupation"):
                 self.uncertain.update(tags)  # neither a release nor a resume of them is safe now
-            elif op == "pause_generation":
+            elif op in ("pause_generation", "continue_generation"):
                 # Count the engine as paused, so that it is continued (harmless if it never
-                # paused) and never taken for serving.
-                self.paused, self.pause_mode, self.flushed = True, mode, False
+                # paused) and never taken for serving; a flush alone never makes it releasable.
+                self.paused, self.flushed, self.pause_unknown = True, False, True
+                self.pause_mode = mode if op == "pause_generation" else self.pause_mode
+            elif op in ("begin_weight_update", "end_weight_update"):
+                self.session_unknown = True
             return
         if not out.ok:
+            if op == "end_weight_update":
+                # SGLang answers 400 when no session is open: then none is. Any other refusal
+                # leaves the session it should have closed open.
+                self.session_unknown = out.status != 400
             return
         if op == "pause_generation":
             self.paused, self.pause_mode, self.flushed = True, mode, False
+            self.pause_unknown = False
         elif op == "flush_cache":
             self.flushed = True
         elif op == "release_memory_occupation":
@@ -156,6 +204,9 @@ class EngineRecord:
             self.released.difference_update(tags)
         elif op == "continue_generation":
             self.paused, self.pause_mode, self.flushed = False, None, False
+            self.pause_unknown = False
+        elif op == "end_weight_update":
+            self.session_unknown = False
 
     def snapshot(self) -> EngineSnapshot:
         """An immutable copy of this record."""
@@ -172,10 +223,41 @@ class EngineRecord:
             last_op=self.last_op,
             last_outcome=str(self.last_outcome) if self.last_outcome else None,
             stale=self.stale,
+            pause_unknown=self.pause_unknown,
+            session_unknown=self.session_unknown,
         )
 
+    def load(self, snapshot: EngineSnapshot) -> None:
+        """Take over what ``snapshot`` recorded of this engine (in an earlier process, say).
 
-@dataclass(eq=False)
+        Raises ``InvalidArgument``, changing nothing, when it is another engine's or names an
+        unknown pause mode or tag. The last outcome keeps its text, not its duration.
+        """
+        if (snapshot.id, snapshot.group) != (self.id, self.group):
+            raise InvalidArgument(f"snapshot of engine {snapshot.id} cannot load into {self.id}")
+        mode = None
+        if snapshot.pause_mode is not None:
+            try:
+                mode = PauseMode(snapshot.pause_mode)
+            except ValueError:
+                raise InvalidArgument(
+                    f"engine {self.id}: unknown pause mode {snapshot.pause_mode!r}"
+                ) from None
+        released = set(parse_tags(snapshot.released)) if snapshot.released else set()
+        uncertain = set(parse_tags(snapshot.uncertain)) if snapshot.uncertain else set()
+        last = None
+        if snapshot.last_outcome is not None:
+            head, _, detail = snapshot.last_outcome.partition(" (")
+            if head in {o.value for o in Outcome}:
+                last = EngineOutcome(Outcome(head), detail.removesuffix(")"))
+        self.alive, self.paused, self.pause_mode = snapshot.alive, snapshot.paused, mode
+        self.flushed, self.released, self.uncertain = snapshot.flushed, released, uncertain
+        self.last_op, self.last_outcome, self.stale = snapshot.last_op, last, snapshot.stale
+        self.pause_unknown = snapshot.pause_unknown
+        self.session_unknown = snapshot.session_unknown
+
+
+@dataclass(eq=False, slots=True)
 class PendingCall:
     """One engine call that has been issued and not yet gathered."""
 
@@ -263,6 +345,7 @@ class EngineGroup:
         old = record.handle
         record.handle = handle
         record.alive, record.paused, record.pause_mode, record.flushed = True, False, None, False
+        record.pause_unknown = record.session_unknown = False
         record.released.clear()
         record.uncertain.clear()
         record.last_op, record.last_outcome, record.stale = None, None, True
@@ -371,20 +454,24 @@ class EngineGroup:
 
 
 def _as_handle(engine: Any, group: str, index: int) -> Any:
-    if _is_actor(engine) or isinstance(engine, EngineHost):
+    if isinstance(engine, EngineHost | HostedEngine) or _is_actor(engine):
         return engine
     if isinstance(engine, EngineBackend):
         return EngineHost(engine)
     raise InvalidArgument(
         f"engine #{index} of group {group!r} is {type(engine).__name__!s}, not an engine actor "
-        f"handle, an EngineHost or an engine backend"
+        f"handle, a HostedEngine, an EngineHost or an engine backend"
     )
 
 
 def send_to_engine(handle: Any, op: str, args: tuple[Any, ...] = ()) -> Awaitable[Any]:
-    """Issue ``op(*args)`` to an engine handle (Ray actor or ``EngineHost``); do not wait."""
+    """Issue ``op(*args)`` to an engine handle (Ray actor, ``HostedEngine`` or ``EngineHost``);
+    do not wait."""
     if isinstance(handle, EngineHost):
         task: Awaitable[Any] = asyncio.ensure_future(getattr(handle, op)(*args))
         return task
+    if isinstance(handle, HostedEngine):
+        hosted: Awaitable[Any] = handle.send(op, args)
+        return hosted
     ref: Awaitable[Any] = getattr(handle, op).remote(*args)
     return ref

@@ -51,6 +51,8 @@ class EngineOutcome:
     outcome: Outcome
     detail: str = ""
     duration_s: float = 0.0
+    #: The engine's status code, for a rejection that carries one.
+    status: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -98,7 +100,9 @@ def classify(exc: BaseException, duration_s: float = 0.0) -> EngineOutcome:
     if isinstance(inner, EngineTimeout):
         return EngineOutcome(Outcome.TIMED_OUT, inner.message, duration_s)
     if isinstance(inner, EngineRejected):
-        return EngineOutcome(Outcome.REJECTED, f"{inner.status}: {inner.message}", duration_s)
+        return EngineOutcome(
+            Outcome.REJECTED, f"{inner.status}: {inner.message}", duration_s, inner.status
+        )
     if isinstance(inner, EngineUnreachable):
         return EngineOutcome(Outcome.UNREACHABLE, inner.message, duration_s)
     if isinstance(inner, IllegalEngineOp):

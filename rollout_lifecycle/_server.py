@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import copy
 import functools
 import inspect
+import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
@@ -36,6 +38,7 @@ from rollout_lifecycle._exceptions import (
     PhaseFailed,
     StaleWeights,
 )
+from rollout_lifecycle._gather import gather_calls
 from rollout_lifecycle._generation import GenerationClient
 from rollout_lifecycle._group import (
     EngineGroup,
@@ -44,8 +47,10 @@ from rollout_lifecycle._group import (
     PendingCall,
     send_to_engine,
 )
+from rollout_lifecycle._multi import HostedEngine
 from rollout_lifecycle._outcome import EngineOutcome, Outcome, classify
 from rollout_lifecycle._states import TRANSITIONS, ServerState, sources_of
+from rollout_lifecycle._timeline import EngineCall, Timeline, _CallRecord
 
 T = TypeVar("T")
 S = ServerState
@@ -119,6 +124,25 @@ class ServerSnapshot:
         out = asdict(self)
         out["state"] = self.state.value
         return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ServerSnapshot:
+        """The snapshot ``to_dict()`` gave (read back from JSON, say); ``InvalidArgument`` if
+        ``data`` is not one."""
+        engine = EngineSnapshot.from_dict
+        try:
+            groups = tuple(
+                GroupSnapshot(g["name"], g["needs_offload"], tuple(map(engine, g["engines"])))
+                for g in data["groups"]
+            )
+            snapshot = cls(data["name"], ServerState(data["state"]), groups)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidArgument(f"not a server snapshot: {type(exc).__name__}: {exc}") from None
+        if not isinstance(snapshot.name, str) or not all(
+            isinstance(g.name, str) and isinstance(g.needs_offload, bool) for g in groups
+        ):
+            raise InvalidArgument("not a server snapshot: a name or needs_offload is mistyped")
+        return snapshot
 
 
 @dataclass(eq=False)
@@ -226,6 +250,13 @@ class RolloutServer:
         #: Calls that missed their phase's deadline and may still land, by engine id.
         self._stragglers: dict[str, asyncio.Future[Any]] = {}
         self._metrics: dict[str, float] = {}
+        #: The engine behind each ``..._slowest_s`` metric of the last call of each kind.
+        self._slowest: dict[str, str] = {}
+        self._timeline = Timeline(config.timeline_calls, name=name)
+        #: The public call in progress, as the timeline records it, and the slowest engine of
+        #: each of its phases (set under the lock, so one at a time).
+        self._trace: _CallRecord | None = None
+        self._call_slowest: dict[str, str] = {}
         self._expected_version: str | None = None
         self._generation: GenerationClient | None = None
         self._last_outcomes: dict[str, EngineOutcome] = {}
@@ -272,8 +303,47 @@ class RolloutServer:
 
     @property
     def metrics(self) -> dict[str, float]:
-        """Timings of the last completed call of each kind, as a flat dict."""
+        """The metrics of the last completed call of each kind: one flat dict of plain numbers
+        a trainer can log as is. Each call also returns its own metrics (the same keys).
+
+        Keys are ``lifecycle/<call>/<name>``. ``<call>`` is the public call (``offload``,
+        ``onload_weights``, ``update_weights``, ``onload_kv``, ``onload``, ``pause``,
+        ``resume``, ``reset``, ``recover``; a call made from a hook keeps its own name).
+        ``<name>`` is one of:
+
+        - ``total_s``: the whole call, in seconds;
+        - ``<phase>_s``: one phase, from its first engine call to its barrier (every engine
+          answered or the deadline passed), summed if the phase ran more than once. ``<phase>``
+          is the name in the ``phase.*`` events and hooks (``pause``, ``flush``, ``release``,
+          ``continue``, ``begin_weight_update``, ``end_weight_update``,
+          ``update_weight_version``, ``flush_after_update``, ``check_versions``,
+          ``recover_*``, ...), except three shorter ones: ``weights`` (``resume_weights``),
+          ``kv`` (``resume_kv``) and ``update`` (the weight push);
+        - ``<phase>_slowest_s``: the slowest single engine call of the phase;
+          ``slowest_engines`` names the engine (an id is not a number);
+        - ``<phase>_retries``: for a phase that flushes, the flush attempts beyond the first,
+          summed over the engines whose flush passed (each a 400 "not idle yet");
+        - ``<tag>_bytes_before`` / ``<tag>_bytes_after``: with
+          ``LifecycleConfig(memory_metrics=True)``, the resident bytes of each memory tag
+          summed over the live engines that account memory, before and after the call.
+
+        For example ``lifecycle/offload/pause_s``, ``lifecycle/offload/flush_retries``,
+        ``lifecycle/onload_kv/kv_slowest_s``, ``lifecycle/offload/kv_cache_bytes_after``.
+        """
         return dict(self._metrics)
+
+    @property
+    def slowest_engines(self) -> dict[str, str]:
+        """The engine id behind each ``lifecycle/<call>/<phase>_slowest_s`` metric (same key),
+        for the last completed call of each kind."""
+        return dict(self._slowest)
+
+    @property
+    def timeline(self) -> Timeline:
+        """Every call, phase and engine call of the last ``LifecycleConfig.timeline_calls``
+        calls as spans: ``timeline.spans()``, ``timeline.export_chrome_trace(path)``,
+        ``timeline.plot_gantt(path)``, ``timeline.clear()``."""
+        return self._timeline
 
     def snapshot(self) -> ServerSnapshot:
         """The state and what the server knows of every engine."""
@@ -285,6 +355,46 @@ class RolloutServer:
                 for g in self._groups
             ),
         )
+
+    def adopt(self, snapshot: ServerSnapshot) -> None:
+        """Take over engines in the state a ``snapshot()`` recorded, without calling them.
+
+        For a process that drives engines an earlier process left in some state (the
+        ``rollout-lifecycle ctl`` command does): the groups must be the snapshot's (names,
+        order, ``needs_offload``, engine ids). Every record takes the snapshot's knowledge
+        (paused, flushed, released and uncertain tags, alive, stale) and the server enters the
+        snapshot's state, so every guard applies as if this server had made those calls. The
+        records must imply that state (``failed`` takes any; ``pausing`` is never adopted).
+        Raises ``InvalidArgument``, changing nothing, when they do not or a call is in progress.
+        """
+        if not isinstance(snapshot, ServerSnapshot):
+            raise InvalidArgument(f"expected a ServerSnapshot, got {snapshot!r}")
+        if self._lock.locked():
+            raise InvalidArgument("cannot adopt a snapshot while a lifecycle call is in progress")
+        ours = [(g.name, g.needs_offload, [r.id for r in g.records]) for g in self._groups]
+        theirs = [(g.name, g.needs_offload, [e.id for e in g.engines]) for g in snapshot.groups]
+        if ours != theirs:
+            raise InvalidArgument(f"the snapshot's groups {theirs} are not this server's {ours}")
+        state = snapshot.state
+        if state is S.PAUSING:
+            raise InvalidArgument("a snapshot taken in 'pausing' (mid-call) cannot be adopted")
+        records = [r for g in self._groups for r in g.records]
+        saved = [{k: copy.copy(v) for k, v in vars(r).items()} for r in records]
+        engines = [e for g in snapshot.groups for e in g.engines]
+        try:
+            for record, engine in zip(records, engines, strict=True):
+                record.load(engine)
+            implied = self._settled_state()
+            if state not in (S.FAILED, implied) and (state, implied) != (S.KV_RESTORED, S.DRAINED):
+                shown = "no single state" if implied is None else repr(implied.value)
+                raise InvalidArgument(
+                    f"the snapshot's engine records imply {shown}, not its state {state.value!r}"
+                )
+        except BaseException:
+            for record, values in zip(records, saved, strict=True):
+                vars(record).update(values)
+            raise
+        self._machine.set_state(state.value)
 
     def engines(self) -> dict[str, Any]:
         """Engine id -> handle, for every engine."""
@@ -610,11 +720,31 @@ class RolloutServer:
                     check=lambda r, t=group_tags: r.check_resume(t),
                 )
             )  # fmt: skip
-        short = [r for r in healthy if self._group_of(r).needs_offload and tags - r.released]
+        drains = target in (S.DRAINED, S.RELEASED, S.WEIGHTS_RESTORED)
+        in_place = self._config.pause_mode is PauseMode.IN_PLACE
+        short = [
+            r
+            for r in healthy
+            if (
+                self._group_of(r).needs_offload
+                and (
+                    tags - r.released
+                    # short of the drain: not paused, paused without an answer, or not flushed
+                    or (drains and (not r.paused or r.pause_unknown or not (r.flushed or in_place)))
+                )
+            )
+            # a replacement without the weights that an earlier bring-up could not pause
+            or (r.stale and (not r.paused or r.pause_unknown))
+        ]
         if short:
             outcomes.update(await self._bring_up(short, target, fresh=False))
+        if target in (S.RELEASED, S.WEIGHTS_RESTORED):
+            # groups that keep their memory serve here (a failed release may have left the
+            # ones ``pause()`` paused)
+            outcomes.update(await self._continue_keepers())
         if target is S.SERVING:
-            stuck = [r for r in healthy if r.paused and not (r.released | r.uncertain)]
+            # (a replacement without the weights stays paused: it waits for an update)
+            stuck = [r for r in healthy if r.paused and not (r.released | r.uncertain or r.stale)]
             late = [self._stragglers[r.id] for r in stuck if r.id in self._stragglers]
             if late:
                 await asyncio.wait(late, timeout=deadlines.pause)
@@ -636,35 +766,58 @@ class RolloutServer:
         **kw: Any,
     ) -> dict[str, EngineOutcome]:
         """Issue ``op`` to the ``chosen`` engines (guarded) and settle them as one phase."""
-        calls = [
+        return await self._settle(phase, self._issue_to(chosen, op, args, **kw), deadline)
+
+    def _issue_to(
+        self, chosen: Sequence[EngineRecord], op: str, args: tuple[Any, ...] = (), **kw: Any
+    ) -> list[PendingCall]:
+        """Issue ``op`` to the ``chosen`` engines through their groups' guards; do not wait."""
+        return [
             c
             for g in self._groups
             for c in g._issue([r for r in chosen if r.group == g.name], op, args, **kw)
         ]
-        return await self._settle(phase, calls, deadline)
 
     async def _bring_up(
         self, records: Sequence[EngineRecord], target: ServerState, *, fresh: bool = True
     ) -> dict[str, EngineOutcome]:
-        """Bring engines to ``target``'s memory state, phase by phase: fresh ones (serving, all
-        memory resident) are probed first; a held tag is never released again."""
+        """Bring engines to ``target``'s memory state, phase by phase, each phase a barrier:
+        fresh ones (serving, all memory resident) are probed first; an engine whose last pause
+        or continue did not answer is paused again; a held tag is never released again. The
+        first phase that fails anywhere stops the bring-up (a later ``recover()`` finishes it).
+
+        A replacement without the fleet's weights (stale) is paused even where its group
+        serves: it waits for a weight update instead of generating on its initial weights.
+        """
         deadlines = self._config.deadlines
         outcomes: dict[str, EngineOutcome] = {}
 
         async def step(
             phase: str, chosen: list[EngineRecord], op: str, *args: Any, deadline: float, **kw: Any
-        ) -> list[EngineRecord]:
+        ) -> list[EngineRecord] | None:
             got = await self._step(phase, chosen, op, *args, deadline=deadline, **kw)
             outcomes.update(got)
+            if not self._succeeded(got):
+                return None
             return [r for r in chosen if got[r.id].ok]
 
         up = list(records)
         if fresh:
-            up = await step("recover_probe", up, "server_info", deadline=deadlines.startup)
+            probed = await step("recover_probe", up, "server_info", deadline=deadlines.startup)
+            if probed is None:
+                return outcomes
+            up = probed
         mode = self._config.pause_mode
-        to_pause = [r for r in up if _paused_in(target, self._group_of(r)) and not r.paused]
-        paused = [r for r in up if r.paused and r not in to_pause]
-        paused += await step(
+        to_pause = [
+            r
+            for r in up
+            if (_paused_in(target, self._group_of(r)) or r.stale)
+            and (not r.paused or r.pause_unknown)
+        ]
+        late = [self._stragglers[r.id] for r in to_pause if r.id in self._stragglers]
+        if late:  # let a pause still in flight land before pausing again
+            await asyncio.wait(late, timeout=deadlines.pause)
+        newly = await step(
             "recover_pause",
             to_pause,
             "pause_generation",
@@ -672,16 +825,21 @@ class RolloutServer:
             mode=mode,
             deadline=deadlines.pause,
         )
+        if newly is None:
+            return outcomes
+        paused = [r for r in up if r.paused and r not in to_pause] + newly
         if mode is not PauseMode.IN_PLACE:
-            unflushed = [r for r in paused if not r.flushed]
-            paused = [r for r in paused if r.flushed] + await step(
+            flushed = await step(
                 "recover_flush",
-                unflushed,
+                [r for r in paused if not r.flushed],
                 "flush_cache",
                 deadlines.flush,
                 self._config.flush_retry_interval,
                 deadline=deadlines.flush + deadlines.probe,
             )
+            if flushed is None:
+                return outcomes
+            paused = [r for r in paused if r.flushed]
         all_tags = _released_in(target, self._config.release_tags)
         for missing in {tuple(t for t in all_tags if t not in r.released) for r in paused}:
             chosen = [
@@ -692,7 +850,7 @@ class RolloutServer:
             ]
             if not missing or not chosen:
                 continue
-            await step(
+            released = await step(
                 "recover_release",
                 chosen,
                 "release_memory_occupation",
@@ -701,6 +859,8 @@ class RolloutServer:
                 deadline=deadlines.release,
                 check=lambda r, t=missing: r.check_release(t),
             )
+            if released is None:
+                return outcomes
         return outcomes
 
     # -- transitions --------------------------------------------------------------------------
@@ -813,8 +973,12 @@ class RolloutServer:
         async with self._lock:
             if op.cancelled:
                 raise asyncio.CancelledError(f"{op.call} cancelled before it started")
+            memory = self._config.memory_metrics
+            before = await self._resident_bytes() if memory else {}
             token = _CURRENT.set((self, op))
             start = time.monotonic()
+            self._trace = self._timeline.begin_call(op.call, start)
+            self._call_slowest = {}
             log = logger().bind(server=self._name, call=op.call)
             log.info("call.start", state=self.state.value)
             outcome = "error"
@@ -826,13 +990,45 @@ class RolloutServer:
                 raise
             finally:
                 _CURRENT.reset(token)
-                total = time.monotonic() - start
+                end = time.monotonic()
+                total = end - start
                 op.metrics[f"lifecycle/{op.call}/total_s"] = total
+                Timeline.end_call(self._trace, end, outcome)
+                self._trace = None
                 log.info(
                     "call.end", state=self.state.value, outcome=outcome, duration_s=round(total, 6)
                 )
+            if memory:
+                after = await self._resident_bytes()
+                for when, found in (("before", before), ("after", after)):
+                    for tag, nbytes in found.items():
+                        op.metrics[f"lifecycle/{op.call}/{tag}_bytes_{when}"] = nbytes
             self._metrics.update(op.metrics)
+            self._slowest.update(self._call_slowest)
             return dict(op.metrics)
+
+    async def _resident_bytes(self) -> dict[str, int]:
+        """Resident bytes per memory tag, summed over the live engines that account memory
+        (``EngineHost.memory``); an engine that does not answer within the probe deadline, or
+        answers nothing, is left out. Sent outside any phase: no engine's record changes."""
+        futures: list[asyncio.Future[Any]] = []
+        for group in self._groups:
+            for record in group.live():
+                with contextlib.suppress(Exception):  # a handle without memory() reports none
+                    futures.append(asyncio.ensure_future(send_to_engine(record.handle, "memory")))
+        if not futures:
+            return {}
+        done, pending = await asyncio.wait(futures, timeout=self._config.deadlines.probe)
+        for future in pending:
+            future.cancel()
+        totals: dict[str, int] = {}
+        for future in done:
+            found = None if future.cancelled() or future.exception() else future.result()
+            if isinstance(found, Mapping):
+                for tag, nbytes in found.items():
+                    if isinstance(tag, str) and type(nbytes) is int:
+                        totals[tag] = totals.get(tag, 0) + nbytes
+        return totals
 
     # -- phases (called by the machine) -------------------------------------------------------
 
@@ -898,7 +1094,10 @@ class RolloutServer:
             return False
         deadline = self._config.deadlines.continue_
         targets = [
-            r for g in self._groups for r in g.live() if r.paused and not (r.released | r.uncertain)
+            r
+            for g in self._groups
+            for r in g.live()
+            if r.paused and not (r.released | r.uncertain or r.stale)
         ]
         # A pause that missed its deadline may still land: a continue sent before it would be
         # overtaken, and the engine would stay paused. Give such calls until the deadline.
@@ -908,14 +1107,10 @@ class RolloutServer:
         # A pause still in flight would overtake a continue sent now: such an engine is left
         # paused (as recorded) for recover() to continue once the pause has landed.
         targets = [r for r in targets if r.id not in self._stragglers]
-        calls = [
-            c
-            for g in self._groups
-            for c in g._issue([r for r in targets if r.group == g.name], "continue_generation")
-        ]
+        calls = self._issue_to(targets, "continue_generation")
         self._last_outcomes = await self._settle("continue_after_failure", calls, deadline)
         return self._succeeded(self._last_outcomes) and not any(
-            r.paused for g in self._groups for r in g.live()
+            r.paused and not r.stale for g in self._groups for r in g.live()
         )
 
     async def _release(self) -> None:
@@ -928,6 +1123,36 @@ class RolloutServer:
         outcomes = await self._settle("release", calls, self._config.deadlines.release)
         if not self._succeeded(outcomes):
             raise PhaseFailed("release", outcomes, S.FAILED.value)
+        # Groups that keep their memory serve while the others are offloaded, also when
+        # ``pause()`` paused them before this release.
+        outcomes = await self._continue_keepers()
+        if not self._succeeded(outcomes):
+            raise PhaseFailed("continue_keepers", outcomes, S.FAILED.value)
+
+    async def _continue_keepers(self) -> dict[str, EngineOutcome]:
+        """Continue the paused engines of the groups that keep their memory, except those
+        without the expected weights (they stay paused until an update reaches them)."""
+        keepers = [
+            r
+            for g in self._groups
+            if not g.needs_offload
+            for r in g.live()
+            if r.paused and not (r.released | r.uncertain)
+        ]
+        if keepers:
+            late = [self._stragglers[r.id] for r in keepers if r.id in self._stragglers]
+            if late:  # a continue must not be overtaken by a pause still in flight
+                await asyncio.wait(late, timeout=self._config.deadlines.pause)
+            lacking = await self._lacking_weights(keepers)
+            ready = [r for r in keepers if r.id not in lacking and r.id not in self._stragglers]
+            return await self._step(
+                "continue_keepers",
+                ready,
+                "continue_generation",
+                deadline=self._config.deadlines.continue_,
+                check=EngineRecord.check_continue,
+            )
+        return {}
 
     async def _restore(self, which: str) -> None:
         released = self._config.release_tags
@@ -953,10 +1178,28 @@ class RolloutServer:
         targets = [r for g in self._groups for r in g.live() if r.paused]
         await self._check_versions(targets)
         await self._before("continue")
+        await self._await_stragglers("continue", targets)
         calls = [c for g in self._groups for c in g.continue_generation()]
         outcomes = await self._settle("continue", calls, self._config.deadlines.continue_)
         if not self._succeeded(outcomes):
             raise PhaseFailed("continue", outcomes, S.FAILED.value)
+
+    async def _await_stragglers(self, phase: str, targets: Sequence[EngineRecord]) -> None:
+        """Let calls that missed an earlier deadline on ``targets`` land (bounded by the pause
+        deadline) before a continue is sent: a late pause would overtake it and leave the engine
+        paused behind a ledger that says serving. Fails the phase, sending nothing, for an
+        engine whose call is still in flight."""
+        late = [self._stragglers[r.id] for r in targets if r.id in self._stragglers]
+        if not late:
+            return
+        await asyncio.wait(late, timeout=self._config.deadlines.pause)
+        busy = {
+            r.id: EngineOutcome(Outcome.NOT_ATTEMPTED, "an earlier call is still in flight")
+            for r in targets
+            if r.id in self._stragglers
+        }
+        if busy:
+            raise PhaseFailed(phase, busy, S.FAILED.value)
 
     async def _check_versions(self, targets: Sequence[EngineRecord]) -> None:
         """Refuse to continue engines without the expected weights (``StaleWeights``).
@@ -964,14 +1207,17 @@ class RolloutServer:
         An engine must report the version of the last versioned update, and a replacement must
         have received an update since it joined. Nothing is continued when one lacks them.
         """
+        stale = await self._lacking_weights(targets)
+        if stale:
+            raise StaleWeights(self._expected_version, stale)
+
+    async def _lacking_weights(self, targets: Sequence[EngineRecord]) -> dict[str, str | None]:
+        """The engines of ``targets`` without the expected weights, with the version each
+        reports (None for a replacement that has received no update)."""
         expected = self._expected_version
-        stale = {r.id: None for r in targets if r.stale}
+        stale: dict[str, str | None] = {r.id: None for r in targets if r.stale}
         if expected is not None and targets:
-            calls = [
-                c
-                for g in self._groups
-                for c in g._issue([r for r in targets if r.group == g.name], "weight_version")
-            ]
+            calls = self._issue_to(targets, "weight_version")
             outcomes = await self._settle("check_versions", calls, self._config.deadlines.probe)
             for call in calls:
                 record = call.record
@@ -983,8 +1229,7 @@ class RolloutServer:
                     record.stale = False
                 else:
                     stale[record.id] = found
-        if stale:
-            raise StaleWeights(expected, stale)
+        return stale
 
     async def _write_weights(self, push: WeightPush, version: str | None) -> None:
         deadlines = self._config.deadlines
@@ -1003,24 +1248,25 @@ class RolloutServer:
                 targets = [r for r in group.live() if not r.paused]
                 calls.extend(group._issue(targets, "pause_generation", (mode.value,), mode=mode))
             await self._require_all("pause_for_update", calls, deadlines.pause)
+        # A session that an earlier update left open (its begin or end did not complete) is
+        # closed first, or this begin would be refused with "a weight update session is open".
+        left_open = [r for g in self._groups for r in g.live() if r.session_unknown]
+        if left_open:
+            outcomes = await self._close_sessions("close_weight_update", left_open)
+            if any(r.session_unknown for r in left_open if r.alive):
+                raise PhaseFailed("close_weight_update", outcomes, S.FAILED.value)
         calls = [c for g in self._groups for c in g.begin_weight_update()]
         outcomes = await self._settle("begin_weight_update", calls, deadlines.weight_update)
         if not self._succeeded(outcomes):
             # Close the sessions that did (or may have) opened, or every later update would be
-            # refused with "a weight update session is open". Ending one that is not open is a
-            # harmless 400.
+            # refused with "a weight update session is open".
             opened = [
                 c.record
                 for c in calls
                 if c.record.alive
                 and outcomes[c.record.id].outcome not in (Outcome.REJECTED, Outcome.REFUSED)
             ]
-            closing = [
-                c
-                for g in self._groups
-                for c in g._issue([r for r in opened if r.group == g.name], "end_weight_update")
-            ]
-            await self._settle("end_weight_update", closing, deadlines.weight_update)
+            await self._close_sessions("end_weight_update", opened)
             raise PhaseFailed("begin_weight_update", outcomes, S.FAILED.value)
         engines = {r.id: r.handle for g in self._groups for r in g.live()}
         try:
@@ -1053,18 +1299,43 @@ class RolloutServer:
         # Only a complete write continues what it paused, and only on the expected weights; on
         # any failure those engines stay paused until the next continue checks them again.
         resumed = [r for r in serving if r.alive and r.paused]
+        if self.state is not S.DRAINED:
+            # Outside 'drained' the groups that keep their memory serve: an earlier write that
+            # failed left them paused, and this complete one continues them.
+            resumed += [
+                r
+                for g in self._groups
+                if not g.needs_offload
+                for r in g.live()
+                if r.paused and r not in resumed and not (r.released | r.uncertain)
+            ]
         if resumed:
             await self._check_versions(resumed)
-            calls = [
-                c
-                for g in self._groups
-                for c in g._issue(
-                    [r for r in resumed if r.group == g.name],
-                    "continue_generation",
-                    check=EngineRecord.check_continue,
-                )
-            ]
+            await self._await_stragglers("continue_after_update", resumed)
+            calls = self._issue_to(
+                resumed, "continue_generation", check=EngineRecord.check_continue
+            )
             await self._require_all("continue_after_update", calls, deadlines.continue_)
+
+    async def _close_sessions(
+        self, phase: str, records: Sequence[EngineRecord]
+    ) -> dict[str, EngineOutcome]:
+        """End the weight-update sessions that may be open on ``records``.
+
+        A begin still in flight would open its session after the end: it gets until the
+        deadline to land, and an engine whose begin still has not answered keeps its session
+        marked unknown for the next update to close. Ending a session that is not open is a
+        harmless 400, which the ledger reads as closed.
+        """
+        deadline = self._config.deadlines.weight_update
+        for record in records:
+            record.session_unknown = True
+        late = [self._stragglers[r.id] for r in records if r.id in self._stragglers]
+        if late:
+            await asyncio.wait(late, timeout=deadline)
+        ready = [r for r in records if r.id not in self._stragglers]
+        calls = self._issue_to(ready, "end_weight_update")
+        return await self._settle(phase, calls, deadline)
 
     async def _call_push(self, push: WeightPush, update: WeightUpdate) -> None:
         start = time.monotonic()
@@ -1099,12 +1370,48 @@ class RolloutServer:
                     out[record.id] = EngineOutcome(Outcome.NOT_ATTEMPTED, "engine already dead")
         return out
 
-    def _record_metric(self, phase: str, seconds: float) -> None:
+    def _record_metric(
+        self,
+        phase: str,
+        seconds: float,
+        *,
+        start: float | None = None,
+        calls: Sequence[EngineCall] = (),
+        slowest: tuple[str, float] | None = None,
+        retries: int | None = None,
+    ) -> None:
+        """Add a phase to the metrics of the call in progress and its spans to the timeline.
+
+        ``calls`` are the phase's engine calls, ``slowest`` the (engine, seconds) of the
+        slowest of them, ``retries`` the flush attempts beyond the first (flush phases only).
+        A phase outside any call (``probe()``) is a call of its own on the timeline.
+        """
+        begin = time.monotonic() - seconds if start is None else start
         current = _CURRENT.get()
-        if current is not None:
-            op = current[1]
-            key = f"lifecycle/{op.call}/{phase}_s"
-            op.metrics[key] = op.metrics.get(key, 0.0) + seconds
+        if current is None or current[0] is not self:
+            trace = self._timeline.begin_call(phase, begin)
+            if trace is not None:
+                Timeline.add_phase(
+                    trace, phase, phase, self._model.state, begin, begin + seconds, calls
+                )
+                Timeline.end_call(trace, begin + seconds, "ok")
+            return
+        op = current[1]
+        prefix = f"lifecycle/{op.call}/{_METRIC_NAMES.get(phase, phase)}"
+        metrics = op.metrics
+        metrics[prefix + "_s"] = metrics.get(prefix + "_s", 0.0) + seconds
+        if slowest is not None:
+            key = prefix + "_slowest_s"
+            if slowest[1] >= metrics.get(key, -1.0):
+                metrics[key] = slowest[1]
+                self._call_slowest[key] = slowest[0]
+        if retries is not None:
+            key = prefix + "_retries"
+            metrics[key] = metrics.get(key, 0) + retries
+        if self._trace is not None:
+            Timeline.add_phase(
+                self._trace, phase, op.call, self._model.state, begin, begin + seconds, calls
+            )
 
     async def _settle(
         self, phase: str, calls: Sequence[PendingCall], deadline: float
@@ -1113,52 +1420,63 @@ class RolloutServer:
         log = logger().bind(server=self._name, phase=phase)
         start = time.monotonic()
         log.info("phase.start", engines=len(calls), deadline_s=deadline)
-        futures: dict[asyncio.Future[Any], PendingCall] = {}
-        ends: dict[asyncio.Future[Any], float] = {}
-
-        def mark_end(done: asyncio.Future[Any]) -> None:
-            ends[done] = time.monotonic()
-
-        for call in calls:
-            log.debug(
-                "engine_call.start", group=call.record.group, engine=call.record.id, op=call.op
-            )
-            future: asyncio.Future[Any] = asyncio.ensure_future(call.ref)
-            future.add_done_callback(mark_end)
-            futures[future] = call
-        pending: set[asyncio.Future[Any]] = set()
-        if futures:
-            _, pending = await asyncio.wait(futures, timeout=deadline)
+        # Per-engine events cost more than the rest of a phase's bookkeeping: build them only
+        # when someone listens at debug level.
+        debug = _debug_enabled(log)
+        if debug:
+            for call in calls:
+                log.debug(
+                    "engine_call.start", group=call.record.group, engine=call.record.id, op=call.op
+                )
+        # One wait for the whole phase (see _gather): per-call futures cost more than the rest
+        # of the bookkeeping at thousands of engines.
+        landed = await gather_calls([c.ref for c in calls], deadline)
         outcomes: dict[str, EngineOutcome] = {}
-        for future, call in futures.items():
+        # The timeline's record of each engine call (a plain tuple: this loop runs once per
+        # engine per phase), the slowest call, and the flush attempts beyond the first.
+        spans: list[EngineCall] = []
+        slowest: tuple[str, float] | None = None
+        retries: int | None = None
+        for i, call in enumerate(calls):
             record = call.record
-            if future in pending:
+            landed_at = landed.ends[i]
+            if landed_at is None:
+                end = time.monotonic()
+                future = landed.late[i]
                 out = EngineOutcome(
-                    Outcome.TIMED_OUT,
-                    f"no answer within {deadline:g}s",
-                    time.monotonic() - call.start,
+                    Outcome.TIMED_OUT, f"no answer within {deadline:g}s", end - call.start
                 )
                 # The call may still land; keep it, so that nothing is sent to this engine
                 # before it has (see _undo_pause).
                 self._stragglers[record.id] = future
                 future.add_done_callback(functools.partial(self._forget_straggler, record.id))
             else:
-                took = ends.get(future, time.monotonic()) - call.start
-                exc = future.exception()
+                end = landed_at
+                took = end - call.start
+                exc = landed.errors[i]
                 out = EngineOutcome(Outcome.OK, "", took) if exc is None else classify(exc, took)
+            if call.op == "flush_cache":
+                attempts = landed.values[i] if out.outcome is Outcome.OK else None
+                retries = (retries or 0) + (max(attempts - 1, 0) if type(attempts) is int else 0)
+            if slowest is None or out.duration_s > slowest[1]:
+                slowest = (record.id, out.duration_s)
+            spans.append((record.id, record.group, call.op, call.start, end, out.outcome))
             record.apply(call.op, call.tags, call.mode, out)
             outcomes[record.id] = out
-            log.debug(
-                "engine_call.end",
-                group=record.group,
-                engine=record.id,
-                op=call.op,
-                outcome=out.outcome.value,
-                detail=out.detail or None,
-                duration_s=round(out.duration_s, 6),
-            )
+            if debug:
+                log.debug(
+                    "engine_call.end",
+                    group=record.group,
+                    engine=record.id,
+                    op=call.op,
+                    outcome=out.outcome.value,
+                    detail=out.detail or None,
+                    duration_s=round(out.duration_s, 6),
+                )
+        if calls:  # the phase begins with its first engine call, issued before the gather
+            start = min(start, calls[0].start)
         took = time.monotonic() - start
-        self._record_metric(phase, took)
+        self._record_metric(phase, took, start=start, calls=spans, slowest=slowest, retries=retries)
         bad = sorted(k for k, v in outcomes.items() if not v.ok)
         log.info(
             "phase.end",
@@ -1185,17 +1503,21 @@ class RolloutServer:
         live = [r for g in self._groups for r in g.live() if r.id not in skip]
         if any(r.uncertain for r in live):
             return None
+        if any(r.stale and not r.paused for r in live):
+            return None  # a replacement that could not be brought up: recover() pauses it
+        # Replacements without the weights, held paused while their groups serve.
+        waiting = [r for r in live if r.stale and r.paused and not r.released]
         offload = [r for g in self._offload_groups() for r in g.live() if r.id not in skip]
         others = [r for r in live if self._group_of(r).needs_offload is False]
         released = {frozenset(r.released) for r in offload} or {frozenset()}
         if len(released) != 1 or any(r.released for r in others):
             return None
-        if len({r.paused for r in others}) > 1:
+        if len({r.paused for r in others if r not in waiting}) > 1:
             return None
         (held,) = released
         idle = all(r.paused and (r.flushed or r.pause_mode is PauseMode.IN_PLACE) for r in offload)
         if not held:
-            if not any(r.paused for r in live):
+            if not any(r.paused for r in live if r not in waiting):
                 return S.SERVING
             return S.DRAINED if idle else None
         if not idle:
@@ -1206,6 +1528,10 @@ class RolloutServer:
         if held == tags - set(WEIGHT_TAGS):
             return S.WEIGHTS_RESTORED
         return None
+
+
+#: Metric names of the phases whose event names are longer: ``lifecycle/onload/weights_s``.
+_METRIC_NAMES = {"resume_weights": "weights", "resume_kv": "kv", "push": "update"}
 
 
 def _paused_in(state: ServerState, group: EngineGroup) -> bool:
@@ -1238,6 +1564,10 @@ async def _retire(handle: Any, deadline: float) -> None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(handle.close(), deadline)
         return
+    if isinstance(handle, HostedEngine):  # its actor hosts other engines: close this one only
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(_awaitable(send_to_engine(handle, "close")), deadline)
+        return
     try:
         import ray
 
@@ -1259,6 +1589,12 @@ def _plain(row: Mapping[str, Any]) -> dict[str, Any]:
 
 async def _awaitable(result: Awaitable[T]) -> T:
     return await result
+
+
+def _debug_enabled(log: Any) -> bool:
+    """Whether ``log`` emits debug events (a logger that cannot tell is taken to emit them)."""
+    check = getattr(log, "is_enabled_for", None)
+    return True if check is None else bool(check(logging.DEBUG))
 
 
 __all__ = [

@@ -45,16 +45,16 @@ def factory_for(fleet: Fleet, made: list[str]) -> Callable[[str], Any]:
 
 async def onload_with_weights(server: RolloutServer) -> None:
     """A replacement is stale: generation continues only once it has received weights."""
+    if server.state is ServerState.SERVING:
+        # It waits paused in a serving fleet: the next update (paused around it) brings it in.
+        await asyncio.wait_for(server.pause(), timeout=60)
     if server.state is ServerState.RELEASED:
         await asyncio.wait_for(server.onload_weights(), timeout=60)
-    if server.state is not ServerState.SERVING:
-        with pytest.raises(StaleWeights, match="actor/"):
-            await server.onload()
-        await asyncio.wait_for(server.update_weights(FromDisk("/ckpt/1"), "v1"), timeout=60)
-        await asyncio.wait_for(server.onload(), timeout=60)
-    assert not any(e.stale for e in server.snapshot().engines().values()) or (
-        server.expected_version is None and server.state is ServerState.SERVING
-    )
+    with pytest.raises(StaleWeights, match="actor/"):
+        await server.onload()
+    await asyncio.wait_for(server.update_weights(FromDisk("/ckpt/1"), "v1"), timeout=60)
+    await asyncio.wait_for(server.onload(), timeout=60)
+    assert not any(e.stale for e in server.snapshot().engines().values())
 
 
 async def assert_fleet_whole_and_serving(server: RolloutServer) -> None:
@@ -114,7 +114,9 @@ async def test_engine_killed_mid_phase_is_named_and_recover_restores_the_fleet(
     replaced = server.snapshot().engines()["actor/2"]
     assert replaced.alive and replaced.stale
     assert replaced.released == healthy[0].released
-    assert replaced.paused == healthy[0].paused
+    # A replacement waits paused for the weights, also where its group serves.
+    assert replaced.paused
+    assert replaced.paused == healthy[0].paused or settles_in is ServerState.SERVING
     await onload_with_weights(server)
     await assert_fleet_whole_and_serving(server)
 

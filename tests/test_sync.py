@@ -99,7 +99,7 @@ def test_a_colocated_step_runs_through_the_blocking_api(make: Any) -> None:
         rollout.onload_kv(timeout=T)
         assert rollout.state is S.SERVING
     assert rollout.expected_version == "step-2"
-    assert {"lifecycle/onload_kv/total_s", "lifecycle/update_weights/push_s"} <= set(
+    assert {"lifecycle/onload_kv/total_s", "lifecycle/update_weights/update_s"} <= set(
         rollout.metrics
     )
     assert [asyncio.run(e.weight_version()) for e in engines] == ["step-2"] * 3
