@@ -1,0 +1,167 @@
+"""``rollout-lifecycle demo``: runs the steps, handles injected faults, writes its files, and
+exits non-zero when an invariant really breaks."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rollout_lifecycle import mermaid
+from rollout_lifecycle.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+SMALL = ["--steps", "2", "--groups", "1", "--engines", "2", "--requests", "6"]
+
+
+def alive_actors() -> set[str]:
+    from ray._private import state
+
+    return {k for k, v in state.actors().items() if v["State"] != "DEAD"}
+
+
+def demo(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(["demo", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def checked_ops(out: str) -> int:
+    found = re.search(r"checked (\d+) engine ops across (\d+) engines", out)
+    assert found, out
+    return int(found.group(1))
+
+
+def assert_outputs(folder: Path) -> dict[str, object]:
+    trace = json.loads((folder / "trace.json").read_text())
+    assert any(e["ph"] == "X" and e["cat"] == "engine_call" for e in trace["traceEvents"])
+    assert (folder / "timeline.png").read_bytes()[:8] == PNG_SIGNATURE
+    assert (folder / "lifecycle.mmd").read_text() == mermaid()
+    metrics: dict[str, object] = json.loads((folder / "metrics.json").read_text())
+    return {"trace": trace, "metrics": metrics}
+
+
+def test_the_demo_runs_checks_and_writes_its_files(
+    ray_cluster: None, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    actors = alive_actors()
+    code, out, err = demo(capsys, *SMALL, "--out", str(tmp_path / "out"))
+    assert code == 0, out + err
+    assert "all invariants held; final state serving, weight version step-2" in out
+    rows = [line.split() for line in out.splitlines() if re.match(r"^\s+[12] ", line)]
+    assert [r[0] for r in rows] == ["1", "2"]
+    assert all(r[8] == "6" for r in rows)  # every request done
+    assert all(r[11:13] == ["0/0/0", "32/80/4"] for r in rows)  # offloaded, then all back
+    assert "step 1/2 offload" in err and "step 2/2 onload_kv" in err
+    files = assert_outputs(tmp_path / "out")
+    trace = files["trace"]
+    assert isinstance(trace, dict)
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "engine_call"]
+    # Every op an engine recorded is one span, but the weight pushes (the push is the user's
+    # code, not a phase): one update_weights_from_disk per engine and step.
+    assert len(spans) == checked_ops(out) - 2 * 2
+    metrics = files["metrics"]
+    assert isinstance(metrics, dict)
+    steps = metrics["steps"]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all(s["metrics"]["lifecycle/offload/flush_retries"] == 0 for s in steps)
+    deadline = time.monotonic() + 10
+    while alive_actors() - actors and time.monotonic() < deadline:
+        time.sleep(0.1)  # ray.kill is asynchronous
+    assert not alive_actors() - actors
+
+
+@pytest.mark.parametrize(
+    ("fault", "needles"),
+    [
+        ("slow-flush", ["slow-flush armed on group0/0"]),
+        ("flush-reject", ["offload failed in flush on group0/0", "reset() -> serving"]),
+        ("engine-death", ["offload failed in release on group0/0", "recover() replaced group0/0"]),
+    ],
+)
+def test_an_injected_fault_is_handled_and_the_invariants_still_hold(
+    ray_cluster: None,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    fault: str,
+    needles: list[str],
+) -> None:
+    code, out, err = demo(capsys, *SMALL, "--inject-fault", fault, "--out", str(tmp_path))
+    assert code == 0, out + err
+    assert "all invariants held; final state serving, weight version step-2" in out
+    for needle in needles:
+        assert needle in out
+    metrics = assert_outputs(tmp_path)["metrics"]
+    assert isinstance(metrics, dict)
+    second = metrics["steps"][1]["metrics"]
+    if fault == "slow-flush":
+        assert second["lifecycle/offload/flush_slowest_s"] >= 0.4
+        assert metrics["slowest_engines"]["lifecycle/offload/flush_slowest_s"] == "group0/0"
+    if fault == "engine-death":
+        assert "across 3 engines" in out  # the dead one and its replacement are both checked
+        assert "lifecycle/recover/total_s" in second
+
+
+def test_the_demo_exits_non_zero_when_an_invariant_breaks(
+    ray_cluster: None, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # The hidden --sabotage hook continues one engine directly, behind the server's back,
+    # while its KV cache is released: the checks must find it in the engines' histories.
+    code, out, err = demo(capsys, *SMALL, "--sabotage", "--out", str(tmp_path))
+    assert code == 1, out + err
+    assert "INVARIANTS BROKEN" in out
+    assert re.search(r"invariant broken: step 2: .*continue started on g0-0", out), out
+    assert "sabotage" in err
+    assert_outputs(tmp_path)  # the files are written all the same
+
+
+def test_bad_demo_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit, match="--steps must be between 1 and 1000, got 0"):
+        main(["demo", "--steps", "0"])
+    with pytest.raises(SystemExit):
+        main(["demo", "--inject-fault", "meteor"])
+    assert "invalid choice: 'meteor'" in capsys.readouterr().err
+
+
+def run_script(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "rollout_lifecycle.cli", "demo", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+
+
+def test_the_demo_over_http_as_a_command(tmp_path: Path) -> None:
+    done = run_script(
+        "--http", "--steps", "1", "--groups", "1", "--engines", "2", "--requests", "4",
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "behind stand-in SGLang servers (HTTP)" in done.stdout
+    assert "all invariants held; final state serving, weight version step-1" in done.stdout
+    assert_outputs(tmp_path)
+
+
+def test_the_demo_with_a_fault_as_a_command(tmp_path: Path) -> None:
+    done = run_script(
+        *SMALL, "--inject-fault", "engine-death", "--pause-mode", "abort", "--out", str(tmp_path)
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "recover() replaced group0/0" in done.stdout
+    assert "all invariants held" in done.stdout
+    assert re.search(r"demo finished in \d+\.\ds", done.stdout)
+    assert_outputs(tmp_path)
