@@ -1,0 +1,1 @@
+"""Benchmarks of the lifecycle library: run each as ``python -m benchmarks.<name> --help``."""

@@ -1,0 +1,166 @@
+"""Shared by the benchmarks: the cycle's phases, engine histories split by round, lower bounds,
+invariant checks, medians, tables and a description of the machine."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import statistics
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from rollout_lifecycle import LifecycleConfig
+from rollout_lifecycle.testing import CYCLE_PHASES, cycle_order_violations
+
+History = Sequence[Mapping[str, Any]]
+
+_CONFIG = LifecycleConfig()
+#: One full cycle (offload + onload weights + onload KV) as the library sends it: phase name,
+#: engine op and its arguments, in barrier order. The baselines send exactly these calls.
+CYCLE_CALLS: tuple[tuple[str, str, tuple[Any, ...]], ...] = (
+    ("pause", "pause_generation", (_CONFIG.pause_mode.value,)),
+    ("flush", "flush_cache", (_CONFIG.deadlines.flush, _CONFIG.flush_retry_interval)),
+    ("release", "release_memory_occupation", ([t.value for t in _CONFIG.release_tags],)),
+    ("resume_weights", "resume_memory_occupation", (["weights"],)),
+    ("resume_kv", "resume_memory_occupation", (["kv_cache", "cuda_graph"],)),
+    ("continue", "continue_generation", ()),
+)
+#: The simulated engine ops a cycle calls (the ones a latency distribution is given for).
+CYCLE_OPS: tuple[str, ...] = tuple(dict.fromkeys(op for _, op, _ in CYCLE_CALLS))
+
+
+def phase_of(entry: Mapping[str, Any]) -> str | None:
+    """The cycle phase a history entry belongs to (``testing.CYCLE_PHASES``), if any."""
+    for name, op, tag in CYCLE_PHASES:
+        if entry.get("op") == op and (tag is None or tag in (entry.get("tags") or ())):
+            return name
+    return None
+
+
+def split_rounds(history: History) -> list[list[Mapping[str, Any]]]:
+    """One engine's history cut at each pause: round k is its k-th cycle."""
+    rounds: list[list[Mapping[str, Any]]] = []
+    for entry in history:
+        if entry.get("op") == "pause_generation":
+            rounds.append([])
+        if rounds:
+            rounds[-1].append(entry)
+    return rounds
+
+
+def rounds_by_index(histories: Mapping[str, History]) -> list[dict[str, History]]:
+    """Round k of every engine, as a histories mapping per round."""
+    split = {engine: split_rounds(h) for engine, h in histories.items()}
+    count = max((len(r) for r in split.values()), default=0)
+    return [{e: r[k] for e, r in split.items() if k < len(r)} for k in range(count)]
+
+
+def lower_bound(round_histories: Mapping[str, History]) -> float:
+    """The best possible time of one cycle with barriers: per phase, the slowest engine's call
+    (as the engine itself measured it), summed over the phases."""
+    slowest: dict[str, float] = {}
+    for history in round_histories.values():
+        for entry in history:
+            phase = phase_of(entry)
+            if phase is not None and entry.get("end") is not None:
+                took = float(entry["end"]) - float(entry["start"])
+                slowest[phase] = max(slowest.get(phase, 0.0), took)
+    return sum(slowest.values())
+
+
+def violations(
+    round_histories: Mapping[str, History], servers: Sequence[Sequence[str]]
+) -> list[str]:
+    """Barrier violations and fatal ops of one round, checked within each server."""
+    found: list[str] = []
+    for index, engines in enumerate(servers):
+        part = {e: round_histories[e] for e in engines if e in round_histories}
+        found.extend(f"server {index}: {v}" for v in cycle_order_violations(part))
+    return found
+
+
+def complete_round(round_histories: Mapping[str, History], engines: Sequence[str]) -> bool:
+    """True if every engine ran every phase of the cycle once, and each call succeeded."""
+    want = [p[0] for p in CYCLE_PHASES]
+    for engine in engines:
+        entries = [e for e in round_histories.get(engine, ()) if phase_of(e) is not None]
+        if [phase_of(e) for e in entries] != want or any(e.get("outcome") != "ok" for e in entries):
+            return False
+    return True
+
+
+def median(values: Sequence[float]) -> float:
+    """The median, or NaN for no values."""
+    return statistics.median(values) if values else float("nan")
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain-text table (also valid Markdown)."""
+    cells = [[str(h) for h in headers], *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(row: Sequence[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |"
+
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(cells[0]), rule, *(line(r) for r in cells[1:])])
+
+
+def machine() -> str:
+    """One line about the machine: CPU model, cores, memory, Python and Ray versions."""
+    import ray
+
+    model = "unknown CPU"
+    with contextlib.suppress(OSError):
+        for text in Path("/proc/cpuinfo").read_text().splitlines():
+            if text.startswith("model name"):
+                model = text.split(":", 1)[1].strip()
+                break
+    memory = ""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        kib = int(Path("/proc/meminfo").read_text().split()[1])
+        memory = f", {kib / (1 << 20):.0f} GiB RAM"
+    return (
+        f"{model}, {os.cpu_count()} cores{memory}, {platform.system()} {platform.release()}, "
+        f"Python {sys.version.split()[0]}, Ray {ray.__version__}"
+    )
+
+
+class Profile:
+    """A pyinstrument profile accumulated over several timed bodies, written as text.
+
+    Profiled runs time the profiled contender with the profiler's overhead: read their tables
+    for where the time goes, not for the ratios.
+    """
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self._profiler: Any = None
+        if path:
+            from pyinstrument import Profiler
+
+            self._profiler = Profiler(interval=0.0005, async_mode="enabled")
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """Profile the body (nothing happens without a path)."""
+        if self._profiler is None:
+            yield
+            return
+        self._profiler.start()
+        try:
+            yield
+        finally:
+            self._profiler.stop()
+
+    def write(self, title: str) -> None:
+        """Append what was recorded so far to the file, under ``title``."""
+        if self._profiler is None or self._profiler.last_session is None:
+            return
+        text = self._profiler.output_text(unicode=False, color=False, show_all=False)
+        with open(str(self.path), "a", encoding="utf-8") as out:
+            out.write(f"=== {title}\n{text}\n")
+        print(f"profile of {title} appended to {self.path}")

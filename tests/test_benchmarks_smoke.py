@@ -1,0 +1,112 @@
+"""Every benchmark at tiny sizes, on the session's Ray cluster: they keep working and their runs
+keep the lifecycle invariants. Invariants are asserted, never times."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from benchmarks import drain, growth, memory_plan, overhead
+from benchmarks._common import CYCLE_CALLS
+
+GB = memory_plan.GB
+
+
+def _check_fleet(result: overhead.FleetResult) -> None:
+    stopped = result.seq_calls[0] < result.engines * len(CYCLE_CALLS)
+    for name in (overhead.RAW, overhead.LIBRARY, overhead.SLIME, overhead.SEQUENTIAL):
+        assert result.times[name], name
+        assert result.violations[name] == [], name
+        assert result.incomplete[name] == 0, name
+        if name == overhead.SEQUENTIAL and stopped:
+            continue  # timed only up to its budget
+        for took, bound in zip(result.times[name], result.bounds[name], strict=True):
+            # Phases are barriers: the slowest call of each phase fits inside the cycle.
+            assert 0 < bound <= took, (name, bound, took)
+    table = overhead.report(result)
+    assert "slime-style (2 servers)" in table and "x raw floor" in table
+
+
+async def test_overhead_runs_every_contender_on_actor_and_hosted_fleets(ray_cluster: None) -> None:
+    actors = await overhead.run_fleet(
+        actors=2, servers=2, rounds=1, seq_budget_s=None, latency_ms=(1.0, 2.0)
+    )
+    _check_fleet(actors)
+    assert actors.seq_calls == [2 * len(CYCLE_CALLS)]
+    # Hosted engines, and a sequential loop stopped at once by its budget: the rest of its
+    # cycle still completes, phase by phase.
+    hosted = await overhead.run_fleet(
+        actors=1, per_actor=3, servers=2, rounds=1, seq_budget_s=1e-9, latency_ms=(1.0, 2.0)
+    )
+    _check_fleet(hosted)
+    assert hosted.engines == 3
+    assert hosted.seq_calls[0] < 3 * len(CYCLE_CALLS)
+    assert "stopped after" in overhead.report(hosted)
+
+
+async def test_slime_style_flush_polls_a_busy_engine_every_second(
+    fleet: Callable[..., list[Any]],
+) -> None:
+    (engine,) = fleet(1, token_latency=0.005)
+    request = engine.generate.remote({"input_ids": [1], "sampling_params": {"max_new_tokens": 60}})
+    for _ in range(500):
+        if (await engine.server_info.remote())["internal_states"][0]["num_running_reqs"]:
+            break
+        await asyncio.sleep(0.01)
+    began = time.monotonic()
+    attempts = overhead.slime_flush([engine])
+    assert attempts >= 2
+    assert time.monotonic() - began >= overhead.SLIME_FLUSH_POLL_S
+    assert len((await request)["output_ids"]) == 60  # the flush waited for it, lost nothing
+    flushes = [e for e in await engine.history.remote() if e["op"] == "flush_cache"]
+    assert [e["outcome"] for e in flushes] == ["rejected"] * (attempts - 1) + ["ok"]
+
+
+async def test_growth_measures_both_contenders_without_violations() -> None:
+    points = [await growth.measure(n, rounds=2) for n in (5, 50)]
+    for point in points:
+        assert len(point.library) == len(point.raw) == 2
+        assert point.violations == [] and point.incomplete == 0
+    assert "50 / 5" in growth.report(points)
+
+
+async def test_drain_loses_no_request_in_any_mode(ray_cluster: None) -> None:
+    result = await drain.run_drain(
+        engines=2,
+        in_flight=4,
+        remaining_s=(0.3,),
+        repeats=1,
+        token_latency_s=0.005,
+        op_latency_s=0.002,
+    )
+    assert result.violations == [] and result.incomplete == 0
+    by_mode = {t.mode: t for t in result.trials}
+    assert set(by_mode) == {"idle", *drain.MODES}
+    for mode in drain.MODES:
+        trial = by_mode[mode]
+        assert trial.requests == 4 and trial.lost == 0, trial
+    assert by_mode["retract"].retractions >= 4 and by_mode["retract"].resubmissions == 0
+    assert by_mode["abort"].resubmissions >= 4 and by_mode["abort"].retractions == 0
+    assert by_mode["wait"].retractions == by_mode["wait"].resubmissions == 0
+    assert "x idle" in drain.report(result)
+
+
+async def test_memory_plan_peaks_follow_from_the_per_tag_accounting(ray_cluster: None) -> None:
+    setup = memory_plan.Setup(gpus=2)
+    at_once, staged = await memory_plan.run_plan(setup)
+    engine = setup.weights + setup.kv_cache + setup.cuda_graph
+    assert at_once.update_peak == engine + setup.at_push
+    assert staged.update_peak == max(setup.weights + setup.at_push, engine)
+    assert at_once.trainer_at_kv_wake == setup.at_push and staged.trainer_at_kv_wake == 0
+    assert at_once.training_peak == staged.training_peak == setup.training
+    text = memory_plan.report(setup, [at_once, staged])
+    assert "MODEL (not a measurement)" in text and "NO (out of memory)" in text
+
+
+def test_memory_plan_refuses_weights_larger_than_the_pool() -> None:
+    with pytest.raises(ValueError, match="do not fit"):
+        _ = memory_plan.Setup(params=400e9).kv_cache
