@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +15,7 @@ import pytest
 import ray
 
 from rollout_lifecycle import RolloutServer, mermaid
+from rollout_lifecycle.testing import StandInServer
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -20,7 +26,7 @@ def blocks(language: str) -> list[str]:
 
 def test_readme_opens_with_the_demo_and_the_test_commands() -> None:
     commands = blocks("bash")
-    assert commands[0].strip() == "pip install . && rollout-lifecycle demo"
+    assert commands[0].strip() == "pip install '.[plot]' && rollout-lifecycle demo"
     assert commands[1].strip().endswith("python -m pytest")
     first_code = README.read_text().index("```")
     assert README.read_text().index("```bash", first_code) == first_code
@@ -45,3 +51,53 @@ def test_readme_python_block_runs(
             ray.kill(actor)
     if "server" in namespace:
         assert isinstance(namespace["server"], RolloutServer)
+
+
+ADMIN_KEY = "readme-admin-key"
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[list[StandInServer]]:
+    servers = StandInServer.start_many(3, admin_key=ADMIN_KEY, token_latency=0.002)
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+def command_path(tmp_path: Path) -> str:
+    """PATH with ``rollout-lifecycle`` on it: the installed script, or one running this tree."""
+    path = os.environ.get("PATH", "")
+    if shutil.which("rollout-lifecycle"):
+        return path
+    shim = tmp_path / "bin" / "rollout-lifecycle"
+    shim.parent.mkdir()
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m rollout_lifecycle.cli "$@"\n')
+    shim.chmod(0o755)
+    return f"{shim.parent}{os.pathsep}{path}"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("index", range(2, len(blocks("bash"))))
+def test_readme_shell_block_runs(
+    index: int, ray_cluster: None, fleet: list[StandInServer], tmp_path: Path
+) -> None:
+    """Each shell block after the two opening commands runs as written, in a folder with an
+    ``engines.txt`` that lists three stand-in SGLang servers."""
+    (tmp_path / "engines.txt").write_text("".join(f"{s.url}\n" for s in fleet))
+    env = {
+        **os.environ,
+        "PATH": command_path(tmp_path),
+        "PYTHONPATH": os.pathsep.join([str(README.parent), os.environ.get("PYTHONPATH", "")]),
+        "SGLANG_ADMIN_KEY": ADMIN_KEY,
+        "XDG_STATE_HOME": str(tmp_path / "state"),
+    }
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", blocks("bash")[index]],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=220,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert ADMIN_KEY not in done.stdout + done.stderr
