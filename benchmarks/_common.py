@@ -13,7 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from rollout_lifecycle import LifecycleConfig
-from rollout_lifecycle.testing import CYCLE_PHASES, cycle_order_violations
+from rollout_lifecycle.testing import (
+    CYCLE_PHASES,
+    cycle_order_violations,
+    cycle_phase_of,
+    cycle_rounds,
+)
 
 History = Sequence[Mapping[str, Any]]
 
@@ -32,23 +37,9 @@ CYCLE_CALLS: tuple[tuple[str, str, tuple[Any, ...]], ...] = (
 CYCLE_OPS: tuple[str, ...] = tuple(dict.fromkeys(op for _, op, _ in CYCLE_CALLS))
 
 
-def phase_of(entry: Mapping[str, Any]) -> str | None:
-    """The cycle phase a history entry belongs to (``testing.CYCLE_PHASES``), if any."""
-    for name, op, tag in CYCLE_PHASES:
-        if entry.get("op") == op and (tag is None or tag in (entry.get("tags") or ())):
-            return name
-    return None
-
-
-def split_rounds(history: History) -> list[list[Mapping[str, Any]]]:
-    """One engine's history cut at each pause: round k is its k-th cycle."""
-    rounds: list[list[Mapping[str, Any]]] = []
-    for entry in history:
-        if entry.get("op") == "pause_generation":
-            rounds.append([])
-        if rounds:
-            rounds[-1].append(entry)
-    return rounds
+#: The cycle phase of a history entry, and one engine's history cut at each pause.
+phase_of = cycle_phase_of
+split_rounds = cycle_rounds
 
 
 def rounds_by_index(histories: Mapping[str, History]) -> list[dict[str, History]]:

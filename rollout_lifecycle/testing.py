@@ -74,7 +74,8 @@ CYCLE_PHASES: tuple[tuple[str, str, str | None], ...] = (
 )
 
 
-def _phase_of(entry: Mapping[str, Any]) -> str | None:
+def cycle_phase_of(entry: Mapping[str, Any]) -> str | None:
+    """The cycle phase (``CYCLE_PHASES``) a history entry belongs to, if any."""
     for name, op, tag in CYCLE_PHASES:
         if entry.get("op") != op:
             continue
@@ -83,7 +84,7 @@ def _phase_of(entry: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _rounds(history: History) -> list[list[Mapping[str, Any]]]:
+def cycle_rounds(history: History) -> list[list[Mapping[str, Any]]]:
     """Split one engine's history at each pause: round k is what follows its k-th pause."""
     rounds: list[list[Mapping[str, Any]]] = []
     for entry in history:
@@ -105,7 +106,7 @@ def cycle_order_violations(histories: Mapping[str, History]) -> list[str]:
         for entry in history:
             if entry.get("outcome") == "fatal":
                 problems.append(f"{engine}: fatal {entry.get('op')} ({entry.get('detail')})")
-    per_engine = {engine: _rounds(h) for engine, h in histories.items()}
+    per_engine = {engine: cycle_rounds(h) for engine, h in histories.items()}
     count = max((len(r) for r in per_engine.values()), default=0)
     names = [p[0] for p in CYCLE_PHASES]
     for k in range(count):
@@ -114,7 +115,7 @@ def cycle_order_violations(histories: Mapping[str, History]) -> list[str]:
             if k >= len(rounds):
                 continue
             for entry in rounds[k]:
-                phase = _phase_of(entry)
+                phase = cycle_phase_of(entry)
                 if phase is not None:
                     spans[phase].append((float(entry["start"]), float(entry["end"]), engine))
         present = [n for n in names if spans[n]]
@@ -139,6 +140,8 @@ __all__ = [
     "SimulatedEngine",
     "StandInServer",
     "cycle_order_violations",
+    "cycle_phase_of",
+    "cycle_rounds",
     "local_ray",
     "released_ops",
     "simulated_engine_actors",

@@ -1076,6 +1076,17 @@ def inner_paused(engine: FaultyEngine) -> bool:
     return paused
 
 
+def recording_factory() -> tuple[list[FaultyEngine], Callable[[str], FaultyEngine]]:
+    """A ``recover`` factory of fresh engines, and the list of those it made."""
+    made: list[FaultyEngine] = []
+
+    def factory(engine_id: str) -> FaultyEngine:
+        made.append(FaultyEngine(sim(f"{engine_id}-new")))
+        return made[-1]
+
+    return made, factory
+
+
 async def close_all(*engines: FaultyEngine) -> None:
     await asyncio.gather(*(e.close() for e in engines))
 
@@ -1243,12 +1254,7 @@ async def test_recover_does_not_drop_the_requests_of_an_engine_it_retires() -> N
     with pytest.raises(PhaseFailed):
         await server.offload()
     assert server.snapshot().engines()["actor/0"].uncertain
-    fresh: list[FaultyEngine] = []
-
-    def factory(engine_id: str) -> FaultyEngine:
-        fresh.append(FaultyEngine(sim(f"{engine_id}-new")))
-        return fresh[-1]
-
+    fresh, factory = recording_factory()
     try:
         await server.recover(factory)  # the replacement is stale: it needs the weights
         await server.onload_weights()
@@ -1317,12 +1323,7 @@ async def test_a_stale_replacement_does_not_serve() -> None:
     await server.resume()
     actor[0].arm("server_info", "die")
     await server.probe()
-    fresh: list[FaultyEngine] = []
-
-    def factory(engine_id: str) -> FaultyEngine:
-        fresh.append(FaultyEngine(sim(f"{engine_id}-new")))
-        return fresh[-1]
-
+    fresh, factory = recording_factory()
     try:
         await server.recover(factory)
         assert server.state is S.SERVING
@@ -1345,12 +1346,7 @@ async def test_recover_after_a_failed_write_with_a_memory_keeping_group() -> Non
     actor[0].arm("begin_weight_update", "die")
     with pytest.raises(PhaseFailed):
         await server.update_weights(make_push("noop"), "v1")
-    fresh: list[FaultyEngine] = []
-
-    def factory(engine_id: str) -> FaultyEngine:
-        fresh.append(FaultyEngine(sim(f"{engine_id}-new")))
-        return fresh[-1]
-
+    fresh, factory = recording_factory()
     try:
         await server.recover(factory)
         assert server.state is S.WEIGHTS_RESTORED
