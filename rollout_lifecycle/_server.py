@@ -745,10 +745,7 @@ class RolloutServer:
         if target is S.SERVING:
             # (a replacement without the weights stays paused: it waits for an update)
             stuck = [r for r in healthy if r.paused and not (r.released | r.uncertain or r.stale)]
-            late = [self._stragglers[r.id] for r in stuck if r.id in self._stragglers]
-            if late:
-                await asyncio.wait(late, timeout=deadlines.pause)
-            stuck = [r for r in stuck if r.id not in self._stragglers]
+            stuck = await self._landed(stuck, deadlines.pause)
             outcomes.update(
                 await self._step(
                     "recover_continue", stuck, "continue_generation", deadline=deadlines.continue_
@@ -814,9 +811,7 @@ class RolloutServer:
             if (_paused_in(target, self._group_of(r)) or r.stale)
             and (not r.paused or r.pause_unknown)
         ]
-        late = [self._stragglers[r.id] for r in to_pause if r.id in self._stragglers]
-        if late:  # let a pause still in flight land before pausing again
-            await asyncio.wait(late, timeout=deadlines.pause)
+        await self._landed(to_pause, deadlines.pause)  # a pause in flight lands before another
         newly = await step(
             "recover_pause",
             to_pause,
@@ -1101,12 +1096,9 @@ class RolloutServer:
         ]
         # A pause that missed its deadline may still land: a continue sent before it would be
         # overtaken, and the engine would stay paused. Give such calls until the deadline.
-        late = [self._stragglers[r.id] for r in targets if r.id in self._stragglers]
-        if late:
-            await asyncio.wait(late, timeout=deadline)
         # A pause still in flight would overtake a continue sent now: such an engine is left
         # paused (as recorded) for recover() to continue once the pause has landed.
-        targets = [r for r in targets if r.id not in self._stragglers]
+        targets = await self._landed(targets, deadline)
         calls = self._issue_to(targets, "continue_generation")
         self._last_outcomes = await self._settle("continue_after_failure", calls, deadline)
         return self._succeeded(self._last_outcomes) and not any(
@@ -1129,22 +1121,34 @@ class RolloutServer:
         if not self._succeeded(outcomes):
             raise PhaseFailed("continue_keepers", outcomes, S.FAILED.value)
 
-    async def _continue_keepers(self) -> dict[str, EngineOutcome]:
-        """Continue the paused engines of the groups that keep their memory, except those
-        without the expected weights (they stay paused until an update reaches them)."""
-        keepers = [
+    def _paused_keepers(self) -> list[EngineRecord]:
+        """The paused live engines, with every tag resident, of the groups that keep their
+        memory."""
+        return [
             r
             for g in self._groups
             if not g.needs_offload
             for r in g.live()
             if r.paused and not (r.released | r.uncertain)
         ]
+
+    async def _landed(self, records: Sequence[EngineRecord], timeout: float) -> list[EngineRecord]:
+        """Give calls that missed an earlier deadline on ``records`` up to ``timeout`` to land;
+        the records with no such call still in flight."""
+        late = [self._stragglers[r.id] for r in records if r.id in self._stragglers]
+        if late:
+            await asyncio.wait(late, timeout=timeout)
+        return [r for r in records if r.id not in self._stragglers]
+
+    async def _continue_keepers(self) -> dict[str, EngineOutcome]:
+        """Continue the paused engines of the groups that keep their memory, except those
+        without the expected weights (they stay paused until an update reaches them)."""
+        keepers = self._paused_keepers()
         if keepers:
-            late = [self._stragglers[r.id] for r in keepers if r.id in self._stragglers]
-            if late:  # a continue must not be overtaken by a pause still in flight
-                await asyncio.wait(late, timeout=self._config.deadlines.pause)
+            # a continue must not be overtaken by a pause still in flight
+            landed = await self._landed(keepers, self._config.deadlines.pause)
             lacking = await self._lacking_weights(keepers)
-            ready = [r for r in keepers if r.id not in lacking and r.id not in self._stragglers]
+            ready = [r for r in landed if r.id not in lacking]
             return await self._step(
                 "continue_keepers",
                 ready,
@@ -1189,14 +1193,11 @@ class RolloutServer:
         deadline) before a continue is sent: a late pause would overtake it and leave the engine
         paused behind a ledger that says serving. Fails the phase, sending nothing, for an
         engine whose call is still in flight."""
-        late = [self._stragglers[r.id] for r in targets if r.id in self._stragglers]
-        if not late:
-            return
-        await asyncio.wait(late, timeout=self._config.deadlines.pause)
+        landed = await self._landed(targets, self._config.deadlines.pause)
         busy = {
             r.id: EngineOutcome(Outcome.NOT_ATTEMPTED, "an earlier call is still in flight")
             for r in targets
-            if r.id in self._stragglers
+            if r not in landed
         }
         if busy:
             raise PhaseFailed(phase, busy, S.FAILED.value)
@@ -1302,13 +1303,7 @@ class RolloutServer:
         if self.state is not S.DRAINED:
             # Outside 'drained' the groups that keep their memory serve: an earlier write that
             # failed left them paused, and this complete one continues them.
-            resumed += [
-                r
-                for g in self._groups
-                if not g.needs_offload
-                for r in g.live()
-                if r.paused and r not in resumed and not (r.released | r.uncertain)
-            ]
+            resumed += [r for r in self._paused_keepers() if r not in resumed]
         if resumed:
             await self._check_versions(resumed)
             await self._await_stragglers("continue_after_update", resumed)
@@ -1330,10 +1325,7 @@ class RolloutServer:
         deadline = self._config.deadlines.weight_update
         for record in records:
             record.session_unknown = True
-        late = [self._stragglers[r.id] for r in records if r.id in self._stragglers]
-        if late:
-            await asyncio.wait(late, timeout=deadline)
-        ready = [r for r in records if r.id not in self._stragglers]
+        ready = await self._landed(records, deadline)
         calls = self._issue_to(ready, "end_weight_update")
         return await self._settle(phase, calls, deadline)
 
