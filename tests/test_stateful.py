@@ -1120,6 +1120,33 @@ async def test_recover_after_a_failed_release_from_pause_lets_the_memory_keeping
         await close_all(*actor, *reward)
 
 
+async def test_no_continue_is_sent_while_a_late_pause_is_still_in_flight() -> None:
+    server, actor, reward = small_fleet(keeps_memory=1)
+    await server.pause()
+    reward[0].arm("server_info", "die")
+    await server.probe()
+    made: list[FaultyEngine] = []
+
+    def factory(engine_id: str) -> FaultyEngine:
+        made.append(FaultyEngine(sim(f"{engine_id}-new-{len(made)}")))
+        if len(made) == 1:
+            made[0].arm("pause_generation", "slow", seconds=1.0)
+        return made[-1]
+
+    try:
+        with pytest.raises(PhaseFailed):
+            await server.recover(factory)  # the replacement's pause misses its deadline
+        await server.recover(factory)  # pauses it again; the first pause is still in flight
+        assert server.state is S.DRAINED
+        await server.update_weights(make_push("noop"), "v1")
+        with pytest.raises(PhaseFailed, match="still in flight"):
+            await server.resume()
+        await asyncio.sleep(1.0)  # the late pause lands
+        assert server.snapshot().engines()["reward/0"].paused == inner_paused(made[0])
+    finally:
+        await close_all(*actor, *reward, *made)
+
+
 async def test_a_late_pause_does_not_leave_an_engine_paused_behind_the_ledger() -> None:
     server, actor, _ = small_fleet()
     actor[0].arm("pause_generation", "slow", seconds=0.8)
@@ -1337,6 +1364,30 @@ async def test_a_stale_replacement_does_not_serve() -> None:
         assert not inner_paused(fresh[0]) and not server.snapshot().engines()["actor/0"].stale
     finally:
         await close_all(*actor, *fresh)
+
+
+async def test_a_replacement_whose_pause_was_refused_is_paused_by_the_next_recover() -> None:
+    server, actor, _ = small_fleet()
+    actor[0].arm("server_info", "die")
+    await server.probe()
+    made: list[FaultyEngine] = []
+
+    def factory(engine_id: str) -> FaultyEngine:
+        made.append(FaultyEngine(sim(f"{engine_id}-new-{len(made)}")))
+        made[-1].arm("pause_generation", "reject")
+        return made[-1]
+
+    try:
+        with pytest.raises(PhaseFailed):
+            await server.recover(factory)
+        assert server.state is S.FAILED and not inner_paused(made[0])  # it serves, stale
+        with pytest.raises(IllegalTransition):
+            await server.reset()  # the records do not settle while it serves unpaused
+        await server.recover(factory)  # nothing to replace: it heals the stale one
+        assert len(made) == 1 and server.state is S.SERVING
+        assert inner_paused(made[0]) and server.snapshot().engines()["actor/0"].stale
+    finally:
+        await close_all(*actor, *made)
 
 
 async def test_recover_after_a_failed_write_with_a_memory_keeping_group() -> None:
