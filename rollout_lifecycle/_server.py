@@ -1193,11 +1193,11 @@ class RolloutServer:
         deadline) before a continue is sent: a late pause would overtake it and leave the engine
         paused behind a ledger that says serving. Fails the phase, sending nothing, for an
         engine whose call is still in flight."""
-        landed = await self._landed(targets, self._config.deadlines.pause)
+        landed = {r.id for r in await self._landed(targets, self._config.deadlines.pause)}
         busy = {
             r.id: EngineOutcome(Outcome.NOT_ATTEMPTED, "an earlier call is still in flight")
             for r in targets
-            if r not in landed
+            if r.id not in landed
         }
         if busy:
             raise PhaseFailed(phase, busy, S.FAILED.value)
