@@ -44,7 +44,7 @@ class Outcome(str, Enum):
         return self.value
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class EngineOutcome:
     """The outcome of one engine call, with a human-readable detail."""
 

@@ -1452,7 +1452,7 @@ class RolloutServer:
                 retries = (retries or 0) + (max(attempts - 1, 0) if type(attempts) is int else 0)
             if slowest is None or out.duration_s > slowest[1]:
                 slowest = (record.id, out.duration_s)
-            spans.append((record.id, record.group, call.op, call.start, end, out.outcome))
+            spans.append((record.id, record.group, call.op, call.start, end, out.outcome.value))
             record.apply(call.op, call.tags, call.mode, out)
             outcomes[record.id] = out
             if debug:

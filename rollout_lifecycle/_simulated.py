@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
 import random
 import time
@@ -75,11 +76,22 @@ class _Request:
         self.key = sum((i + 1) * t for i, t in enumerate(self.prompt)) % _VOCAB
 
 
+#: History entries per tuple of older entries (see ``SimulatedEngine._record``).
+_HISTORY_CHUNK = 16
+
+
 def _seconds(value: object) -> float | None:
     """``value`` as seconds if it is a finite number >= 0, else None."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value) if math.isfinite(value) and value >= 0 else None
+
+
+def _requested(tags: Sequence[Tag | str] | None) -> tuple[object, ...] | str | None:
+    """The tags a call asked for, as its history records them (tag names, not ``Tag``s)."""
+    if tags is None or isinstance(tags, str):
+        return tags
+    return tuple(t.value if isinstance(t, Tag) else t for t in tags)
 
 
 def _check_seconds(name: str, value: object) -> float:
@@ -159,7 +171,10 @@ class SimulatedEngine:
         self._dead = False
         self._death_reason: str | None = None
         self._closed = False
+        # The newest history entries, and older finished ones as tuples of their items, in
+        # tuples of ``_HISTORY_CHUNK`` (see ``_record``).
         self._history: list[dict[str, Any]] = []
+        self._archive: list[tuple[tuple[tuple[str, Any], ...], ...]] = []
         self._counts: dict[str, int] = dict.fromkeys(
             (
                 "submitted",
@@ -295,7 +310,13 @@ class SimulatedEngine:
         return value
 
     def _record(self, op: str, **fields: Any) -> dict[str, Any]:
-        """Append the history entry of a call that starts now; the caller fills in its end."""
+        """Append the history entry of a call that starts now; the caller fills in its end.
+
+        Entries hold only strings, numbers, None and tuples of those (``history()`` turns the
+        tuples into lists), and older finished entries are kept as tuples of tuples, which
+        CPython's collector stops tracking: a fleet of thousands of in-process engines keeps
+        millions of entries, and every full collection would otherwise visit each one.
+        """
         entry: dict[str, Any] = {
             "op": op,
             "engine": self._label,
@@ -307,7 +328,13 @@ class SimulatedEngine:
             "detail": None,
             **fields,
         }
-        self._history.append(entry)
+        recent = self._history
+        recent.append(entry)
+        if len(recent) >= 2 * _HISTORY_CHUNK:
+            chunk = recent[:_HISTORY_CHUNK]
+            if all(e["end"] is not None for e in chunk):  # finished: nothing writes to them
+                self._archive.append(tuple(tuple(e.items()) for e in chunk))
+                del recent[:_HISTORY_CHUNK]
         return entry
 
     @contextlib.asynccontextmanager
@@ -629,10 +656,9 @@ class SimulatedEngine:
     async def release_memory_occupation(self, tags: Sequence[Tag | str] | None) -> None:
         """``POST /release_memory_occupation``; empty tags mean all three."""
         op = "release_memory_occupation"
-        requested = list(tags) if tags is not None and not isinstance(tags, str) else tags
-        async with self._op(op, requested_tags=requested) as entry:
+        async with self._op(op, requested_tags=_requested(tags)) as entry:
             names = self._tag_names(op, tags)
-            entry["tags"] = names
+            entry["tags"] = tuple(names)
             if not self._is_idle():
                 # The scheduler asserts idleness; the failed assertion takes the server down.
                 raise self._fatal(
@@ -657,10 +683,9 @@ class SimulatedEngine:
     async def resume_memory_occupation(self, tags: Sequence[Tag | str] | None) -> None:
         """``POST /resume_memory_occupation``; empty tags mean all three."""
         op = "resume_memory_occupation"
-        requested = list(tags) if tags is not None and not isinstance(tags, str) else tags
-        async with self._op(op, requested_tags=requested) as entry:
+        async with self._op(op, requested_tags=_requested(tags)) as entry:
             names = self._tag_names(op, tags)
-            entry["tags"] = names
+            entry["tags"] = tuple(names)
             ordered = [t for t in _RESUME_ORDER for name in names if name == t]
             for name in ordered:
                 if name not in self._released:
@@ -909,8 +934,10 @@ class SimulatedEngine:
     def history(self) -> list[dict[str, Any]]:
         """Every lifecycle call that has returned (or raised), in order of start; a copy."""
         return [
-            {k: list(v) if isinstance(v, list) else v for k, v in entry.items()}
-            for entry in self._history
+            {k: list(v) if isinstance(v, tuple) else v for k, v in entry.items()}
+            for entry in itertools.chain(
+                (dict(items) for chunk in self._archive for items in chunk), self._history
+            )
             if entry["end"] is not None
         ]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import itertools
 import logging
 from collections.abc import Iterator, Mapping, Sequence
@@ -130,6 +131,32 @@ def cycle_order_violations(histories: Mapping[str, History]) -> list[str]:
     return problems
 
 
+def collector_load(root: object = None) -> int:
+    """How many references CPython's cyclic garbage collector follows in a full collection:
+    over the whole process, or over the objects reachable from ``root``. Collects first until
+    nothing more is untracked (a tuple is untracked only once its items are, one level of
+    nesting per collection). Records kept per engine call must not make it grow: every full
+    collection walks them all."""
+    tracked = -1
+    for _ in range(10):
+        gc.collect()
+        if tracked == (tracked := len(gc.get_objects())):
+            break
+    if root is None:
+        return sum(len(gc.get_referents(o)) for o in gc.get_objects())
+    seen: set[int] = set()
+    todo, load = [root], 0
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or not gc.is_tracked(obj) or isinstance(obj, type):
+            continue  # untracked: never walked; a class: shared, not the structure's own
+        seen.add(id(obj))
+        referents = gc.get_referents(obj)
+        load += len(referents)
+        todo.extend(referents)
+    return load
+
+
 def released_ops(history: History) -> list[Mapping[str, Any]]:
     """The release calls in one engine's history."""
     return [e for e in history if e.get("op") == "release_memory_occupation"]
@@ -139,6 +166,7 @@ __all__ = [
     "CYCLE_PHASES",
     "SimulatedEngine",
     "StandInServer",
+    "collector_load",
     "cycle_order_violations",
     "cycle_phase_of",
     "cycle_rounds",

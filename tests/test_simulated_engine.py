@@ -16,6 +16,7 @@ import pytest
 from rollout_lifecycle._config import ALL_TAGS, PauseMode, Tag
 from rollout_lifecycle._exceptions import EngineDead, EngineRejected, InvalidArgument
 from rollout_lifecycle._simulated import SimulatedEngine
+from rollout_lifecycle.testing import collector_load
 
 GIB = 1 << 30
 Result = dict[str, Any]
@@ -797,6 +798,44 @@ async def test_history_records_ops_in_order_with_outcomes(make_engine: MakeEngin
     assert history[7]["detail"] is not None and "released twice" in history[7]["detail"]
     history[0]["op"] = "tampered"
     assert engine.history()[0]["op"] == "pause_generation"  # a copy
+
+
+async def test_a_long_history_stays_in_order_and_costs_the_collector_nothing(
+    make_engine: MakeEngine,
+) -> None:
+    """Thousands of in-process engines keep millions of entries: old ones must not be objects
+    that every full collection walks, and ``history()`` must still give each one, in order."""
+    engine = make_engine()
+
+    async def cycles(count: int) -> None:
+        for _ in range(count):
+            await engine.pause_generation(PauseMode.RETRACT)
+            await engine.flush_cache(1.0)
+            await engine.release_memory_occupation([Tag.KV_CACHE])
+            await engine.resume_memory_occupation([Tag.KV_CACHE.value])
+            await engine.continue_generation()
+
+    await cycles(10)
+    load = collector_load()
+    await cycles(300)  # 1,500 more entries; each one walked would add at least 1,500
+    assert collector_load() - load < 500
+
+    history = engine.history()
+    assert len(history) == 1550
+    ops = [
+        "pause_generation",
+        "flush_cache",
+        "release_memory_occupation",
+        "resume_memory_occupation",
+        "continue_generation",
+    ]
+    assert [h["op"] for h in history[:5]] == ops == [h["op"] for h in history[-5:]]
+    assert [h["start"] for h in history] == sorted(h["start"] for h in history)
+    release = history[2]
+    assert release["tags"] == ["kv_cache"] and release["requested_tags"] == ["kv_cache"]
+    assert history[3]["requested_tags"] == ["kv_cache"] and history[0]["mode"] == "retract"
+    release["tags"].append("changed")  # a copy
+    assert engine.history()[2]["tags"] == ["kv_cache"]
 
 
 # ------------------------------------------------------------------ validation

@@ -24,6 +24,7 @@ from rollout_lifecycle import (
     WeightUpdate,
 )
 from rollout_lifecycle._faults import FaultyEngine
+from rollout_lifecycle.testing import collector_load
 
 Fleet = Callable[..., list[Any]]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -187,6 +188,23 @@ async def test_a_timeline_of_zero_calls_records_nothing_and_metrics_still_work()
     assert "lifecycle/offload/release_s" in metrics
     assert server.timeline.spans() == []
     assert server.timeline.chrome_trace()["traceEvents"][0]["ph"] == "M"
+
+
+async def test_recorded_engine_calls_cost_the_collector_nothing() -> None:
+    """The timeline keeps a record per engine call (thousands per phase on a large fleet): the
+    records must not be objects that every full collection of the process walks."""
+    server = RolloutServer([EngineGroup("actor", sims(32))])
+
+    async def cycles(count: int) -> None:
+        for _ in range(count):
+            await server.offload()
+            await server.onload()
+
+    await cycles(2)
+    load = collector_load(server.timeline)
+    await cycles(4)  # 8 more calls kept, 32 x 6 x 4 = 768 engine calls
+    assert len(server.timeline.spans("engine_call")) == 32 * 6 * 6
+    assert collector_load(server.timeline) - load < 8 * 60  # what the calls and phases cost
 
 
 def test_bad_timeline_settings_are_refused() -> None:
