@@ -50,7 +50,7 @@ from rollout_lifecycle._group import (
 from rollout_lifecycle._multi import HostedEngine
 from rollout_lifecycle._outcome import EngineOutcome, Outcome, classify
 from rollout_lifecycle._states import TRANSITIONS, ServerState, sources_of
-from rollout_lifecycle._timeline import EngineCall, Timeline, _CallRecord
+from rollout_lifecycle._timeline import EngineCalls, Timeline, _CallRecord
 
 T = TypeVar("T")
 S = ServerState
@@ -1368,7 +1368,7 @@ class RolloutServer:
         seconds: float,
         *,
         start: float | None = None,
-        calls: Sequence[EngineCall] = (),
+        calls: EngineCalls = (),
         slowest: tuple[str, float] | None = None,
         retries: int | None = None,
     ) -> None:
@@ -1424,9 +1424,9 @@ class RolloutServer:
         # of the bookkeeping at thousands of engines.
         landed = await gather_calls([c.ref for c in calls], deadline)
         outcomes: dict[str, EngineOutcome] = {}
-        # The timeline's record of each engine call (a plain tuple: this loop runs once per
-        # engine per phase), the slowest call, and the flush attempts beyond the first.
-        spans: list[EngineCall] = []
+        # The timeline's record of the engine calls (flat: this loop runs once per engine per
+        # phase), the slowest call, and the flush attempts beyond the first.
+        spans: list[str | float] = []
         slowest: tuple[str, float] | None = None
         retries: int | None = None
         for i, call in enumerate(calls):
@@ -1452,7 +1452,7 @@ class RolloutServer:
                 retries = (retries or 0) + (max(attempts - 1, 0) if type(attempts) is int else 0)
             if slowest is None or out.duration_s > slowest[1]:
                 slowest = (record.id, out.duration_s)
-            spans.append((record.id, record.group, call.op, call.start, end, out.outcome.value))
+            spans += (record.id, record.group, call.op, call.start, end, out.outcome.value)
             record.apply(call.op, call.tags, call.mode, out)
             outcomes[record.id] = out
             if debug:

@@ -19,10 +19,11 @@ from typing import Any
 from rollout_lifecycle._exceptions import InvalidArgument
 from rollout_lifecycle._outcome import Outcome
 
-#: One engine call: engine id, group, op, start, end (``time.monotonic()`` seconds), and the
-#: ``Outcome`` value. Only strings and floats: the collector stops tracking such a tuple at its
-#: first pass, so the calls kept cost no collector time at thousands of engines.
-EngineCall = tuple[str, str, str, float, float, str]
+#: The engine calls of a phase, flat: for each call its engine id, group, op, start and end
+#: (``time.monotonic()`` seconds) and ``Outcome`` value, one after another. Flat, so that
+#: recording a call makes no object for CPython's collector to count or walk.
+EngineCalls = Sequence[str | float]
+_FIELDS = 6
 
 _OK = Outcome.OK.value
 
@@ -31,7 +32,7 @@ SPAN_KINDS: tuple[str, ...] = ("call", "phase", "engine_call")
 
 
 class _PhaseRecord:
-    """One phase as recorded: its engine calls are plain tuples, converted only when read."""
+    """One phase as recorded: its engine calls are a flat tuple, converted only when read."""
 
     __slots__ = ("call", "calls", "end", "name", "start", "state")
 
@@ -41,7 +42,7 @@ class _PhaseRecord:
         self.state = state
         self.start = start
         self.end = start
-        self.calls: Sequence[EngineCall] = ()
+        self.calls: EngineCalls = ()
 
 
 class _CallRecord:
@@ -96,8 +97,8 @@ class Timeline:
 
     Keeps the last ``max_calls`` calls (``0`` records nothing). A call made from a hook of
     another call (a nested call) is kept with the call that made it; ``probe()`` counts as a
-    call of its own. Each engine call costs one tuple while it is recorded (about 150 bytes),
-    which CPython's garbage collector stops walking at its first pass.
+    call of its own. Each engine call costs six slots of a tuple and two floats while it is
+    recorded (about 100 bytes), and nothing that CPython's garbage collector walks.
     """
 
     def __init__(self, max_calls: int = 16, *, name: str = "rollout") -> None:
@@ -146,13 +147,12 @@ class Timeline:
         state: str,
         start: float,
         end: float,
-        calls: Sequence[EngineCall] = (),
+        calls: EngineCalls = (),
     ) -> None:
         """Record one settled phase of ``record`` and the engine calls it gathered."""
         phase = _PhaseRecord(name, call, state, start)
         phase.end = end
-        # A tuple of such tuples is untracked as well, so no collection walks the calls kept.
-        phase.calls = tuple(calls)
+        phase.calls = tuple(calls)  # of strings and floats: untracked after the first pass
         record.phases.append(phase)
 
     def clear(self) -> None:
@@ -176,7 +176,8 @@ class Timeline:
                 end = max([call.start, *(p.end for p in phases)])
             yield Span("call", call.name, call.name, call.index, call.start, end, call.outcome)
             for phase in phases:
-                calls = list(phase.calls)
+                flat = phase.calls
+                calls = [flat[i : i + _FIELDS] for i in range(0, len(flat), _FIELDS)]
                 failed = any(c[5] != _OK for c in calls)
                 yield Span(
                     "phase",
@@ -192,17 +193,17 @@ class Timeline:
                 for engine, group, op, start, stop, outcome in calls:
                     yield Span(
                         "engine_call",
-                        op,
+                        str(op),
                         phase.call,
                         call.index,
-                        start,
-                        stop,
-                        outcome,
+                        float(start),
+                        float(stop),
+                        str(outcome),
                         phase=phase.name,
                         state=phase.state,
-                        engine=engine,
-                        group=group,
-                        op=op,
+                        engine=str(engine),
+                        group=str(group),
+                        op=str(op),
                     )
 
     def chrome_trace(self) -> dict[str, Any]:
@@ -394,4 +395,4 @@ def _palette() -> list[Any]:
     return [cmap(i) for i in range(cmap.N)]
 
 
-__all__ = ["SPAN_KINDS", "EngineCall", "Span", "Timeline"]
+__all__ = ["SPAN_KINDS", "EngineCalls", "Span", "Timeline"]
