@@ -9,8 +9,11 @@ by engines x phases. Linear growth makes the 10,000 / 1,000 ratio 10.
 Time spent in CPython's cyclic garbage collector during each cycle is recorded too (through
 ``gc.callbacks``), so the tables also show each cost without it: a full collection walks every
 live object in the process, so its cost grows with the fleet's heap, not with the cycle.
+``--gc-freeze`` takes the fleet out of the collector's reach after the warm-up (``gc.freeze()``),
+as if the engines lived in other processes, as they do in production.
 
     python -m benchmarks.growth
+    python -m benchmarks.growth --gc-freeze
     python -m benchmarks.growth --sizes 1000 10000 --rounds 9 --profile /tmp/growth.txt
 """
 
@@ -109,8 +112,12 @@ async def library_cycle(server: RolloutServer) -> None:
     await server.onload_kv()
 
 
-async def measure(engines: int, rounds: int, profile: Profile | None = None) -> GrowthPoint:
-    """Time ``rounds`` cycles of each contender on ``engines`` in-process engines."""
+async def measure(
+    engines: int, rounds: int, profile: Profile | None = None, *, freeze: bool = False
+) -> GrowthPoint:
+    """Time ``rounds`` cycles of each contender on ``engines`` in-process engines; with
+    ``freeze``, everything alive after the warm-up (the fleet) is moved out of the collector's
+    reach with ``gc.freeze()``, as if the engines lived in other processes."""
     profile = profile or Profile(None)
     fleet = [SimulatedEngine(f"sim-{i}", seed=i) for i in range(engines)]
     server = RolloutServer([EngineGroup("actor", fleet)])
@@ -122,6 +129,9 @@ async def measure(engines: int, rounds: int, profile: Profile | None = None) -> 
         await raw_cycle(hosts)  # warm-up: starts every engine's scheduler task
         await library_cycle(server)
         ran += [None, None]
+        if freeze:
+            gc.collect()
+            gc.freeze()
         for k in range(rounds):
             for name in ("raw", "library") if k % 2 == 0 else ("library", "raw"):
                 gc.collect()
@@ -148,6 +158,7 @@ async def measure(engines: int, rounds: int, profile: Profile | None = None) -> 
                 point.violations += violations(round_histories, [labels])
                 point.incomplete += 0 if complete_round(round_histories, labels) else 1
     finally:
+        gc.unfreeze()
         await asyncio.gather(*(e.close() for e in fleet))
     return point
 
@@ -220,13 +231,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--rounds", type=int, help="timed cycles per contender (default: 21, 11, 5 by size)"
     )
     parser.add_argument("--profile", help="append a pyinstrument profile of the largest size here")
+    parser.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gc.freeze() the fleet after the warm-up: full collections then walk only what the "
+        "cycles allocate, as in a driver whose engines live in other processes",
+    )
     args = parser.parse_args(argv)
-    print(f"machine: {machine()}")
+    print(
+        f"machine: {machine()}" + (" (fleet frozen out of the collector)" if args.gc_freeze else "")
+    )
     points = []
     for engines in args.sizes:
         rounds = args.rounds or (21 if engines <= 100 else 11 if engines <= 1000 else 5)
         profile = Profile(args.profile if engines == max(args.sizes) else None)
-        points.append(asyncio.run(measure(engines, rounds, profile)))
+        points.append(asyncio.run(measure(engines, rounds, profile, freeze=args.gc_freeze)))
         print(f"{engines} engines done", flush=True)
     print(report(points))
     return 0

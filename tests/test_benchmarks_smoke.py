@@ -4,6 +4,7 @@ keep the lifecycle invariants. Invariants are asserted, never times."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import Callable
 from typing import Any
@@ -66,12 +67,14 @@ async def test_slime_style_flush_polls_a_busy_engine_every_second(
     assert [e["outcome"] for e in flushes] == ["rejected"] * (attempts - 1) + ["ok"]
 
 
-async def test_growth_measures_both_contenders_without_violations() -> None:
-    points = [await growth.measure(n, rounds=2) for n in (5, 50)]
+@pytest.mark.parametrize("freeze", [False, True])
+async def test_growth_measures_both_contenders_without_violations(freeze: bool) -> None:
+    points = [await growth.measure(n, rounds=2, freeze=freeze) for n in (5, 50)]
     for point in points:
         assert len(point.library) == len(point.raw) == 2
         assert point.violations == [] and point.incomplete == 0
     assert "50 / 5" in growth.report(points)
+    assert gc.get_freeze_count() == 0  # nothing left frozen
 
 
 async def test_drain_loses_no_request_in_any_mode(ray_cluster: None) -> None:
