@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
@@ -259,7 +259,7 @@ class EngineRecord:
 
 @dataclass(eq=False, slots=True)
 class PendingCall:
-    """One engine call that has been issued and not yet gathered."""
+    """One engine call that has been issued and not yet gathered (a view of ``Calls``)."""
 
     record: EngineRecord
     op: str
@@ -267,6 +267,50 @@ class PendingCall:
     mode: PauseMode | None
     ref: Awaitable[Any]
     start: float
+
+
+class Calls:
+    """Engine calls issued together and not yet gathered, as parallel lists.
+
+    Issuing a call adds no object of its own (only the engine's future), so that a phase of
+    thousands of calls gives CPython's collector nothing more to count or walk; iterating
+    gives ``PendingCall`` views, for the paths that are not per-engine-per-phase.
+    """
+
+    __slots__ = ("modes", "ops", "records", "refs", "starts", "tags")
+
+    def __init__(self) -> None:
+        self.records: list[EngineRecord] = []
+        self.ops: list[str] = []
+        self.tags: list[tuple[Tag, ...]] = []
+        self.modes: list[PauseMode | None] = []
+        self.refs: list[Awaitable[Any]] = []
+        self.starts: list[float] = []
+
+    @classmethod
+    def join(cls, parts: Iterable[Calls]) -> Calls:
+        """One batch of the calls of ``parts``, in order."""
+        joined = cls()
+        for part in parts:
+            joined.extend(part)
+        return joined
+
+    def extend(self, other: Calls) -> None:
+        """Append the calls of ``other``."""
+        self.records += other.records
+        self.ops += other.ops
+        self.tags += other.tags
+        self.modes += other.modes
+        self.refs += other.refs
+        self.starts += other.starts
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __iter__(self) -> Iterator[PendingCall]:
+        columns = (self.records, self.ops, self.tags, self.modes, self.refs, self.starts)
+        for record, op, tags, mode, ref, start in zip(*columns, strict=True):
+            yield PendingCall(record, op, tags, mode, ref, start)
 
 
 class EngineGroup:
@@ -366,16 +410,19 @@ class EngineGroup:
         tags: tuple[Tag, ...] = (),
         mode: PauseMode | None = None,
         check: Callable[[EngineRecord], None] | None = None,
-    ) -> list[PendingCall]:
+    ) -> Calls:
         chosen = list(targets)
         for record in chosen:  # every guard passes before the first call is sent
             (check or (lambda r: r.check_alive(op)))(record)
-        calls: list[PendingCall] = []
+        calls = Calls()
+        refs, starts = calls.refs, calls.starts
         for record in chosen:
-            start = time.monotonic()
-            calls.append(
-                PendingCall(record, op, tags, mode, send_to_engine(record.handle, op, args), start)
-            )
+            starts.append(time.monotonic())
+            refs.append(send_to_engine(record.handle, op, args))
+        calls.records = chosen
+        calls.ops = [op] * len(chosen)
+        calls.tags = [tags] * len(chosen)
+        calls.modes = [mode] * len(chosen)
         return calls
 
     def preflight(self, op: str, tags: Sequence[Tag] = ()) -> None:
@@ -408,47 +455,47 @@ class EngineGroup:
         tags: tuple[Tag, ...] = (),
         mode: PauseMode | None = None,
         wire_op: str | None = None,
-    ) -> list[PendingCall]:
+    ) -> Calls:
         targets, check = self._plan(op, tags)
         calls = self._issue(targets, wire_op or op, args, tags=tags, mode=mode, check=check)
         return calls
 
-    def pause_generation(self, mode: PauseMode) -> list[PendingCall]:
+    def pause_generation(self, mode: PauseMode) -> Calls:
         """Pause every live engine."""
         return self._run("pause_generation", (mode.value,), mode=mode)
 
-    def flush_cache(self, deadline: float, retry_interval: float) -> list[PendingCall]:
+    def flush_cache(self, deadline: float, retry_interval: float) -> Calls:
         """Flush every paused engine, each retrying until ``deadline`` seconds pass."""
         return self._run("flush_cache", (deadline, retry_interval))
 
-    def release_memory(self, tags: Sequence[Tag | str]) -> list[PendingCall]:
+    def release_memory(self, tags: Sequence[Tag | str]) -> Calls:
         """Release ``tags`` on every engine (none when the group does not need offload)."""
         t = parse_tags(tags)
         return self._run("release_memory_occupation", (_tag_list(t),), tags=t)
 
-    def resume_memory(self, tags: Sequence[Tag | str]) -> list[PendingCall]:
+    def resume_memory(self, tags: Sequence[Tag | str]) -> Calls:
         """Resume ``tags`` on every engine that released them."""
         t = parse_tags(tags)
         return self._run("resume_memory_occupation", (_tag_list(t),), tags=t)
 
-    def continue_generation(self) -> list[PendingCall]:
+    def continue_generation(self) -> Calls:
         """Continue generation on every paused engine."""
         return self._run("continue_generation")
 
-    def begin_weight_update(self) -> list[PendingCall]:
+    def begin_weight_update(self) -> Calls:
         """Open a weight-update session on every live engine."""
         return self._run("begin_weight_update")
 
-    def end_weight_update(self) -> list[PendingCall]:
+    def end_weight_update(self) -> Calls:
         """Close the weight-update session on every live engine."""
         return self._run("end_weight_update")
 
-    def probe(self) -> list[PendingCall]:
+    def probe(self) -> Calls:
         """Ask every live engine for its server info: the liveness probe that is safe while
         paused (a generating health check would hang on a paused engine)."""
         return self._run("server_info")
 
-    def update_weight_version(self, version: str) -> list[PendingCall]:
+    def update_weight_version(self, version: str) -> Calls:
         """Set the weight version on every live engine, aborting nothing."""
         return self._run("update_weights", (version,), wire_op="update_weight_version")
 

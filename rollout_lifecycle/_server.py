@@ -41,10 +41,10 @@ from rollout_lifecycle._exceptions import (
 from rollout_lifecycle._gather import gather_calls
 from rollout_lifecycle._generation import GenerationClient
 from rollout_lifecycle._group import (
+    Calls,
     EngineGroup,
     EngineRecord,
     EngineSnapshot,
-    PendingCall,
     send_to_engine,
 )
 from rollout_lifecycle._multi import HostedEngine
@@ -431,7 +431,7 @@ class RolloutServer:
         Not serialized with lifecycle calls: it changes no state but an engine's ``alive`` flag,
         so it can run while a long transition is in flight.
         """
-        calls = [c for g in self._groups for c in g.probe()]
+        calls = Calls.join(g.probe() for g in self._groups)
         return await self._settle("probe", calls, self._config.deadlines.probe)
 
     # -- hooks --------------------------------------------------------------------------------
@@ -767,13 +767,11 @@ class RolloutServer:
 
     def _issue_to(
         self, chosen: Sequence[EngineRecord], op: str, args: tuple[Any, ...] = (), **kw: Any
-    ) -> list[PendingCall]:
+    ) -> Calls:
         """Issue ``op`` to the ``chosen`` engines through their groups' guards; do not wait."""
-        return [
-            c
-            for g in self._groups
-            for c in g._issue([r for r in chosen if r.group == g.name], op, args, **kw)
-        ]
+        return Calls.join(
+            g._issue([r for r in chosen if r.group == g.name], op, args, **kw) for g in self._groups
+        )
 
     async def _bring_up(
         self, records: Sequence[EngineRecord], target: ServerState, *, fresh: bool = True
@@ -1054,7 +1052,7 @@ class RolloutServer:
     async def _drain(self, groups: Sequence[EngineGroup]) -> None:
         mode = self._config.pause_mode
         await self._before("pause")
-        calls = [c for g in groups for c in g.pause_generation(mode)]
+        calls = Calls.join(g.pause_generation(mode) for g in groups)
         outcomes = await self._settle("pause", calls, self._config.deadlines.pause)
         if not self._succeeded(outcomes):
             await self._undo_pause()
@@ -1071,7 +1069,7 @@ class RolloutServer:
             raise
         deadlines = self._config.deadlines
         interval = self._config.flush_retry_interval
-        calls = [c for g in groups for c in g.flush_cache(deadlines.flush, interval)]
+        calls = Calls.join(g.flush_cache(deadlines.flush, interval) for g in groups)
         # The engine retries internally until the flush deadline; the barrier allows a margin
         # for the last attempt's answer to arrive.
         outcomes = await self._settle("flush", calls, deadlines.flush + deadlines.probe)
@@ -1111,7 +1109,7 @@ class RolloutServer:
         for group in groups:
             group.preflight("release_memory_occupation", tags)
         await self._before("release")
-        calls = [c for g in groups for c in g.release_memory(tags)]
+        calls = Calls.join(g.release_memory(tags) for g in groups)
         outcomes = await self._settle("release", calls, self._config.deadlines.release)
         if not self._succeeded(outcomes):
             raise PhaseFailed("release", outcomes, S.FAILED.value)
@@ -1171,7 +1169,7 @@ class RolloutServer:
         await self._before(f"resume_{which}")
         if not tags:
             return
-        calls = [c for g in groups for c in g.resume_memory(tags)]
+        calls = Calls.join(g.resume_memory(tags) for g in groups)
         outcomes = await self._settle(f"resume_{which}", calls, self._config.deadlines.resume)
         if not self._succeeded(outcomes):
             raise PhaseFailed(f"resume_{which}", outcomes, S.FAILED.value)
@@ -1183,7 +1181,7 @@ class RolloutServer:
         await self._check_versions(targets)
         await self._before("continue")
         await self._await_stragglers("continue", targets)
-        calls = [c for g in self._groups for c in g.continue_generation()]
+        calls = Calls.join(g.continue_generation() for g in self._groups)
         outcomes = await self._settle("continue", calls, self._config.deadlines.continue_)
         if not self._succeeded(outcomes):
             raise PhaseFailed("continue", outcomes, S.FAILED.value)
@@ -1244,7 +1242,7 @@ class RolloutServer:
         serving = [r for g in self._groups for r in g.live() if not r.paused]
         if serving:
             mode = self._config.pause_mode
-            calls = []
+            calls = Calls()
             for group in self._groups:
                 targets = [r for r in group.live() if not r.paused]
                 calls.extend(group._issue(targets, "pause_generation", (mode.value,), mode=mode))
@@ -1256,7 +1254,7 @@ class RolloutServer:
             outcomes = await self._close_sessions("close_weight_update", left_open)
             if any(r.session_unknown for r in left_open if r.alive):
                 raise PhaseFailed("close_weight_update", outcomes, S.FAILED.value)
-        calls = [c for g in self._groups for c in g.begin_weight_update()]
+        calls = Calls.join(g.begin_weight_update() for g in self._groups)
         outcomes = await self._settle("begin_weight_update", calls, deadlines.weight_update)
         if not self._succeeded(outcomes):
             # Close the sessions that did (or may have) opened, or every later update would be
@@ -1273,10 +1271,10 @@ class RolloutServer:
         try:
             await self._call_push(push, WeightUpdate(version, engines))
         finally:
-            calls = [c for g in self._groups for c in g.end_weight_update()]
+            calls = Calls.join(g.end_weight_update() for g in self._groups)
             await self._require_all("end_weight_update", calls, deadlines.weight_update)
         if version is not None:
-            calls = [c for g in self._groups for c in g.update_weight_version(version)]
+            calls = Calls.join(g.update_weight_version(version) for g in self._groups)
             await self._require_all("update_weight_version", calls, deadlines.weight_update)
         else:
             for group in self._groups:
@@ -1284,7 +1282,7 @@ class RolloutServer:
                     record.stale = False  # unversioned: having been written to is all we know
         # The prefix cache holds KV computed with the old weights: drop it wherever the KV
         # cache is resident (a released KV cache comes back empty).
-        calls = []
+        calls = Calls()
         for group in self._groups:
             targets = [
                 r
@@ -1341,7 +1339,7 @@ class RolloutServer:
         finally:
             self._record_metric("push", time.monotonic() - start)
 
-    async def _require_all(self, phase: str, calls: list[PendingCall], deadline: float) -> None:
+    async def _require_all(self, phase: str, calls: Calls, deadline: float) -> None:
         outcomes = await self._settle(phase, calls, deadline)
         if not self._succeeded(outcomes):
             raise PhaseFailed(phase, outcomes, S.FAILED.value)
@@ -1353,7 +1351,7 @@ class RolloutServer:
         return all(o.ok or (skip_dead and o.outcome is Outcome.DEAD) for o in outcomes.values())
 
     def _with_unattempted(
-        self, outcomes: dict[str, EngineOutcome], calls: Sequence[PendingCall]
+        self, outcomes: dict[str, EngineOutcome], calls: Calls
     ) -> dict[str, EngineOutcome]:
         out = dict(outcomes)
         for group in self._groups:
@@ -1405,9 +1403,7 @@ class RolloutServer:
                 self._trace, phase, op.call, self._model.state, begin, begin + seconds, calls
             )
 
-    async def _settle(
-        self, phase: str, calls: Sequence[PendingCall], deadline: float
-    ) -> dict[str, EngineOutcome]:
+    async def _settle(self, phase: str, calls: Calls, deadline: float) -> dict[str, EngineOutcome]:
         """Gather every call of a phase (the barrier), each bounded by ``deadline``."""
         log = logger().bind(server=self._name, phase=phase)
         start = time.monotonic()
@@ -1422,21 +1418,22 @@ class RolloutServer:
                 )
         # One wait for the whole phase (see _gather): per-call futures cost more than the rest
         # of the bookkeeping at thousands of engines.
-        landed = await gather_calls([c.ref for c in calls], deadline)
+        landed = await gather_calls(calls.refs, deadline)
         outcomes: dict[str, EngineOutcome] = {}
         # The timeline's record of the engine calls (flat: this loop runs once per engine per
-        # phase), the slowest call, and the flush attempts beyond the first.
+        # phase, and makes only the outcome), the slowest call, and the flush attempts beyond
+        # the first.
         spans: list[str | float] = []
         slowest: tuple[str, float] | None = None
         retries: int | None = None
-        for i, call in enumerate(calls):
-            record = call.record
+        columns = (calls.records, calls.ops, calls.tags, calls.modes, calls.starts)
+        for i, (record, op, tags, mode, began) in enumerate(zip(*columns, strict=True)):
             landed_at = landed.ends[i]
             if landed_at is None:
                 end = time.monotonic()
                 future = landed.late[i]
                 out = EngineOutcome(
-                    Outcome.TIMED_OUT, f"no answer within {deadline:g}s", end - call.start
+                    Outcome.TIMED_OUT, f"no answer within {deadline:g}s", end - began
                 )
                 # The call may still land; keep it, so that nothing is sent to this engine
                 # before it has (see _undo_pause).
@@ -1444,29 +1441,29 @@ class RolloutServer:
                 future.add_done_callback(functools.partial(self._forget_straggler, record.id))
             else:
                 end = landed_at
-                took = end - call.start
+                took = end - began
                 exc = landed.errors[i]
                 out = EngineOutcome(Outcome.OK, "", took) if exc is None else classify(exc, took)
-            if call.op == "flush_cache":
+            if op == "flush_cache":
                 attempts = landed.values[i] if out.outcome is Outcome.OK else None
                 retries = (retries or 0) + (max(attempts - 1, 0) if type(attempts) is int else 0)
             if slowest is None or out.duration_s > slowest[1]:
                 slowest = (record.id, out.duration_s)
-            spans += (record.id, record.group, call.op, call.start, end, out.outcome.value)
-            record.apply(call.op, call.tags, call.mode, out)
+            spans += (record.id, record.group, op, began, end, out.outcome.value)
+            record.apply(op, tags, mode, out)
             outcomes[record.id] = out
             if debug:
                 log.debug(
                     "engine_call.end",
                     group=record.group,
                     engine=record.id,
-                    op=call.op,
+                    op=op,
                     outcome=out.outcome.value,
                     detail=out.detail or None,
                     duration_s=round(out.duration_s, 6),
                 )
         if calls:  # the phase begins with its first engine call, issued before the gather
-            start = min(start, calls[0].start)
+            start = min(start, calls.starts[0])
         took = time.monotonic() - start
         self._record_metric(phase, took, start=start, calls=spans, slowest=slowest, retries=retries)
         bad = sorted(k for k, v in outcomes.items() if not v.ok)
