@@ -25,7 +25,7 @@ from rollout_lifecycle import (
     SimulatedEngine,
     Tag,
 )
-from rollout_lifecycle._group import EngineRecord
+from rollout_lifecycle._group import Calls, EngineRecord
 from rollout_lifecycle._outcome import classify
 from rollout_lifecycle._states import TRANSITIONS, sources_of
 
@@ -222,3 +222,22 @@ async def test_hook_failure_keeps_the_entered_state_and_retry_works() -> None:
     await server.offload()
     assert calls == 2
     await server.onload()
+
+
+async def test_a_batch_of_calls_keeps_each_call_with_its_engine_in_order() -> None:
+    engines = [SimulatedEngine(f"sim-{i}") for i in range(5)]
+    actor, critic = EngineGroup("actor", engines[:3]), EngineGroup("critic", engines[3:])
+    calls = Calls.join([actor.pause_generation(PauseMode.RETRACT), critic.probe(), actor.probe()])
+    assert len(calls) == 8
+    views = list(calls)
+    ids = ["actor/0", "actor/1", "actor/2", "critic/0", "critic/1", "actor/0", "actor/1", "actor/2"]
+    assert [c.record.id for c in views] == ids
+    assert [c.op for c in views] == ["pause_generation"] * 3 + ["server_info"] * 5
+    assert [c.mode for c in views] == [PauseMode.RETRACT] * 3 + [None] * 5
+    assert [c.start for c in views] == sorted(c.start for c in views)
+    answers = await asyncio.gather(*(c.ref for c in views))
+    # each ref is its own engine's answer
+    labels = ["sim-0", "sim-1", "sim-2", "sim-3", "sim-4", "sim-0", "sim-1", "sim-2"]
+    assert answers[:3] == [None] * 3 and [a["label"] for a in answers[3:]] == labels[3:]
+    assert all(a["paused"] for a in answers[5:])  # the probe came after the pause
+    await asyncio.gather(*(e.close() for e in engines))
