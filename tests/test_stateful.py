@@ -1076,13 +1076,19 @@ def inner_paused(engine: FaultyEngine) -> bool:
     return paused
 
 
-def recording_factory() -> tuple[list[FaultyEngine], Callable[[str], FaultyEngine]]:
-    """A ``recover`` factory of fresh engines, and the list of those it made."""
+def recording_factory(
+    arm: tuple[str, str] | None = None, *, seconds: float = 0.0, every: bool = False
+) -> tuple[list[FaultyEngine], Callable[[str], FaultyEngine]]:
+    """A ``recover`` factory of fresh engines, and the list of those it made. With ``arm``
+    (op, fault kind), the first engine it makes has that fault armed, or ``every`` one."""
     made: list[FaultyEngine] = []
 
     def factory(engine_id: str) -> FaultyEngine:
-        made.append(FaultyEngine(sim(f"{engine_id}-new")))
-        return made[-1]
+        engine = FaultyEngine(sim(f"{engine_id}-new-{len(made)}"))
+        if arm is not None and (every or not made):
+            engine.arm(*arm, seconds=seconds)
+        made.append(engine)
+        return engine
 
     return made, factory
 
@@ -1125,13 +1131,7 @@ async def test_no_continue_is_sent_while_a_late_pause_is_still_in_flight() -> No
     await server.pause()
     reward[0].arm("server_info", "die")
     await server.probe()
-    made: list[FaultyEngine] = []
-
-    def factory(engine_id: str) -> FaultyEngine:
-        made.append(FaultyEngine(sim(f"{engine_id}-new-{len(made)}")))
-        if len(made) == 1:
-            made[0].arm("pause_generation", "slow", seconds=1.0)
-        return made[-1]
+    made, factory = recording_factory(("pause_generation", "slow"), seconds=1.0)
 
     try:
         with pytest.raises(PhaseFailed):
@@ -1299,14 +1299,7 @@ async def test_recover_holds_the_barrier_across_replacements() -> None:
     for engine in actor:
         engine.arm("server_info", "die")
     await server.probe()
-    fresh: list[FaultyEngine] = []
-
-    def factory(engine_id: str) -> FaultyEngine:
-        engine = FaultyEngine(sim(f"{engine_id}-new"))
-        if not fresh:
-            engine.arm("pause_generation", "slow", seconds=0.5)
-        fresh.append(engine)
-        return engine
+    fresh, factory = recording_factory(("pause_generation", "slow"), seconds=0.5)
 
     try:
         with contextlib.suppress(PhaseFailed):
@@ -1370,12 +1363,7 @@ async def test_a_replacement_whose_pause_was_refused_is_paused_by_the_next_recov
     server, actor, _ = small_fleet()
     actor[0].arm("server_info", "die")
     await server.probe()
-    made: list[FaultyEngine] = []
-
-    def factory(engine_id: str) -> FaultyEngine:
-        made.append(FaultyEngine(sim(f"{engine_id}-new-{len(made)}")))
-        made[-1].arm("pause_generation", "reject")
-        return made[-1]
+    made, factory = recording_factory(("pause_generation", "reject"), every=True)
 
     try:
         with pytest.raises(PhaseFailed):
@@ -1425,13 +1413,7 @@ async def failed_recover_with_a_slow_pause(
     """Kill actor/0, then recover it with a replacement whose pause misses its deadline."""
     actor[0].arm("server_info", "die")
     await server.probe()
-    made: list[FaultyEngine] = []
-
-    def factory(engine_id: str) -> FaultyEngine:
-        made.append(FaultyEngine(sim(f"{engine_id}-new-{len(made)}")))
-        if len(made) == 1:
-            made[0].arm("pause_generation", "slow", seconds=seconds)
-        return made[-1]
+    made, factory = recording_factory(("pause_generation", "slow"), seconds=seconds)
 
     with pytest.raises(PhaseFailed):
         await server.recover(factory)
@@ -1467,13 +1449,7 @@ async def test_recover_finishes_the_drain_of_a_replacement_it_could_not_bring_up
     await server.pause()
     actor[0].arm("server_info", "die")
     await server.probe()
-    made: list[FaultyEngine] = []
-
-    def factory(engine_id: str) -> FaultyEngine:
-        made.append(FaultyEngine(sim(f"{engine_id}-new-{len(made)}")))
-        if len(made) == 1:
-            made[0].arm(op, kind, seconds=seconds)
-        return made[-1]
+    made, factory = recording_factory((op, kind), seconds=seconds)
 
     with pytest.raises(PhaseFailed):
         await server.recover(factory)
