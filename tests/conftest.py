@@ -1,4 +1,5 @@
-"""Shared fixtures: one local Ray cluster per test session, and fleets of simulated engines."""
+"""Shared fixtures: one local Ray cluster per test session, fleets of simulated engines, and
+structlog left as each test found it."""
 
 from __future__ import annotations
 
@@ -7,8 +8,20 @@ from typing import Any
 
 import pytest
 import ray
+import structlog
 
 from rollout_lifecycle.testing import simulated_engine_actors
+
+
+@pytest.fixture(autouse=True)
+def unconfigured_structlog() -> Iterator[None]:
+    """``structlog.testing.capture_logs()`` leaves structlog configured (with its default
+    printer to stdout) after it exits, and the library follows a configured structlog: events
+    of later tests would then land on stdout, in the JSON that ``ctl --json`` prints."""
+    configured = structlog.is_configured()
+    yield
+    if not configured and structlog.is_configured():
+        structlog.reset_defaults()
 
 
 @pytest.fixture(scope="session")
