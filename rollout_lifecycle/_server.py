@@ -820,7 +820,8 @@ class RolloutServer:
         )
         if newly is None:
             return outcomes
-        paused = [r for r in up if r.paused and r not in to_pause] + newly
+        asked = {r.id for r in to_pause}
+        paused = [r for r in up if r.paused and r.id not in asked] + newly
         if mode is not PauseMode.IN_PLACE:
             flushed = await step(
                 "recover_flush",
@@ -1092,10 +1093,9 @@ class RolloutServer:
             for r in g.live()
             if r.paused and not (r.released | r.uncertain or r.stale)
         ]
-        # A pause that missed its deadline may still land: a continue sent before it would be
-        # overtaken, and the engine would stay paused. Give such calls until the deadline.
-        # A pause still in flight would overtake a continue sent now: such an engine is left
-        # paused (as recorded) for recover() to continue once the pause has landed.
+        # A pause that missed its deadline may still land and would overtake a continue sent
+        # before it: such calls get until the deadline, and an engine whose pause is still in
+        # flight is left paused (as recorded) for recover() to continue once it has landed.
         targets = await self._landed(targets, deadline)
         calls = self._issue_to(targets, "continue_generation")
         self._last_outcomes = await self._settle("continue_after_failure", calls, deadline)
@@ -1301,7 +1301,8 @@ class RolloutServer:
         if self.state is not S.DRAINED:
             # Outside 'drained' the groups that keep their memory serve: an earlier write that
             # failed left them paused, and this complete one continues them.
-            resumed += [r for r in self._paused_keepers() if r not in resumed]
+            chosen = {r.id for r in resumed}
+            resumed += [r for r in self._paused_keepers() if r.id not in chosen]
         if resumed:
             await self._check_versions(resumed)
             await self._await_stragglers("continue_after_update", resumed)
@@ -1495,18 +1496,18 @@ class RolloutServer:
         if any(r.stale and not r.paused for r in live):
             return None  # a replacement that could not be brought up: recover() pauses it
         # Replacements without the weights, held paused while their groups serve.
-        waiting = [r for r in live if r.stale and r.paused and not r.released]
+        waiting = {r.id for r in live if r.stale and r.paused and not r.released}
         offload = [r for g in self._offload_groups() for r in g.live() if r.id not in skip]
         others = [r for r in live if self._group_of(r).needs_offload is False]
         released = {frozenset(r.released) for r in offload} or {frozenset()}
         if len(released) != 1 or any(r.released for r in others):
             return None
-        if len({r.paused for r in others if r not in waiting}) > 1:
+        if len({r.paused for r in others if r.id not in waiting}) > 1:
             return None
         (held,) = released
         idle = all(r.paused and (r.flushed or r.pause_mode is PauseMode.IN_PLACE) for r in offload)
         if not held:
-            if not any(r.paused for r in live if r not in waiting):
+            if not any(r.paused for r in live if r.id not in waiting):
                 return S.SERVING
             return S.DRAINED if idle else None
         if not idle:
