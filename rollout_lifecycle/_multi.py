@@ -8,7 +8,6 @@ and times it exactly like an engine with an actor of its own.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +17,7 @@ import ray
 from rollout_lifecycle._actor import build_backend
 from rollout_lifecycle._engine import EngineBackend, EngineHost
 from rollout_lifecycle._exceptions import InvalidArgument
-from rollout_lifecycle._simulated import SimulatedEngine
+from rollout_lifecycle._simulated import fleet_factories
 
 #: The calls a hosted engine answers: the public methods of ``EngineHost``.
 HOSTED_OPS: frozenset[str] = frozenset(
@@ -109,21 +108,12 @@ def simulated_multi_engine_actors(
     for name, value in (("actors", actors), ("engines_per_actor", engines_per_actor)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
-    SimulatedEngine(label=label, seed=seed, **options)  # validate options here, not in the actors
+    factories = fleet_factories(actors * engines_per_actor, label=label, seed=seed, **options)
     started: list[Any] = []
     handles: list[HostedEngine] = []
     for a in range(actors):
         first = a * engines_per_actor
-        factories = [
-            functools.partial(
-                SimulatedEngine,
-                label=f"{label}-{i}",
-                seed=None if seed is None else seed + i,
-                **options,
-            )
-            for i in range(first, first + engines_per_actor)
-        ]
-        actor, hosted = start_multi_engine_actor(factories)
+        actor, hosted = start_multi_engine_actor(factories[first : first + engines_per_actor])
         started.append(actor)
         handles.extend(hosted)
     return started, handles

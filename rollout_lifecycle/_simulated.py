@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import math
 import random
@@ -950,3 +951,22 @@ class SimulatedEngine:
             "waiting": len(self._waiting),
             "in_flight": len(self._in_flight),
         }
+
+
+def fleet_factories(
+    count: int, *, label: str, seed: int | None, **options: Any
+) -> list[Callable[[], SimulatedEngine]]:
+    """Factories of the ``count`` engines of a simulated fleet: engine ``i`` is labelled
+    ``f"{label}-{i}"`` and, with ``seed``, draws its op latencies from ``seed + i``, so that a
+    fleet is reproducible and its engines differ. Bad ``options`` raise ``InvalidArgument``
+    here, before any engine is built where the factories are called (a Ray actor, say)."""
+    SimulatedEngine(label=label, seed=seed, **options)
+    return [
+        functools.partial(
+            SimulatedEngine,
+            label=f"{label}-{i}",
+            seed=None if seed is None else seed + i,
+            **options,
+        )
+        for i in range(count)
+    ]

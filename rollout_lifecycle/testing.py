@@ -7,7 +7,6 @@ built on the library (no GPU needed).
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import itertools
 import logging
@@ -16,7 +15,7 @@ from typing import Any
 
 from rollout_lifecycle._actor import start_engine_actor
 from rollout_lifecycle._exceptions import InvalidArgument
-from rollout_lifecycle._simulated import SimulatedEngine
+from rollout_lifecycle._simulated import SimulatedEngine, fleet_factories
 from rollout_lifecycle._standin import StandInServer
 
 History = Sequence[Mapping[str, Any]]
@@ -50,18 +49,8 @@ def simulated_engine_actors(
     """
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise InvalidArgument(f"count must be a positive int, got {count!r}")
-    SimulatedEngine(label=label, seed=seed, **options)  # validate options here, not in the actors
-    return [
-        start_engine_actor(
-            functools.partial(
-                SimulatedEngine,
-                label=f"{label}-{i}",
-                seed=None if seed is None else seed + i,
-                **options,
-            )
-        )
-        for i in range(count)
-    ]
+    factories = fleet_factories(count, label=label, seed=seed, **options)
+    return [start_engine_actor(factory) for factory in factories]
 
 
 #: The phases of one colocated cycle, in the order the barriers impose, as (name, op, tag).
