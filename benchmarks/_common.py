@@ -1,5 +1,5 @@
-"""Shared by the benchmarks: the cycle's phases, engine histories split by round, lower bounds,
-invariant checks, medians, tables and a description of the machine."""
+"""Shared by the benchmarks: the cycle's phases, the library's cycle, engine histories split by
+round, lower bounds, invariant checks, medians, tables and a description of the machine."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rollout_lifecycle import LifecycleConfig
+from rollout_lifecycle import LifecycleConfig, RolloutServer
 from rollout_lifecycle.testing import (
     CYCLE_PHASES,
     cycle_order_violations,
@@ -37,14 +37,16 @@ CYCLE_CALLS: tuple[tuple[str, str, tuple[Any, ...]], ...] = (
 CYCLE_OPS: tuple[str, ...] = tuple(dict.fromkeys(op for _, op, _ in CYCLE_CALLS))
 
 
-#: The cycle phase of a history entry, and one engine's history cut at each pause.
-phase_of = cycle_phase_of
-split_rounds = cycle_rounds
+async def library_cycle(server: RolloutServer) -> None:
+    """The library's full cycle."""
+    await server.offload()
+    await server.onload_weights()
+    await server.onload_kv()
 
 
 def rounds_by_index(histories: Mapping[str, History]) -> list[dict[str, History]]:
     """Round k of every engine, as a histories mapping per round."""
-    split = {engine: split_rounds(h) for engine, h in histories.items()}
+    split = {engine: cycle_rounds(h) for engine, h in histories.items()}
     count = max((len(r) for r in split.values()), default=0)
     return [{e: r[k] for e, r in split.items() if k < len(r)} for k in range(count)]
 
@@ -55,7 +57,7 @@ def lower_bound(round_histories: Mapping[str, History]) -> float:
     slowest: dict[str, float] = {}
     for history in round_histories.values():
         for entry in history:
-            phase = phase_of(entry)
+            phase = cycle_phase_of(entry)
             if phase is not None and entry.get("end") is not None:
                 took = float(entry["end"]) - float(entry["start"])
                 slowest[phase] = max(slowest.get(phase, 0.0), took)
@@ -77,8 +79,10 @@ def complete_round(round_histories: Mapping[str, History], engines: Sequence[str
     """True if every engine ran every phase of the cycle once, and each call succeeded."""
     want = [p[0] for p in CYCLE_PHASES]
     for engine in engines:
-        entries = [e for e in round_histories.get(engine, ()) if phase_of(e) is not None]
-        if [phase_of(e) for e in entries] != want or any(e.get("outcome") != "ok" for e in entries):
+        entries = [e for e in round_histories.get(engine, ()) if cycle_phase_of(e) is not None]
+        if [cycle_phase_of(e) for e in entries] != want or any(
+            e.get("outcome") != "ok" for e in entries
+        ):
             return False
     return True
 

@@ -32,6 +32,7 @@ from benchmarks._common import (
     CYCLE_CALLS,
     Profile,
     complete_round,
+    library_cycle,
     machine,
     median,
     rounds_by_index,
@@ -103,13 +104,6 @@ async def raw_cycle(hosts: Sequence[EngineHost]) -> None:
     """The floor: per phase, one bare ``asyncio.gather`` of every engine's call."""
     for _, op, args in CYCLE_CALLS:
         await asyncio.gather(*(getattr(h, op)(*args) for h in hosts))
-
-
-async def library_cycle(server: RolloutServer) -> None:
-    """The library's full cycle."""
-    await server.offload()
-    await server.onload_weights()
-    await server.onload_kv()
 
 
 async def measure(

@@ -40,6 +40,7 @@ from benchmarks._common import (
     CYCLE_OPS,
     Profile,
     complete_round,
+    library_cycle,
     lower_bound,
     machine,
     median,
@@ -88,6 +89,7 @@ class FleetResult:
 
 
 def _send(handle: Any, op: str, args: tuple[Any, ...]) -> Any:
+    """``send_to_engine``, typed as Ray's untyped refs: the baselines hand them to ``ray.get``."""
     return send_to_engine(handle, op, args)
 
 
@@ -95,13 +97,6 @@ async def raw_cycle(handles: Sequence[Any]) -> None:
     """The floor: per phase, every call issued, then one bare ``asyncio.gather``."""
     for _, op, args in CYCLE_CALLS:
         await asyncio.gather(*(_send(h, op, args) for h in handles))
-
-
-async def library_cycle(server: RolloutServer) -> None:
-    """The library's full cycle."""
-    await server.offload()
-    await server.onload_weights()
-    await server.onload_kv()
 
 
 async def sequential_cycle(
