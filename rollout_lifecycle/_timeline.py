@@ -36,13 +36,15 @@ class _PhaseRecord:
 
     __slots__ = ("call", "calls", "end", "name", "start", "state")
 
-    def __init__(self, name: str, call: str, state: str, start: float) -> None:
+    def __init__(
+        self, name: str, call: str, state: str, start: float, end: float, calls: EngineCalls
+    ) -> None:
         self.name = name
         self.call = call
         self.state = state
         self.start = start
-        self.end = start
-        self.calls: EngineCalls = ()
+        self.end = end
+        self.calls = tuple(calls)  # of strings and floats: untracked after the first pass
 
 
 class _CallRecord:
@@ -150,10 +152,7 @@ class Timeline:
         calls: EngineCalls = (),
     ) -> None:
         """Record one settled phase of ``record`` and the engine calls it gathered."""
-        phase = _PhaseRecord(name, call, state, start)
-        phase.end = end
-        phase.calls = tuple(calls)  # of strings and floats: untracked after the first pass
-        record.phases.append(phase)
+        record.phases.append(_PhaseRecord(name, call, state, start, end, calls))
 
     def clear(self) -> None:
         """Forget every span recorded so far (call numbers keep counting)."""
