@@ -838,6 +838,30 @@ async def test_a_long_history_stays_in_order_and_costs_the_collector_nothing(
     assert engine.history()[2]["tags"] == ["kv_cache"]
 
 
+async def test_take_history_gives_each_finished_call_once_and_keeps_running_ones(
+    make_engine: MakeEngine,
+) -> None:
+    engine = make_engine(op_latency={"flush_cache": 0.2})
+    for _ in range(8):  # 40 entries: some of them archived
+        await engine.pause_generation(PauseMode.RETRACT)
+        await engine.release_memory_occupation([Tag.KV_CACHE])
+        await engine.resume_memory_occupation([Tag.KV_CACHE.value])
+        await engine.continue_generation()
+        await engine.update_weight_version("1")
+    await engine.pause_generation(PauseMode.RETRACT)
+    flushing = asyncio.create_task(engine.flush_cache(1.0))
+    await asyncio.sleep(0.05)  # the flush is running
+
+    taken = engine.take_history()
+    assert [h["op"] for h in taken] == [h["op"] for h in taken[:5]] * 8 + ["pause_generation"]
+    assert engine.history() == []  # the archived entries are gone too
+
+    await asyncio.wait_for(flushing, timeout=5)
+    await engine.continue_generation()
+    assert [h["op"] for h in engine.take_history()] == ["flush_cache", "continue_generation"]
+    assert engine.take_history() == []
+
+
 # ------------------------------------------------------------------ validation
 
 
