@@ -72,7 +72,7 @@ async def test_growth_measures_both_contenders_without_violations(freeze: bool) 
     points = [await growth.measure(n, rounds=2, freeze=freeze) for n in (5, 50)]
     for point in points:
         assert len(point.library) == len(point.raw) == 2
-        assert point.violations == [] and point.incomplete == 0
+        assert point.checked == 4 and point.violations == [] and point.incomplete == 0
     assert "50 / 5" in growth.report(points)
     assert gc.get_freeze_count() == 0  # nothing left frozen
 
