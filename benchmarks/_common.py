@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_lifecycle import LifecycleConfig, RolloutServer
+from rollout_lifecycle._group import send_to_engine
 from rollout_lifecycle.testing import (
     CYCLE_PHASES,
     cycle_order_violations,
@@ -35,6 +36,11 @@ CYCLE_CALLS: tuple[tuple[str, str, tuple[Any, ...]], ...] = (
 )
 #: The simulated engine ops a cycle calls (the ones a latency distribution is given for).
 CYCLE_OPS: tuple[str, ...] = tuple(dict.fromkeys(op for _, op, _ in CYCLE_CALLS))
+
+
+def send(handle: Any, op: str, args: tuple[Any, ...]) -> Any:
+    """``send_to_engine``, typed as Ray's untyped refs: the baselines hand them to ``ray.get``."""
+    return send_to_engine(handle, op, args)
 
 
 async def library_cycle(server: RolloutServer) -> None:

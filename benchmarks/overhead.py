@@ -45,11 +45,11 @@ from benchmarks._common import (
     machine,
     median,
     rounds_by_index,
+    send,
     table,
     violations,
 )
 from rollout_lifecycle import EngineGroup, RolloutServer
-from rollout_lifecycle._group import send_to_engine
 from rollout_lifecycle._multi import simulated_multi_engine_actors
 from rollout_lifecycle.testing import local_ray, simulated_engine_actors
 
@@ -88,15 +88,10 @@ class FleetResult:
         return self.actors * self.per_actor
 
 
-def _send(handle: Any, op: str, args: tuple[Any, ...]) -> Any:
-    """``send_to_engine``, typed as Ray's untyped refs: the baselines hand them to ``ray.get``."""
-    return send_to_engine(handle, op, args)
-
-
 async def raw_cycle(handles: Sequence[Any]) -> None:
     """The floor: per phase, every call issued, then one bare ``asyncio.gather``."""
     for _, op, args in CYCLE_CALLS:
-        await asyncio.gather(*(_send(h, op, args) for h in handles))
+        await asyncio.gather(*(send(h, op, args) for h in handles))
 
 
 async def sequential_cycle(
@@ -118,10 +113,10 @@ async def sequential_cycle(
             if stopped is not None:
                 rest = handles[i:]
                 break
-            await _send(handle, op, args)
+            await send(handle, op, args)
             made += 1
         if rest:
-            await asyncio.gather(*(_send(h, op, args) for h in rest))
+            await asyncio.gather(*(send(h, op, args) for h in rest))
     return (time.perf_counter() - start if stopped is None else stopped), made
 
 
@@ -132,7 +127,7 @@ def slime_flush(engines: Sequence[Any]) -> int:
     """
     todo = list(engines)
     for attempt in range(1, SLIME_FLUSH_TRIES + 1):
-        refs = [_send(h, "flush_cache", (0.0, SLIME_FLUSH_POLL_S)) for h in todo]
+        refs = [send(h, "flush_cache", (0.0, SLIME_FLUSH_POLL_S)) for h in todo]
         ray.wait(refs, num_returns=len(refs))
         failed = []
         for handle, ref in zip(todo, refs, strict=True):
@@ -161,7 +156,7 @@ def slime_cycle(servers: Sequence[Sequence[Any]]) -> None:
                     slime_flush(engines)
                     continue
                 op, args = calls[phase]
-                ray.get([_send(h, op, args) for h in engines])
+                ray.get([send(h, op, args) for h in engines])
 
 
 async def _histories(actors: Sequence[Any], hosted: bool) -> list[list[dict[str, Any]]]:
