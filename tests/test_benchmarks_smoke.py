@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import drain, growth, memory_plan, overhead
+from benchmarks import drain, growth, memory_plan, order, overhead
 from benchmarks._common import CYCLE_CALLS
 
 GB = memory_plan.GB
@@ -113,3 +113,33 @@ async def test_memory_plan_peaks_follow_from_the_per_tag_accounting(ray_cluster:
 def test_memory_plan_refuses_weights_larger_than_the_pool() -> None:
     with pytest.raises(ValueError, match="do not fit"):
         _ = memory_plan.Setup(params=400e9).kv_cache
+
+
+def test_order_sends_the_same_batches_in_phase_or_server_order() -> None:
+    a, b, c = "a", "b", "c"
+    ops = [op for _, op, _ in CYCLE_CALLS]
+    everyone = order.cycle_batches(order.ALL_AT_ONCE, [[a, b], [c]])
+    assert [(list(h), op) for h, op, _ in everyone] == [([a, b, c], op) for op in ops]
+    by_phase = order.cycle_batches(order.PHASE_ORDER, [[a, b], [c]])
+    assert [(list(h), op) for h, op, _ in by_phase] == [
+        (server, op) for op in ops for server in ([a, b], [c])
+    ]
+    by_server = order.cycle_batches(order.SERVER_ORDER, [[a, b], [c]])
+    offload, weights, kv = ops[:3], ops[3:4], ops[4:]
+    assert [(list(h), op) for h, op, _ in by_server] == [
+        (server, op)
+        for phases in (offload, weights, kv)
+        for server in ([a, b], [c])
+        for op in phases
+    ]
+    assert sorted(map(repr, by_server)) == sorted(map(repr, by_phase))  # the same batches
+    with pytest.raises(ValueError, match="'sideways'"):
+        order.cycle_batches("sideways", [[a]])
+
+
+async def test_order_times_every_order_without_violations(ray_cluster: None) -> None:
+    result = await order.run_orders(actors=3, servers=2, rounds=1, latency_ms=(1.0, 2.0))
+    for name in order.ORDERS:
+        assert len(result.times[name]) == len(result.cpu[name]) == 1
+        assert result.violations[name] == [] and result.incomplete[name] == 0
+    assert "by server, server order" in order.report(result)
