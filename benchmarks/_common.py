@@ -3,6 +3,7 @@ round, lower bounds, invariant checks, medians, tables and a description of the 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import platform
@@ -165,3 +166,16 @@ class Profile:
         with open(str(self.path), "a", encoding="utf-8") as out:
             out.write(f"=== {title}\n{text}\n")
         print(f"profile of {title} appended to {self.path}")
+
+
+def add_latency_argument(parser: argparse.ArgumentParser, default: tuple[float, float]) -> None:
+    """``--latency-ms LOW HIGH``: every engine op takes U(LOW, HIGH) ms, seeded per engine."""
+    parser.add_argument(
+        "--latency-ms",
+        type=float,
+        nargs=2,
+        default=default,
+        metavar=("LOW", "HIGH"),
+        help=f"each engine op takes U(LOW, HIGH) ms, seeded per engine (default {default[0]:g} "
+        f"{default[1]:g})",
+    )

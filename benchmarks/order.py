@@ -40,6 +40,7 @@ import ray
 from benchmarks._common import (
     CYCLE_CALLS,
     CYCLE_OPS,
+    add_latency_argument,
     complete_round,
     machine,
     median,
@@ -206,14 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--actors", type=int, default=64, help="single-engine actors (64)")
     parser.add_argument("--servers", type=int, default=4, help="servers, default 4")
     parser.add_argument("--rounds", type=int, default=15, help="timed cycles per order")
-    parser.add_argument(
-        "--latency-ms",
-        type=float,
-        nargs=2,
-        default=(0.0, 0.0),
-        metavar=("LOW", "HIGH"),
-        help="each engine op takes U(LOW, HIGH) ms, seeded per engine (default 0 0)",
-    )
+    add_latency_argument(parser, (0.0, 0.0))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     print(f"machine: {machine()}")

@@ -39,6 +39,7 @@ from benchmarks._common import (
     CYCLE_CALLS,
     CYCLE_OPS,
     Profile,
+    add_latency_argument,
     complete_round,
     library_cycle,
     lower_bound,
@@ -344,14 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=20.0,
         help="stop the sequential loop after this long (0: skip it), default 20",
     )
-    parser.add_argument(
-        "--latency-ms",
-        type=float,
-        nargs=2,
-        default=(5.0, 20.0),
-        metavar=("LOW", "HIGH"),
-        help="each engine op takes U(LOW, HIGH) ms, seeded per engine (default 5 20)",
-    )
+    add_latency_argument(parser, (5.0, 20.0))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", help="append a pyinstrument profile of the library here")
     args = parser.parse_args(argv)
