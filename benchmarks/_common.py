@@ -35,6 +35,12 @@ CYCLE_CALLS: tuple[tuple[str, str, tuple[Any, ...]], ...] = (
     ("resume_kv", "resume_memory_occupation", (["kv_cache", "cuda_graph"],)),
     ("continue", "continue_generation", ()),
 )
+#: The phases of each lifecycle call of the cycle (offload, onload weights, onload KV), by name.
+LIFECYCLE_CALLS: tuple[tuple[str, ...], ...] = (
+    ("pause", "flush", "release"),
+    ("resume_weights",),
+    ("resume_kv", "continue"),
+)
 #: The simulated engine ops a cycle calls (the ones a latency distribution is given for).
 CYCLE_OPS: tuple[str, ...] = tuple(dict.fromkeys(op for _, op, _ in CYCLE_CALLS))
 

@@ -40,6 +40,7 @@ import ray
 from benchmarks._common import (
     CYCLE_CALLS,
     CYCLE_OPS,
+    LIFECYCLE_CALLS,
     add_latency_argument,
     complete_round,
     machine,
@@ -55,8 +56,6 @@ ALL_AT_ONCE = "all at once"
 PHASE_ORDER = "by server, phase order"
 SERVER_ORDER = "by server, server order"
 ORDERS = (ALL_AT_ONCE, PHASE_ORDER, SERVER_ORDER)
-#: The lifecycle calls of a cycle (offload, onload weights, onload KV) as slices of its phases.
-LIFECYCLE_CALLS = (slice(0, 3), slice(3, 4), slice(4, 6))
 
 
 @dataclass
@@ -94,6 +93,7 @@ def run_batches(batches: Sequence[tuple[Sequence[Any], str, tuple[Any, ...]]]) -
 def cycle_batches(order: str, servers: Sequence[Sequence[Any]]) -> list[Any]:
     """The batches of one cycle in ``order``."""
     phases = [(op, args) for _, op, args in CYCLE_CALLS]
+    by_name = {name: (op, args) for name, op, args in CYCLE_CALLS}
     if order == ALL_AT_ONCE:
         everyone = [h for server in servers for h in server]
         return [(everyone, op, args) for op, args in phases]
@@ -101,10 +101,10 @@ def cycle_batches(order: str, servers: Sequence[Sequence[Any]]) -> list[Any]:
         return [(server, op, args) for op, args in phases for server in servers]
     if order == SERVER_ORDER:
         return [
-            (server, op, args)
-            for part in LIFECYCLE_CALLS
+            (server, *by_name[phase])
+            for names in LIFECYCLE_CALLS
             for server in servers
-            for op, args in phases[part]
+            for phase in names
         ]
     raise ValueError(f"unknown order {order!r}; expected one of {', '.join(ORDERS)}")
 

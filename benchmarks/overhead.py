@@ -38,6 +38,7 @@ import ray
 from benchmarks._common import (
     CYCLE_CALLS,
     CYCLE_OPS,
+    LIFECYCLE_CALLS,
     Profile,
     add_latency_argument,
     complete_round,
@@ -150,7 +151,7 @@ def slime_cycle(servers: Sequence[Sequence[Any]]) -> None:
     slime's ``RolloutManager`` does, and each server runs its phases with a blocking ``ray.get``.
     """
     calls = {name: (op, args) for name, op, args in CYCLE_CALLS}
-    for phases in (("pause", "flush", "release"), ("resume_weights",), ("resume_kv", "continue")):
+    for phases in LIFECYCLE_CALLS:
         for engines in servers:
             for phase in phases:
                 if phase == "flush":
