@@ -1057,7 +1057,7 @@ class RolloutServer:
         outcomes = await self._settle("pause", calls, self._config.deadlines.pause)
         if not self._succeeded(outcomes):
             await self._undo_pause()
-            raise PhaseFailed("pause", self._with_unattempted(outcomes, calls), S.FAILED.value)
+            raise PhaseFailed("pause", self._with_unattempted(outcomes), S.FAILED.value)
         if mode is PauseMode.IN_PLACE:
             return  # requests keep their KV cache: flush would be refused, and is not needed
         try:
@@ -1242,10 +1242,7 @@ class RolloutServer:
         serving = [r for g in self._groups for r in g.live() if not r.paused]
         if serving:
             mode = self._config.pause_mode
-            calls = Calls()
-            for group in self._groups:
-                targets = [r for r in group.live() if not r.paused]
-                calls.extend(group._issue(targets, "pause_generation", (mode.value,), mode=mode))
+            calls = self._issue_to(serving, "pause_generation", (mode.value,), mode=mode)
             await self._require_all("pause_for_update", calls, deadlines.pause)
         # A session that an earlier update left open (its begin or end did not complete) is
         # closed first, or this begin would be refused with "a weight update session is open".
@@ -1282,18 +1279,14 @@ class RolloutServer:
                     record.stale = False  # unversioned: having been written to is all we know
         # The prefix cache holds KV computed with the old weights: drop it wherever the KV
         # cache is resident (a released KV cache comes back empty).
-        calls = Calls()
-        for group in self._groups:
-            targets = [
-                r
-                for r in group.live()
-                if not (r.released | r.uncertain) and r.pause_mode is not PauseMode.IN_PLACE
-            ]
-            calls.extend(
-                group._issue(
-                    targets, "flush_cache", (deadlines.flush, self._config.flush_retry_interval)
-                )
-            )
+        resident = [
+            r
+            for g in self._groups
+            for r in g.live()
+            if not (r.released | r.uncertain) and r.pause_mode is not PauseMode.IN_PLACE
+        ]
+        interval = self._config.flush_retry_interval
+        calls = self._issue_to(resident, "flush_cache", (deadlines.flush, interval))
         await self._require_all("flush_after_update", calls, deadlines.flush + deadlines.probe)
         # Only a complete write continues what it paused, and only on the expected weights; on
         # any failure those engines stay paused until the next continue checks them again.
@@ -1351,9 +1344,7 @@ class RolloutServer:
         skip_dead = self._config.dead_engines is DeadEnginePolicy.SKIP
         return all(o.ok or (skip_dead and o.outcome is Outcome.DEAD) for o in outcomes.values())
 
-    def _with_unattempted(
-        self, outcomes: dict[str, EngineOutcome], calls: Calls
-    ) -> dict[str, EngineOutcome]:
+    def _with_unattempted(self, outcomes: dict[str, EngineOutcome]) -> dict[str, EngineOutcome]:
         out = dict(outcomes)
         for group in self._groups:
             for record in group.records:
