@@ -96,9 +96,14 @@ def _str_list(name: str, value: object, *, allow_empty: bool) -> list[str]:
 class LaunchedSGLangEngine:
     """An SGLang server this object starts, owns and stops; implements ``EngineBackend``.
 
-    The default command is ``python -m sglang.launch_server --model-path M --host H --port P
+    The default command is ``PYTHON -m sglang.launch_server --model-path M --host H --port P
     --enable-memory-saver *extra_args`` with ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` (without it
-    releasing ``cuda_graph`` frees nothing). ``command`` replaces the whole command line.
+    releasing ``cuda_graph`` frees nothing). ``python`` is the interpreter that has sglang
+    installed (this one by default; SGLang often lives in a virtual environment of its own).
+    ``memory_saver=False`` leaves ``--enable-memory-saver`` out: the memory saver needs CUDA
+    (its preloaded library loads libcuda, and the server exits without it), so a server on a
+    machine without a GPU must run without it; release and resume then free nothing.
+    ``command`` replaces the whole command line.
 
     Keys reach the server through its environment, never its command line, which every user of
     the machine can read (the environment only the same user and root): ``ADMIN_KEY_ENV`` and
@@ -119,6 +124,8 @@ class LaunchedSGLangEngine:
         port: int,
         host: str = "127.0.0.1",
         extra_args: Sequence[str] = (),
+        python: str | None = None,
+        memory_saver: bool = True,
         command: Sequence[str] | None = None,
         env: Mapping[str, str] | None = None,
         admin_key: str | Secret | None = None,
@@ -160,22 +167,24 @@ class LaunchedSGLangEngine:
             timeouts=timeouts,
             label=label,
         )
+        if python is None:
+            python = sys.executable
+        elif not isinstance(python, str) or not python:
+            raise InvalidArgument(f"python must be a non-empty string, got {python!r}")
+        if not isinstance(memory_saver, bool):
+            raise InvalidArgument(f"memory_saver must be True or False, got {memory_saver!r}")
         if command is None:
-            args = [
-                "--model-path",
-                model_path,
-                "--host",
-                host,
-                "--port",
-                str(port),
-                "--enable-memory-saver",
-                *extra,
-            ]
+            args = ["--model-path", model_path, "--host", host, "--port", str(port)]
+            if memory_saver:
+                args.append("--enable-memory-saver")
+            args += extra
             if self._admin_key is None and self._api_key is None:
-                self._command = [sys.executable, "-m", "sglang.launch_server", *args]
+                self._command = [python, "-m", "sglang.launch_server", *args]
             else:
-                self._command = [sys.executable, "-c", _KEYED_LAUNCH, *args]
+                self._command = [python, "-c", _KEYED_LAUNCH, *args]
         else:
+            if python != sys.executable or not memory_saver:
+                raise InvalidArgument("python and memory_saver do not apply to a custom command")
             self._command = _str_list("command", command, allow_empty=False)
         self._env = dict(env or {})
         self._proc: asyncio.subprocess.Process | None = None
