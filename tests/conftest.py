@@ -1,5 +1,6 @@
-"""Shared fixtures: one local Ray cluster per test session, fleets of simulated engines, and
-structlog left as each test found it."""
+"""Shared fixtures: one local Ray cluster per test session, fleets of simulated engines, the
+session's real SGLang servers (started once, for tests marked ``real_sglang``), and structlog
+left as each test found it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import pytest
 import ray
 import structlog
+from real.servers import RealServer, RealServerPool, RealSGLang, require_real_sglang
 
 from rollout_lifecycle.testing import simulated_engine_actors
 
@@ -46,3 +48,41 @@ def fleet(ray_cluster: None) -> Iterator[Callable[..., list[Any]]]:
     yield start
     for actor in started:
         ray.kill(actor)
+
+
+@pytest.fixture(scope="session")
+def real_sglang() -> RealSGLang:
+    """SGLang 0.5.23's interpreter and the tiny model; skips (fails under CI) without them."""
+    return require_real_sglang()
+
+
+@pytest.fixture(scope="session")
+def real_pool(real_sglang: RealSGLang) -> Iterator[RealServerPool]:
+    """Every real server the session needs, started together once."""
+    pool = RealServerPool(real_sglang)
+    yield pool
+    pool.stop()
+
+
+@pytest.fixture
+def real_servers(real_pool: RealServerPool) -> list[RealServer]:
+    """Two shared keyless real servers, serving with all memory resident; leave them so."""
+    return real_pool.shared(2)
+
+
+@pytest.fixture
+def disposable_real_server(real_pool: RealServerPool) -> Iterator[RealServer]:
+    """A real server this test may kill; stopped when the test ends."""
+    server = real_pool.disposable()
+    yield server
+    server.stop()
+
+
+#: Seconds a real-server test may take, its share of the pool's start-up included.
+REAL_SGLANG_TIMEOUT_S = 1200
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("real_sglang") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(REAL_SGLANG_TIMEOUT_S))

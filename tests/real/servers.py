@@ -1,0 +1,261 @@
+"""Real SGLang 0.5.23 servers for the real-server tier: where the environment is, and how to run
+servers on a CPU with a readiness deadline.
+
+The environment is made by ``bash ci/sglang-env``. Without it, real-server tests skip on a
+developer machine and fail under CI (``CI=true``): there, a real-server test that cannot run is
+a failure, never a skip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from threading import Thread
+from typing import IO
+
+import httpx
+import pytest
+
+#: Where ``ci/sglang-env`` keeps the environment and the model.
+CACHE = Path(
+    os.environ.get("ROLLOUT_LIFECYCLE_CACHE", str(Path.home() / ".cache" / "rollout-lifecycle"))
+)
+SHIM_DIR = Path(__file__).resolve().parent / "shim"
+SHIM_ENV = "ROLLOUT_LIFECYCLE_CPU_DEVICE_SHIM"
+#: Generous: a server needs 35-65 s on an idle 2-core machine, mostly imports; a loaded CI
+#: machine starting several at once needs more. A deadline, not a sleep.
+READY_DEADLINE_S = 600.0
+#: The flags that make SGLang 0.5.23 run on a CPU (no memory saver: it needs libcuda).
+CPU_FLAGS = (
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--disable-cuda-graph",
+    "--max-total-tokens",
+    "4096",
+    "--skip-server-warmup",
+    # The scheduler polls its sockets without pause when idle, a whole core per server; a
+    # 2-core machine running several would starve. sglang: IdleSleeper, Scheduler.init_idle_sleeper
+    "--sleep-on-idle",
+)
+HOW_TO_GET_IT = (
+    "the real-SGLang tier needs `bash ci/sglang-env` (a virtual environment with sglang "
+    "0.5.23 and a tiny model under ~/.cache/rollout-lifecycle; ~6 min and ~11 GB the first time)"
+)
+
+
+def under_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+@dataclass(frozen=True)
+class RealSGLang:
+    """The interpreter that has sglang 0.5.23, and the tiny model it serves."""
+
+    python: str
+    model: str
+
+    def child_env(self) -> dict[str, str]:
+        """What a server process needs beyond this process's environment: the CPU shim."""
+        path = os.environ.get("PYTHONPATH")
+        return {
+            "PYTHONPATH": str(SHIM_DIR) if not path else f"{SHIM_DIR}{os.pathsep}{path}",
+            SHIM_ENV: "1",
+        }
+
+
+def find_real_sglang() -> RealSGLang | None:
+    venv, model = CACHE / "sglang-0.5.23", CACHE / "tiny-gpt2"
+    if not (venv / ".complete").exists() or not (model / ".complete").exists():
+        return None
+    return RealSGLang(python=str(venv / "bin" / "python"), model=str(model))
+
+
+def require_real_sglang() -> RealSGLang:
+    """The environment, or a skip (a failure under CI) that says how to get it."""
+    found = find_real_sglang()
+    if found is None:
+        if under_ci():
+            pytest.fail(f"real SGLang environment missing under CI: {HOW_TO_GET_IT}")
+        pytest.skip(HOW_TO_GET_IT)
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class RealServer:
+    """One real SGLang server process on loopback; started by ``start``, ended by ``stop``."""
+
+    env: RealSGLang
+    admin_key: str | None = None
+    api_key: str | None = None
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+    _tail: deque[str] = field(default_factory=lambda: deque(maxlen=40))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [self.env.python, "-m", "sglang.launch_server", "--model-path", self.env.model]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), *CPU_FLAGS]
+        # Test keys only: a real deployment passes keys the way LaunchedSGLangEngine does.
+        if self.admin_key is not None:
+            cmd += ["--admin-api-key", self.admin_key]
+        if self.api_key is not None:
+            cmd += ["--api-key", self.api_key]
+        return cmd
+
+    def start(self) -> RealServer:
+        """Spawn the process (it becomes ready later: ``wait_ready``)."""
+        self.proc = subprocess.Popen(
+            self.command(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **self.env.child_env()},
+            start_new_session=True,
+        )
+        assert self.proc.stdout is not None
+        Thread(target=self._read, args=(self.proc.stdout,), daemon=True).start()
+        return self
+
+    def _read(self, stream: IO[bytes]) -> None:
+        for raw in stream:
+            self._tail.append(raw.decode("utf-8", "replace").rstrip())
+
+    def output(self) -> str:
+        return "\n".join(self._tail)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def exited(self, within: float) -> bool:
+        """Whether the process has exited, waiting up to ``within`` seconds for it."""
+        assert self.proc is not None
+        try:
+            self.proc.wait(timeout=within)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def wait_ready(self, deadline_s: float = READY_DEADLINE_S) -> RealServer:
+        """Wait until ``GET /ready`` answers 200 (after warm-up and not paused), or fail."""
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            if not self.alive():
+                raise RuntimeError(
+                    f"SGLang at {self.url} exited with {self.proc and self.proc.returncode} "
+                    f"before it was ready:\n{self.output()}"
+                )
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=5.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(
+            f"SGLang at {self.url} not ready within {deadline_s:g}s:\n{self.output()}"
+        )
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=20)
+        with contextlib.suppress(ProcessLookupError):
+            # SGLang's scheduler and detokenizer are children in the same group.
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=20)
+
+
+def start_all(servers: list[RealServer]) -> list[RealServer]:
+    """Start servers together (start-up is mostly imports, so they overlap) and wait for all."""
+    for server in servers:
+        server.start()
+    try:
+        for server in servers:
+            server.wait_ready()
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
+class RealServerPool:
+    """The session's real servers, started together once.
+
+    ``shared(n)`` gives long-lived keyless servers that every test leaves serving with all
+    memory resident (a dead or paused one is replaced or continued first); ``keyed()`` one with
+    an api key and an admin key; ``disposable()`` a server a test may kill (a spare started with
+    the others when there is one left, else a new one).
+    """
+
+    ADMIN_KEY = "real-admin-key-5c1e"
+    API_KEY = "real-api-key-77d0"
+
+    def __init__(self, env: RealSGLang, *, shared: int = 2, spares: int = 1) -> None:
+        self.env = env
+        self._shared = [RealServer(env) for _ in range(shared)]
+        self._keyed = RealServer(env, admin_key=self.ADMIN_KEY, api_key=self.API_KEY)
+        self._spares = [RealServer(env) for _ in range(spares)]
+        self._taken: list[RealServer] = []
+        start_all([*self._shared, self._keyed, *self._spares])
+
+    def shared(self, n: int = 2) -> list[RealServer]:
+        if n > len(self._shared):
+            raise ValueError(f"the pool has {len(self._shared)} shared servers, not {n}")
+        for i, server in enumerate(self._shared[:n]):
+            if not server.alive():
+                server.stop()
+                self._shared[i] = server = RealServer(self.env).start().wait_ready()
+            else:
+                _continue_if_paused(server)
+        return self._shared[:n]
+
+    def keyed(self) -> RealServer:
+        if not self._keyed.alive():
+            self._keyed.stop()
+            self._keyed = RealServer(
+                self.env, admin_key=self.ADMIN_KEY, api_key=self.API_KEY
+            ).start()
+            self._keyed.wait_ready()
+        else:
+            _continue_if_paused(self._keyed, key=self.ADMIN_KEY)
+        return self._keyed
+
+    def disposable(self) -> RealServer:
+        server = self._spares.pop() if self._spares else RealServer(self.env).start()
+        self._taken.append(server)
+        return server.wait_ready()
+
+    def stop(self) -> None:
+        for server in [*self._shared, self._keyed, *self._spares, *self._taken]:
+            server.stop()
+
+
+def _continue_if_paused(server: RealServer, key: str | None = None) -> None:
+    """A test that failed half-way may leave a shared server paused: continue it (harmless
+    on a serving engine) and wait for ``/ready``."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if httpx.get(f"{server.url}/ready", timeout=10.0).status_code != 200:
+        httpx.post(f"{server.url}/continue_generation", json={}, headers=headers, timeout=60.0)
+        server.wait_ready(120.0)
