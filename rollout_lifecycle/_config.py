@@ -36,9 +36,9 @@ class Tag(str, Enum):
 
 
 ALL_TAGS: tuple[Tag, ...] = (Tag.WEIGHTS, Tag.KV_CACHE, Tag.CUDA_GRAPH)
-#: Tags resumed by ``onload_weights`` (step 5 of the safe sequence).
+#: Tags resumed by ``onload_weights`` (step 5 of the safe sequence, docs/design.md).
 WEIGHT_TAGS: tuple[Tag, ...] = (Tag.WEIGHTS,)
-#: Tags resumed by ``onload_kv`` (step 7 of the safe sequence).
+#: Tags resumed by ``onload_kv`` (step 7 of the safe sequence, docs/design.md).
 KV_TAGS: tuple[Tag, ...] = (Tag.KV_CACHE, Tag.CUDA_GRAPH)
 
 
@@ -115,7 +115,8 @@ class LifecycleConfig:
 
     pause_mode: PauseMode = PauseMode.RETRACT
     deadlines: Deadlines = field(default_factory=Deadlines)
-    #: Tags ``offload()`` releases. All three by default (step 3 of the safe sequence).
+    #: Tags ``offload()`` releases. All three by default (step 3 of the safe sequence,
+    #: docs/design.md).
     release_tags: tuple[Tag, ...] = ALL_TAGS
     #: When pause or flush fails, continue generation on the engines that were paused so that
     #: serving is not left stuck.

@@ -204,7 +204,7 @@ class _Machine:
 class RolloutServer:
     """Coordinates engine groups through ``serving -> ... -> released -> ... -> serving``.
 
-    All lifecycle calls are coroutines. See ``lifecycle-design.md`` for the states and the
+    All lifecycle calls are coroutines. See ``docs/design.md`` for the states and the
     invariants every call keeps.
     """
 

@@ -110,7 +110,7 @@ class SimulatedEngine:
     """One simulated SGLang server: generation that takes time, memory per tag, the lifecycle.
 
     Runs on the asyncio loop of its first caller (a scheduler task started lazily); no threads.
-    A fatal misuse (see the contract's "Fatal misuse" table) kills it: in-flight generates and
+    A fatal misuse (see docs/sglang-contract.md) kills it: in-flight generates and
     every later call raise ``EngineDead``.
     """
 

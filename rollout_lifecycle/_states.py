@@ -30,7 +30,7 @@ S = ServerState
 
 #: Every transition the server can make. ``before`` is the server method that runs the phase.
 #: ``write_weights`` is internal (``dest`` None): the state does not change while weights are
-#: written, and it is only legal where the weights are resident (invariant 5).
+#: written, and it is only legal where the weights are resident (invariant 5 of docs/design.md).
 TRANSITIONS: tuple[dict[str, Any], ...] = (
     {"trigger": "pause", "source": S.SERVING, "dest": S.PAUSING},
     # A hook refused the drain before anything was left paused: back to serving.

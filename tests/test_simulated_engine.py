@@ -1,6 +1,6 @@
 """Direct tests of the simulated SGLang engine: it must keep SGLang 0.5.23's lifecycle contract.
 
-Pure asyncio, no Ray. Every fatal-misuse row of the contract must kill the engine for good.
+Pure asyncio, no Ray. Every fatal misuse in docs/sglang-contract.md must kill the engine for good.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Rules call the lifecycle API, arm faults on random engines, submit generate requ
 callers mid-call, run two calls at once and let time pass. The pause mode and the dead-engine
 policy are drawn per example.
 
-How each invariant of lifecycle-design.md is checked:
+How each invariant of docs/design.md is checked:
 
 1. **Barrier** (from the ``FaultyEngine`` op logs of every engine the server ever held). The
    server runs one phase at a time and issues all of a phase's calls before it waits for them, so
