@@ -1,4 +1,5 @@
-"""The README cannot rot: its code runs, its diagram matches the machine, its commands are first."""
+"""The README cannot rot: its code runs, its diagram (and docs/design.md's) matches the machine,
+its commands are first."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from rollout_lifecycle import RolloutServer, mermaid
 from rollout_lifecycle.testing import StandInServer
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+DESIGN = README.parent / "docs" / "design.md"
 
 
 def blocks(language: str) -> list[str]:
@@ -34,6 +36,11 @@ def test_readme_opens_with_the_demo_and_the_test_commands() -> None:
 
 def test_readme_diagram_is_the_one_the_machine_runs_on() -> None:
     (diagram,) = blocks("mermaid")
+    assert diagram == mermaid()
+
+
+def test_design_doc_diagram_is_the_one_the_machine_runs_on() -> None:
+    (diagram,) = re.findall(r"^```mermaid\n(.*?)^```$", DESIGN.read_text(), flags=re.S | re.M)
     assert diagram == mermaid()
 
 
