@@ -10,9 +10,10 @@ import contextlib
 import copy
 import math
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from rollout_lifecycle._exceptions import (
     EngineError,
@@ -72,6 +73,24 @@ class TooManyResubmissions(GenerationError):
     """A request was aborted or lost more than ``max_resubmissions`` times."""
 
 
+class WeightVersionSpan(TypedDict):
+    """One entry of ``meta_info["weight_versions"]``: output tokens ``[start, end)`` were
+    generated with weights ``version`` (SGLang 0.5.23 ``srt/utils/weight_versions.py``:
+    ``WeightVersionSpan``, put in the answer by ``add_weight_versions_to_meta_info``)."""
+
+    version: str
+    start: int
+    end: int
+
+
+#: Output-side counters of ``meta_info`` that each attempt counts for its own output only; the
+#: answer reports their sum over attempts. (``completion_tokens`` is the tokens produced in all.)
+_SUMMED_COUNTERS = ("num_retractions", "reasoning_tokens", "spec_verify_ct")
+#: Prompt-side fields: they describe the caller's prompt, so the first attempt's are kept (a
+#: resubmission's prompt is the caller's prompt plus the partial output, the client's doing).
+_PROMPT_FIELDS = ("prompt_tokens", "cached_tokens", "cached_tokens_details")
+
+
 @dataclass(eq=False)
 class _Work:
     """One caller's request across all its attempts."""
@@ -86,13 +105,20 @@ class _Work:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     produced: int = 0
-    retractions: int = 0
     resubmissions: int = 0
     engines: list[str] = field(default_factory=list)
     #: Engines where an attempt of this request was lost; others are preferred.
     avoid: set[str] = field(default_factory=set)
-    prompt_tokens: int | None = None
-    versions: list[str] = field(default_factory=list)
+    #: Prompt-side fields of the first attempt that answered (see ``_PROMPT_FIELDS``).
+    prompt_meta: dict[str, Any] = field(default_factory=dict)
+    #: Sums of ``_SUMMED_COUNTERS`` over the attempts that reported them.
+    counters: dict[str, int] = field(default_factory=dict)
+    #: Weight-version spans over the joined output; None once an attempt that produced tokens
+    #: carried none (or malformed ones): the answer then cannot say which weights made them.
+    spans: list[WeightVersionSpan] | None = field(default_factory=list)
+    #: The version of the last (possibly empty) span seen, for an answer with no tokens at all.
+    span_version: str | None = None
+    #: The ``meta_info`` of the last attempt that answered.
     last_meta: dict[str, Any] = field(default_factory=dict)
 
 
@@ -114,10 +140,29 @@ class GenerationClient:
       or unreachable engine are resubmitted, once the group serves again, as prompt + partial
       output (``text`` + partial text for text prompts) with ``max_new_tokens`` (and
       ``min_new_tokens``) reduced by the tokens already produced, at most ``max_resubmissions``
-      times. The caller gets one answer: ``output_ids`` and ``text`` joined over the attempts,
-      the final attempt's ``meta_info`` with ``finish_reason`` of the final attempt, plus
-      ``num_resubmissions``, ``num_retractions`` (summed) and ``engines`` (the engine of each
-      attempt, in order; the last one finished it).
+      times, each attempt under its own request id (``rid``; see ``_attempt_rid``).
+    * **One answer**: ``output_ids`` and ``text`` joined over the attempts, and a ``meta_info``
+      that describes the whole answer:
+
+      - ``finish_reason``: the last attempt's, except that a ``length`` finish after a
+        resubmission (or an abort that landed once the whole budget was produced) reads
+        ``{"type": "length", "length": <tokens produced in all>}``; never ``abort`` for an
+        answer completed by a later attempt;
+      - ``weight_versions``: SGLang's ``{"version", "start", "end"}`` spans over the output
+        tokens, each attempt's shifted by the tokens before it; adjacent spans of the same
+        version are joined (as SGLang does within one request), and ``weight_version`` is the
+        last span's. Omitted when an attempt that produced tokens gave no usable spans;
+      - summed over attempts: ``num_retractions``, ``reasoning_tokens``, ``spec_verify_ct``
+        (each attempt counts its own output) and ``completion_tokens`` (tokens produced);
+      - the first answer's ``prompt_tokens``, ``cached_tokens``, ``cached_tokens_details``
+        (later attempts' prompts include the partial output);
+      - added: ``num_resubmissions`` and ``engines`` (the engine of each attempt, in order; the
+        last one finished it);
+      - every other field (``id``, timings, logprobs, ...) is the last attempt's.
+    * **Abandoned attempts**: an attempt the client stops waiting for (``request_timeout``, or
+      the caller cancelled) is aborted at its engine by its exact request id.
+      The ``partial`` answer of a request given up has finish_reason ``{"type": "abort",
+      "message": <why>}``.
 
     Without ``max_new_tokens`` in the request, a resubmission asks for the engine's default
     budget again: give it to resume exactly. ``request_timeout`` bounds a whole ``generate``
@@ -168,6 +213,8 @@ class GenerationClient:
             0,
         )
         self._holding = 0
+        #: Aborts of abandoned attempts still being sent (kept referenced until they finish).
+        self._aborts: set[asyncio.Future[Any]] = set()
         self._wake: asyncio.Event | None = None
         self._wake_loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -387,22 +434,33 @@ class GenerationClient:
             if _resumable_abort(finish) and not self._budget_used(work):
                 self._resubmit(work, f"aborted on engine {engine}: {finish.get('message')}")
                 continue
-            if _resumable_abort(finish):
-                # Every token asked for was produced before the abort landed.
-                finish = {"type": "length", "length": work.max_new}
-            return self._compose(work, finish)
+            return self._compose(work, self._whole_finish(work, finish))
 
     def _budget_used(self, work: _Work) -> bool:
         return work.max_new is not None and work.produced >= work.max_new
 
+    def _whole_finish(self, work: _Work, finish: dict[str, Any]) -> dict[str, Any]:
+        """The finish_reason of the whole answer, from that of its last attempt.
+
+        A length finish says how long the answer is: SGLang 0.5.23 ``Req.update_finish_state``
+        reports ``FINISH_LENGTH(length=max_new_tokens)`` when the output reached its budget, so
+        one request's ``length`` is its number of output tokens. After a resubmission the last
+        attempt's ``length`` is only its reduced budget: the answer's is every token produced.
+        A resumable abort that lands once the whole budget was produced is a length finish too.
+        Any other finish (stop, a refusing abort) is the last attempt's, unchanged.
+        """
+        if _resumable_abort(finish) or (finish.get("type") == "length" and work.resubmissions):
+            return {"type": "length", "length": work.produced}
+        return finish
+
     def _resubmit(self, work: _Work, why: str) -> None:
         if work.resubmissions >= self._max_resubmissions:
-            raise TooManyResubmissions(
+            message = (
                 f"generate request gave up after {work.resubmissions} resubmission(s) "
                 f"(max_resubmissions={self._max_resubmissions}); last: {why}; "
-                f"{work.produced} token(s) produced so far are in .partial",
-                self._compose(work, None),
+                f"{work.produced} token(s) produced so far are in .partial"
             )
+            raise TooManyResubmissions(message, self._compose(work, None, message))
         work.resubmissions += 1
         self._counts["resubmissions"] += 1
 
@@ -421,11 +479,26 @@ class GenerationClient:
             if isinstance(low, int) and not isinstance(low, bool):
                 params["min_new_tokens"] = max(0, low - work.produced)
             body["sampling_params"] = params
-        if work.rid is not None:
-            # SGLang matches rid by prefix in abort_request: a suffix keeps the caller's rid usable.
-            attempt = len(work.engines)
-            body["rid"] = work.rid if attempt == 0 else f"{work.rid}-resubmit-{attempt}"
+        body["rid"] = self._attempt_rid(work)
         return body
+
+    def _attempt_rid(self, work: _Work) -> str:
+        """The request id of the attempt about to be sent; the client aborts it by exactly this.
+
+        Every attempt carries an id the client knows, because SGLang 0.5.23
+        ``TokenizerManager.abort_request`` (one tokenizer worker, the default) acts only on an
+        rid equal to a live request's id: a prefix, or the id of an earlier attempt, aborts
+        nothing. Each attempt's id is new, so that an abort meant for one attempt never reaches
+        another (and ``TokenizerManager`` refuses an rid that is still live). The caller's
+        ``rid`` goes to the first attempt unchanged and, suffixed ``-resubmit-N``, to attempt
+        N. Without one, each attempt gets a fresh ``uuid4().hex`` (SGLang's own default id):
+        equal lengths, so none is a prefix of another, which matters because once the tokenizer
+        lets an abort through, ``Scheduler.abort_request`` aborts every rid that *starts* with it.
+        """
+        attempt = len(work.engines)
+        if work.rid is None:
+            return uuid.uuid4().hex
+        return work.rid if attempt == 0 else f"{work.rid}-resubmit-{attempt}"
 
     async def _call(
         self, work: _Work, handle: Any, body: dict[str, Any], deadline: float
@@ -435,21 +508,50 @@ class GenerationClient:
         try:
             done, _ = await asyncio.wait({future}, timeout=max(0.0, deadline - time.monotonic()))
         except asyncio.CancelledError:
+            self._abort_attempt(handle, body["rid"])
             _cancel_call(ref, future)
             raise
         if not done:
+            self._abort_attempt(handle, body["rid"])
             _cancel_call(ref, future)
-            raise GenerationTimeout(
+            message = (
                 f"generate request ran longer than request_timeout={self._request_timeout:g}s "
                 f"(last attempt on {work.engines[-1]}, server {self._server.state.value!r}); "
-                f"{work.produced} token(s) produced so far are in .partial",
+                f"{work.produced} token(s) produced so far are in .partial"
+            )
+            raise GenerationTimeout(
+                message,
                 self._server.state.value,
                 "request_timeout",
                 self._request_timeout,
-                self._compose(work, None),
+                self._compose(work, None, message),
             )
         answer: dict[str, Any] = future.result()
         return answer
+
+    def _abort_attempt(self, handle: Any, rid: str) -> None:
+        """Ask the engine to abort the attempt ``rid`` that nobody waits for; do not wait.
+
+        By the exact id the attempt was sent with (see ``_attempt_rid``): SGLang 0.5.23
+        ``TokenizerManager.abort_request`` ignores an rid that is not a live request's id. The
+        cancelled call alone may not stop the work: over HTTP SGLang notices a closed
+        connection only at its next poll (``TokenizerManager._stream_one_response``), and a
+        cancel may not reach an engine actor at all. Best effort: an engine that is gone, or
+        has finished the attempt, has nothing to abort.
+        """
+        try:
+            sent: asyncio.Future[Any] = asyncio.ensure_future(
+                send_to_engine(handle, "abort_request", (rid,))
+            )
+        except Exception:  # a handle that cannot take the call: nothing more to do
+            return
+        self._aborts.add(sent)
+        sent.add_done_callback(self._abort_sent)
+
+    def _abort_sent(self, sent: asyncio.Future[Any]) -> None:
+        self._aborts.discard(sent)
+        if not sent.cancelled():
+            sent.exception()  # retrieved: a failed best-effort abort is not an error
 
     def _absorb(self, work: _Work, engine: str, answer: object) -> dict[str, Any]:
         """Add one attempt's answer to the work; return its finish_reason."""
@@ -473,40 +575,53 @@ class GenerationClient:
             raise garbage(f"output_ids is {_short(ids)}")
         if not isinstance(text, str) or (work.prompt_text is not None and "text" not in answer):
             raise garbage(f"text is {_short(text)}")
+        offset = work.produced
         if isinstance(ids, list):
+            count = len(ids)
             work.output_ids.extend(ids)
-            work.produced += len(ids)
         else:
             tokens = meta.get("completion_tokens")
-            work.produced += tokens if isinstance(tokens, int) else 0
+            count = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else 0
+        work.produced += count
         work.text += text
-        retractions = meta.get("num_retractions")
-        if isinstance(retractions, int) and not isinstance(retractions, bool):
-            work.retractions += retractions
-            self._counts["retractions"] += retractions
-        if work.prompt_tokens is None and isinstance(meta.get("prompt_tokens"), int):
-            work.prompt_tokens = meta["prompt_tokens"]
-        versions = meta.get("weight_versions")
-        if isinstance(versions, list):
-            for version in versions:
-                if not work.versions or work.versions[-1] != version:
-                    work.versions.append(version)
+        for key in _SUMMED_COUNTERS:
+            value = meta.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                work.counters[key] = work.counters.get(key, 0) + value
+                if key == "num_retractions":
+                    self._counts["retractions"] += value
+        if not work.last_meta:
+            # The first answer's prompt is the caller's: attempts before it produced nothing.
+            work.prompt_meta = {k: meta[k] for k in _PROMPT_FIELDS if k in meta}
+        _join_spans(work, meta.get("weight_versions"), offset, count)
         work.last_meta = dict(meta)
         return dict(finish)
 
-    def _compose(self, work: _Work, finish: dict[str, Any] | None) -> dict[str, Any]:
-        """The caller's answer (``finish`` None: the partial answer of a request given up)."""
+    def _compose(self, work: _Work, finish: dict[str, Any] | None, why: str = "") -> dict[str, Any]:
+        """The caller's answer, joined over the attempts (see the class docstring).
+
+        ``finish`` None: the partial answer of a request given up for ``why``; its
+        finish_reason is an abort with that message.
+        """
         meta = dict(work.last_meta)
-        meta["finish_reason"] = finish
+        meta["finish_reason"] = finish if finish is not None else {"type": "abort", "message": why}
         meta["num_resubmissions"] = work.resubmissions
-        meta["num_retractions"] = work.retractions
         meta["engines"] = list(work.engines)
+        meta.update(work.prompt_meta)
+        meta.update(work.counters)
+        meta["num_retractions"] = work.counters.get("num_retractions", 0)
         if "completion_tokens" in meta:
             meta["completion_tokens"] = work.produced
-        if work.prompt_tokens is not None:
-            meta["prompt_tokens"] = work.prompt_tokens
-        if work.versions:
-            meta["weight_versions"] = list(work.versions)
+        meta.pop("weight_versions", None)
+        spans = work.spans
+        if spans:
+            meta["weight_versions"] = [_copy_span(s) for s in spans]
+            # As add_weight_versions_to_meta_info: weight_version names the last span's.
+            meta["weight_version"] = spans[-1]["version"]
+        elif spans is not None and work.produced == 0 and work.span_version is not None:
+            # No output at all: SGLang's compute_weight_version_spans gives one empty span.
+            meta["weight_versions"] = [WeightVersionSpan(version=work.span_version, start=0, end=0)]
+            meta["weight_version"] = work.span_version
         return {"text": work.text, "output_ids": list(work.output_ids), "meta_info": meta}
 
     # -- routing and holding ------------------------------------------------------------------
@@ -569,13 +684,16 @@ class GenerationClient:
                         await asyncio.wait_for(wake.wait(), pause)
                     continue
                 state = self._server.state.value
-                raise GenerationTimeout(
+                message = (
                     f"generate request held {waited:.3g}s ({limit}={bound:g}s) with no engine "
-                    f"to serve it: {self._why_held(work)}",
+                    f"to serve it: {self._why_held(work)}"
+                )
+                raise GenerationTimeout(
+                    message,
                     state,
                     limit,
                     waited,
-                    self._compose(work, None) if work.engines else None,
+                    self._compose(work, None, message) if work.engines else None,
                 )
         finally:
             if held:
@@ -643,6 +761,71 @@ def _resumable_abort(finish: Mapping[str, Any]) -> bool:
         return False
     status = finish.get("status_code")
     return not (isinstance(status, int) and 400 <= status < 500)
+
+
+def _parse_spans(raw: object, count: int) -> list[WeightVersionSpan] | None:
+    """One attempt's ``meta_info["weight_versions"]`` over its ``count`` output tokens; None
+    when absent or not spans (a list of strings, say, as older servers and simulators sent).
+
+    SGLang 0.5.23 builds them in ``compute_weight_version_spans`` (scheduler: ordered,
+    contiguous from 0, adjacent equal versions joined) and ``add_weight_versions_to_meta_info``
+    (tokenizer: ends clipped to the output length). Here: ordered, non-overlapping, each
+    ``0 <= start <= end``, clipped to ``count`` likewise.
+    """
+    if not isinstance(raw, list) or not raw:
+        return None
+    spans: list[WeightVersionSpan] = []
+    floor = 0
+    for item in raw:
+        if not isinstance(item, Mapping):
+            return None
+        version, start, end = item.get("version"), item.get("start"), item.get("end")
+        if not (
+            isinstance(version, str)
+            and isinstance(start, int)
+            and isinstance(end, int)
+            and not isinstance(start, bool)
+            and not isinstance(end, bool)
+            and floor <= start <= end
+        ):
+            return None
+        floor = end
+        spans.append(
+            WeightVersionSpan(version=version, start=min(start, count), end=min(end, count))
+        )
+    return spans
+
+
+def _join_spans(work: _Work, raw: object, offset: int, count: int) -> None:
+    """Add an attempt's spans to ``work.spans``, shifted by the ``offset`` tokens before it.
+
+    Empty spans cover nothing and are dropped. A span that continues the previous one with the
+    same version is joined to it, as SGLang 0.5.23 ``compute_weight_version_spans`` does within
+    one request: an answer resubmitted under unchanged weights reads as one span, exactly as if
+    it had never been aborted. An attempt that produced tokens without usable spans makes the
+    answer's spans unknown (None) for good: they would misattribute its tokens otherwise.
+    """
+    if work.spans is None:
+        return
+    spans = _parse_spans(raw, count)
+    if spans is None:
+        if count:
+            work.spans = None
+        return
+    for span in spans:
+        work.span_version = span["version"]
+        start, end = offset + span["start"], offset + span["end"]
+        if end <= start:
+            continue
+        last = work.spans[-1] if work.spans else None
+        if last is not None and last["version"] == span["version"] and last["end"] == start:
+            last["end"] = end
+        else:
+            work.spans.append(WeightVersionSpan(version=span["version"], start=start, end=end))
+
+
+def _copy_span(span: WeightVersionSpan) -> WeightVersionSpan:
+    return WeightVersionSpan(version=span["version"], start=span["start"], end=span["end"])
 
 
 def _short(value: object, limit: int = 80) -> str:

@@ -69,6 +69,77 @@ class AlwaysAborts(SimulatedEngine):
         }
 
 
+class ScriptedEngine(SimulatedEngine):
+    """Answers the generate requests it receives with ``answers``, in order, as a real SGLang
+    0.5.23 server could have (built by ``piece``); keeps a copy of every request."""
+
+    def __init__(self, *args: Any, answers: list[dict[str, Any]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.answers = list(answers)
+        self.requests: list[dict[str, Any]] = []
+
+    async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        self.requests.append(copy.deepcopy(request))
+        return self.answers.pop(0)
+
+
+def piece(
+    ids: list[int],
+    finish: dict[str, Any],
+    spans: list[tuple[str, int, int]] | list[str],
+    **meta: Any,
+) -> dict[str, Any]:
+    """One attempt's answer in SGLang 0.5.23's shape: ``weight_versions`` as
+    ``{"version", "start", "end"}`` spans over this attempt's own output tokens
+    (``add_weight_versions_to_meta_info``); strings are passed through as given."""
+    versions = [
+        s if isinstance(s, str) else {"version": s[0], "start": s[1], "end": s[2]} for s in spans
+    ]
+    return {
+        "text": "",
+        "output_ids": ids,
+        "meta_info": {
+            "finish_reason": finish,
+            "completion_tokens": len(ids),
+            "weight_versions": versions,
+            **meta,
+        },
+    }
+
+
+ABORTED = {"type": "abort", "message": "aborted by pause_generation(mode=abort)"}
+
+
+class ExactAbortEngine(SimulatedEngine):
+    """Models SGLang 0.5.23 with one tokenizer worker around an abandoned generate call.
+
+    ``abort_request`` acts only on an rid equal to a live request's id
+    (``TokenizerManager.abort_request``: an unknown rid returns without reaching the
+    scheduler), and a generate call whose caller went away keeps running at the engine (as an
+    HTTP request does until SGLang polls the closed connection, or a Ray call the cancel does
+    not reach). ``live`` maps the rid of each request still running to its engine-side call.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.requests: list[dict[str, Any]] = []
+        self.aborts: list[str] = []
+        self.live: dict[str | None, asyncio.Future[dict[str, Any]]] = {}
+
+    async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        self.requests.append(copy.deepcopy(request))
+        rid = request.get("rid")
+        call = asyncio.ensure_future(super().generate(request))
+        self.live[rid] = call
+        call.add_done_callback(lambda _: self.live.pop(rid, None))
+        return await asyncio.shield(call)
+
+    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        self.aborts.append(rid)
+        if abort_all or rid in self.live:
+            await super().abort_request(rid, abort_all)
+
+
 def engines(
     count: int, label: str = "sim", cls: type[SimulatedEngine] = RecordingEngine, **kw: Any
 ) -> list[Any]:
@@ -272,7 +343,150 @@ async def test_request_timeout_stops_the_engine_call_and_keeps_the_partial_outpu
     assert client.outstanding() == {"actor/0": 0}
 
 
+async def test_request_timeout_aborts_the_attempt_at_the_engine_by_its_exact_rid(
+    sims_to_close: list[Any],
+) -> None:
+    sims = engines(1, cls=ExactAbortEngine, token_latency=0.01)
+    sims_to_close.extend(sims)
+    server = RolloutServer([EngineGroup("actor", sims)])
+    client = GenerationClient(server, request_timeout=0.3)
+    with pytest.raises(GenerationTimeout) as info:
+        await asyncio.wait_for(client.generate(request(0, 10**6)), 5)
+    # The engine stopped the request: the abandoned call did not run on for nobody.
+    await until(lambda: not sims[0].live, what="the engine to abort the abandoned attempt")
+    (sent,) = sims[0].requests
+    assert sims[0].aborts == [sent["rid"]]
+    assert sims[0].stats()["aborted"] == 1 and sims[0].stats()["completed"] == 0
+    partial = info.value.partial
+    assert partial is not None
+    assert partial["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "request_timeout=0.3s" in partial["meta_info"]["finish_reason"]["message"]
+
+
+@pytest.mark.parametrize("caller_rid", [None, "job-7"])
+async def test_cancelled_caller_aborts_the_live_attempt_by_its_exact_rid(
+    caller_rid: str | None, sims_to_close: list[Any]
+) -> None:
+    sims = engines(1, cls=ExactAbortEngine, token_latency=0.005)
+    sims_to_close.extend(sims)
+    server = RolloutServer(
+        [EngineGroup("actor", sims)], LifecycleConfig(pause_mode=PauseMode.ABORT)
+    )
+    client = GenerationClient(server)
+    body = request(0, 10**6) if caller_rid is None else {**request(0, 10**6), "rid": caller_rid}
+    task = asyncio.ensure_future(client.generate(body))
+    await until(lambda: sims[0].stats()["tokens"] >= 3, what="tokens of the first attempt")
+    await server.offload()  # aborts the first attempt; the client resubmits it on onload
+    await server.onload()
+    await until(lambda: len(sims[0].live) == 1 and len(sims[0].requests) == 2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await until(lambda: not sims[0].live, what="the engine to abort the resubmission")
+    first, second = (r["rid"] for r in sims[0].requests)
+    # Only the live attempt's own id reaches it (SGLang ignores a prefix or a finished id).
+    assert sims[0].aborts == [second]
+    assert first != second
+    if caller_rid is None:
+        assert all(len(rid) == 32 for rid in (first, second))  # uuid4 hex: none a prefix
+    else:
+        assert (first, second) == ("job-7", "job-7-resubmit-1")
+    assert sims[0].stats()["aborted"] == 2 and sims[0].stats()["completed"] == 0
+
+
 # -- resubmission ----------------------------------------------------------------------------
+
+
+async def test_resubmitted_answer_joins_weight_version_spans_at_their_output_offsets(
+    sims_to_close: list[Any],
+) -> None:
+    answers = [
+        piece([11, 12, 13], ABORTED, [("v1", 0, 3)], num_retractions=1, prompt_tokens=3,
+              cached_tokens=0, weight_version="v1", reasoning_tokens=2),
+        piece([14, 15, 16, 17], {"type": "length", "length": 4}, [("v1", 0, 1), ("v2", 1, 4)],
+              num_retractions=2, prompt_tokens=6, cached_tokens=6, weight_version="v2",
+              reasoning_tokens=1),
+    ]  # fmt: skip
+    sims = engines(1, cls=ScriptedEngine, answers=answers)
+    sims_to_close.extend(sims)
+    client = GenerationClient(RolloutServer([EngineGroup("actor", sims)]))
+    result = await asyncio.wait_for(client.generate(request(0, 7)), 5)
+    assert result["output_ids"] == [11, 12, 13, 14, 15, 16, 17]
+    meta = result["meta_info"]
+    # The second attempt's spans start at output token 3; its v1 token continues the first
+    # attempt's v1 span, which SGLang would have reported as one span had it not been aborted.
+    assert meta["weight_versions"] == [
+        {"version": "v1", "start": 0, "end": 4},
+        {"version": "v2", "start": 4, "end": 7},
+    ]
+    assert meta["weight_version"] == "v2"
+    # Describes the whole answer: 7 tokens by length, not the second attempt's budget of 4.
+    assert meta["finish_reason"] == {"type": "length", "length": 7}
+    assert meta["completion_tokens"] == 7
+    assert (meta["num_retractions"], meta["reasoning_tokens"]) == (3, 3)
+    assert (meta["prompt_tokens"], meta["cached_tokens"]) == (3, 0)  # the caller's prompt
+    assert meta["num_resubmissions"] == 1
+    assert client.stats()["retractions"] == 3
+    assert sims[0].requests[1]["sampling_params"]["max_new_tokens"] == 4
+
+
+async def test_answer_keeps_a_version_change_at_the_resubmission_and_drops_empty_attempts(
+    sims_to_close: list[Any],
+) -> None:
+    answers = [
+        piece([1, 2], ABORTED, [("v1", 0, 2)]),
+        piece([], ABORTED, [("v2", 0, 0)]),  # aborted before its first token
+        piece([3, 4, 5], {"type": "stop", "matched": 5}, [("v2", 0, 3)]),
+    ]
+    sims = engines(1, cls=ScriptedEngine, answers=answers)
+    sims_to_close.extend(sims)
+    client = GenerationClient(RolloutServer([EngineGroup("actor", sims)]))
+    result = await asyncio.wait_for(client.generate(request(0, 50)), 5)
+    meta = result["meta_info"]
+    assert result["output_ids"] == [1, 2, 3, 4, 5]
+    assert meta["weight_versions"] == [
+        {"version": "v1", "start": 0, "end": 2},
+        {"version": "v2", "start": 2, "end": 5},
+    ]
+    assert meta["finish_reason"] == {"type": "stop", "matched": 5}
+    assert meta["num_resubmissions"] == 2 and meta["num_retractions"] == 0
+
+
+async def test_answer_without_output_keeps_one_empty_span(sims_to_close: list[Any]) -> None:
+    sims = engines(1, cls=ScriptedEngine, answers=[piece([], {"type": "stop"}, [("v3", 0, 0)])])
+    sims_to_close.extend(sims)
+    client = GenerationClient(RolloutServer([EngineGroup("actor", sims)]))
+    result = await asyncio.wait_for(client.generate(request(0, 50)), 5)
+    assert result["meta_info"]["weight_versions"] == [{"version": "v3", "start": 0, "end": 0}]
+    assert result["meta_info"]["weight_version"] == "v3"
+
+
+async def test_answer_omits_spans_it_cannot_place_rather_than_misplacing_them(
+    sims_to_close: list[Any],
+) -> None:
+    answers = [
+        piece([1, 2], ABORTED, ["v1"], weight_version="v1"),  # strings, not spans
+        piece([3], {"type": "length", "length": 1}, [("v2", 0, 1)], weight_version="v2"),
+    ]
+    sims = engines(1, cls=ScriptedEngine, answers=answers)
+    sims_to_close.extend(sims)
+    client = GenerationClient(RolloutServer([EngineGroup("actor", sims)]))
+    result = await asyncio.wait_for(client.generate(request(0, 3)), 5)
+    assert result["output_ids"] == [1, 2, 3]
+    assert "weight_versions" not in result["meta_info"]
+    assert result["meta_info"]["weight_version"] == "v2"
+    assert result["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+
+
+async def test_abort_after_the_whole_budget_reads_as_a_length_finish(
+    sims_to_close: list[Any],
+) -> None:
+    sims = engines(1, cls=ScriptedEngine, answers=[piece([1, 2, 3], ABORTED, [("v1", 0, 3)])])
+    sims_to_close.extend(sims)
+    client = GenerationClient(RolloutServer([EngineGroup("actor", sims)]))
+    result = await asyncio.wait_for(client.generate(request(0, 3)), 5)
+    assert result["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+    assert result["meta_info"]["num_resubmissions"] == 0 and len(sims[0].requests) == 1
 
 
 async def run_cycles(mode: PauseMode, sims: list[Any], count: int, cycles: int) -> Any:
@@ -286,6 +500,10 @@ async def run_cycles(mode: PauseMode, sims: list[Any], count: int, cycles: int) 
         client.generate_batch([request(i, n) for i, n in enumerate(tokens)])
     )
     await until(lambda: engine_stat(sims, "running") == count, what="every request to run")
+    # Every request is caught by the first pause whatever the machine's speed: in-process
+    # engines decode at most one token per event-loop iteration (a sleep of token_latency
+    # each), the offload reaches the pause in a few iterations, and the shortest request needs
+    # 60 tokens. Later cycles catch what is left; that count is printed, not asserted.
     in_flight = []
     for cycle in range(cycles):
         in_flight.append(engine_stat(sims, "in_flight"))
@@ -456,6 +674,9 @@ async def test_resubmissions_are_bounded(sims_to_close: list[Any]) -> None:
     assert sims[0].calls == 4
     assert info.value.partial is not None and info.value.partial["output_ids"] == [7] * 4
     assert "max_resubmissions=3" in str(info.value)
+    # The partial answer says it is cut short, and why.
+    finish = info.value.partial["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort" and "max_resubmissions=3" in finish["message"]
 
 
 async def test_an_abort_that_refuses_the_request_is_final(sims_to_close: list[Any]) -> None:
@@ -598,16 +819,24 @@ async def test_over_ray_actors_aborts_and_a_dead_actor_lose_no_request(fleet: Fl
     client = GenerationClient(server, hold_timeout=30)
     batch = asyncio.ensure_future(client.generate_batch([request(i, 60) for i in range(6)]))
     await until(lambda: sum(client.outstanding().values()) == 6)
-    await asyncio.sleep(0.03)
     await server.offload()
     await server.onload()
-    await until(lambda: client.outstanding()["actor/2"] == 2, what="resubmissions on actor/2")
+    # The actors decode in their own processes: how many requests each pause catches, and how
+    # many are at actor/2 when it dies, is the machine's speed; the test asserts neither.
+    await until(lambda: client.outstanding()["actor/2"] >= 1 or batch.done())
     lost = client.outstanding()["actor/2"]
     ray.kill(actors[2])
     results = await asyncio.wait_for(batch, 30)
     assert all(len(r["output_ids"]) == 60 for r in results)
-    assert all(r["meta_info"]["num_resubmissions"] >= 1 for r in results)
+    assert all(r["meta_info"]["finish_reason"] == {"type": "length", "length": 60} for r in results)
+    assert all(
+        len(r["meta_info"]["engines"]) == r["meta_info"]["num_resubmissions"] + 1 for r in results
+    )
     stats = client.stats()
-    assert stats["completed"] == 6 and stats["engine_deaths"] == lost == 2
-    assert all(r["meta_info"]["engines"][-1] != "actor/2" for r in results)
-    print(f"\nray: {stats}")
+    assert stats["completed"] == 6 and stats["failed"] == 0 and stats["in_flight"] == 0
+    assert stats["resubmissions"] == sum(r["meta_info"]["num_resubmissions"] for r in results)
+    assert stats["engine_deaths"] <= lost
+    # Whether or not a request was lost there, nothing is left with the dead actor.
+    again = await asyncio.wait_for(client.generate(request(9, 5)), 30)
+    assert len(again["output_ids"]) == 5 and again["meta_info"]["engines"][-1] != "actor/2"
+    print(f"\nray: {stats}, {lost} at actor/2 when it was killed")
