@@ -6,6 +6,13 @@ and runs offload -> onload weights -> versioned weight update -> onload KV every
 fault the library has to handle if asked. It prints a line per call on stderr and a table of the
 steps on stdout, writes the Chrome trace, the Gantt chart, the state diagram and the metrics to
 ``--out``, checks the invariants on the engines' own histories and exits 1 if one broke.
+
+With ``--sglang-python PY --model PATH`` the engines are real SGLang servers instead, started
+by the demo (``launched_sglang_factory``, one per engine, on free loopback ports) and stopped
+when it ends; ``--sglang-args`` and ``--sglang-env`` add server flags and environment (a CPU
+machine needs e.g. ``--sglang-args "--device cpu --disable-cuda-graph ..."``). A real server
+keeps no history of the ops it received, so the barriers are checked on the calls the
+library's timeline recorded; the fault injection needs the simulated engines and is left out.
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ import asyncio
 import contextlib
 import functools
 import json
+import shlex
+import socket
 import sys
 import tempfile
 import time
@@ -52,6 +61,15 @@ FAULT_HELP = {
 }
 #: The delay of the ``slow-flush`` fault.
 SLOW_FLUSH_S = 0.4
+#: Engines per group and groups when none are given: simulated, and real servers (each holds
+#: a whole SGLang server's memory, ~3 GB for a tiny model on a CPU).
+DEFAULT_LAYOUT = {"simulated": (2, 2), "real": (1, 2)}
+#: Requests per step when none are given, and their new tokens (real: long enough to be
+#: decoding when the offload comes).
+DEFAULT_REQUESTS = {"simulated": 16, "real": 6}
+_REAL_NEW_TOKENS = 160
+#: Seconds the demo lets real requests decode before the offload.
+_REAL_WARMUP_S = 1.0
 #: The files ``--out`` receives.
 OUTPUTS = {
     "trace": "trace.json",
@@ -104,6 +122,8 @@ class _Engine:
     joined: int
     standin: Any = None
     history: list[dict[str, Any]] | None = None
+    #: The real SGLang server behind it, when the demo launched one.
+    launched: Any = None
 
 
 @dataclass
@@ -133,10 +153,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         + f"\n\nfiles written to --out: {', '.join(OUTPUTS.values())}",
     )
     demo.add_argument("--steps", type=int, default=3, help="RL steps to run (default 3)")
-    demo.add_argument("--groups", type=int, default=2, help="engine groups (default 2)")
-    demo.add_argument("--engines", type=int, default=2, help="engines per group (default 2)")
     demo.add_argument(
-        "--requests", type=int, default=16, help="generate requests in flight per step"
+        "--groups", type=int, default=None, help="engine groups (default 2; real servers 1)"
+    )
+    demo.add_argument("--engines", type=int, default=None, help="engines per group (default 2)")
+    demo.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="generate requests in flight per step (default 16; real servers 6)",
     )
     demo.add_argument(
         "--pause-mode",
@@ -152,6 +177,31 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     demo.add_argument(
         "--inject-fault", choices=FAULTS, default="none", help="a fault the library must handle"
+    )
+    real = demo.add_argument_group(
+        "real SGLang servers",
+        "run the steps on real SGLang servers the demo launches and stops (no fault injection)",
+    )
+    real.add_argument(
+        "--sglang-python",
+        metavar="PY",
+        help="the interpreter that has sglang installed; with --model, use real servers",
+    )
+    real.add_argument("--model", metavar="PATH", help="the model every server loads")
+    real.add_argument(
+        "--sglang-args",
+        action="append",
+        default=[],
+        metavar="ARGS",
+        help="extra sglang.launch_server arguments, split like a shell does; repeatable (use "
+        "--sglang-args=--flag for a single flag)",
+    )
+    real.add_argument(
+        "--sglang-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable for every server process; repeatable",
     )
     demo.add_argument(
         "--out",
@@ -170,10 +220,51 @@ def _positive(name: str, value: int, limit: int) -> None:
         raise SystemExit(f"rollout-lifecycle: --{name} must be between 1 and {limit}, got {value}")
 
 
+def _real_options(args: argparse.Namespace) -> None:
+    """Check the real-server options; ``args.real`` says whether the demo uses real servers."""
+    real = args.sglang_python is not None or args.model is not None
+    if real and (args.sglang_python is None or args.model is None):
+        raise SystemExit("rollout-lifecycle: --sglang-python and --model go together")
+    if not real and (args.sglang_args or args.sglang_env):
+        raise SystemExit(
+            "rollout-lifecycle: --sglang-args and --sglang-env need --sglang-python and --model"
+        )
+    if real:
+        clashes = [
+            name
+            for name, used in (
+                ("--http", args.http),
+                ("--inject-fault", args.inject_fault != "none"),
+                ("--sabotage", args.sabotage),
+            )
+            if used
+        ]
+        if clashes:
+            raise SystemExit(
+                f"rollout-lifecycle: {', '.join(clashes)} need the simulated engines (fault "
+                "injection is designed for them), not real SGLang servers"
+            )
+        env: dict[str, str] = {}
+        for item in args.sglang_env:
+            name, sep, value = item.partition("=")
+            if not sep or not name:
+                raise SystemExit(f"rollout-lifecycle: --sglang-env wants NAME=VALUE, got {item!r}")
+            env[name] = value
+        args.sglang_env_map = env
+        args.sglang_argv = [a for chunk in args.sglang_args for a in shlex.split(chunk)]
+    args.real = real
+    kind = "real" if real else "simulated"
+    groups, engines = DEFAULT_LAYOUT[kind]
+    args.groups = groups if args.groups is None else args.groups
+    args.engines = engines if args.engines is None else args.engines
+    args.requests = DEFAULT_REQUESTS[kind] if args.requests is None else args.requests
+
+
 def run(
     args: argparse.Namespace, *, stdout: TextIO | None = None, stderr: TextIO | None = None
 ) -> int:
     """Run the demo on a local Ray cluster (one already running is used and left running)."""
+    _real_options(args)
     _positive("steps", args.steps, 1000)
     _positive("groups", args.groups, 8)
     _positive("engines", args.engines, 16)
@@ -230,11 +321,22 @@ class _Demo:
         args = self.args
         self.dir.mkdir(parents=True, exist_ok=True)
         where = "behind stand-in SGLang servers (HTTP)" if args.http else "on local Ray"
+        kind = "simulated engine(s)"
+        if args.real:
+            where = f"(model {args.model}, launched with {args.sglang_python})"
+            kind = "real SGLang server(s)"
         self.say(
-            f"demo: {args.groups} group(s) x {args.engines} simulated engine(s) {where}, pause "
+            f"demo: {args.groups} group(s) x {args.engines} {kind} {where}, pause "
             f"mode {args.pause_mode}, {args.steps} step(s), {args.requests} requests per step, "
             f"fault: {args.inject_fault}"
         )
+        if args.real:
+            self.say(
+                "demo: real servers: the fault scenarios (slow-flush, flush-reject, "
+                "engine-death) are left out (their injection is designed for the simulated "
+                "engines); the barriers are checked on the library's timeline (a real server "
+                "keeps no op history) and no memory is checked (nothing says what it holds)"
+            )
         try:
             try:
                 await self.start_engines()
@@ -280,23 +382,29 @@ class _Demo:
             await self.arm_fault(step)
             if args.sabotage:
                 self.sabotage(server)
-        requests = [
-            {"input_ids": [number, i], "sampling_params": {"max_new_tokens": 40 + i % 24}}
+        base = _REAL_NEW_TOKENS if args.real else 40
+        requests: list[dict[str, Any]] = [
+            {"input_ids": [number, i], "sampling_params": {"max_new_tokens": base + i % 24}}
             for i in range(args.requests)
         ]
+        if args.real:  # a real model may stop early at its end-of-text token
+            for request in requests:
+                request["sampling_params"]["ignore_eos"] = True
         batch = asyncio.ensure_future(server.generate_batch(requests))
         try:
-            await asyncio.sleep(0.05)  # decoding has started: the offload meets requests in flight
+            # Decoding has started: the offload meets requests in flight.
+            await asyncio.sleep(_REAL_WARMUP_S if args.real else 0.05)
             await self.call(step, "offload", server.offload)
             await asyncio.sleep(0.05)  # the trainer's turn on the GPU
             await self.call(step, "onload_weights", server.onload_weights)
             version = f"step-{number}"
-            push = FromDisk(f"/checkpoints/{version}")
+            # A real server reloads the model it serves (there is no trainer to write others).
+            push = FromDisk(args.model if args.real else f"/checkpoints/{version}")
             await self.call(
                 step, "update_weights", lambda: server.update_weights(push, version=version)
             )
             await self.call(step, "onload_kv", server.onload_kv)
-            answers = await asyncio.wait_for(batch, timeout=60)
+            answers = await asyncio.wait_for(batch, timeout=600 if args.real else 60)
         finally:
             if not batch.done():
                 batch.cancel()
@@ -412,7 +520,9 @@ class _Demo:
             for g in range(args.groups)
             for i in range(args.engines)
         ]
-        if args.http:
+        if args.real:
+            await self.launch_real(slots)
+        elif args.http:
             from rollout_lifecycle._standin import StandInServer
 
             self.histories_dir = tempfile.TemporaryDirectory(prefix="rollout-lifecycle-demo-")
@@ -438,6 +548,37 @@ class _Demo:
         await asyncio.wait_for(
             asyncio.gather(*(e.handle.ping.remote() for e in self.engines)), timeout=60
         )
+
+    async def launch_real(self, slots: Sequence[tuple[str, str, int]]) -> None:
+        """Launch one real SGLang server per slot, together, and an HTTP engine actor for each."""
+        from rollout_lifecycle._launch import launched_sglang_factory
+
+        args = self.args
+        launched = [
+            launched_sglang_factory(
+                args.model,
+                port=_free_port(),
+                python=args.sglang_python,
+                memory_saver=False,
+                env=args.sglang_env_map,
+                extra_args=args.sglang_argv,
+                label=label,
+            )()
+            for _, label, _ in slots
+        ]
+        for (slot, label, _), server in zip(slots, launched, strict=True):
+            self.engines.append(_Engine(slot, label, None, 0, launched=server))
+        self.progress(
+            f"starting {len(launched)} SGLang server(s): {shlex.join(launched[0].command)}"
+        )
+        began = time.monotonic()
+        await asyncio.gather(*(e.start() for e in launched))
+        self.progress(
+            f"{len(launched)} SGLang server(s) ready in {time.monotonic() - began:.1f}s: "
+            + ", ".join(e.url for e in launched)
+        )
+        for started in self.engines:
+            started.handle = self.http_actor(started.launched.url)
 
     def http_actor(self, url: str) -> Any:
         from rollout_lifecycle._http import sglang_http_factory
@@ -505,6 +646,9 @@ class _Demo:
     async def history_of(self, engine: _Engine) -> list[dict[str, Any]]:
         if engine.history is not None:
             return engine.history
+        if engine.launched is not None:
+            assert self.server is not None
+            return _timeline_history(self.server, engine.slot)
         if engine.standin is None:
             found: list[dict[str, Any]] = await asyncio.wait_for(
                 engine.handle.history.remote(), timeout=30
@@ -521,6 +665,8 @@ class _Demo:
         for engine in self.engines:
             with contextlib.suppress(Exception):
                 ray.kill(engine.handle)
+        launched = [e.launched for e in self.engines if e.launched is not None]
+        await asyncio.gather(*(e.close() for e in launched), return_exceptions=True)
         standins = [e.standin for e in self.engines if e.standin is not None]
         await asyncio.gather(*(asyncio.to_thread(s.stop, 2.0) for s in standins))
         if self.histories_dir is not None:
@@ -609,13 +755,15 @@ class _Demo:
                 self.problems.append(f"weight versions {versions}, expected all {expected!r}")
             if server.state is not ServerState.SERVING:
                 self.problems.append(f"final state {server.state.value}, expected serving")
-        self.problems += self.memory_problems()
+        if not self.args.real:  # a CPU server without the memory saver frees nothing
+            self.problems += self.memory_problems()
         self.problems += self.fault_problems(server)
         ops = sum(len(h) for h in histories.values())
         verdict = "INVARIANTS BROKEN" if self.problems else "all invariants held"
+        source = " (as the library's timeline recorded them)" if self.args.real else ""
         self.say(
-            f"checked {ops} engine ops across {len(histories)} engines: {verdict}; final state "
-            f"{server.state.value}, weight version {versions.get(self.engines[0].slot)}"
+            f"checked {ops} engine ops across {len(histories)} engines{source}: {verdict}; final "
+            f"state {server.state.value}, weight version {versions.get(self.engines[0].slot)}"
         )
 
     def order_problems(self, histories: Mapping[str, list[dict[str, Any]]]) -> list[str]:
@@ -695,6 +843,34 @@ def _merge(into: dict[str, float], metrics: Mapping[str, float]) -> None:
             into[key] = into.get(key, 0) + value
         else:
             into[key] = value
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+#: The memory tags each resume phase of the timeline resumes.
+_PHASE_TAGS = {"weights": ["weights"], "kv": ["kv_cache", "cuda_graph"]}
+
+
+def _timeline_history(server: RolloutServer, engine: str) -> list[dict[str, Any]]:
+    """One engine's calls as the server's timeline recorded them, in the form of an engine
+    history (for engines that keep none: real SGLang servers)."""
+    return [
+        {
+            "op": span.op,
+            "start": span.start,
+            "end": span.end,
+            "outcome": span.outcome,
+            "tags": _PHASE_TAGS.get(span.phase or "", []),
+            "engine": engine,
+        }
+        for span in server.timeline.spans("engine_call")
+        if span.engine == engine
+    ]
 
 
 def _read_history_file(name: str) -> list[dict[str, Any]]:
