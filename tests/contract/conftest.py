@@ -1,0 +1,109 @@
+"""The contract suite's servers: every scenario runs once on a stand-in SGLang server and once on
+a real SGLang 0.5.23 server (CPU), through one small ``Target`` object, with the same assertions.
+
+The real half is marked ``real_sglang`` (deselected by default; ``bash ci/real`` or
+``-m real_sglang``). Shared servers are left serving, unpaused, with all memory resident; a test
+that kills a server asks for a disposable one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from contract.helpers import STANDIN_TOKEN_LATENCY, Kind, Target
+from real.servers import RealServer, RealServerPool
+
+from rollout_lifecycle._standin import StandInServer
+
+
+def _restore(url: str, headers: dict[str, str]) -> None:
+    """Leave a shared server unpaused (harmless on a serving one); a test that released memory
+    resumes it itself."""
+    with contextlib.suppress(httpx.HTTPError):
+        httpx.post(f"{url}/continue_generation", json={}, headers=headers, timeout=60.0)
+
+
+class _StandIns:
+    """The session's shared stand-in servers, replaced when a test left one dead."""
+
+    def __init__(self) -> None:
+        self._servers: dict[str, StandInServer] = {}
+
+    def get(self, name: str, **keys: str) -> StandInServer:
+        server = self._servers.get(name)
+        if server is None or not server.alive():
+            if server is not None:
+                server.stop()
+            server = StandInServer(token_latency=STANDIN_TOKEN_LATENCY, **keys).start()
+            self._servers[name] = server
+        return server
+
+    def stop(self) -> None:
+        for server in self._servers.values():
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def standins() -> Iterator[_StandIns]:
+    holder = _StandIns()
+    yield holder
+    holder.stop()
+
+
+def _standin_target(server: StandInServer, **keys: str | None) -> Target:
+    return Target("standin", server.url, _exited=server.wait_dead, **keys)
+
+
+def _real_target(server: RealServer, **keys: str | None) -> Target:
+    return Target("real", server.url, _exited=server.exited, **keys)
+
+
+@pytest.fixture(params=["standin", pytest.param("real", marks=pytest.mark.real_sglang)])
+def target(request: pytest.FixtureRequest) -> Iterator[Target]:
+    """A shared keyless server, serving and unpaused; ``target.disposable()`` gives one a test
+    may kill."""
+    kind: Kind = request.param
+    stops: list[Callable[[], Any]] = []
+    if kind == "standin":
+        shared = request.getfixturevalue("standins").get("shared")
+
+        def standin_disposable() -> Target:
+            server = StandInServer(token_latency=STANDIN_TOKEN_LATENCY).start()
+            stops.append(server.stop)
+            return _standin_target(server)
+
+        target = _standin_target(shared)
+        target._disposable = standin_disposable
+    else:
+        pool: RealServerPool = request.getfixturevalue("real_pool")
+        real = pool.shared(1)[0]
+
+        def real_disposable() -> Target:
+            server = pool.disposable()
+            stops.append(server.stop)
+            return _real_target(server)
+
+        target = _real_target(real)
+        target._disposable = real_disposable
+    yield target
+    for stop in stops:
+        stop()
+    _restore(target.url, target.headers())
+
+
+@pytest.fixture(params=["standin", pytest.param("real", marks=pytest.mark.real_sglang)])
+def keyed(request: pytest.FixtureRequest) -> Iterator[Target]:
+    """A server with both keys: ``RealServerPool.ADMIN_KEY`` and ``RealServerPool.API_KEY``."""
+    keys = {"admin_key": RealServerPool.ADMIN_KEY, "api_key": RealServerPool.API_KEY}
+    if request.param == "standin":
+        server = request.getfixturevalue("standins").get("keyed", **keys)
+        target = _standin_target(server, **keys)
+    else:
+        pool: RealServerPool = request.getfixturevalue("real_pool")
+        target = _real_target(pool.keyed(), **keys)
+    yield target
+    _restore(target.url, target.headers())

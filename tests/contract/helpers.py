@@ -1,0 +1,101 @@
+"""What the contract scenarios share: requests of a known length, requests held in flight,
+deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+Kind = Literal["standin", "real"]
+
+#: The stand-in's seconds per generated token: close to the real CPU server's 50-100 tokens/s,
+#: so that "requests in flight" means the same on both.
+STANDIN_TOKEN_LATENCY = 0.015
+#: Deadline for a request or a control call that should answer (a generous bound, not a sleep).
+CALL_TIMEOUT = 120.0
+
+
+@dataclass
+class Target:
+    """One server under test, whichever kind it is."""
+
+    kind: Kind
+    url: str
+    admin_key: str | None = None
+    api_key: str | None = None
+    _exited: Callable[[float], bool] = field(repr=False, default=lambda _: False)
+    _disposable: Callable[[], Target] | None = field(repr=False, default=None)
+
+    def headers(self, key: str | None = None) -> dict[str, str]:
+        """``Authorization: Bearer KEY`` for ``key`` (by default the control key: the admin
+        key when the server has one, else the api key); no header for a keyless server."""
+        key = key if key is not None else (self.admin_key or self.api_key)
+        return {} if key is None else {"Authorization": f"Bearer {key}"}
+
+    def client(self, timeout: float = CALL_TIMEOUT) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            base_url=self.url, headers=self.headers(), timeout=timeout, trust_env=False
+        )
+
+    def exited(self, within: float) -> bool:
+        """Whether the server process has exited, waiting up to ``within`` seconds."""
+        return self._exited(within)
+
+    def disposable(self) -> Target:
+        """A fresh keyless server this test may kill (stopped when the test ends)."""
+        assert self._disposable is not None, "only the shared keyless target hands these out"
+        return self._disposable()
+
+
+def gen_request(tokens: int, i: int = 0, rid: str | None = None) -> dict[str, Any]:
+    """A generate request of exactly ``tokens`` new tokens (random weights: no eos)."""
+    body: dict[str, Any] = {
+        "input_ids": [11 + i, 23, 5 + i, 42],
+        "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True},
+    }
+    if rid is not None:
+        body["rid"] = rid
+    return body
+
+
+async def generate(client: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
+    answer = await client.post("/generate", json=body)
+    assert answer.status_code == 200, answer.text
+    result: dict[str, Any] = answer.json()
+    return result
+
+
+async def in_flight(
+    client: httpx.AsyncClient, n: int, tokens: int, *, rids: list[str] | None = None
+) -> list[asyncio.Task[dict[str, Any]]]:
+    """Start ``n`` generate requests and return once the scheduler holds all of them: a
+    one-token probe sent after them finishes only once they were admitted."""
+    tasks = [
+        asyncio.create_task(
+            generate(client, gen_request(tokens, i, None if rids is None else rids[i]))
+        )
+        for i in range(n)
+    ]
+    await asyncio.sleep(0)  # let them leave first
+    await generate(client, gen_request(1, 99))
+    for task in tasks:
+        assert not task.done(), "a request finished before the scenario began: make it longer"
+    return tasks
+
+
+def finish_type(answer: dict[str, Any]) -> str:
+    kind: str = answer["meta_info"]["finish_reason"]["type"]
+    return kind
+
+
+async def wait_until(check: Callable[[], Awaitable[bool]], deadline_s: float = 60.0) -> None:
+    """Poll an async ``check`` until it returns true, or fail at the deadline."""
+    end = time.monotonic() + deadline_s
+    while not await check():
+        assert time.monotonic() < end, "condition not reached before the deadline"
+        await asyncio.sleep(0.1)
