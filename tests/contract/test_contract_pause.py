@@ -1,0 +1,61 @@
+"""Pause in each mode with requests in flight, and what becomes of those requests."""
+
+from __future__ import annotations
+
+import asyncio
+
+from contract.helpers import Target, finish_type, gen_request, in_flight
+
+TOKENS = 60
+
+
+async def test_abort_pause_returns_every_request_with_partial_output_and_finish_abort(
+    target: Target,
+) -> None:
+    async with target.client() as client:
+        tasks = await in_flight(client, 3, TOKENS)
+        answer = await client.post("/pause_generation", json={"mode": "abort"})
+        assert answer.status_code == 200, answer.text
+        # The pause answers only once nothing is in flight: every request has its answer.
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        for result in results:
+            assert finish_type(result) == "abort", result["meta_info"]
+            assert len(result["output_ids"]) < TOKENS
+        assert (await client.post("/continue_generation", json={})).status_code == 200
+
+
+async def test_retracted_requests_finish_after_continue_and_count_the_retraction(
+    target: Target,
+) -> None:
+    async with target.client() as client:
+        tasks = await in_flight(client, 3, TOKENS)
+        assert (await client.post("/pause_generation", json={"mode": "retract"})).status_code == 200
+        assert not any(task.done() for task in tasks), "a retract pause keeps requests open"
+        assert (await client.post("/continue_generation", json={})).status_code == 200
+        for result in await asyncio.wait_for(asyncio.gather(*tasks), 120):
+            assert finish_type(result) == "length"
+            assert len(result["output_ids"]) == TOKENS
+            assert result["meta_info"]["num_retractions"] >= 1
+
+
+async def test_in_place_paused_requests_finish_after_continue(target: Target) -> None:
+    async with target.client() as client:
+        tasks = await in_flight(client, 3, TOKENS)
+        answer = await client.post("/pause_generation", json={"mode": "in_place"})
+        assert answer.status_code == 200
+        assert not any(task.done() for task in tasks), "an in_place pause keeps requests open"
+        assert (await client.post("/continue_generation", json={})).status_code == 200
+        for result in await asyncio.wait_for(asyncio.gather(*tasks), 120):
+            assert finish_type(result) == "length"
+            assert len(result["output_ids"]) == TOKENS
+
+
+async def test_requests_sent_while_paused_wait_and_run_after_continue(target: Target) -> None:
+    async with target.client() as client:
+        assert (await client.post("/pause_generation", json={"mode": "retract"})).status_code == 200
+        late = asyncio.create_task(client.post("/generate", json=gen_request(5)))
+        done, _ = await asyncio.wait({late}, timeout=2.0)
+        assert not done, "a request sent while paused must wait"
+        assert (await client.post("/continue_generation", json={})).status_code == 200
+        answer = await asyncio.wait_for(late, 60)
+        assert answer.status_code == 200 and len(answer.json()["output_ids"]) == 5
