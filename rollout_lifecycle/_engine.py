@@ -36,7 +36,12 @@ class EngineBackend(Protocol):
         ...
 
     async def flush_cache(self, timeout: float) -> None:
-        """``POST /flush_cache?timeout=T``; raises ``EngineRejected`` (400) when not idle."""
+        """``POST /flush_cache``; raises ``EngineRejected`` (400) when not idle.
+
+        ``timeout`` 0: no server-side wait (flush now if idle; while paused the waiting queue
+        does not count). ``timeout`` T > 0: ``?timeout=T``, the server waits up to T for
+        idleness counting the waiting queue (for an unpaused engine going idle).
+        """
         ...
 
     async def release_memory_occupation(self, tags: Sequence[Tag]) -> None:
@@ -115,20 +120,27 @@ class EngineHost:
         await self._backend.continue_generation()
 
     async def flush_cache(self, deadline: float, retry_interval: float = 0.05) -> int:
-        """Flush until the engine is idle, retrying on 400 until ``deadline`` seconds pass.
+        """The idle barrier: flush until the engine is idle, retrying 400s until ``deadline``
+        seconds pass.
 
-        A 400 from flush is not fatal: it is the idle barrier saying "not yet". Each attempt
-        asks the server to wait for idleness itself for the time that remains. Returns the
-        number of attempts the flush took (1 when the engine was idle at once), which the
-        server reports as ``lifecycle/<call>/<phase>_retries``.
+        Every attempt is a flush with no server-side timeout, and the client retries: a 400 is
+        not fatal, it is the barrier saying "not yet". A server-side timeout would be wrong
+        here: SGLang then re-checks idleness counting its waiting queue, where a retract pause
+        keeps the retracted requests, and answers 400 after the timeout every time; without
+        one it flushes as soon as nothing runs, the waiting queue ignored while paused. The
+        same barrier serves the flush after a weight write. Returns the number of attempts the
+        flush took (1 when the engine was idle at once), which the server reports as
+        ``lifecycle/<call>/<phase>_retries``.
         """
+        # sglang: flush_wrapper.py SchedulerFlushWrapper.handle (timeout_s <= 0 -> flush now;
+        # > 0 -> deferred, check_pending uses is_fully_idle() with the waiting queue);
+        # scheduler.py Scheduler.flush_cache (is_fully_idle(ignore_waiting=self._engine_paused))
         start = time.monotonic()
         attempts = 0
         while True:
-            remaining = deadline - (time.monotonic() - start)
             attempts += 1
             try:
-                await self._backend.flush_cache(max(0.0, remaining))
+                await self._backend.flush_cache(0.0)
                 return attempts
             except EngineRejected as exc:
                 if exc.status != 400:
@@ -194,8 +206,13 @@ class EngineHost:
         group_name: str,
         weight_version: str | None = None,
         flush_cache: bool = False,
+        load_format: str | None = None,
     ) -> None:
-        """Receive weights over a collective group (inside a weight-update session)."""
+        """Receive weights over a collective group (inside a weight-update session).
+
+        ``load_format`` is passed on only when given (backends without it keep working).
+        """
+        extra: dict[str, Any] = {} if load_format is None else {"load_format": load_format}
         await self._optional("update_weights_from_distributed")(
             names,
             dtypes,
@@ -204,10 +221,40 @@ class EngineHost:
             weight_version=weight_version,
             flush_cache=flush_cache,
             abort_all_requests=False,
+            **extra,
         )
 
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> None:
+        """Join the collective group weights arrive over (``/init_weights_update_group``);
+        returns once the trainer and every member joined."""
+        await self._optional("init_weights_update_group")(
+            master_address,
+            master_port,
+            rank_offset,
+            world_size,
+            group_name=group_name,
+            backend=backend,
+        )
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        """Leave a collective group (``/destroy_weights_update_group``)."""
+        await self._optional("destroy_weights_update_group")(group_name)
+
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        """Abort requests whose id starts with ``rid`` (or all of them)."""
+        """Abort the request whose id is exactly ``rid`` (or all of them with ``abort_all``).
+
+        SGLang (one tokenizer worker, its default) matches the rid exactly: a prefix aborts
+        nothing, and ``rid=""`` without ``abort_all`` is ignored.
+        """
+        # sglang: tokenizer_manager.py TokenizerManager.abort_request
         await self._optional("abort_request")(rid, abort_all)
 
     def _optional(self, name: str) -> Any:

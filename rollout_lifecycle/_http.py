@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
+import re
 import socket
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -25,11 +26,21 @@ from rollout_lifecycle._exceptions import (
     EngineRejected,
     EngineTimeout,
     EngineUnreachable,
+    IllegalEngineOp,
     InvalidArgument,
 )
 from rollout_lifecycle._secret import Secret, as_secret
 
-__all__ = ["HTTPTimeouts", "SGLangHTTPEngine", "check_seconds", "scrub", "sglang_http_factory"]
+__all__ = [
+    "MIN_SGLANG_VERSION",
+    "WEIGHT_SELECTORS",
+    "HTTPTimeouts",
+    "SGLangHTTPEngine",
+    "check_seconds",
+    "parse_version",
+    "scrub",
+    "sglang_http_factory",
+]
 
 #: Answers worth another attempt on a call that is safe to repeat: the server (or a proxy in
 #: front of it) is briefly unable to serve, and did not do the call.
@@ -44,8 +55,30 @@ _MASK = "********"
 _NORMAL_PATHS = frozenset(
     {"/generate", "/server_info", "/get_server_info", "/model_info", "/get_model_info"}
 )
+#: Endpoints SGLang serves without a key; none is sent to them.
+# sglang: auth.py (/health*, /ready*, /metrics* are open)
+_OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 #: The longest pause between two attempts of a retried call.
 _MAX_BACKOFF = 5.0
+#: The oldest SGLang this client drives: 0.5.20 has no begin/end weight-update endpoints and its
+#: release asserts plain idleness (a retract pause that left requests waiting kills it); 0.5.21
+#: dies on a weight update with ``flush_cache: true`` on a busy engine.
+MIN_SGLANG_VERSION: tuple[int, int, int] = (0, 5, 22)
+#: The runners a weight-update session and its updates apply to.
+# sglang: io_struct.py BeginWeightUpdateReqInput / UpdateWeightsFromTensorReqInput /
+# UpdateWeightsFromDistributedReqInput.selector: Literal["target", "draft", "all"] = "all"
+WEIGHT_SELECTORS: tuple[str, ...] = ("target", "draft", "all")
+#: The collective group SGLang names when none is given.
+# sglang: io_struct.py InitWeightsUpdateGroupReqInput.group_name = "weight_update_group"
+DEFAULT_GROUP_NAME = "weight_update_group"
+#: Server-argument fields that hold a secret (``/server_info`` publishes them in clear).
+# sglang: common.py build_server_info (server_args.resolved_dict()), arg_groups/fields/serving.py
+_SECRET_FIELD = re.compile(r"(api_key|password|secret|watermark_key)$")
+#: Command-line flags whose value is a secret, as ``launch_command`` quotes them.
+_SECRET_FLAG = re.compile(
+    r"(--(?:admin-api-key|api-key|ssl-keyfile-password|watermark-key)(?:=|\s+))(\S+)"
+)
+_VERSION = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?")
 
 
 @dataclass(frozen=True)
@@ -156,6 +189,12 @@ def _check_str_list(name: str, value: object) -> list[str]:
     return items
 
 
+def _check_name(name: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidArgument(f"{name} must be a non-empty string, got {value!r}")
+    return value
+
+
 def _check_shapes(value: object) -> list[list[int]]:
     if isinstance(value, str) or not isinstance(value, Sequence):
         raise InvalidArgument(f"shapes must be a list of lists of ints, got {type(value).__name__}")
@@ -175,6 +214,24 @@ def _seconds_param(value: float) -> str:
     return repr(round(float(value), 3))
 
 
+def parse_version(value: object) -> tuple[int, int, int] | None:
+    """``(major, minor, patch)`` of a version string such as ``0.5.23``, ``0.5.23.post1`` or
+    ``0.5.23-sim`` (the leading numbers count, a suffix does not); None if it has none."""
+    if not isinstance(value, str):
+        return None
+    match = _VERSION.match(value)
+    if match is None:
+        return None
+    major, minor, patch = match.groups()
+    return int(major), int(minor), int(patch or 0)
+
+
+def _shown(value: object) -> str:
+    """A value from an answer, short enough for an error message."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:60]}..."
+
+
 class SGLangHTTPEngine:
     """One SGLang 0.5.23 server over HTTP; implements ``EngineBackend``.
 
@@ -189,6 +246,17 @@ class SGLangHTTPEngine:
 
     The ``httpx.AsyncClient`` is created on first use, on the running loop, and ignores proxy
     environment variables (a proxy between trainer and engine would see the keys).
+
+    ``weight_selector`` ("all", SGLang's default, "target" or "draft") is the one selector sent
+    to ``/begin_weight_update`` and to every tensor and distributed update: SGLang applies each
+    call to the runners its selector names, so a session and its updates must agree.
+
+    Attach check: before the first lifecycle call (pause, continue, flush, release, resume,
+    weight calls) the client reads ``version`` from ``/server_info`` once and refuses an SGLang
+    older than ``MIN_SGLANG_VERSION`` (0.5.22), or one whose version it cannot read, with
+    ``IllegalEngineOp`` naming what it found; nothing else is sent then. ``check_version()``
+    runs it on demand; ``check_version=False`` skips it. Probes, ``generate`` and
+    ``abort_request`` are never held back by it.
     """
 
     def __init__(
@@ -202,6 +270,8 @@ class SGLangHTTPEngine:
         retry_backoff: float = 0.2,
         transport: httpx.AsyncBaseTransport | None = None,
         label: str | None = None,
+        weight_selector: str = "all",
+        check_version: bool = True,
     ) -> None:
         self._admin_key = as_secret(admin_key, what="admin_key")
         self._api_key = as_secret(api_key, what="api_key")
@@ -229,6 +299,15 @@ class SGLangHTTPEngine:
         if self._scrub(label) != label or self._scrub(self._url) != self._url:
             raise InvalidArgument("label and url must not contain a key")
         self._label = label
+        if weight_selector not in WEIGHT_SELECTORS:
+            valid = ", ".join(WEIGHT_SELECTORS)
+            raise InvalidArgument(
+                f"weight_selector must be one of {valid}, got {weight_selector!r}"
+            )
+        self._selector = weight_selector
+        self._check_version = _check_flag("check_version", check_version)
+        #: The SGLang version found by the attach check, once it passed.
+        self._version: str | None = None
         self._client: httpx.AsyncClient | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -250,6 +329,16 @@ class SGLangHTTPEngine:
         """The timeouts in force."""
         return self._timeouts
 
+    @property
+    def weight_selector(self) -> str:
+        """The selector sent to ``/begin_weight_update`` and every tensor/distributed update."""
+        return self._selector
+
+    @property
+    def sglang_version(self) -> str | None:
+        """The SGLang version the attach check accepted (None before it ran, or when skipped)."""
+        return self._version
+
     def __repr__(self) -> str:
         return (
             f"SGLangHTTPEngine({self._url!r}, label={self._label!r}, "
@@ -266,6 +355,7 @@ class SGLangHTTPEngine:
         except ValueError:
             valid = ", ".join(m.value for m in PauseMode)
             raise InvalidArgument(f"unknown pause mode {mode!r}; valid: {valid}") from None
+        await self._attach(op)
         response = await self._request(
             op, "POST", "/pause_generation", {"mode": mode.value}, self._timeouts.control
         )
@@ -274,19 +364,33 @@ class SGLangHTTPEngine:
     async def continue_generation(self) -> None:
         """``POST /continue_generation {"torch_empty_cache": true}``; retried."""
         op = "continue_generation"
+        await self._attach(op)
         response = await self._request(
             op, "POST", "/continue_generation", {"torch_empty_cache": True}, self._timeouts.control
         )
         self._expect_no_refusal(op, response)
 
     async def flush_cache(self, timeout: float) -> None:
-        """``POST /flush_cache?timeout=T`` with no body; a 400 (not idle) raises ``EngineRejected``.
+        """``POST /flush_cache`` with no body; a 400 (not idle) raises ``EngineRejected``.
 
-        The server waits up to ``timeout`` seconds for idleness; the client waits that long plus
-        ``flush_margin``. Transport failures are retried within the same ``timeout``; a 400 is not
-        (``EngineHost.flush_cache`` retries it until its own deadline).
+        ``timeout`` 0 sends no ``timeout`` query: SGLang flushes at once if idle, where while
+        paused its waiting queue does not count (so it succeeds after a retract pause), else
+        answers 400. This is the idle barrier's call (``EngineHost.flush_cache`` retries the 400
+        until its own deadline).
+
+        ``timeout`` T > 0 sends ``?timeout=T``: SGLang defers the flush and re-checks idleness
+        *counting* the waiting queue, for up to T seconds; retracted requests sit there while
+        paused, so after a retract pause this answers 400 "Timed out waiting for idle state."
+        after T, every time. Use T > 0 only to wait for an unpaused engine to go idle.
+
+        The client waits T plus ``flush_margin``. Transport failures are retried within the same
+        T; a 400 is not.
         """
+        # sglang: flush_wrapper.py SchedulerFlushWrapper.handle (timeout_s <= 0: flush now) and
+        # check_pending (is_fully_idle() counts the waiting queue); scheduler.py
+        # Scheduler.flush_cache (is_fully_idle(ignore_waiting=self._engine_paused)).
         wait = check_seconds("flush timeout", timeout, positive=False)
+        await self._attach("flush_cache")
         await self._request(
             "flush_cache",
             "POST",
@@ -308,6 +412,7 @@ class SGLangHTTPEngine:
         # An empty list means "all three tags" to SGLang: resuming a tag that is not released
         # kills the server, so the tags are always named, and validated before anything is sent.
         names = [t.value for t in parse_tags(tags, what=f"{op} tags")]
+        await self._attach(op)
         response = await self._request(
             op, "POST", f"/{op}", {"tags": names}, self._timeouts.memory, retry=False
         )
@@ -316,13 +421,16 @@ class SGLangHTTPEngine:
     # ----------------------------------------------------------------------------- weights
 
     async def begin_weight_update(self) -> None:
-        """``POST /begin_weight_update {"selector": "target"}``."""
+        """``POST /begin_weight_update {"selector": S}`` with the client's ``weight_selector``."""
         op = "begin_weight_update"
+        await self._attach(op)
         response = await self._request(
             op,
             "POST",
             "/begin_weight_update",
-            {"selector": "target"},
+            # sglang: io_struct.py BeginWeightUpdateReqInput.selector (default "all"); the
+            # updates of the session must name the same runners.
+            {"selector": self._selector},
             self._timeouts.control,
             retry=False,
         )
@@ -331,6 +439,7 @@ class SGLangHTTPEngine:
     async def end_weight_update(self) -> None:
         """``POST /end_weight_update {}``."""
         op = "end_weight_update"
+        await self._attach(op)
         response = await self._request(
             op, "POST", "/end_weight_update", {}, self._timeouts.control, retry=False
         )
@@ -356,6 +465,7 @@ class SGLangHTTPEngine:
             "flush_cache": _check_flag("flush_cache", flush_cache),
             "abort_all_requests": _check_flag("abort_all_requests", abort_all_requests),
         }
+        await self._attach(op)
         response = await self._request(
             op, "POST", "/update_weights_from_disk", body, self._timeouts.weights, retry=False
         )
@@ -370,7 +480,8 @@ class SGLangHTTPEngine:
         abort_all_requests: bool,
         load_format: str | None = None,
     ) -> None:
-        """``POST /update_weights_from_tensor`` (one base64 payload per TP rank); sent once."""
+        """``POST /update_weights_from_tensor`` (one base64 payload per TP rank), with the
+        client's ``weight_selector``; sent once."""
         op = "update_weights_from_tensor"
         body = {
             "serialized_named_tensors": _check_str_list(
@@ -380,7 +491,10 @@ class SGLangHTTPEngine:
             "weight_version": _check_str("weight_version", weight_version, optional=True),
             "flush_cache": _check_flag("flush_cache", flush_cache),
             "abort_all_requests": _check_flag("abort_all_requests", abort_all_requests),
+            # sglang: io_struct.py UpdateWeightsFromTensorReqInput.selector
+            "selector": self._selector,
         }
+        await self._attach(op)
         response = await self._request(
             op, "POST", "/update_weights_from_tensor", body, self._timeouts.weights, retry=False
         )
@@ -396,8 +510,10 @@ class SGLangHTTPEngine:
         weight_version: str | None,
         flush_cache: bool,
         abort_all_requests: bool,
+        load_format: str | None = None,
     ) -> None:
-        """``POST /update_weights_from_distributed``; the tensors arrive over ``group_name``."""
+        """``POST /update_weights_from_distributed``, with the client's ``weight_selector``; the
+        tensors arrive over ``group_name`` (made by ``init_weights_update_group``); sent once."""
         op = "update_weights_from_distributed"
         names = _check_str_list("names", names)
         dtypes = _check_str_list("dtypes", dtypes)
@@ -414,10 +530,14 @@ class SGLangHTTPEngine:
             "dtypes": dtypes,
             "shapes": shape_list,
             "group_name": group_name,
+            "load_format": _check_str("load_format", load_format, optional=True),
             "weight_version": _check_str("weight_version", weight_version, optional=True),
             "flush_cache": _check_flag("flush_cache", flush_cache),
             "abort_all_requests": _check_flag("abort_all_requests", abort_all_requests),
+            # sglang: io_struct.py UpdateWeightsFromDistributedReqInput.selector
+            "selector": self._selector,
         }
+        await self._attach(op)
         response = await self._request(
             op,
             "POST",
@@ -425,6 +545,68 @@ class SGLangHTTPEngine:
             body,
             self._timeouts.weights,
             retry=False,
+        )
+        self._expect_success(op, response)
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = DEFAULT_GROUP_NAME,
+        backend: str = "nccl",
+    ) -> None:
+        """``POST /init_weights_update_group``: join the collective group the trainer (rank 0)
+        broadcasts weights over; this server's ranks are ``rank_offset`` and up.
+
+        It returns once the whole group has formed, so the trainer must join concurrently; sent
+        once (a second join would form a second group), and bounded by the ``weights`` timeout.
+        """
+        # sglang: io_struct.py InitWeightsUpdateGroupReqInput (master_address, master_port,
+        # rank_offset, world_size, group_name, backend); http_server.py init_weights_update_group
+        op = "init_weights_update_group"
+        if not isinstance(master_address, str) or not master_address:
+            raise InvalidArgument(
+                f"master_address must be a non-empty string, got {master_address!r}"
+            )
+        for name, value, low in (
+            ("master_port", master_port, 1),
+            ("rank_offset", rank_offset, 1),
+            ("world_size", world_size, 2),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise InvalidArgument(f"{name} must be an int >= {low}, got {value!r}")
+        if master_port > 65535:
+            raise InvalidArgument(f"master_port must be at most 65535, got {master_port!r}")
+        if rank_offset >= world_size:
+            raise InvalidArgument(
+                f"rank_offset {rank_offset} must be below world_size {world_size}"
+            )
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": _check_name("group_name", group_name),
+            "backend": _check_name("backend", backend),
+        }
+        await self._attach(op)
+        response = await self._request(
+            op, "POST", "/init_weights_update_group", body, self._timeouts.weights, retry=False
+        )
+        self._expect_success(op, response)
+
+    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> None:
+        """``POST /destroy_weights_update_group {"group_name"}``: leave the collective group."""
+        # sglang: io_struct.py DestroyWeightsUpdateGroupReqInput (group_name);
+        # http_server.py destroy_weights_update_group
+        op = "destroy_weights_update_group"
+        body = {"group_name": _check_name("group_name", group_name)}
+        await self._attach(op)
+        response = await self._request(
+            op, "POST", "/destroy_weights_update_group", body, self._timeouts.control, retry=False
         )
         self._expect_success(op, response)
 
@@ -436,6 +618,7 @@ class SGLangHTTPEngine:
             "new_version": _check_str("version", version, optional=False),
             "abort_all_requests": _check_flag("abort_all_requests", abort_all_requests),
         }
+        await self._attach(op)
         response = await self._request(
             op, "POST", "/update_weight_version", body, self._timeouts.control, retry=False
         )
@@ -459,24 +642,28 @@ class SGLangHTTPEngine:
         """``GET /server_info`` (old name ``/get_server_info``): the liveness probe.
 
         Safe while paused, unlike ``/health`` and ``/health_generate``, which run a generation
-        and hang on a paused server. Server arguments that are keys come back masked.
+        and hang on a paused server. SGLang publishes its keys here in clear (server arguments
+        ``api_key`` and ``admin_api_key``, and ``launch_command``); they come back masked, as
+        do other secret arguments and any occurrence of this client's keys.
         """
-        info = await self._info("server_info", "/server_info", "/get_server_info")
-        masked = self._mask_keys(info)
-        assert isinstance(masked, dict)
-        return masked
+        # sglang: common.py build_server_info (server_args.resolved_dict() + launch_command)
+        return await self._info("server_info", "/server_info", "/get_server_info")
 
     async def ready(self, timeout: float | None = None) -> bool:
-        """One ``GET /model_info``, not retried: True on 200, False if the server cannot answer
-        yet (connection refused or dropped, timed out, 502/503/504). Other answers raise (a 401
-        means the key is wrong, which waiting will not mend)."""
-        wait = (
-            self._timeouts.probe
-            if timeout is None
-            else max(0.001, min(timeout, self._timeouts.probe))
-        )
+        """One ``GET /ready``, not retried: True on 200 only.
+
+        SGLang answers 200 when the server is up (after warm-up) and not paused, 503 otherwise;
+        ``/model_info`` answers before warm-up and is no readiness probe. False also when the
+        server cannot answer (connection refused or dropped, timed out, 502/504). Other answers
+        raise. A paused server is not ready: False from an engine that may be paused says
+        nothing of its liveness (``server_info()`` is the liveness probe).
+        """
+        # sglang: http_server.py ready() -> tokenizer_manager.py TokenizerManager.is_ready
+        # (not self.is_pause and self.is_healthy())
         try:
-            await self._request("ready", "GET", "/model_info", None, wait, retry=False)
+            await self._request(
+                "ready", "GET", "/ready", None, self._probe_wait(timeout), retry=False
+            )
         except (EngineDead, EngineUnreachable, EngineTimeout):
             return False
         except EngineRejected as exc:
@@ -485,8 +672,71 @@ class SGLangHTTPEngine:
             raise
         return True
 
+    async def _ready_status(self, timeout: float | None = None) -> int | None:
+        """One ``GET /ready``, not retried: the status of whatever answers at the URL (503
+        from a paused or warming-up SGLang), or None when nothing does."""
+        try:
+            response = await self._request(
+                "ready", "GET", "/ready", None, self._probe_wait(timeout), retry=False
+            )
+        except (EngineDead, EngineUnreachable, EngineTimeout):
+            return None
+        except EngineRejected as exc:
+            return exc.status
+        return response.status_code
+
+    def _probe_wait(self, timeout: float | None) -> float:
+        if timeout is None:
+            return self._timeouts.probe
+        return max(0.001, min(timeout, self._timeouts.probe))
+
+    async def check_version(self, op: str = "check_version") -> str:
+        """Read ``version`` from ``/server_info`` and refuse an SGLang older than 0.5.22.
+
+        Returns the version found; remembers it, so that the attach check before lifecycle
+        calls does not ask again. Raises ``IllegalEngineOp`` (naming the version found) when it
+        is too old, missing or unreadable; engine errors of the probe itself pass through.
+        """
+        info = await self._info(op, "/server_info", "/get_server_info")
+        found = info.get("version")
+        wanted = ".".join(str(n) for n in MIN_SGLANG_VERSION)
+        if found is None:
+            raise IllegalEngineOp(
+                self._label,
+                op,
+                f"/server_info reports no SGLang version; this client needs SGLang >= {wanted} "
+                "and sends no lifecycle call to a server it cannot identify",
+            )
+        parsed = parse_version(found)
+        if parsed is None:
+            raise IllegalEngineOp(
+                self._label,
+                op,
+                f"/server_info reports SGLang version {_shown(found)}, which is not a version "
+                f"number; this client needs SGLang >= {wanted}",
+            )
+        if parsed < MIN_SGLANG_VERSION:
+            raise IllegalEngineOp(
+                self._label,
+                op,
+                f"the server runs SGLang {_shown(found)}, older than {wanted}, the oldest this "
+                "client drives (0.5.20 has no weight-update sessions and its release after a "
+                "retract pause kills it; 0.5.21 dies on an update that flushes a busy engine)",
+            )
+        assert isinstance(found, str)
+        self._version = found
+        return found
+
+    async def _attach(self, op: str) -> None:
+        """The attach check, once per client, before its first lifecycle call."""
+        if self._check_version and self._version is None:
+            await self.check_version(op)
+
     async def _info(self, op: str, path: str, old_path: str) -> dict[str, Any]:
-        """A probe's JSON object, from ``path`` or, on a server that predates it, ``old_path``."""
+        """A probe's JSON object, from ``path`` or, on a server that predates it, ``old_path``.
+
+        Secrets in it are masked here, so no raw copy leaves this method.
+        """
         try:
             response = await self._request(op, "GET", path, None, self._timeouts.probe)
         except EngineRejected as exc:
@@ -497,7 +747,9 @@ class SGLangHTTPEngine:
         data = self._json(op, path, response)
         if not isinstance(data, dict):
             self._garbage(op, path, f"expected a JSON object, got {type(data).__name__}")
-        return data
+        masked = self._mask_keys(data)
+        assert isinstance(masked, dict)
+        return masked
 
     # ----------------------------------------------------------------------------- requests
 
@@ -519,7 +771,15 @@ class SGLangHTTPEngine:
         return data
 
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        """``POST /abort_request {"rid", "abort_all"}``: abort requests whose id starts with rid."""
+        """``POST /abort_request {"rid", "abort_all"}``: abort the request whose id is ``rid``
+        exactly, or every request with ``abort_all``.
+
+        With one tokenizer worker (SGLang's default) the rid must equal a live request's id: a
+        prefix or an unknown rid aborts nothing, and ``rid=""`` without ``abort_all`` is
+        ignored. Sent once; the answer (200, empty) does not say whether anything was aborted.
+        """
+        # sglang: tokenizer_manager.py TokenizerManager.abort_request (rid_to_state.get(rid);
+        # no state and tokenizer_worker_num == 1 -> return)
         if not isinstance(rid, str):
             raise InvalidArgument(f"rid must be a string, got {type(rid).__name__}")
         body = {"rid": rid, "abort_all": _check_flag("abort_all", abort_all)}
@@ -571,12 +831,13 @@ class SGLangHTTPEngine:
         return scrub(text, (self._admin_key, self._api_key))
 
     def _mask_keys(self, value: Any) -> Any:
-        """A copy of a JSON value with key-like fields and our keys' values masked."""
+        """A copy of a JSON value with secret fields (``api_key``, ``admin_api_key``, passwords),
+        secret flags' values in command lines (``launch_command``) and our keys masked."""
         if isinstance(value, dict):
             return {
                 k: (
                     _MASK
-                    if v and isinstance(k, str) and k.endswith("api_key")
+                    if v and isinstance(k, str) and _SECRET_FIELD.search(k)
                     else self._mask_keys(v)
                 )
                 for k, v in value.items()
@@ -584,7 +845,7 @@ class SGLangHTTPEngine:
         if isinstance(value, list):
             return [self._mask_keys(v) for v in value]
         if isinstance(value, str):
-            return self._scrub(value)
+            return _SECRET_FLAG.sub(lambda m: m.group(1) + _MASK, self._scrub(value))
         return value
 
     async def _request(
@@ -601,10 +862,15 @@ class SGLangHTTPEngine:
         """Send one call, retrying a safe-to-repeat one; a 2xx answer or a translated error.
 
         ``body`` None sends no body (GETs and flush only: SGLang answers a bodiless POST with 400).
-        With ``flush_wait`` the query carries ``timeout``: what is left of it on each attempt.
+        With a ``flush_wait`` > 0 the query carries ``timeout``: what is left of it on each
+        attempt; with 0 it carries none.
         """
         client = self._client_for_loop(op)
-        key = self._key_for(control=path not in _NORMAL_PATHS)
+        key = (
+            None
+            if path.startswith(_OPEN_PREFIXES)
+            else self._key_for(control=path not in _NORMAL_PATHS)
+        )
         headers = {"Authorization": f"Bearer {key[1].reveal()}"} if key is not None else {}
         attempts = 1 + self._retries if retry else 1
         first = time.monotonic()
@@ -613,7 +879,9 @@ class SGLangHTTPEngine:
             timeout = read_timeout
             if flush_wait is not None:
                 left = max(0.0, flush_wait - (time.monotonic() - first))
-                params = {"timeout": _seconds_param(left)}
+                if flush_wait > 0:
+                    # A deferred flush; with no timeout (0) the query is left out altogether.
+                    params = {"timeout": _seconds_param(left)}
                 timeout = left + read_timeout
             started = time.monotonic()
             response: httpx.Response | None = None

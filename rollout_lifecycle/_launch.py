@@ -1,6 +1,7 @@
 """An ``EngineBackend`` that starts its own SGLang server as a child process, then drives it.
 
-Start-up waits for ``/model_info``, output becomes events, close stops the whole process group.
+Start-up waits for ``/ready`` (200 only once SGLang is up, after warm-up), then checks the SGLang
+version; output becomes events, close stops the whole process group.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from rollout_lifecycle._events import logger
 from rollout_lifecycle._exceptions import (
     EngineDead,
     EngineError,
-    EngineRejected,
     EngineTimeout,
     EngineUnreachable,
+    IllegalEngineOp,
     InvalidArgument,
 )
 from rollout_lifecycle._http import (
+    DEFAULT_GROUP_NAME,
     HTTPTimeouts,
     SGLangHTTPEngine,
     _secret_kwargs,
@@ -115,6 +117,9 @@ class LaunchedSGLangEngine:
 
     Every operation starts the server first if needed (``start()``). The child runs in its own
     process group so that ``close()`` stops SGLang's worker processes with it.
+
+    ``weight_selector`` is the client's (see ``SGLangHTTPEngine``): the one selector of every
+    weight-update session and its updates.
     """
 
     def __init__(
@@ -134,6 +139,7 @@ class LaunchedSGLangEngine:
         timeouts: HTTPTimeouts | None = None,
         label: str | None = None,
         stop_grace: float = 10.0,
+        weight_selector: str = "all",
     ) -> None:
         if not isinstance(model_path, str) or not model_path:
             raise InvalidArgument(f"model_path must be a non-empty string, got {model_path!r}")
@@ -166,6 +172,7 @@ class LaunchedSGLangEngine:
             api_key=self._api_key,
             timeouts=timeouts,
             label=label,
+            weight_selector=weight_selector,
         )
         if python is None:
             python = sys.executable
@@ -255,12 +262,16 @@ class LaunchedSGLangEngine:
         return "last output:\n" + "\n".join(self._tail)
 
     async def start(self) -> None:
-        """Start the server and wait until ``/model_info`` answers 200.
+        """Start the server, wait until ``GET /ready`` answers 200, then check its version.
 
-        Raises ``EngineDead`` if the process cannot start or exits first (with its exit code and
-        last output), ``EngineTimeout`` if it is not ready within ``startup_timeout`` (the
-        process is then killed). A start that failed is not tried again.
+        ``/ready`` is SGLang's readiness probe: 503 until the server is up (after warm-up);
+        ``/model_info`` answers before warm-up. Raises ``EngineDead`` if the process cannot
+        start or exits first (with its exit code and last output), ``EngineTimeout`` if it is
+        not ready within ``startup_timeout``, ``IllegalEngineOp`` naming the version if the
+        server runs an SGLang older than 0.5.22 (or reports none); the process is then killed.
+        A start that failed is not tried again.
         """
+        # sglang: http_server.py ready() -> tokenizer_manager.py TokenizerManager.is_ready
         if self._closed:
             raise EngineDead(self.label, "start", "the engine is closed")
         if self._ready:
@@ -275,14 +286,14 @@ class LaunchedSGLangEngine:
             except EngineError as exc:
                 self._start_error = f"{type(exc).__name__}: {exc.message}"
                 raise
+            except IllegalEngineOp as exc:
+                self._start_error = f"{type(exc).__name__}: {exc.reason}"
+                raise
 
     async def _spawn_and_wait(self) -> None:
         log = logger()
-        try:
-            taken = await self._http.ready()
-        except EngineRejected:
-            taken = True
-        if taken:
+        # Any answer at all (a paused SGLang answers /ready with 503) means the port is taken.
+        if await self._http._ready_status() is not None:
             # Whatever answers there is not the server this engine is about to own.
             raise EngineDead(
                 self.label, "start", f"something already answers at {self.url}; port is taken"
@@ -319,6 +330,8 @@ class LaunchedSGLangEngine:
                 # close() ran while the process was being created, before it could see it.
                 raise EngineDead(self.label, "start", "the engine was closed during start-up")
             await self._wait_ready(proc)
+            # The attach check: refuse an SGLang older than 0.5.22 before anything is sent.
+            await self._http.check_version("start")
         except BaseException:
             await self._stop()
             raise
@@ -459,7 +472,8 @@ class LaunchedSGLangEngine:
         await self._call("continue_generation", lambda h: h.continue_generation())
 
     async def flush_cache(self, timeout: float) -> None:
-        """``POST /flush_cache?timeout=T``; ``EngineRejected`` (400) when not idle."""
+        """``POST /flush_cache`` (``?timeout=T`` only for T > 0); ``EngineRejected`` (400) when
+        not idle."""
         await self._call("flush_cache", lambda h: h.flush_cache(timeout))
 
     async def release_memory_occupation(self, tags: Sequence[Tag]) -> None:
@@ -530,6 +544,7 @@ class LaunchedSGLangEngine:
         weight_version: str | None,
         flush_cache: bool,
         abort_all_requests: bool,
+        load_format: str | None = None,
     ) -> None:
         """``POST /update_weights_from_distributed``."""
         await self._call(
@@ -542,7 +557,37 @@ class LaunchedSGLangEngine:
                 weight_version=weight_version,
                 flush_cache=flush_cache,
                 abort_all_requests=abort_all_requests,
+                load_format=load_format,
             ),
+        )
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = DEFAULT_GROUP_NAME,
+        backend: str = "nccl",
+    ) -> None:
+        """``POST /init_weights_update_group``."""
+        await self._call(
+            "init_weights_update_group",
+            lambda h: h.init_weights_update_group(
+                master_address,
+                master_port,
+                rank_offset,
+                world_size,
+                group_name=group_name,
+                backend=backend,
+            ),
+        )
+
+    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> None:
+        """``POST /destroy_weights_update_group``."""
+        await self._call(
+            "destroy_weights_update_group", lambda h: h.destroy_weights_update_group(group_name)
         )
 
     async def update_weight_version(self, version: str, *, abort_all_requests: bool) -> None:
@@ -569,7 +614,7 @@ class LaunchedSGLangEngine:
         return await self._call("generate", lambda h: h.generate(request))
 
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        """``POST /abort_request``."""
+        """``POST /abort_request``: the request whose id is exactly ``rid``, or all."""
         await self._call("abort_request", lambda h: h.abort_request(rid, abort_all))
 
 

@@ -31,11 +31,17 @@ from rollout_lifecycle import (
     EngineRejected,
     EngineTimeout,
     EngineUnreachable,
+    IllegalEngineOp,
     InvalidArgument,
     PauseMode,
     Tag,
 )
-from rollout_lifecycle._http import HTTPTimeouts, SGLangHTTPEngine, sglang_http_factory
+from rollout_lifecycle._http import (
+    HTTPTimeouts,
+    SGLangHTTPEngine,
+    parse_version,
+    sglang_http_factory,
+)
 from rollout_lifecycle._launch import (
     ADMIN_KEY_ENV,
     LaunchedSGLangEngine,
@@ -84,6 +90,10 @@ def default_answer(request: httpx.Request) -> httpx.Response:
         )
     if path == "/abort_request":
         return httpx.Response(200)
+    if path in ("/init_weights_update_group", "/destroy_weights_update_group"):
+        return httpx.Response(200, json={"success": True, "message": "ok"})
+    if path == "/ready":
+        return httpx.Response(200)
     return httpx.Response(404, json={"detail": "Not Found"})
 
 
@@ -105,6 +115,9 @@ class FakeServer:
 
 def make_engine(server: FakeServer, **kwargs: Any) -> SGLangHTTPEngine:
     kwargs.setdefault("retry_backoff", 0.0)
+    # The attach check (one GET /server_info before the first lifecycle call) has tests of its
+    # own; elsewhere each request counted is the call under test.
+    kwargs.setdefault("check_version", False)
     return SGLangHTTPEngine(URL, transport=httpx.MockTransport(server), **kwargs)
 
 
@@ -181,6 +194,8 @@ WIRE_CASES: list[tuple[str, Call, str, str, dict[str, str], Any]] = [
         {"timeout": "2.5"},
         None,
     ),
+    # The idle barrier's flush: no server-side timeout at all (flush_wrapper.py handle).
+    ("flush_now", lambda e: e.flush_cache(0.0), "POST", "/flush_cache", {}, None),
     (
         "release",
         lambda e: e.release_memory_occupation([Tag.KV_CACHE, Tag.WEIGHTS, Tag.CUDA_GRAPH]),
@@ -203,7 +218,7 @@ WIRE_CASES: list[tuple[str, Call, str, str, dict[str, str], Any]] = [
         "POST",
         "/begin_weight_update",
         {},
-        {"selector": "target"},
+        {"selector": "all"},
     ),
     ("end", lambda e: e.end_weight_update(), "POST", "/end_weight_update", {}, {}),
     (
@@ -240,6 +255,7 @@ WIRE_CASES: list[tuple[str, Call, str, str, dict[str, str], Any]] = [
             "weight_version": "v8",
             "flush_cache": False,
             "abort_all_requests": False,
+            "selector": "all",
         },
     ),
     (
@@ -252,6 +268,7 @@ WIRE_CASES: list[tuple[str, Call, str, str, dict[str, str], Any]] = [
             weight_version=None,
             flush_cache=True,
             abort_all_requests=False,
+            load_format="direct",
         ),
         "POST",
         "/update_weights_from_distributed",
@@ -261,10 +278,38 @@ WIRE_CASES: list[tuple[str, Call, str, str, dict[str, str], Any]] = [
             "dtypes": ["bfloat16", "float32"],
             "shapes": [[2, 3], [4]],
             "group_name": "weights-group",
+            "load_format": "direct",
             "weight_version": None,
             "flush_cache": True,
             "abort_all_requests": False,
+            "selector": "all",
         },
+    ),
+    (
+        "init_group",
+        lambda e: e.init_weights_update_group(
+            "10.0.0.5", 29500, 1, 3, group_name="weights-group", backend="gloo"
+        ),
+        "POST",
+        "/init_weights_update_group",
+        {},
+        # sglang: io_struct.py InitWeightsUpdateGroupReqInput
+        {
+            "master_address": "10.0.0.5",
+            "master_port": 29500,
+            "rank_offset": 1,
+            "world_size": 3,
+            "group_name": "weights-group",
+            "backend": "gloo",
+        },
+    ),
+    (
+        "destroy_group",
+        lambda e: e.destroy_weights_update_group("weights-group"),
+        "POST",
+        "/destroy_weights_update_group",
+        {},
+        {"group_name": "weights-group"},
     ),
     (
         "weight_version_update",
@@ -438,8 +483,9 @@ async def test_engine_host_retries_a_not_idle_flush_until_the_engine_is_idle() -
     host = EngineHost(make_engine(server))
     await host.flush_cache(deadline=5.0, retry_interval=0.0)
     assert server.paths == ["/flush_cache"] * 3
-    timeouts = [float(r.url.params["timeout"]) for r in server.requests]
-    assert all(0 < t <= 5.0 for t in timeouts)
+    # The idle barrier never asks for a server-side wait: with ?timeout=T SGLang counts the
+    # waiting queue, where a retract pause keeps requests, and fails after T every time.
+    assert [dict(r.url.params) for r in server.requests] == [{}, {}, {}]
 
 
 @pytest.mark.parametrize("code", [200, 400])
@@ -863,9 +909,10 @@ async def test_the_http_engine_serves_an_engine_host() -> None:
 
 # --------------------------------------------------------------------------------- launcher
 
-# A stand-in for a server: stdlib only, loopback only. Modes: ok (serves /model_info and
+# A stand-in for a server: stdlib only, loopback only. Modes: ok (serves /ready, /model_info and
 # /server_info after a short start-up), exit (fails at once), hang (never listens), stubborn
-# (serves, and ignores SIGTERM).
+# (serves, and ignores SIGTERM), warming (serves /model_info, but /ready stays 503, as SGLang
+# before warm-up), old (reports SGLang 0.5.20).
 SERVER_SCRIPT = textwrap.dedent(
     """
     import http.server, json, os, signal, sys, time
@@ -885,10 +932,13 @@ SERVER_SCRIPT = textwrap.dedent(
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            if accepted and self.headers.get("Authorization") not in accepted:
+            if self.path == "/ready":  # open, as in SGLang
+                code, body = (503 if mode == "warming" else 200), {}
+            elif accepted and self.headers.get("Authorization") not in accepted:
                 code, body = 401, {"error": "Unauthorized"}
             elif self.path in ("/model_info", "/server_info"):
-                code, body = 200, {"weight_version": "v0", "path": self.path}
+                version = "0.5.20" if mode == "old" else "0.5.23"
+                code, body = 200, {"weight_version": "v0", "path": self.path, "version": version}
             else:
                 code, body = 404, {"detail": "Not Found"}
             data = json.dumps(body).encode()
@@ -1134,3 +1184,264 @@ async def test_the_default_command_hands_keys_to_sglang_off_the_command_line(
 def test_launched_engine_never_imports_sglang() -> None:
     assert "sglang" not in sys.modules
     assert ADMIN_KEY_ENV == "ROLLOUT_LIFECYCLE_ADMIN_API_KEY"
+
+
+# --------------------------------------------------------------------------------- the idle barrier
+
+
+def sglang_flush(paused_with_waiting: bool) -> Handler:
+    """``/flush_cache`` as SGLang 0.5.23 answers it (flush_wrapper.py SchedulerFlushWrapper):
+    with ``?timeout=T`` > 0 on an engine whose waiting queue holds retracted requests the
+    deferred re-check never passes (400 after T); with no timeout it flushes at once, the
+    waiting queue ignored while paused (scheduler.py flush_cache)."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/flush_cache":
+            timeout = float(request.url.params.get("timeout", "0"))
+            if timeout > 0 and paused_with_waiting:
+                return httpx.Response(400, text="Timed out waiting for idle state.")
+            return httpx.Response(200, text="Cache flushed.\n")
+        return default_answer(request)
+
+    return handler
+
+
+async def test_the_idle_barrier_passes_after_a_retract_pause_on_sglang() -> None:
+    server = FakeServer(sglang_flush(paused_with_waiting=True))
+    host = EngineHost(make_engine(server))
+    assert await host.flush_cache(deadline=0.5, retry_interval=0.01) == 1
+    assert [dict(r.url.params) for r in server.requests] == [{}]
+
+
+async def test_a_timed_flush_still_sends_its_timeout_for_an_unpaused_engine() -> None:
+    # flush_cache(T > 0) waits server-side for an unpaused engine to go idle; it is not the
+    # barrier, and it is what SGLang refuses after a retract pause.
+    server = FakeServer(sglang_flush(paused_with_waiting=True))
+    engine = make_engine(server)
+    with pytest.raises(EngineRejected, match="Timed out waiting for idle state") as info:
+        await engine.flush_cache(0.2)
+    assert info.value.status == 400
+    assert server.requests[0].url.params["timeout"] == "0.2"
+
+
+class PausedWithWaiting:
+    """A backend whose engine is paused with retracted requests in its waiting queue: its flush
+    answers 400 whenever a server-side timeout is asked for, 200 without one."""
+
+    label = "paused-with-waiting"
+
+    def __init__(self) -> None:
+        self.timeouts: list[float] = []
+
+    async def flush_cache(self, timeout: float) -> None:
+        self.timeouts.append(timeout)
+        if timeout > 0:
+            raise EngineRejected(self.label, "flush_cache", "Timed out waiting for idle state.")
+
+
+async def test_engine_host_flushes_with_no_server_side_timeout() -> None:
+    backend = PausedWithWaiting()
+    host = EngineHost(backend)  # type: ignore[arg-type]
+    assert await host.flush_cache(deadline=0.5, retry_interval=0.01) == 1
+    assert backend.timeouts == [0.0]
+
+
+# --------------------------------------------------------------------------------- the selector
+
+
+async def test_one_selector_goes_to_begin_and_to_every_update() -> None:
+    server = FakeServer()
+    engine = make_engine(server, weight_selector="draft")
+    assert engine.weight_selector == "draft"
+    await engine.begin_weight_update()
+    await engine.update_weights_from_tensor(
+        ["b64"], weight_version=None, flush_cache=False, abort_all_requests=False
+    )
+    await engine.update_weights_from_distributed(
+        ["w"],
+        ["bfloat16"],
+        [[2]],
+        "g",
+        weight_version=None,
+        flush_cache=False,
+        abort_all_requests=False,
+    )
+    await engine.end_weight_update()
+    selectors = [json.loads(r.content).get("selector") for r in server.requests]
+    assert selectors == ["draft", "draft", "draft", None]
+    default = FakeServer()
+    plain = make_engine(default)
+    await plain.begin_weight_update()
+    await plain.update_weights_from_tensor(
+        ["b64"], weight_version=None, flush_cache=False, abort_all_requests=False
+    )
+    # SGLang's own default (io_struct.py BeginWeightUpdateReqInput.selector = "all").
+    assert [json.loads(r.content)["selector"] for r in default.requests] == ["all", "all"]
+    with pytest.raises(InvalidArgument, match="weight_selector"):
+        make_engine(FakeServer(), weight_selector="both")
+
+
+# --------------------------------------------------------------------------------- readiness
+
+
+async def test_ready_probes_slash_ready_without_a_key() -> None:
+    def warming(request: httpx.Request) -> httpx.Response:
+        # SGLang before warm-up or while paused: /model_info answers, /ready is 503.
+        if request.url.path == "/ready":
+            return httpx.Response(503)
+        return default_answer(request)
+
+    server = FakeServer(warming)
+    engine = make_engine(server, admin_key=ADMIN_KEY)
+    assert await engine.ready() is False
+    assert server.paths == ["/ready"]
+    assert "authorization" not in server.requests[0].headers
+    up = FakeServer()
+    assert await make_engine(up, admin_key=ADMIN_KEY).ready() is True
+    assert up.paths == ["/ready"]
+
+
+# --------------------------------------------------------------------------------- attach check
+
+
+def reporting(version: Any) -> Handler:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/server_info":
+            info = {"internal_states": [{}], "api_key": API_KEY}
+            if version is not None:
+                info["version"] = version
+            return httpx.Response(200, json=info)
+        return default_answer(request)
+
+    return handler
+
+
+@pytest.mark.parametrize(
+    ("version", "said"),
+    [
+        ("0.5.21", "'0.5.21', older than 0.5.22"),
+        ("0.5.20", "'0.5.20', older than 0.5.22"),
+        ("0.4.9.post2", "'0.4.9.post2', older"),
+        (None, "reports no SGLang version"),
+        ("banana", "'banana', which is not a version number"),
+        (23, "23, which is not a version number"),
+    ],
+)
+async def test_an_old_or_unknown_sglang_is_refused_before_any_lifecycle_call(
+    version: Any, said: str
+) -> None:
+    server = FakeServer(reporting(version))
+    engine = make_engine(server, check_version=True, api_key=API_KEY)
+    with pytest.raises(IllegalEngineOp) as info:
+        await engine.pause_generation(PauseMode.RETRACT)
+    assert said in str(info.value)
+    assert info.value.op == "pause_generation"
+    assert_no_key(str(info.value))
+    with pytest.raises(IllegalEngineOp):
+        await engine.release_memory_occupation([Tag.KV_CACHE])
+    assert server.paths == ["/server_info", "/server_info"]  # nothing else was sent
+    assert engine.sglang_version is None
+
+
+@pytest.mark.parametrize("version", ["0.5.22", "0.5.23", "0.5.23.post1", "0.5.23-sim", "0.6.0"])
+async def test_a_supported_sglang_is_checked_once_then_driven(version: str) -> None:
+    server = FakeServer(reporting(version))
+    engine = make_engine(server, check_version=True)
+    await engine.pause_generation(PauseMode.RETRACT)
+    await engine.flush_cache(0.0)
+    await engine.continue_generation()
+    assert server.paths == [
+        "/server_info",
+        "/pause_generation",
+        "/flush_cache",
+        "/continue_generation",
+    ]
+    assert engine.sglang_version == version
+
+
+async def test_probes_and_requests_do_not_wait_for_the_attach_check() -> None:
+    server = FakeServer(reporting("0.5.20"))
+    engine = make_engine(server, check_version=True)
+    await engine.weight_version()
+    await engine.generate({"text": "x"})
+    await engine.abort_request("req-1")
+    assert await engine.ready()
+    assert server.paths == ["/model_info", "/generate", "/abort_request", "/ready"]
+    with pytest.raises(IllegalEngineOp, match=r"0\.5\.20"):
+        await engine.check_version()
+
+
+def test_versions_parse_by_their_leading_numbers() -> None:
+    assert parse_version("0.5.23") == (0, 5, 23)
+    assert parse_version("0.5.23rc1") == (0, 5, 23)
+    assert parse_version("0.6") == (0, 6, 0)
+    assert parse_version("v1.2.3") == (1, 2, 3)
+    assert parse_version("dev") is None
+    assert parse_version(None) is None
+
+
+# --------------------------------------------------------------------------------- weight groups
+
+
+async def test_weight_group_calls_are_sent_once_and_checked() -> None:
+    server = FakeServer(failing(1, raising(httpx.ReadError)))
+    engine = make_engine(server, retries=5)
+    with pytest.raises(EngineUnreachable):
+        await engine.init_weights_update_group("10.0.0.5", 29500, 1, 2)
+    assert len(server.requests) == 1  # a second join would form a second group
+    refused = FakeServer(
+        lambda r: httpx.Response(400, json={"success": False, "message": "no such group"})
+    )
+    with pytest.raises(EngineRejected, match="no such group"):
+        await make_engine(refused).destroy_weights_update_group("g")
+    bad = FakeServer()
+    for args in [("", 29500, 1, 2), ("h", 0, 1, 2), ("h", 29500, 0, 2), ("h", 29500, 2, 2)]:
+        with pytest.raises(InvalidArgument):
+            await make_engine(bad).init_weights_update_group(*args)
+    assert bad.requests == []
+
+
+async def test_the_host_passes_weight_group_calls_and_load_format_through() -> None:
+    server = FakeServer()
+    host = EngineHost(make_engine(server))
+    await host.init_weights_update_group("10.0.0.5", 29500, 3, 5, "g", "gloo")
+    await host.update_weights_from_distributed(
+        ["w"], ["float32"], [[4]], "g", "v2", False, "direct"
+    )
+    await host.destroy_weights_update_group("g")
+    assert server.paths == [
+        "/init_weights_update_group",
+        "/update_weights_from_distributed",
+        "/destroy_weights_update_group",
+    ]
+    bodies = [json.loads(r.content) for r in server.requests]
+    assert bodies[0]["rank_offset"] == 3 and bodies[0]["backend"] == "gloo"
+    assert bodies[1]["load_format"] == "direct" and bodies[1]["abort_all_requests"] is False
+    assert bodies[2] == {"group_name": "g"}
+
+
+# --------------------------------------------------------------------------------- launch
+
+
+async def test_a_launched_server_is_ready_only_when_slash_ready_says_so(
+    engines: list[LaunchedSGLangEngine],
+) -> None:
+    # /model_info answers before warm-up; /ready stays 503 until the server is up.
+    engine = launched(free_port(), "warming", startup_timeout=1.0)
+    engines.append(engine)
+    with pytest.raises(EngineTimeout, match="not ready within 1s"):
+        await engine.start()
+    assert engine.returncode is not None
+
+
+async def test_a_launched_old_sglang_is_refused_and_stopped(
+    engines: list[LaunchedSGLangEngine],
+) -> None:
+    engine = launched(free_port(), "old")
+    engines.append(engine)
+    with pytest.raises(IllegalEngineOp, match=r"'0\.5\.20', older than 0\.5\.22"):
+        await engine.start()
+    assert engine.returncode is not None
+    with pytest.raises(EngineDead, match=r"start failed earlier.*0\.5\.20"):
+        await engine.pause_generation(PauseMode.RETRACT)
+    await engine.close()
