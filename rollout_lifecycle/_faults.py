@@ -39,6 +39,8 @@ FAULT_OPS: tuple[str, ...] = (
     "update_weights_from_disk",
     "update_weights_from_tensor",
     "update_weights_from_distributed",
+    "init_weights_update_group",
+    "destroy_weights_update_group",
     "update_weight_version",
     "weight_version",
     "server_info",
@@ -242,7 +244,7 @@ class FaultyEngine:
         await self._call("continue_generation", self._inner.continue_generation)
 
     async def flush_cache(self, timeout: float) -> None:
-        """``POST /flush_cache?timeout=T``."""
+        """``POST /flush_cache`` (``?timeout=T`` only for T > 0)."""
         await self._call("flush_cache", lambda: self._inner.flush_cache(timeout))
 
     async def release_memory_occupation(self, tags: Sequence[Tag]) -> None:
@@ -319,10 +321,13 @@ class FaultyEngine:
         weight_version: str | None,
         flush_cache: bool,
         abort_all_requests: bool,
+        load_format: str | None = None,
     ) -> None:
-        """``POST /update_weights_from_distributed`` (501 if ``inner`` has no such call)."""
+        """``POST /update_weights_from_distributed`` (501 if ``inner`` has no such call);
+        ``load_format`` is passed on only when given."""
         op = "update_weights_from_distributed"
         method = self._optional(op)
+        extra: dict[str, Any] = {} if load_format is None else {"load_format": load_format}
         await self._call(
             op,
             lambda: method(
@@ -333,8 +338,40 @@ class FaultyEngine:
                 weight_version=weight_version,
                 flush_cache=flush_cache,
                 abort_all_requests=abort_all_requests,
+                **extra,
             ),
         )
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> None:
+        """``POST /init_weights_update_group`` (501 if ``inner`` has no such call)."""
+        op = "init_weights_update_group"
+        method = self._optional(op)
+        await self._call(
+            op,
+            lambda: method(
+                master_address,
+                master_port,
+                rank_offset,
+                world_size,
+                group_name=group_name,
+                backend=backend,
+            ),
+        )
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        """``POST /destroy_weights_update_group`` (501 if ``inner`` has no such call)."""
+        op = "destroy_weights_update_group"
+        method = self._optional(op)
+        await self._call(op, lambda: method(group_name))
 
     async def update_weight_version(self, version: str, *, abort_all_requests: bool) -> None:
         """``POST /update_weight_version``."""
@@ -354,7 +391,7 @@ class FaultyEngine:
         return await self._call("server_info", self._inner.server_info)
 
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        """``POST /abort_request`` (501 if ``inner`` has no such call)."""
+        """``POST /abort_request``: exactly ``rid``, or all (501 if ``inner`` has no such call)."""
         op = "abort_request"
         method = self._optional(op)
         await self._call(op, lambda: method(rid, abort_all))

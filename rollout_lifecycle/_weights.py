@@ -9,6 +9,7 @@ failed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -101,12 +102,28 @@ class FromTensor:
 @dataclass(frozen=True)
 class FromDistributed:
     """Every engine receives tensors over collective group ``group_name``
-    (``/update_weights_from_distributed``); the trainer broadcasts them meanwhile."""
+    (``/update_weights_from_distributed``, with ``load_format``); the trainer broadcasts them
+    meanwhile.
+
+    The group must exist on every engine. Either it was made beforehand (``EngineHost.
+    init_weights_update_group``), or give ``master_address``, ``master_port``, ``world_size``
+    and ``rank_offsets`` (engine id -> the engine's first rank; the trainer is rank 0): then
+    every engine joins the group (``/init_weights_update_group``, ``backend``) before the write
+    and leaves it (``/destroy_weights_update_group``) after, and the trainer must join its own
+    side (``torch.distributed`` with the same address, port, world size and group name) while
+    the push runs.
+    """
 
     names: Sequence[str]
     dtypes: Sequence[str]
     shapes: Sequence[Sequence[int]]
     group_name: str
+    load_format: str | None = None
+    master_address: str | None = None
+    master_port: int | None = None
+    world_size: int | None = None
+    rank_offsets: Mapping[str, int] | None = None
+    backend: str = "nccl"
 
     def __post_init__(self) -> None:
         _nonempty("group_name", self.group_name)
@@ -114,6 +131,19 @@ class FromDistributed:
             raise InvalidArgument(
                 f"names, dtypes and shapes must be non-empty and of one length, got "
                 f"{len(self.names)}, {len(self.dtypes)} and {len(self.shapes)}"
+            )
+        if self.load_format is not None:
+            _nonempty("load_format", self.load_format)
+        _nonempty("backend", self.backend)
+        group = (self.master_address, self.master_port, self.world_size, self.rank_offsets)
+        if any(v is not None for v in group) and any(v is None for v in group):
+            raise InvalidArgument(
+                "master_address, master_port, world_size and rank_offsets go together: give "
+                "all four for the engines to join the group, or none if it exists already"
+            )
+        if self.rank_offsets is not None and not isinstance(self.rank_offsets, Mapping):
+            raise InvalidArgument(
+                f"rank_offsets must map engine ids to ranks, got {type(self.rank_offsets).__name__}"
             )
 
     async def __call__(self, update: WeightUpdate) -> None:
@@ -124,10 +154,42 @@ class FromDistributed:
             self.group_name,
             update.version,
             False,
+            self.load_format,
         )
-        await _write_all(
-            "FromDistributed",
-            update,
-            "update_weights_from_distributed",
-            dict.fromkeys(update.engines, args),
-        )
+        ids = dict.fromkeys(update.engines, args)
+        if self.rank_offsets is None:
+            await _write_all("FromDistributed", update, "update_weights_from_distributed", ids)
+            return
+        missing = sorted(set(update.engines) - set(self.rank_offsets))
+        if missing:
+            raise InvalidArgument(f"FromDistributed has no rank offset for engines {missing}")
+        join = {
+            i: (
+                self.master_address,
+                self.master_port,
+                self.rank_offsets[i],
+                self.world_size,
+                self.group_name,
+                self.backend,
+            )
+            for i in update.engines
+        }
+        # sglang: io_struct.py InitWeightsUpdateGroupReqInput, DestroyWeightsUpdateGroupReqInput
+        try:
+            await _write_all("FromDistributed", update, "init_weights_update_group", join)
+            await _write_all("FromDistributed", update, "update_weights_from_distributed", ids)
+        except BaseException:
+            # The first failure is the one to report; leaving is best effort then.
+            with contextlib.suppress(WeightPushFailed):
+                await _leave(update, self.group_name)
+            raise
+        await _leave(update, self.group_name)
+
+
+async def _leave(update: WeightUpdate, group_name: str) -> None:
+    await _write_all(
+        "FromDistributed",
+        update,
+        "destroy_weights_update_group",
+        dict.fromkeys(update.engines, (group_name,)),
+    )

@@ -9,9 +9,11 @@ import pytest
 from rollout_lifecycle import (
     EngineGroup,
     FromDisk,
+    FromDistributed,
     HookFailed,
     IllegalEngineOp,
     IllegalTransition,
+    InvalidArgument,
     LifecycleConfig,
     LifecycleEvent,
     PauseMode,
@@ -346,3 +348,64 @@ async def test_the_generation_client_skips_a_replacement_until_it_has_the_versio
         [{"input_ids": [i], "sampling_params": {"max_new_tokens": 4}} for i in range(6)]
     )
     assert fresh.stats()["completed"] > 0
+
+
+async def test_from_distributed_joins_the_group_writes_and_leaves_on_every_engine() -> None:
+    # Each engine an SGLang HTTP client (httpx.MockTransport): what the strategy sends.
+    import json
+
+    import httpx
+
+    from rollout_lifecycle import EngineHost, SGLangHTTPEngine
+
+    seen: dict[str, list[tuple[str, dict[str, object]]]] = {"a": [], "b": []}
+
+    def server(name: str) -> httpx.MockTransport:
+        def handler(request: httpx.Request) -> httpx.Response:
+            seen[name].append((request.url.path, json.loads(request.content)))
+            return httpx.Response(200, json={"success": True, "message": "ok"})
+
+        return httpx.MockTransport(handler)
+
+    hosts = {
+        n: EngineHost(
+            SGLangHTTPEngine(f"http://{n}.test:30000", transport=server(n), check_version=False)
+        )
+        for n in seen
+    }
+    push = FromDistributed(
+        names=["w"],
+        dtypes=["bfloat16"],
+        shapes=[[4, 4]],
+        group_name="wg",
+        load_format="direct",
+        master_address="10.0.0.1",
+        master_port=29500,
+        world_size=3,
+        rank_offsets={"a": 1, "b": 2},
+    )
+    await push(WeightUpdate(version="v5", engines=hosts))
+    for name, offset in (("a", 1), ("b", 2)):
+        paths = [p for p, _ in seen[name]]
+        assert paths == [
+            "/init_weights_update_group",
+            "/update_weights_from_distributed",
+            "/destroy_weights_update_group",
+        ]
+        join, write, leave = (body for _, body in seen[name])
+        assert join == {
+            "master_address": "10.0.0.1",
+            "master_port": 29500,
+            "rank_offset": offset,
+            "world_size": 3,
+            "group_name": "wg",
+            "backend": "nccl",
+        }
+        assert write["group_name"] == "wg" and write["load_format"] == "direct"
+        assert write["weight_version"] == "v5" and write["abort_all_requests"] is False
+        assert leave == {"group_name": "wg"}
+    with pytest.raises(InvalidArgument, match="go together"):
+        FromDistributed(["w"], ["f"], [[1]], "wg", master_address="10.0.0.1")
+    with pytest.raises(InvalidArgument, match="no rank offset"):
+        partial = FromDistributed(["w"], ["f"], [[1]], "wg", None, "10.0.0.1", 29500, 3, {"a": 1})
+        await partial(WeightUpdate(version=None, engines=hosts))
