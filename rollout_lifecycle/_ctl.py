@@ -245,9 +245,9 @@ def run(args: argparse.Namespace) -> int:
                 )
             return _report_error(setup.action, setup.json, ExitCode.INTERRUPTED, message, setup)
     if setup.json:
-        print(json.dumps(report, indent=2))
+        _out(json.dumps(report, indent=2))
     else:
-        print(_render_status(report) if setup.action == "status" else _render_drive(report))
+        _out(_render_status(report) if setup.action == "status" else _render_drive(report))
     error = report.get("error")
     if error:
         print(f"rollout-lifecycle ctl {setup.action}: {error['message']}", file=sys.stderr)
@@ -257,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
 def _diagram(out: str | None) -> int:
     text = mermaid()
     if out is None:
-        sys.stdout.write(text)
+        _out(text, end="")
         return 0
     try:
         Path(out).write_text(text)
@@ -524,6 +524,23 @@ async def _check_serving(setup: _Setup, urls: Sequence[str]) -> None:
         )
 
 
+async def _check_versions(backends: Sequence[SGLangHTTPEngine]) -> None:
+    """The attach check on every engine before the call: an SGLang older than 0.5.22 (or one
+    that reports no version) is refused and nothing is sent. An engine that cannot be asked is
+    left to the call, which reports it as unreachable or dead."""
+    results = await asyncio.gather(*(b.check_version() for b in backends), return_exceptions=True)
+    refused = [r.reason for r in results if isinstance(r, IllegalEngineOp)]
+    if refused:
+        names = [
+            b.url for b, r in zip(backends, results, strict=True) if isinstance(r, IllegalEngineOp)
+        ]
+        detail = "; ".join(f"{u}: {why}" for u, why in zip(names, refused, strict=True))
+        raise CtlError(ExitCode.REFUSED, f"unsupported SGLang: {detail}")
+    for result in results:
+        if isinstance(result, BaseException) and not isinstance(result, EngineError):
+            raise result
+
+
 async def _reset(server: RolloutServer) -> dict[str, float]:
     await server.reset()
     return {}
@@ -555,6 +572,8 @@ async def _drive(setup: _Setup) -> tuple[ExitCode, dict[str, Any]]:
                 ) from None
         elif setup.action in _PAUSING_ACTIONS:
             await _check_serving(setup, urls)
+        if setup.action != "reset":
+            await _check_versions(backends)
         # Without a ledger only a checked fleet is recorded: a refused or idle call proves
         # nothing about the engines.
         record = ledger is not None or setup.action in _PAUSING_ACTIONS
@@ -768,8 +787,25 @@ def _report_error(
             "state_file": None if setup is None else str(setup.state_path),
             "error": {"kind": code.name.lower(), "message": message},
         }
-        print(json.dumps(report, indent=2))
+        _out(json.dumps(report, indent=2))
     return int(code)
+
+
+def _out(text: str, end: str = "\n") -> None:
+    """Write ``text`` to stdout; a reader that went away (``ctl ... | head``) is not an error.
+
+    The run's exit code still says what the action did. stdout is pointed at /dev/null, so
+    that nothing fails again when the interpreter flushes it at exit.
+    """
+    try:
+        sys.stdout.write(text + end)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import fcntl
+import http.server
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import pytest
@@ -97,8 +100,13 @@ def memory(server: StandInServer) -> dict[str, int]:
     return result
 
 
+def touched(server: StandInServer) -> list[dict[str, Any]]:
+    # GET /server_info (ctl's version check before a call) reads and changes nothing.
+    return [e for e in server.history() if e["op"] != "server_info"]
+
+
 def history_lengths(servers: list[StandInServer]) -> list[int]:
-    return [len(s.history()) for s in servers]
+    return [len(touched(s)) for s in servers]
 
 
 # ------------------------------------------------------------------------------- diagram
@@ -178,7 +186,7 @@ def test_offload_status_onload_cycle_drives_every_standin_and_records_the_ledger
     assert code == 0 and report["state"] == "serving" and report["previous_state"] == "serving"
     assert set(report["metrics"]) == {"lifecycle/resume/total_s"}
 
-    histories = {s.url: s.history()[n:] for s, n in zip(servers, before, strict=True)}
+    histories = {s.url: touched(s)[n:] for s, n in zip(servers, before, strict=True)}
     assert cycle_order_violations(histories) == []
     for history in histories.values():
         ops = [e["op"] for e in history]
@@ -222,7 +230,7 @@ def test_misuse_is_refused_before_any_engine_is_touched_and_the_standins_live(
     assert history_lengths(servers) == paused
     assert json.loads(ledger.read_text())["server"]["state"] == "drained"
     assert ctl("resume")[0] == 0
-    ops = [e["op"] for s, n in zip(servers, before, strict=True) for e in s.history()[n:]]
+    ops = [e["op"] for s, n in zip(servers, before, strict=True) for e in touched(s)[n:]]
     assert "release_memory_occupation" not in ops and "resume_memory_occupation" not in ops
 
 
@@ -269,7 +277,7 @@ def test_without_a_state_file_a_paused_engine_is_not_taken_for_serving(
         code, _, err = ctl("offload")
         assert code == ExitCode.STATE
         assert url in err and "/ready" in err
-        ops = [e["op"] for s, n in zip(servers, before, strict=True) for e in s.history()[n:]]
+        ops = [e["op"] for s, n in zip(servers, before, strict=True) for e in touched(s)[n:]]
         assert set(ops) <= {"server_info"}  # only the /ready probes
         assert not (tmp_path / "fleet.json").exists()
     finally:
@@ -469,3 +477,83 @@ async def test_adopt_refuses_a_snapshot_that_does_not_fit_and_changes_nothing() 
     fresh.adopt(ServerSnapshot.from_dict(failed))
     assert fresh.state is ServerState.FAILED
     assert await fresh.reset() is ServerState.RELEASED
+
+
+# ------------------------------------------------------------------------------- output pipe
+
+
+def test_ctl_exits_quietly_when_its_output_pipe_is_closed(tmp_path: Path) -> None:
+    # `rollout-lifecycle ctl ... | head -0`: the reader is gone before ctl writes anything (its
+    # end of the pipe is closed before ctl starts), so every write fails with EPIPE.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens there once the socket closes
+    argv = [sys.executable, "-m", "rollout_lifecycle.cli", "ctl", "status", "--json"]
+    engine = ["--engine", f"http://127.0.0.1:{port}", "--state-file", str(tmp_path / "s.json")]
+    reader, writer = os.pipe()
+    os.close(reader)
+    try:
+        done = subprocess.run(
+            [*argv, *engine],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=writer,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(writer)
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+    assert done.returncode == ExitCode.UNREACHABLE  # what the action found, not the pipe
+
+
+# ------------------------------------------------------------------------------- old SGLang
+
+
+class _OldSGLang(http.server.BaseHTTPRequestHandler):
+    posts: ClassVar[list[str]] = []
+
+    def _answer(self, code: int, body: object) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        if self.path == "/server_info":
+            self._answer(200, {"version": "0.5.21", "internal_states": [{}]})
+        elif self.path in ("/ready", "/model_info"):
+            self._answer(200, {"weight_version": "v0"})
+        else:
+            self._answer(404, {"detail": "Not Found"})
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        type(self).posts.append(self.path)
+        self._answer(200, {"message": "ok", "status": "ok"})
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def test_ctl_refuses_an_sglang_older_than_0_5_22_and_sends_nothing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OldSGLang)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        state = tmp_path / "old.json"
+        code = main(["ctl", "offload", "--engine", url, "--state-file", str(state)])
+        _, err = capsys.readouterr()
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    assert code == ExitCode.REFUSED
+    assert "0.5.21" in err and "older than 0.5.22" in err
+    assert _OldSGLang.posts == []
+    assert not state.exists()

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import http.server
+import json
 import logging
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +24,7 @@ from rollout_lifecycle import (
     start_engine_actor,
 )
 from rollout_lifecycle._standin import StandInServer
+from rollout_lifecycle.cli import main
 
 KEY = "sk-admin-7f3e9b1c5d2a"
 
@@ -96,3 +101,104 @@ async def test_engine_actors_never_write_the_admin_key_to_rays_logs(ray_cluster:
     assert files, "no Ray log files to check"
     leaks = [str(p) for p in files if KEY.encode() in p.read_bytes()]
     assert leaks == []
+
+
+# A server that publishes its keys as SGLang 0.5.23's /server_info does (common.py
+# build_server_info: resolved server arguments and the launch command, in clear).
+PUBLISHED_ADMIN = "sk-admin-published-91c2e07d"
+PUBLISHED_API = "sk-api-published-5be83f1a"
+PUBLISHED_PASSWORD = "pw-ssl-published-77aa01"
+PUBLISHED = (PUBLISHED_ADMIN, PUBLISHED_API, PUBLISHED_PASSWORD)
+
+
+class _Publishing(http.server.BaseHTTPRequestHandler):
+    def _answer(self, code: int, body: object) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        if self.path == "/server_info":
+            self._answer(
+                200,
+                {
+                    "version": "0.5.23",
+                    "api_key": PUBLISHED_API,
+                    "admin_api_key": PUBLISHED_ADMIN,
+                    "ssl_keyfile_password": PUBLISHED_PASSWORD,
+                    "launch_command": (
+                        "python -m sglang.launch_server --model-path m "
+                        f"--api-key {PUBLISHED_API} --admin-api-key={PUBLISHED_ADMIN}"
+                    ),
+                    "internal_states": [{"memory_usage": {"weight": 1.5, "kvcache": 2.0}}],
+                },
+            )
+        elif self.path == "/model_info":
+            self._answer(200, {"weight_version": "v0"})
+        elif self.path == "/ready":
+            self._answer(200, {})
+        else:
+            self._answer(404, {"detail": "Not Found"})
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        self.rfile.read(length)
+        self._answer(200, {"message": "ok", "status": "ok"})
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def publishing_url() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Publishing)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+async def test_keys_published_by_server_info_come_back_masked(publishing_url: str) -> None:
+    # The client holds only the api key: the admin key in launch_command is not one it could
+    # scrub by value.
+    engine = SGLangHTTPEngine(publishing_url, api_key=PUBLISHED_API)
+    try:
+        with capture_logs() as events:
+            info = await engine.server_info()
+            assert await engine.check_version() == "0.5.23"
+    finally:
+        await engine.close()
+    text = json.dumps(info)
+    assert not [k for k in PUBLISHED if k in text]
+    assert info["launch_command"].endswith("--api-key ******** --admin-api-key=********")
+    assert info["internal_states"][0]["memory_usage"]["weight"] == 1.5
+    assert not [k for k in PUBLISHED if k in repr(events)]
+
+
+def test_ctl_never_shows_keys_published_by_server_info(
+    publishing_url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setenv("PUBLISHED_API_KEY", PUBLISHED_API)
+    caplog.set_level(logging.DEBUG)
+    common = ["--engine", publishing_url, "--api-key-env", "PUBLISHED_API_KEY"]
+    common += ["--state-file", str(tmp_path / "state.json"), "-vv"]
+    seen = ""
+    with capture_logs() as events:
+        for argv in (["status", "--json"], ["status"], ["pause", "--json"], ["resume"]):
+            code = main(["ctl", argv[0], *common, *argv[1:]])
+            out, err = capsys.readouterr()
+            assert code == 0, out + err
+            seen += out + err
+    status = json.loads(seen[: seen.index("\n}\n") + 2])
+    assert status["engines"][0]["memory"] == {"weight": 1.5, "kvcache": 2.0}
+    everything = seen + repr(events) + caplog.text + (tmp_path / "state.json").read_text()
+    assert not [k for k in PUBLISHED if k in everything]
