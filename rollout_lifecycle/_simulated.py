@@ -41,14 +41,37 @@ LIFECYCLE_OPS: tuple[str, ...] = (
     "end_weight_update",
     "update_weights_from_disk",
     "update_weights_from_tensor",
+    "update_weights_from_distributed",
+    "init_weights_update_group",
+    "destroy_weights_update_group",
     "update_weight_version",
     "weight_version",
     "server_info",
+    "ready",
     "health",
     "abort_request",
 )
 
 SIM_VERSION = "0.5.23-sim"
+
+#: The weight version a server starts with when ``--weight-version`` is not given.
+# sglang: arg_groups/fields/serving.py (weight_version defaults to "default")
+DEFAULT_WEIGHT_VERSION = "default"
+#: The collective group name SGLang's weight-update requests default to.
+DEFAULT_GROUP_NAME = "weight_update_group"
+
+# The real server's answers, verbatim, where a client may read them.
+# sglang: http_server.py flush_cache (``ret.message or "Flush cache failed.\n"``)
+FLUSH_FAILED = "Flush cache failed.\n"
+# sglang: flush_wrapper.py SchedulerFlushWrapper.check_pending / handle
+FLUSH_TIMED_OUT = "Timed out waiting for idle state."
+FLUSH_IN_PROGRESS = "Another flush_cache is already in progress."
+# sglang: scheduler_components/weight_updater.py flush_cache_after_weight_update
+WEIGHTS_WRITTEN_FLUSH_FAILED = (
+    "Weights were updated, but the cache was not flushed because requests are still running "
+    "or queued. Retract or finish them, then call /flush_cache."
+)
+SELECTORS: tuple[str, ...] = ("target", "draft", "all")
 
 _VOCAB = 32000
 _KNOWN_TAGS = frozenset(t.value for t in ALL_TAGS)
@@ -58,6 +81,8 @@ _RESUME_ORDER: tuple[str, ...] = (Tag.CUDA_GRAPH.value, Tag.WEIGHTS.value, Tag.K
 _FORWARD_TAGS: tuple[str, ...] = (Tag.WEIGHTS.value, Tag.KV_CACHE.value)
 # Whatever released weights hold after a resume without a CPU backup decodes to this token.
 _GARBAGE_TOKEN = 0
+# KV cache bytes per token slot, for the token capacity /server_info reports.
+_KV_BYTES_PER_TOKEN = 128 * 1024
 
 
 @dataclass(eq=False)
@@ -69,7 +94,9 @@ class _Request:
     internal: bool = False
     output: list[int] = field(default_factory=list)
     num_retractions: int = 0
-    versions: list[str] = field(default_factory=list)
+    # (version before a change, output tokens generated under it), one per change seen while
+    # the request was live in the scheduler. sglang: utils/weight_versions.py WeightVersionEvent
+    version_events: list[tuple[str, int]] = field(default_factory=list)
     cached_tokens: int = 0
     on_garbage: bool = False
 
@@ -106,6 +133,28 @@ def _detokenize(tokens: Sequence[int]) -> str:
     return "".join(chr(ord("a") + t % 26) for t in tokens)
 
 
+def _version_spans(
+    events: Sequence[tuple[str, int]], current: str, count: int
+) -> list[dict[str, Any]]:
+    """``meta_info["weight_versions"]`` of a request that finished with ``count`` tokens.
+
+    sglang: utils/weight_versions.py compute_weight_version_spans (scheduler side) followed by
+    add_weight_versions_to_meta_info (tokenizer side, which hides spans past the output).
+    """
+    spans: list[dict[str, Any]] = []
+    for version, raw_end in [*events, (current, count)]:
+        end = min(raw_end, count)
+        if spans and end <= spans[-1]["end"]:
+            continue
+        if spans and version == spans[-1]["version"]:
+            spans[-1]["end"] = end
+            continue
+        start = spans[-1]["end"] if spans else 0
+        spans.append({"version": version, "start": start, "end": end})
+    visible = [s for s in spans if s["start"] < count or s["start"] == 0]
+    return [{**s, "end": min(s["end"], count)} for s in visible]
+
+
 class SimulatedEngine:
     """One simulated SGLang server: generation that takes time, memory per tag, the lifecycle.
 
@@ -122,7 +171,7 @@ class SimulatedEngine:
         op_latency: Mapping[str, float | tuple[float, float]] | None = None,
         seed: int | None = None,
         memory_bytes: Mapping[str, int] | None = None,
-        weight_version: str = "0",
+        weight_version: str = DEFAULT_WEIGHT_VERSION,
         weights_cpu_backup: bool = False,
         dp_dummy_batches: bool = False,
         health_timeout: float = 20.0,
@@ -157,16 +206,30 @@ class SimulatedEngine:
         self._weights_cpu_backup = bool(weights_cpu_backup)
         self._dp_dummy_batches = bool(dp_dummy_batches)
 
+        self._initial_version = weight_version
+        # The scheduler's version (stamped on output tokens) and the tokenizer's (what
+        # /model_info reports) are kept apart: a weight update whose trailing flush fails moves
+        # the first and not the second.
+        # sglang: weight_updater.py update_weights_from_* (record_weight_version_after_update
+        # before flush_cache_after_weight_update); tokenizer_control_mixin.py
+        # _update_weight_version_if_provided only on success.
         self._weight_version = weight_version
+        self._served_version = weight_version
         self._weights_valid = True
         self._released: set[str] = set()
         self._paused = False
         self._pause_mode: PauseMode | None = None
         self._running: list[_Request] = []
         self._waiting: deque[_Request] = deque()
+        # Requests that arrived while paused wait in the tokenizer front end, not in the
+        # scheduler: no scheduler abort and no idleness check sees them.
+        # sglang: tokenizer_manager.py generate_request (is_pause_cond.wait_for before sending)
+        self._front: list[_Request] = []
         self._in_flight: dict[str, _Request] = {}
         self._prefix_cache: set[tuple[int, ...]] = set()
         self._session_open = False
+        self._session_selector: str | None = None
+        self._groups: dict[str, dict[str, Any]] = {}
         self._flush_pending = False
         self._healthy = True
         self._dead = False
@@ -258,6 +321,36 @@ class SimulatedEngine:
     def dead(self) -> bool:
         """True once a fatal misuse has killed the engine."""
         return self._dead
+
+    @property
+    def paused(self) -> bool:
+        """Whether generation is paused (introspection; the server shows it only as /ready 503)."""
+        return self._paused
+
+    @property
+    def pause_mode(self) -> str | None:
+        """The mode of the current pause, or None (introspection)."""
+        return self._pause_value()
+
+    @property
+    def released_tags(self) -> list[str]:
+        """The memory tags released now, in tag order (introspection; SGLang tracks none)."""
+        return [t.value for t in ALL_TAGS if t.value in self._released]
+
+    @property
+    def weights_valid(self) -> bool:
+        """False while the weights hold garbage (resumed without a CPU backup, not rewritten)."""
+        return self._weights_valid
+
+    @property
+    def flush_pending(self) -> bool:
+        """Whether a flush with a timeout is deferred, waiting for idleness (introspection)."""
+        return self._flush_pending
+
+    @property
+    def weight_update_session_open(self) -> bool:
+        """Whether a begin/end weight-update session is open (introspection)."""
+        return self._session_open
 
     @property
     def death_reason(self) -> str | None:
@@ -393,10 +486,15 @@ class SimulatedEngine:
         self._in_flight.clear()
         self._running.clear()
         self._waiting.clear()
+        self._front.clear()
 
-    def _is_idle(self) -> bool:
-        # SGLang's idle check: the waiting queue only counts while the scheduler may run it.
-        return not self._running and (self._paused or not self._waiting)
+    def _is_idle(self, *, ignore_waiting: bool) -> bool:
+        """The scheduler's idleness: nothing running and, unless ignored, nothing waiting.
+
+        The front end's held requests never count: the scheduler has not seen them.
+        """
+        # sglang: scheduler.py Scheduler.is_fully_idle(ignore_waiting=...)
+        return not self._running and (ignore_waiting or not self._waiting)
 
     def _tag_names(self, op: str, tags: Sequence[Tag | str] | None) -> list[str]:
         if isinstance(tags, str):
@@ -407,6 +505,9 @@ class SimulatedEngine:
         return [t.value if isinstance(t, Tag) else str(t) for t in tags]
 
     def _result(self, req: _Request, finish_reason: dict[str, Any]) -> dict[str, Any]:
+        # sglang: output_streamer.py (spans from the scheduler's current version at finish),
+        # weight_versions.py add_weight_versions_to_meta_info (weight_version = last span's)
+        spans = _version_spans(req.version_events, self._weight_version, len(req.output))
         return {
             "text": _detokenize(req.output),
             "output_ids": list(req.output),
@@ -416,12 +517,16 @@ class SimulatedEngine:
                 "prompt_tokens": len(req.prompt),
                 "completion_tokens": len(req.output),
                 "cached_tokens": req.cached_tokens,
-                "weight_version": self._weight_version,
+                "weight_version": spans[-1]["version"],
                 "num_retractions": req.num_retractions,
-                "weight_versions": list(req.versions),
-                "weights_valid": not req.on_garbage,
+                "weight_versions": spans,
             },
         }
+
+    @staticmethod
+    def _aborted(message: str) -> dict[str, Any]:
+        # sglang: schedule_batch.py FINISH_ABORT.to_json
+        return {"type": "abort", "message": message, "status_code": None, "err_type": None}
 
     def _finish(self, req: _Request, finish_reason: dict[str, Any]) -> None:
         self._in_flight.pop(req.rid, None)
@@ -434,14 +539,17 @@ class SimulatedEngine:
             req.future.set_result(self._result(req, finish_reason))
 
     async def _abort(self, match: Callable[[_Request], bool], message: str) -> int:
-        victims = [r for r in self._in_flight.values() if match(r)]
+        """Abort the scheduler's requests that ``match``; those held in the front end while
+        paused are out of its reach (they reach the scheduler only after continue)."""
+        # sglang: scheduler.py Scheduler.abort_request walks the waiting queue and the batches
+        victims = [r for r in (*self._running, *self._waiting) if match(r)]
         if not victims:
             return 0
         doomed = set(map(id, victims))
         self._running = [r for r in self._running if id(r) not in doomed]
         self._waiting = deque(r for r in self._waiting if id(r) not in doomed)
         for req in victims:
-            self._finish(req, {"type": "abort", "message": message})
+            self._finish(req, self._aborted(message))
         self._notify()
         # Let the aborted generate calls return before the control call that aborted them
         # answers, as the HTTP server sends their responses first.
@@ -456,12 +564,24 @@ class SimulatedEngine:
             self._running.remove(req)
         if req in self._waiting:
             self._waiting.remove(req)
+        if req in self._front:
+            self._front.remove(req)
         self._notify()
 
     def _enqueue(self, req: _Request) -> None:
         self._in_flight[req.rid] = req
-        self._waiting.append(req)
+        (self._front if self._paused else self._waiting).append(req)
         self._notify()
+
+    def _record_version_change(self, new_version: str | None) -> None:
+        """Move the scheduler's weight version; live requests remember where it changed."""
+        # sglang: scheduler.py Scheduler.record_weight_version_change
+        if new_version is None or new_version == self._weight_version:
+            return
+        for req in (*self._running, *self._waiting):
+            if req.output:
+                req.version_events.append((self._weight_version, len(req.output)))
+        self._weight_version = new_version
 
     # ----------------------------------------------------------------------------- scheduler
 
@@ -532,11 +652,10 @@ class SimulatedEngine:
                     self._counts["garbage_tokens"] += 1
                 req.output.append(token)
                 self._counts["tokens"] += 1
-                if not req.versions or req.versions[-1] != self._weight_version:
-                    req.versions.append(self._weight_version)
             (done if len(req.output) >= req.max_new_tokens else still).append(req)
         self._running = still
         for req in done:
+            # sglang: schedule_batch.py FINISH_LENGTH.to_json
             self._finish(req, {"type": "length", "length": req.max_new_tokens})
 
     # ----------------------------------------------------------------------------- generation
@@ -620,39 +739,58 @@ class SimulatedEngine:
             self._notify()
 
     async def continue_generation(self) -> None:
-        """``POST /continue_generation``: let the scheduler run again (harmless if not paused)."""
+        """``POST /continue_generation``: let the scheduler run again (harmless if not paused).
+
+        Requests the front end held while paused go to the scheduler now, behind the ones it
+        already had."""
         async with self._op("continue_generation"):
             self._paused = False
             self._pause_mode = None
+            self._waiting.extend(self._front)
+            self._front.clear()
             self._notify()
 
     async def flush_cache(self, timeout: float) -> None:
-        """``POST /flush_cache?timeout=T``: clear the prefix cache once idle; 400 if not idle."""
+        """``POST /flush_cache?timeout=T``: clear the prefix cache; 400 (``EngineRejected``)
+        when SGLang would refuse.
+
+        ``timeout`` 0 flushes at once if idle, the waiting queue ignored while paused (so a
+        retract pause's requeued requests do not count), else answers "Flush cache failed.".
+        ``timeout`` T > 0 flushes at once only if fully idle counting the waiting queue; else it
+        is deferred and re-checked, still counting the waiting queue, until idle or until T
+        passes ("Timed out waiting for idle state.": after a retract pause, every time). A
+        flush while one is deferred answers "Another flush_cache is already in progress.".
+        """
+        # sglang: flush_wrapper.py SchedulerFlushWrapper.handle / check_pending;
+        # scheduler.py Scheduler.flush_cache (is_fully_idle(ignore_waiting=self._engine_paused))
         op = "flush_cache"
         async with self._op(op, timeout=timeout):
             if _seconds(timeout) is None:
                 raise EngineRejected(self._label, op, f"bad timeout {timeout!r}", 400)
             if self._flush_pending:
-                raise EngineRejected(self._label, op, "another flush_cache is pending", 400)
+                raise EngineRejected(self._label, op, FLUSH_IN_PROGRESS, 400)
+            if timeout <= 0 or self._is_idle(ignore_waiting=False):
+                self._flush_now(op)
+                return
             self._flush_pending = True
             try:
                 deadline = time.monotonic() + timeout
-                while not self._is_idle():
+                while not self._is_idle(ignore_waiting=False):
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
-                        raise EngineRejected(
-                            self._label,
-                            op,
-                            f"engine not idle after {timeout:g}s ({len(self._running)} running, "
-                            f"{len(self._waiting)} waiting, paused={self._paused})",
-                            400,
-                        )
+                        raise EngineRejected(self._label, op, FLUSH_TIMED_OUT, 400)
                     await self._wait_changed(remaining)
                     self._check_alive(op)
-                self._prefix_cache.clear()
-                self._counts["flushes"] += 1
             finally:
                 self._flush_pending = False
+            self._flush_now(op)
+
+    def _flush_now(self, op: str) -> None:
+        # sglang: scheduler.py Scheduler.flush_cache
+        if not self._is_idle(ignore_waiting=self._paused):
+            raise EngineRejected(self._label, op, FLUSH_FAILED.strip(), 400)
+        self._prefix_cache.clear()
+        self._counts["flushes"] += 1
 
     async def release_memory_occupation(self, tags: Sequence[Tag | str] | None) -> None:
         """``POST /release_memory_occupation``; empty tags mean all three."""
@@ -660,7 +798,8 @@ class SimulatedEngine:
         async with self._op(op, requested_tags=_requested(tags)) as entry:
             names = self._tag_names(op, tags)
             entry["tags"] = tuple(names)
-            if not self._is_idle():
+            # sglang: weight_updater.py SchedulerWeightUpdaterManager.release_memory_occupation
+            if not self._is_idle(ignore_waiting=self._paused):
                 # The scheduler asserts idleness; the failed assertion takes the server down.
                 raise self._fatal(
                     entry,
@@ -708,21 +847,54 @@ class SimulatedEngine:
                     self._weights_valid = False
             self._notify()
 
-    async def begin_weight_update(self) -> None:
+    async def _wait_unpaused_idle(self, op: str) -> None:
+        """Unpaused, a weight call takes the model-update writer lock, so it waits for every
+        in-flight generate to finish; paused, whoever paused holds it and the call runs now."""
+        # sglang: tokenizer_control_mixin.py _weight_update_session_call,
+        # update_weights_from_tensor / _distributed (model_update_lock.writer_lock unless paused)
+        while not self._paused and (self._running or self._waiting):
+            await self._wait_changed(None)
+            self._check_alive(op)
+
+    def _check_selector(self, op: str, selector: str) -> str:
+        if selector not in SELECTORS:
+            raise EngineRejected(
+                self._label, op, f"selector must be one of {', '.join(SELECTORS)}", 400
+            )
+        return selector
+
+    async def begin_weight_update(self, selector: str = "all") -> None:
         """``POST /begin_weight_update``: open a session (400 if one is open)."""
+        # sglang: weight_updater.py SchedulerWeightUpdaterManager.begin_weight_update
         op = "begin_weight_update"
-        async with self._op(op):
+        async with self._op(op, selector=selector):
+            self._check_selector(op, selector)
+            await self._wait_unpaused_idle(op)
             if self._session_open:
-                raise EngineRejected(self._label, op, "a weight update session is open", 400)
+                raise EngineRejected(
+                    self._label,
+                    op,
+                    "a weight-update session is already open; call end_weight_update() first",
+                    400,
+                )
             self._session_open = True
+            self._session_selector = selector
 
     async def end_weight_update(self) -> None:
         """``POST /end_weight_update``: close the session (400 if none is open)."""
+        # sglang: weight_updater.py SchedulerWeightUpdaterManager.end_weight_update
         op = "end_weight_update"
         async with self._op(op):
+            await self._wait_unpaused_idle(op)
             if not self._session_open:
-                raise EngineRejected(self._label, op, "no weight update session is open", 400)
+                raise EngineRejected(
+                    self._label,
+                    op,
+                    "no weight-update session is open; call begin_weight_update() first",
+                    400,
+                )
             self._session_open = False
+            self._session_selector = None
 
     async def update_weights_from_disk(
         self,
@@ -743,7 +915,9 @@ class SimulatedEngine:
         ) as entry:
             if not isinstance(model_path, str) or not model_path:
                 raise EngineRejected(self._label, op, f"bad model_path {model_path!r}", 400)
-            await self._write_weights(entry, weight_version, flush_cache, abort_all_requests)
+            await self._write_weights(
+                entry, weight_version, flush_cache, abort_all_requests, selector="all"
+            )
 
     async def update_weights_from_tensor(
         self,
@@ -752,6 +926,7 @@ class SimulatedEngine:
         weight_version: str | None,
         flush_cache: bool,
         abort_all_requests: bool,
+        selector: str = "all",
     ) -> None:
         """``POST /update_weights_from_tensor`` (only inside a begin/end session)."""
         op = "update_weights_from_tensor"
@@ -761,12 +936,100 @@ class SimulatedEngine:
             payload_type=type(payload).__name__,
             flush_cache=flush_cache,
             abort_all_requests=abort_all_requests,
+            selector=selector,
         ) as entry:
-            if not self._session_open:
+            self._check_selector(op, selector)
+            await self._write_weights(
+                entry,
+                weight_version,
+                flush_cache,
+                abort_all_requests,
+                selector=selector,
+                session=f"{op} must run between begin_weight_update() and end_weight_update()",
+            )
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = DEFAULT_GROUP_NAME,
+        backend: str = "nccl",
+    ) -> None:
+        """``POST /init_weights_update_group``: record the group (no collective is formed)."""
+        # sglang: model_runner_components/weight_updater.py init_weights_update_group
+        op = "init_weights_update_group"
+        async with self._op(op, group_name=group_name, backend=backend):
+            if not isinstance(group_name, str) or not group_name:
                 raise EngineRejected(
-                    self._label, op, "tensor updates need a begin_weight_update session", 400
+                    self._label,
+                    op,
+                    "Failed to initialize custom process group: Group name cannot be empty.",
+                    400,
                 )
-            await self._write_weights(entry, weight_version, flush_cache, abort_all_requests)
+            self._groups[group_name] = {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": rank_offset,
+                "world_size": world_size,
+                "backend": backend,
+            }
+
+    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> None:
+        """``POST /destroy_weights_update_group``; 400 for a group that does not exist."""
+        # sglang: model_runner_components/weight_updater.py destroy_weights_update_group
+        op = "destroy_weights_update_group"
+        async with self._op(op, group_name=group_name):
+            if self._groups.pop(group_name, None) is None:
+                raise EngineRejected(
+                    self._label, op, "The group to be destroyed does not exist.", 400
+                )
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str = DEFAULT_GROUP_NAME,
+        *,
+        weight_version: str | None,
+        flush_cache: bool,
+        abort_all_requests: bool,
+        load_format: str | None = None,
+        selector: str = "all",
+    ) -> None:
+        """``POST /update_weights_from_distributed``: inside a session, over a group that
+        ``init_weights_update_group`` formed (400 naming the known groups otherwise)."""
+        op = "update_weights_from_distributed"
+        async with self._op(
+            op,
+            version=weight_version,
+            group_name=group_name,
+            load_format=load_format,
+            flush_cache=flush_cache,
+            abort_all_requests=abort_all_requests,
+            selector=selector,
+        ) as entry:
+            self._check_selector(op, selector)
+            # sglang: model_runner_components/weight_updater.py receive_weights_from_distributed
+            # (the assertion is caught by update_weights_from_distributed and answered as 400)
+            unknown = None
+            if group_name not in self._groups:
+                unknown = (
+                    f"Failed to receive weights: Group {group_name} not in "
+                    f"{list(self._groups)}. Please call `init_weights_update_group` first."
+                )
+            await self._write_weights(
+                entry,
+                weight_version,
+                flush_cache,
+                abort_all_requests,
+                selector=selector,
+                session=f"{op} must run between begin_weight_update() and end_weight_update()",
+                refuse=unknown,
+            )
 
     async def _write_weights(
         self,
@@ -774,38 +1037,48 @@ class SimulatedEngine:
         weight_version: str | None,
         flush_cache: bool,
         abort_all_requests: bool,
+        *,
+        selector: str,
+        session: str | None = None,
+        refuse: str | None = None,
     ) -> None:
         op: str = entry["op"]
         if weight_version is not None and not isinstance(weight_version, str):
             raise EngineRejected(self._label, op, f"bad weight_version {weight_version!r}", 400)
         if abort_all_requests:
+            # sglang: the tokenizer's abort_request(abort_all=True), before the lock is taken
             await self._abort(lambda _: True, f"aborted by {op}(abort_all_requests=True)")
-        # Unpaused, the update takes the model lock and so waits for in-flight requests.
-        while not self._paused and (self._running or self._waiting):
-            await self._wait_changed(None)
-            self._check_alive(op)
-        if Tag.WEIGHTS.value in self._released:
-            raise self._fatal(
-                entry, f"illegal memory access: {op} wrote weights while 'weights' is released"
-            )
-        if weight_version is not None:
-            self._weight_version = weight_version
-        self._weights_valid = True
-        self._counts["weight_updates"] += 1
-        if flush_cache:
-            present = len(self._in_flight)
-            if present:
-                # The weights are in; only the flush that follows them failed.
-                raise EngineRejected(
-                    self._label,
-                    op,
-                    f"weights updated but flush_cache failed: {present} request(s) present",
-                    400,
+        await self._wait_unpaused_idle(op)
+        # sglang: weight_updater.py update_weights_from_tensor / _distributed check the session
+        # first, then receive, then load into the runners the request's own selector picks.
+        if session is not None and not self._session_open:
+            raise EngineRejected(self._label, op, session, 400)
+        if refuse is not None:
+            raise EngineRejected(self._label, op, refuse, 400)
+        # The simulated model has no speculative draft: "draft" selects no runner, so the call
+        # succeeds and loads nothing (sglang: weight_updater.py _select_runners).
+        if selector != "draft":
+            if Tag.WEIGHTS.value in self._released:
+                raise self._fatal(
+                    entry, f"illegal memory access: {op} wrote weights while 'weights' is released"
                 )
+            self._weights_valid = True
+        self._counts["weight_updates"] += 1
+        self._record_version_change(weight_version)
+        if flush_cache and not self._is_idle(ignore_waiting=self._paused):
+            # The weights and the scheduler's version moved; the answer is a 400 and the
+            # tokenizer's version (/model_info) stays.
+            # sglang: weight_updater.py flush_cache_after_weight_update
+            raise EngineRejected(self._label, op, WEIGHTS_WRITTEN_FLUSH_FAILED, 400)
+        if flush_cache:
             self._prefix_cache.clear()
+        if weight_version is not None:
+            self._served_version = weight_version
 
     async def update_weight_version(self, version: str, *, abort_all_requests: bool = True) -> None:
-        """``POST /update_weight_version``; SGLang's default aborts every in-flight request."""
+        """``POST /update_weight_version``; SGLang's default aborts every request the scheduler
+        holds (the front end's, held while paused, are out of its reach)."""
+        # sglang: http_server.py update_weight_version; scheduler.py handle_update_weight_version
         op = "update_weight_version"
         async with self._op(op, version=version, abort_all_requests=abort_all_requests):
             if not isinstance(version, str):
@@ -813,14 +1086,25 @@ class SimulatedEngine:
             if abort_all_requests:
                 # Includes the requests a retract pause preserved: the field's costliest bug.
                 await self._abort(lambda _: True, "aborted by update_weight_version")
-            self._weight_version = version
+            self._record_version_change(version)
+            self._served_version = version
 
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        """``POST /abort_request``: abort requests whose rid starts with ``rid`` (or all)."""
+        """``POST /abort_request``: with one tokenizer worker, ``rid`` must be a live request's
+        id exactly; ``rid=""`` without ``abort_all`` does nothing; ``abort_all`` aborts every
+        request the scheduler holds."""
         async with self._op("abort_request", rid=rid, abort_all=abort_all) as entry:
-            count = await self._abort(
-                lambda r: abort_all or r.rid.startswith(rid), "aborted by abort_request"
-            )
+            # sglang: tokenizer_manager.py TokenizerManager.abort_request (exact rid lookup in
+            # rid_to_state; the scheduler then aborts what starts with it:
+            # scheduler.py Scheduler.abort_request)
+            if abort_all:
+                count = await self._abort(lambda _: True, "aborted by abort_request")
+            elif rid and rid in self._in_flight:
+                count = await self._abort(
+                    lambda r: r.rid.startswith(rid), "aborted by abort_request"
+                )
+            else:
+                count = 0
             entry["detail"] = f"{count} aborted"
 
     async def health(self) -> None:
@@ -865,35 +1149,76 @@ class SimulatedEngine:
             self._healthy = True
 
     async def weight_version(self) -> str:
-        """The loaded weight version (``GET /model_info``)."""
+        """The served weight version (``GET /model_info``): ``"default"`` until an update that
+        succeeded as a whole (or ``update_weight_version``) names another."""
+        # sglang: http_server.py model_info (tokenizer_manager.config_value("weight_version"))
         async with self._op("weight_version"):
-            version = self._weight_version
+            version = self._served_version
         return version
 
+    async def ready(self) -> bool:
+        """``GET /ready``: True only when not paused and healthy (a health check that timed
+        out marks the server unhealthy until one succeeds)."""
+        # sglang: tokenizer_manager.py TokenizerManager.is_ready (not is_pause and is_healthy)
+        async with self._op("ready"):
+            ready = not self._paused and self._healthy
+        return ready
+
+    def server_args(self) -> dict[str, Any]:
+        """The resolved server arguments this engine stands for (a subset of SGLang's)."""
+        return {
+            "model_path": "simulated/" + self._label,
+            "tokenizer_path": "simulated/" + self._label,
+            "weight_version": self._initial_version,
+            "enable_memory_saver": True,
+            "enable_weights_cpu_backup": self._weights_cpu_backup,
+            "max_running_requests": self._max_running,
+            "api_key": None,
+            "admin_api_key": None,
+            "dp_size": 1,
+            "tp_size": 1,
+        }
+
+    def _memory_usage(self) -> dict[str, Any]:
+        # What the scheduler measured at load, in GB; a release does not change it.
+        # sglang: scheduler_components/memory_usage.py build_memory_usage
+        def gb(tag: str) -> float:
+            return round(self._capacity[tag] / GIB, 3)
+
+        return {
+            "weight": gb(Tag.WEIGHTS.value),
+            "kvcache": gb(Tag.KV_CACHE.value),
+            "startup_available": round(sum(self._capacity.values()) / GIB, 3),
+            "token_capacity": self._capacity[Tag.KV_CACHE.value] // _KV_BYTES_PER_TOKEN,
+            "token_capacity_swa": None,
+            "graph": {"decode": gb(Tag.CUDA_GRAPH.value)},
+        }
+
     async def server_info(self) -> dict[str, Any]:
-        """``GET /server_info``: state and memory, safe to call while paused."""
+        """``GET /server_info`` in SGLang's shape: the resolved server arguments (keys
+        included), ``launch_command``, ``version`` and one ``internal_states`` entry per DP rank
+        with ``memory_usage`` as measured at load. Nothing in it says paused or released:
+        ``ready()`` and the introspection properties do."""
+        # sglang: http_server.py server_info; utils/common.py build_server_info;
+        # scheduler_components/internal_state.py get_internal_state
         async with self._op("server_info"):
+            args = self.server_args()
             info = {
-                "version": SIM_VERSION,
-                "label": self._label,
-                "paused": self._paused,
-                "pause_mode": self._pause_value(),
-                "released_tags": [t.value for t in ALL_TAGS if t.value in self._released],
-                "weights_valid": self._weights_valid,
-                "weight_version": self._weight_version,
-                "healthy": self._healthy,
-                "weight_update_session_open": self._session_open,
-                "flush_pending": self._flush_pending,
-                "weights_cpu_backup": self._weights_cpu_backup,
-                "dp_dummy_batches": self._dp_dummy_batches,
+                **args,
+                "launch_command": "python -m sglang.launch_server --model-path "
+                + str(args["model_path"]),
+                "startup_time": 0.0,
                 "internal_states": [
                     {
-                        "memory_usage": self.memory(),
-                        "num_running_reqs": len(self._running),
-                        "num_waiting_reqs": len(self._waiting),
-                        "prefix_cache_size": len(self._prefix_cache),
+                        **args,
+                        "world_size": 1,
+                        "effective_max_running_requests_per_dp": self._max_running,
+                        "last_gen_throughput": 0.0,
+                        "memory_usage": self._memory_usage(),
                     }
                 ],
+                "version": SIM_VERSION,
+                "frontend": "python",
             }
         return info
 
@@ -961,6 +1286,7 @@ class SimulatedEngine:
             "prefix_cache_size": len(self._prefix_cache),
             "running": len(self._running),
             "waiting": len(self._waiting),
+            "held": len(self._front),
             "in_flight": len(self._in_flight),
         }
 
