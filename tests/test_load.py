@@ -4,6 +4,13 @@ Stand-in SGLang servers on loopback carry the traffic over HTTP; the server driv
 through ``SGLangHTTPEngine``. Every request must complete: under retract without a single
 abort, under abort by resubmitting each aborted request as prompt + partial output. None may
 be lost, none may hang.
+
+The stand-ins decode in their own processes, so how many requests a given pause catches is
+the machine's speed: the test asserts only what the library guarantees (nothing lost, every
+answer complete, the call order of every cycle). That requests are in flight during a cycle
+is made certain, not hoped for: the traffic is sent while the first offload has the engines
+paused, where every request waits until the cycle ends; each later cycle waits until requests
+are seen in flight (or all are done), and how many it caught is printed, not asserted.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import asyncio
 import random
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -32,7 +40,10 @@ from rollout_lifecycle.testing import cycle_order_violations
 async def run_load(
     pause_mode: PauseMode, engines: int, requests: int, cycles: int
 ) -> tuple[Counter[str], list[str], float]:
-    servers = await StandInServer.start_many_async(engines, token_latency=0.02, seed=1)
+    # Eight Python processes importing at once on a loaded 2-core machine: a generous bound.
+    servers = await StandInServer.start_many_async(
+        engines, token_latency=0.02, seed=1, startup_timeout=120
+    )
     clients = [SGLangHTTPEngine(s.url) for s in servers]
     server = RolloutServer(
         [
@@ -83,13 +94,32 @@ async def run_load(
                 )
                 return sum(a.json()["in_flight"] for a in stats)
 
-            traffic = [asyncio.ensure_future(one(i)) for i in range(requests)]
-            deadline = time.monotonic() + 60
-            while await in_flight() < requests and time.monotonic() < deadline:  # noqa: ASYNC110
-                await asyncio.sleep(0.05)  # polling servers in other processes: no event to await
+            async def poll_until(condition: Callable[[], Awaitable[bool]]) -> None:
+                # Polling servers in other processes: no event to await. No deadline: the
+                # conditions below hold in the end whatever the speed (the test's timeout bounds).
+                while not await condition():  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+
+            traffic: list[asyncio.Future[str]] = []
+
+            async def all_sent_are_waiting() -> bool:
+                # A request that ended while the engines are paused was lost: count it too.
+                return await in_flight() + sum(t.done() for t in traffic) >= requests
+
+            async def some_in_flight_or_all_done() -> bool:
+                return all(t.done() for t in traffic) or await in_flight() > 0
+
             for cycle in range(cycles):
-                seen_in_flight.append(await in_flight())
-                await server.offload()
+                if cycle == 0:
+                    await server.offload()
+                    # Sent while paused: every request waits at its engine through this cycle.
+                    traffic.extend(asyncio.ensure_future(one(i)) for i in range(requests))
+                    await poll_until(all_sent_are_waiting)
+                    seen_in_flight.append(await in_flight())
+                else:
+                    await poll_until(some_in_flight_or_all_done)
+                    seen_in_flight.append(await in_flight())
+                    await server.offload()
                 await asyncio.sleep(0.01)  # the trainer's step
 
                 async def push(update: WeightUpdate) -> None:
@@ -114,7 +144,7 @@ async def run_load(
                 s.url: (await http.get(f"{s.url}/_standin/history")).json() for s in servers
             }
         tally["submitted"] = requests
-        tally["in_flight_at_first_offload"] = seen_in_flight[0]
+        tally["in_flight_through_the_first_cycle"] = seen_in_flight[0]
         tally["cycles_with_requests_in_flight"] = sum(n > 0 for n in seen_in_flight)
         return tally, cycle_order_violations(histories), time.monotonic() - started
     finally:
@@ -138,16 +168,14 @@ async def test_no_request_is_lost_while_the_server_cycles(
         print(
             f"\nload [{mode.value}] {engines} engines, {cycles} offload/onload cycles in "
             f"{took:.1f}s: submitted={tally['submitted']} completed={tally['completed']} "
-            f"aborted={tally['aborted']} lost={tally['lost']}; in flight at the first offload: "
-            f"{tally['in_flight_at_first_offload']}, cycles with requests in flight: "
-            f"{tally['cycles_with_requests_in_flight']}"
+            f"aborted={tally['aborted']} lost={tally['lost']}; in flight through the first "
+            f"cycle: {tally['in_flight_through_the_first_cycle']}, cycles with requests in "
+            f"flight: {tally['cycles_with_requests_in_flight']}"
         )
-    assert tally["in_flight_at_first_offload"] == requests
-    assert tally["cycles_with_requests_in_flight"] >= cycles // 2
+    # Paused engines keep every request sent to them: all are in flight through cycle 0.
+    assert tally["in_flight_through_the_first_cycle"] == requests
     assert violations == []
     assert tally["lost"] == 0
-    assert tally["completed"] == tally["submitted"]
+    assert tally["completed"] == tally["submitted"]  # each with exactly its tokens
     if mode is PauseMode.RETRACT:
-        assert tally["aborted"] == 0
-    else:  # every abort came back with its partial output and was resubmitted
-        assert tally["aborted"] >= requests
+        assert tally["aborted"] == 0  # retract keeps requests; it never aborts one
