@@ -10,6 +10,7 @@ import copy
 import pickle
 from collections import Counter
 from collections.abc import Callable
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -519,6 +520,13 @@ async def run_cycles(mode: PauseMode, sims: list[Any], count: int, cycles: int) 
     assert all(
         len(r["meta_info"]["engines"]) == r["meta_info"]["num_resubmissions"] + 1 for r in results
     )
+    for r in results:  # one answer's spans cover its output once, versions changing at joins
+        spans = r["meta_info"]["weight_versions"]
+        assert spans[0]["start"] == 0 and spans[-1]["end"] == len(r["output_ids"])
+        assert all(
+            a["end"] == b["start"] and a["version"] != b["version"] for a, b in pairwise(spans)
+        )
+        assert r["meta_info"]["weight_version"] == spans[-1]["version"]
     histories = {s.label: s.history() for s in sims}
     assert cycle_order_violations(histories) == []
     return client, results, in_flight
