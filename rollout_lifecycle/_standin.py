@@ -43,7 +43,12 @@ from rollout_lifecycle._exceptions import (
     LifecycleError,
 )
 from rollout_lifecycle._secret import Secret, as_secret
-from rollout_lifecycle._simulated import SimulatedEngine
+from rollout_lifecycle._simulated import (
+    DEFAULT_GROUP_NAME,
+    FLUSH_FAILED,
+    WEIGHTS_WRITTEN_FLUSH_FAILED,
+    SimulatedEngine,
+)
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -59,6 +64,12 @@ T = TypeVar("T")
 READY_PREFIX = "FAKE_SGLANG_READY"
 #: Exit status of a stand-in whose engine died (SGLang's process dies with its scheduler).
 DEATH_EXIT_CODE = 70
+#: How long ``StandInServer.start`` waits for the child to accept connections by default: a
+#: child imports FastAPI, uvicorn and this package, which on a loaded 2-core CI machine has
+#: been seen to take more than 30 s.
+DEFAULT_STARTUP_TIMEOUT = 120.0
+#: How long a child that has exited is given for its last stdout line to be read.
+_EXIT_READ_GRACE_S = 5.0
 #: Environment variables through which ``StandInServer`` hands keys to its subprocess.
 ADMIN_KEY_ENV = "ROLLOUT_LIFECYCLE_STANDIN_ADMIN_KEY"
 API_KEY_ENV = "ROLLOUT_LIFECYCLE_STANDIN_API_KEY"
@@ -69,6 +80,7 @@ AuthLevel = Literal["open", "control", "normal"]
 #: SGLang never asks for a key on these prefixes (probes and Prometheus scraping).
 OPEN_PREFIXES: tuple[str, ...] = ("/health", "/ready", "/metrics")
 #: SGLang's ADMIN_OPTIONAL endpoints: the admin key when one is configured, else the api key.
+# sglang: http_server.py (@auth_level(AuthLevel.ADMIN_OPTIONAL) on each of these routes)
 CONTROL_PATHS: frozenset[str] = frozenset(
     {
         "/pause_generation",
@@ -81,6 +93,8 @@ CONTROL_PATHS: frozenset[str] = frozenset(
         "/update_weights_from_disk",
         "/update_weights_from_tensor",
         "/update_weights_from_distributed",
+        "/init_weights_update_group",
+        "/destroy_weights_update_group",
         "/update_weight_version",
         "/abort_request",
     }
@@ -133,17 +147,16 @@ def auth_level(path: str) -> AuthLevel:
     return "control" if path in CONTROL_PATHS else "normal"
 
 
-def _token_matches(authorization: str | None, x_api_key: str | None, expected: str) -> bool:
-    want = expected.encode("utf-8")
-    ok = False
-    if authorization:
-        scheme, _, token = authorization.partition(" ")
-        if scheme.lower() == "bearer":
-            # Starlette decodes header bytes as latin-1; re-encoding gives back the wire bytes.
-            ok = hmac.compare_digest(token.encode("latin-1", "replace"), want)
-    if x_api_key and not ok:
-        ok = hmac.compare_digest(x_api_key.encode("latin-1", "replace"), want)
-    return ok
+def _token_matches(authorization: str | None, expected: str) -> bool:
+    """``Authorization: Bearer <expected>``, nothing else (no ``X-API-Key``, no other scheme)."""
+    # sglang: utils/auth.py decide_request_auth._check_bearer_token
+    if not authorization:
+        return False
+    scheme, sep, token = authorization.partition(" ")
+    if not sep or scheme.lower() != "bearer":
+        return False
+    # Starlette decodes header bytes as latin-1; re-encoding gives back the wire bytes.
+    return hmac.compare_digest(token.encode("latin-1", "replace"), expected.encode("utf-8"))
 
 
 def request_allowed(
@@ -152,9 +165,10 @@ def request_allowed(
     *,
     api_key: str | Secret | None,
     admin_key: str | Secret | None,
-    x_api_key: str | None = None,
 ) -> bool:
-    """SGLang's decision: may a request to ``path`` with these headers pass? (401 if not)."""
+    """SGLang's decision: may a request to ``path`` with this ``Authorization`` header pass?
+    (401 ``{"error": "Unauthorized"}`` if not)."""
+    # sglang: utils/auth.py decide_request_auth (ADMIN_OPTIONAL and NORMAL levels)
     level = auth_level(path)
     api = as_secret(api_key, what="api_key")
     admin = as_secret(admin_key, what="admin_key")
@@ -163,7 +177,7 @@ def request_allowed(
     # Control: the admin key when one is configured (the api key is then refused), else the api
     # key. Normal: the api key, even when an admin key exists.
     key = (admin or api) if level == "control" else api
-    return key is None or _token_matches(authorization, x_api_key, key.reveal())
+    return key is None or _token_matches(authorization, key.reveal())
 
 
 class _AuthMiddleware:
@@ -187,7 +201,6 @@ class _AuthMiddleware:
             headers.get("authorization"),
             api_key=self.api_key,
             admin_key=self.admin_key,
-            x_api_key=headers.get("x-api-key"),
         ):
             await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
             return
@@ -455,6 +468,13 @@ def _req_str(body: Mapping[str, Any], key: str) -> str:
     return value
 
 
+def _req_int(body: Mapping[str, Any], key: str) -> int:
+    value = _req(body, key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _invalid(key, "int_type", "a valid integer", value)
+    return value
+
+
 def _req_list(body: Mapping[str, Any], key: str) -> list[Any]:
     value = _req(body, key)
     if not isinstance(value, list):
@@ -497,6 +517,7 @@ class _StandIn:
         self.on_death = on_death
         self.history_path = None if history_file is None else Path(history_file)
         self.model_path = model_path
+        self.initial_model_path = model_path
         self._written: set[tuple[str, float]] = set()
         self._death_written = False
         self._dying = False
@@ -734,10 +755,18 @@ def create_app(
                 "1 validation error: [{'type': 'float_parsing', 'loc': ('query', 'timeout'), "
                 f"'msg': 'Input should be a valid number', 'input': {raw!r}}}]"
             ) from None
+        if timeout < 0:
+            raise _BadRequest(
+                "1 validation error: [{'type': 'greater_than_equal', 'loc': ('query', 'timeout'), "
+                f"'msg': 'Input should be greater than or equal to 0', 'input': {raw!r}}}]"
+            )
+        # sglang: http_server.py flush_cache (plain text; the failure text is the scheduler's
+        # message, or "Flush cache failed.\n" when it gave none)
         try:
             await state.call(engine.flush_cache(timeout))
         except EngineRejected as exc:
-            return PlainTextResponse(f"Cache not flushed: {exc.message}\n", status_code=400)
+            text = FLUSH_FAILED if exc.message == FLUSH_FAILED.strip() else exc.message
+            return PlainTextResponse(text, status_code=400)
         return PlainTextResponse(_FLUSH_TEXT)
 
     @route("/release_memory_occupation", ["GET", "POST"])
@@ -756,12 +785,13 @@ def create_app(
 
     @route("/begin_weight_update", ["POST"])
     async def begin_weight_update(request: Request) -> Response:
-        _choice(await _json_body(request), "selector", _SELECTORS, "all")
+        # sglang: io_struct.py BeginWeightUpdateReqInput (selector defaults to "all")
+        selector = _choice(await _json_body(request), "selector", _SELECTORS, "all")
         try:
-            await state.call(engine.begin_weight_update())
+            await state.call(engine.begin_weight_update(selector))
         except EngineRejected as exc:
             return success(False, exc.message)
-        return success(True, "Weight update session started.")
+        return success(True, "Success")
 
     @route("/end_weight_update", ["POST"])
     async def end_weight_update(request: Request) -> Response:
@@ -770,7 +800,7 @@ def create_app(
             await state.call(engine.end_weight_update())
         except EngineRejected as exc:
             return success(False, exc.message)
-        return success(True, "Weight update session ended.")
+        return success(True, "Success")
 
     def update_flags(body: Mapping[str, Any]) -> tuple[str | None, bool, bool]:
         _opt_str(body, "load_format")
@@ -798,14 +828,22 @@ def create_app(
                 )
             )
         except EngineRejected as exc:
-            if exc.message.startswith("weights updated"):
+            if exc.message == WEIGHTS_WRITTEN_FLUSH_FAILED:
                 state.model_path = model_path
             return success(False, exc.message, num_paused_requests=0)
         state.model_path = model_path
         message = updated("Succeeded to update model weights.", version)
         return success(True, message, num_paused_requests=0)
 
-    async def tensor_update(body: Mapping[str, Any], payload: dict[str, Any]) -> Response:
+    # sglang: io_struct.py UpdateWeightsFromTensorReqInput / UpdateWeightsFromDistributedReqInput
+    # (selector defaults to "all"; the call uses its own selector, whatever begin was given)
+
+    @route("/update_weights_from_tensor", ["POST"])
+    async def update_weights_from_tensor(request: Request) -> Response:
+        body = await _json_body(request)
+        payload = _req_list(body, "serialized_named_tensors")
+        selector = _choice(body, "selector", _SELECTORS, "all")
+        _bool(body, "torch_empty_cache", False)
         version, flush, abort_all = update_flags(body)
         try:
             await state.call(
@@ -814,29 +852,80 @@ def create_app(
                     weight_version=version,
                     flush_cache=flush,
                     abort_all_requests=abort_all,
+                    selector=selector,
+                )
+            )
+        except EngineRejected as exc:
+            return success(False, exc.message)
+        # sglang: weight_updater.py update_weights_from_tensor answers "Success"
+        return success(True, updated("Success", version))
+
+    @route("/update_weights_from_distributed", ["POST"])
+    async def update_weights_from_distributed(request: Request) -> Response:
+        body = await _json_body(request)
+        names, dtypes, shapes = (_req_list(body, k) for k in ("names", "dtypes", "shapes"))
+        group_name = _opt_str(body, "group_name")
+        selector = _choice(body, "selector", _SELECTORS, "all")
+        _bool(body, "torch_empty_cache", False)
+        load_format = _opt_str(body, "load_format")
+        version, flush, abort_all = update_flags(body)
+        try:
+            await state.call(
+                engine.update_weights_from_distributed(
+                    names,
+                    dtypes,
+                    shapes,
+                    DEFAULT_GROUP_NAME if group_name is None else group_name,
+                    weight_version=version,
+                    flush_cache=flush,
+                    abort_all_requests=abort_all,
+                    load_format=load_format,
+                    selector=selector,
                 )
             )
         except EngineRejected as exc:
             return success(False, exc.message)
         return success(True, updated("Succeeded to update parameter online.", version))
 
-    @route("/update_weights_from_tensor", ["POST"])
-    async def update_weights_from_tensor(request: Request) -> Response:
+    @route("/init_weights_update_group", ["POST"])
+    async def init_weights_update_group(request: Request) -> Response:
+        # sglang: io_struct.py InitWeightsUpdateGroupReqInput; the stand-in records the group
+        # and forms no collective.
         body = await _json_body(request)
-        payload: dict[str, Any] = {
-            "serialized_named_tensors": _req_list(body, "serialized_named_tensors")
-        }
-        if "selector" in body:
-            payload["selector"] = _choice(body, "selector", _SELECTORS, "all")
-        payload["torch_empty_cache"] = _bool(body, "torch_empty_cache", False)
-        return await tensor_update(body, payload)
+        address = _req_str(body, "master_address")
+        port, offset, world = (
+            _req_int(body, k) for k in ("master_port", "rank_offset", "world_size")
+        )
+        group_name = _opt_str(body, "group_name")
+        backend = _opt_str(body, "backend")
+        try:
+            await state.call(
+                engine.init_weights_update_group(
+                    address,
+                    port,
+                    offset,
+                    world,
+                    group_name=DEFAULT_GROUP_NAME if group_name is None else group_name,
+                    backend="nccl" if backend is None else backend,
+                )
+            )
+        except EngineRejected as exc:
+            return success(False, exc.message)
+        return success(True, "Succeeded to initialize custom process group.")
 
-    @route("/update_weights_from_distributed", ["POST"])
-    async def update_weights_from_distributed(request: Request) -> Response:
-        body = await _json_body(request)
-        payload: dict[str, Any] = {k: _req_list(body, k) for k in ("names", "dtypes", "shapes")}
-        payload["group_name"] = _opt_str(body, "group_name") or "weight_update_group"
-        return await tensor_update(body, payload)
+    @route("/destroy_weights_update_group", ["POST"])
+    async def destroy_weights_update_group(request: Request) -> Response:
+        # sglang: io_struct.py DestroyWeightsUpdateGroupReqInput
+        group_name = _opt_str(await _json_body(request), "group_name")
+        try:
+            await state.call(
+                engine.destroy_weights_update_group(
+                    DEFAULT_GROUP_NAME if group_name is None else group_name
+                )
+            )
+        except EngineRejected as exc:
+            return success(False, exc.message)
+        return success(True, "Succeeded to destroy custom process group.")
 
     @route("/update_weight_version", ["POST"])
     async def update_weight_version(request: Request) -> Response:
@@ -876,28 +965,35 @@ def create_app(
 
     @route("/ready", ["GET"])
     async def ready(_: Request) -> Response:
-        info = await state.call(engine.server_info())
-        return Response(status_code=200 if info["healthy"] and not info["paused"] else 503)
+        # sglang: http_server.py ready (tokenizer_manager.is_ready: not paused and Up)
+        return Response(status_code=200 if await state.call(engine.ready()) else 503)
 
     async def server_info(_: Request) -> Response:
+        # sglang: http_server.py server_info, utils/common.py build_server_info: the resolved
+        # server arguments, keys in clear (the client must mask them, not the server).
         info = await state.call(engine.server_info())
-        args = {
-            "model_path": state.model_path,
-            "tokenizer_path": state.model_path,
-            "enable_memory_saver": True,
-            "enable_weights_cpu_backup": info["weights_cpu_backup"],
+        keys = {
+            "api_key": None if api is None else api.reveal(),
+            "admin_api_key": None if admin is None else admin.reveal(),
         }
-        return JSONResponse({**args, **info})
+        info.update(model_path=state.initial_model_path, tokenizer_path=state.initial_model_path)
+        info.update(keys)
+        for rank in info["internal_states"]:
+            rank.update(model_path=state.initial_model_path, **keys)
+        return JSONResponse(info)
 
     route("/server_info", ["GET"])(server_info)
     route("/get_server_info", ["GET"])(server_info)
 
     async def model_info(_: Request) -> Response:
+        # sglang: http_server.py model_info (the model a weight update swapped in, the
+        # tokenizer's weight version); it answers before warm-up.
         version = await state.call(engine.weight_version())
         return JSONResponse(
             {
                 "model_path": state.model_path,
-                "tokenizer_path": state.model_path,
+                "served_model_name": state.initial_model_path,
+                "tokenizer_path": state.initial_model_path,
                 "is_generation": True,
                 "preferred_sampling_params": None,
                 "weight_version": version,
@@ -940,6 +1036,20 @@ def create_app(
     @route("/_standin/memory", ["GET"])
     async def standin_memory(_: Request) -> Response:
         return JSONResponse(engine.memory())
+
+    @route("/_standin/state", ["GET"])
+    async def standin_state(_: Request) -> Response:
+        # What SGLang keeps to itself (its /server_info shows none of it), for tests.
+        return JSONResponse(
+            {
+                "paused": engine.paused,
+                "pause_mode": engine.pause_mode,
+                "released_tags": engine.released_tags,
+                "weights_valid": engine.weights_valid,
+                "flush_pending": engine.flush_pending,
+                "weight_update_session_open": engine.weight_update_session_open,
+            }
+        )
 
     @route("/_standin/stats", ["GET"])
     async def standin_stats(_: Request) -> Response:
@@ -1131,7 +1241,7 @@ class StandInServer:
         admin_key: str | Secret | None = None,
         api_key: str | Secret | None = None,
         history_file: str | os.PathLike[str] | None = None,
-        startup_timeout: float = 30.0,
+        startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
         model_path: str | None = None,
         **engine_options: Any,
     ) -> None:
@@ -1222,7 +1332,7 @@ class StandInServer:
         while not self._ready.wait(0.02):
             if proc.poll() is not None:
                 # The reader may still be on the last line; give it a moment.
-                if self._ready.wait(0.2):
+                if self._ready.wait(_EXIT_READ_GRACE_S):
                     break
                 raise StandInFailed(
                     f"stand-in {self.label} exited with status {proc.returncode} before it was "
@@ -1411,6 +1521,7 @@ __all__ = [
     "API_KEY_ENV",
     "CONTROL_PATHS",
     "DEATH_EXIT_CODE",
+    "DEFAULT_STARTUP_TIMEOUT",
     "FAULTS_PATH",
     "FAULT_KINDS",
     "OPEN_PREFIXES",

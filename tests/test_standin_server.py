@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ import pytest
 
 from rollout_lifecycle._standin import (
     DEATH_EXIT_CODE,
+    DEFAULT_STARTUP_TIMEOUT,
     StandInServer,
     auth_level,
     request_allowed,
@@ -92,6 +94,10 @@ def long_generate(client: httpx.AsyncClient, url: str, rid: str, tokens: int = 2
             },
         )
     )
+
+
+async def flush_pending(client: httpx.AsyncClient) -> bool:
+    return bool((await client.get("/_standin/state")).json()["flush_pending"])
 
 
 def validation_error(response: httpx.Response) -> str:
@@ -172,8 +178,8 @@ def test_bad_enum_or_type_is_a_400_json_error_and_unknown_keys_are_ignored(open_
         assert validation_error(client.post("/pause_generation", content=b"{not json"))
         ok = client.post("/pause_generation", json={"mode": "retract", "surprise": [1]})
         assert ok.status_code == 200
-        info = client.get("/server_info").json()
-        assert info["paused"] and info["pause_mode"] == "retract"
+        state = client.get("/_standin/state").json()
+        assert state["paused"] and state["pause_mode"] == "retract"
 
 
 def test_flush_cache_get_and_post_answer_plain_text(open_url: str) -> None:
@@ -183,10 +189,10 @@ def test_flush_cache_get_and_post_answer_plain_text(open_url: str) -> None:
             assert answer.status_code == 200
             assert answer.headers["content-type"].startswith("text/plain")
             assert "Cache flushed" in answer.text
-        assert client.post("/flush_cache", params={"timeout": 0.5}).status_code == 200
+        assert client.post("/flush_cache", params={"timeout": 0.5}).status_code == 200  # idle
         assert "timeout" in validation_error(client.post("/flush_cache?timeout=soon"))
-        bad = client.post("/flush_cache", params={"timeout": -1})
-        assert bad.status_code == 400 and bad.headers["content-type"].startswith("text/plain")
+        # Query(0.0, ge=0.0): a negative timeout fails validation (a JSON 400, not plain text).
+        assert "timeout" in validation_error(client.post("/flush_cache", params={"timeout": -1}))
 
 
 async def test_flush_is_400_plain_text_while_requests_hold_kv_under_in_place_pause(
@@ -196,16 +202,21 @@ async def test_flush_is_400_plain_text_while_requests_hold_kv_under_in_place_pau
         request = long_generate(client, open_url, "frozen-1")
         await wait_running(client, open_url)
         assert (await client.post("/pause_generation", json={"mode": "in_place"})).is_success
-        refused = await client.post("/flush_cache", params={"timeout": 0.1})
+        refused = await client.post("/flush_cache")
         assert refused.status_code == 400
         assert refused.headers["content-type"].startswith("text/plain")
-        assert "not idle" in refused.text
-        # A second flush while one waits is refused too.
-        waiting = asyncio.ensure_future(client.post("/flush_cache", params={"timeout": 2}))
-        await asyncio.sleep(0.1)
+        assert refused.text == "Flush cache failed.\n"
+        timed_out = await client.post("/flush_cache", params={"timeout": 0.1})
+        assert (
+            timed_out.status_code == 400 and timed_out.text == "Timed out waiting for idle state."
+        )
+        # A second flush while one is deferred is refused too.
+        waiting = asyncio.ensure_future(client.post("/flush_cache", params={"timeout": 5}))
+        await wait_until(lambda: flush_pending(client), what="the first flush to be deferred")
         second = await client.post("/flush_cache")
-        assert second.status_code == 400 and "pending" in second.text
-        aborted = await client.post("/abort_request", json={"rid": "frozen"})  # rid prefix
+        assert second.status_code == 400
+        assert second.text == "Another flush_cache is already in progress."
+        aborted = await client.post("/abort_request", json={"rid": "frozen-1"})
         assert aborted.status_code == 200 and aborted.content == b""
         result = (await asyncio.wait_for(request, 5)).json()
         assert result["meta_info"]["finish_reason"]["type"] == "abort"
@@ -224,9 +235,8 @@ def test_release_and_resume_answer_null_on_get_and_post_and_accept_unknown_tags(
         assert released.status_code == 200 and released.content == b"null"
         assert released.json() is None
         assert client.get("/_standin/memory").json() == dict.fromkeys(full, 0)
-        info = client.get("/server_info").json()
-        assert sorted(info["released_tags"]) == ["cuda_graph", "kv_cache", "weights"]
-        assert info["internal_states"][0]["memory_usage"] == dict.fromkeys(full, 0)
+        state = client.get("/_standin/state").json()
+        assert sorted(state["released_tags"]) == ["cuda_graph", "kv_cache", "weights"]
         resumed = client.post("/resume_memory_occupation", json={"tags": []})
         assert resumed.status_code == 200 and resumed.content == b"null"
         assert client.get("/_standin/memory").json() == full
@@ -253,6 +263,7 @@ def test_weight_update_session_tensor_and_distributed_updates(open_url: str) -> 
         assert begun.status_code == 200 and begun.json()["success"] is True
         again = client.post("/begin_weight_update", json={})
         assert again.status_code == 400 and again.json()["success"] is False
+        assert "already open" in again.json()["message"]
         updated = client.post("/update_weights_from_tensor", json=tensor)
         assert updated.status_code == 200 and updated.json()["success"] is True
         assert "Field required" in validation_error(
@@ -270,8 +281,39 @@ def test_weight_update_session_tensor_and_distributed_updates(open_url: str) -> 
                 "weight_version": "d1",
             },
         )
+        assert distributed.status_code == 400
+        assert distributed.json()["message"] == (
+            "Failed to receive weights: Group g not in []. "
+            "Please call `init_weights_update_group` first."
+        )
+        group = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1}
+        assert "world_size" in validation_error(
+            client.post("/init_weights_update_group", json={**group, "group_name": "g"})
+        )
+        joined = client.post(
+            "/init_weights_update_group", json={**group, "world_size": 2, "group_name": "g"}
+        )
+        assert joined.status_code == 200 and joined.json()["success"] is True
+        distributed = client.post(
+            "/update_weights_from_distributed",
+            json={
+                "names": ["w"],
+                "dtypes": ["bfloat16"],
+                "shapes": [[4, 4]],
+                "group_name": "g",
+                "load_format": "flattened_bucket",
+                "flush_cache": False,
+                "abort_all_requests": False,
+                "weight_version": "d1",
+            },
+        )
         assert distributed.status_code == 200 and distributed.json()["success"] is True
         assert client.get("/model_info").json()["weight_version"] == "d1"
+        left = client.post("/destroy_weights_update_group", json={"group_name": "g"})
+        assert left.status_code == 200 and left.json()["success"] is True
+        gone = client.post("/destroy_weights_update_group", json={"group_name": "g"})
+        assert gone.status_code == 400
+        assert gone.json()["message"] == "The group to be destroyed does not exist."
         ended = client.post("/end_weight_update", json={})
         assert ended.status_code == 200 and ended.json()["success"] is True
         twice = client.post("/end_weight_update", json={})
@@ -352,7 +394,6 @@ def test_health_and_ready_answer_503_while_paused_and_recover(open_url: str) -> 
         probe = client.get("/health")
         assert probe.status_code == 503 and probe.content == b""
         assert time.monotonic() - started >= 0.4  # it hung for the health timeout first
-        assert client.get("/server_info").json()["healthy"] is False
         assert client.post("/continue_generation", json={}).is_success
         assert client.get("/ready").status_code == 503  # unhealthy until a probe succeeds
         assert client.get("/health_generate").status_code == 200
@@ -364,10 +405,11 @@ def test_server_info_under_both_names_reports_memory_and_version(open_url: str) 
         for path in ("/server_info", "/get_server_info"):
             info = client.get(path).json()
             assert info["version"].startswith("0.5.23")
-            assert info["paused"] is False and info["label"] == "open"
-            state = info["internal_states"][0]
-            assert set(state["memory_usage"]) == {"weights", "kv_cache", "cuda_graph"}
-            assert "num_running_reqs" in state
+            assert info["api_key"] is None and info["admin_api_key"] is None
+            assert info["model_path"] == info["internal_states"][0]["model_path"]
+            usage = info["internal_states"][0]["memory_usage"]
+            assert {"weight", "kvcache", "token_capacity", "graph"} <= set(usage)
+            assert not {"paused", "released_tags", "healthy"} & set(info)
 
 
 def test_generate_answers_text_output_ids_and_meta_info_on_post_and_put(open_url: str) -> None:
@@ -380,7 +422,11 @@ def test_generate_answers_text_output_ids_and_meta_info_on_post_and_put(open_url
         assert set(body) == {"text", "output_ids", "meta_info"}
         assert len(body["output_ids"]) == 3 and len(body["text"]) == 3
         assert body["meta_info"]["finish_reason"]["type"] == "length"
-        assert "weight_version" in body["meta_info"] and "num_retractions" in body["meta_info"]
+        meta = body["meta_info"]
+        assert meta["weight_versions"] == [
+            {"version": meta["weight_version"], "start": 0, "end": 3}
+        ]
+        assert meta["num_retractions"] == 0
         put = client.put(
             "/generate",
             json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}, "rid": "p1"},
@@ -438,6 +484,16 @@ def test_auth_with_both_keys_wants_admin_for_control_and_api_for_normal(
         for path in ("/health", "/health_generate", "/ready"):
             assert client.get(path).status_code == 200, path
         assert client.get("/metrics").status_code != 401
+        # Only "Authorization: Bearer" carries a key: X-API-Key is not read at all.
+        for headers in ({"X-API-Key": ADMIN_KEY}, {"Authorization": ADMIN_KEY}):
+            assert client.post("/pause_generation", json={}, headers=headers).status_code == 401
+        assert client.get("/server_info", headers={"X-API-Key": API_KEY}).status_code == 401
+        # The weight-group endpoints are control endpoints too.
+        for path in ("/init_weights_update_group", "/destroy_weights_update_group"):
+            assert client.post(path, json={}, headers=API).status_code == 401
+        # /server_info publishes both keys in clear, as SGLang does: the client must mask them.
+        info = client.get("/server_info", headers=API).json()
+        assert (info["api_key"], info["admin_api_key"]) == (API_KEY, ADMIN_KEY)
     # Keys travel in the environment, never on the command line, and are never printed.
     cmdline = Path(f"/proc/{server.pid}/cmdline")
     if cmdline.exists():
@@ -471,6 +527,10 @@ def test_auth_decision_table_matches_sglang_levels() -> None:
     assert request_allowed("/pause_generation", "bearer k-admin", api_key=None, admin_key="k-admin")
     assert not request_allowed(
         "/pause_generation", "Basic k-admin", api_key=None, admin_key="k-admin"
+    )
+    assert not request_allowed("/pause_generation", "Bearer", api_key=None, admin_key="k-admin")
+    assert not request_allowed(
+        "/pause_generation", "Bearer  k-admin", api_key=None, admin_key="k-admin"
     )
     # No keys: everything open.
     assert request_allowed("/release_memory_occupation", None, api_key=None, admin_key=None)
@@ -585,7 +645,7 @@ async def test_continue_after_release_with_a_request_waiting_kills_the_server(
         waiting = long_generate(client, server.url, "waiter", tokens=5)
 
         async def queued() -> bool:
-            return bool((await client.get("/_standin/stats")).json()["waiting"] == 1)
+            return bool((await client.get("/_standin/stats")).json()["held"] == 1)
 
         await wait_until(queued, what="the request to wait at the front end")
         # The continue itself may still be answered; the forward pass on released memory that
@@ -605,6 +665,14 @@ async def test_continue_after_release_with_a_request_waiting_kills_the_server(
 
 
 # --------------------------------------------------------------------------------- the command
+
+
+def test_stand_in_waits_two_minutes_for_readiness_by_default() -> None:
+    # A loaded 2-core CI machine has taken more than 30 s to start one.
+    assert DEFAULT_STARTUP_TIMEOUT >= 120
+    assert inspect.signature(StandInServer).parameters["startup_timeout"].default == (
+        DEFAULT_STARTUP_TIMEOUT
+    )
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--admin-key-env", None), ("--api-key-env", "")])
