@@ -1475,6 +1475,12 @@ class StandInServer:
         result: list[dict[str, Any]] = self._standin_call("GET", FAULTS_PATH)["faults"]
         return result
 
+    def state(self) -> dict[str, Any]:
+        """What SGLang does not publish: paused, pause mode, released tags, weights valid,
+        a deferred flush, an open weight-update session (``GET /_standin/state``)."""
+        result: dict[str, Any] = self._standin_call("GET", "/_standin/state")
+        return result
+
     def history(self) -> list[dict[str, Any]]:
         """The engine's ops and the injected faults so far (``GET /_standin/history``)."""
         result: list[dict[str, Any]] = self._standin_call("GET", "/_standin/history")

@@ -45,18 +45,18 @@ def request(tokens: int, i: int = 0) -> dict[str, Any]:
 async def test_every_lifecycle_call_round_trips(
     live: tuple[StandInServer, SGLangHTTPEngine],
 ) -> None:
-    _, engine = live
+    server, engine = live
     info = await engine.server_info()
-    assert info["version"] and info["paused"] is False
-    assert await engine.weight_version() == "0"
+    assert info["version"] and await engine.ready()
+    assert await engine.weight_version() == "default"
     out = await engine.generate(request(5))
     assert len(out["output_ids"]) == 5 and out["meta_info"]["finish_reason"]["type"] == "length"
 
     await engine.pause_generation(PauseMode.RETRACT)
-    assert (await engine.server_info())["paused"] is True
-    await engine.flush_cache(1.0)
+    assert not await engine.ready()  # /ready is 503 while paused
+    await engine.flush_cache(0.0)
     await engine.release_memory_occupation([Tag.KV_CACHE, Tag.WEIGHTS, Tag.CUDA_GRAPH])
-    assert sorted((await engine.server_info())["released_tags"]) == [
+    assert sorted((await asyncio.to_thread(server.state))["released_tags"]) == [
         "cuda_graph",
         "kv_cache",
         "weights",
@@ -69,10 +69,12 @@ async def test_every_lifecycle_call_round_trips(
     await engine.update_weights_from_tensor(
         ["c2VyaWFsaXplZA=="], weight_version="v2", flush_cache=False, abort_all_requests=False
     )
+    await engine.init_weights_update_group("127.0.0.1", 29500, 1, 2, group_name="g0")
     await engine.update_weights_from_distributed(
         ["w"], ["bfloat16"], [[2, 2]], "g0", weight_version="v3", flush_cache=False,
         abort_all_requests=False,
     )  # fmt: skip
+    await engine.destroy_weights_update_group("g0")
     await engine.end_weight_update()
     await engine.update_weight_version("v4", abort_all_requests=False)
     assert await engine.weight_version() == "v4"
@@ -137,7 +139,7 @@ async def test_an_empty_tag_list_is_refused_before_it_is_sent(
 
 async def paused_idle(engine: SGLangHTTPEngine) -> None:
     await engine.pause_generation(PauseMode.RETRACT)
-    await engine.flush_cache(1.0)
+    await engine.flush_cache(0.0)
 
 
 async def release_busy(engine: SGLangHTTPEngine) -> None:
@@ -236,19 +238,32 @@ async def test_launched_engine_actor_runs_a_cycle_and_stops_its_server(
     ]
     factory = launched_sglang_factory(
         "simulated/model", port=unused_tcp_port, command=command, admin_key=KEY,
-        startup_timeout=60.0,
+        startup_timeout=120.0,
     )  # fmt: skip
     actor = start_engine_actor(factory)
     try:
         server = RolloutServer([EngineGroup("actor", [actor])])
         await asyncio.wait_for(server.offload(), timeout=90)
         await asyncio.wait_for(server.onload(), timeout=30)
-        info = await actor.server_info.remote()
-        assert info["paused"] is False and info["released_tags"] == []
-        await actor.close.remote()
         probe = SGLangHTTPEngine(f"http://127.0.0.1:{unused_tcp_port}", retries=0)
+        assert await probe.ready()  # continued: /ready answers 200 again
+        await actor.close.remote()
         with pytest.raises(EngineDead):
             await probe.server_info()  # the child server was terminated with the engine
         await probe.close()
     finally:
         ray.kill(actor)
+
+
+async def test_server_info_from_a_server_that_publishes_its_keys_reaches_callers_masked() -> None:
+    # The stand-in, like SGLang's build_server_info, puts both keys in /server_info in clear.
+    api = "contract-api-key-3f0d"
+    server = await asyncio.to_thread(StandInServer(admin_key=KEY, api_key=api).start)
+    engine = SGLangHTTPEngine(server.url, admin_key=KEY, api_key=api, retries=1)
+    try:
+        info = await engine.server_info()
+        assert info["internal_states"] and "api_key" in info
+        assert KEY not in repr(info) and api not in repr(info)
+    finally:
+        await engine.close()
+        server.stop()
