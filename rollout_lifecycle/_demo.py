@@ -67,7 +67,7 @@ DEFAULT_LAYOUT = {"simulated": (2, 2), "real": (1, 2)}
 #: Requests per step when none are given, and their new tokens (real: long enough to be
 #: decoding when the offload comes).
 DEFAULT_REQUESTS = {"simulated": 16, "real": 6}
-_REAL_NEW_TOKENS = 160
+_REAL_NEW_TOKENS = 96
 #: Seconds the demo lets real requests decode before the offload.
 _REAL_WARMUP_S = 1.0
 #: The files ``--out`` receives.
