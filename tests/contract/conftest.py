@@ -107,3 +107,39 @@ def keyed(request: pytest.FixtureRequest) -> Iterator[Target]:
         target = _real_target(pool.keyed(), **keys)
     yield target
     _restore(target.url, target.headers())
+
+
+#: Rows where the stand-in still answers differently from the real server, by test name: the
+#: stand-in case is expected to fail (strictly: it must fail, so a fix shows up here).
+STANDIN_DIFFERENCES: dict[str, str] = {
+    "test_server_info_has_version_memory_usage_and_keys": (
+        "/server_info version is '0.5.23-sim'; SGLang answers '0.5.23'"
+    ),
+    "test_flushes_sent_together_are_answered_one_after_the_other": (
+        "the second of two flushes sent together after a retract pause answers 400 'Another "
+        "flush_cache is already in progress.'; SGLang sends one flush at a time to the "
+        "scheduler, so both answer 400 'Timed out waiting for idle state.', one timeout apart"
+    ),
+    "test_a_tag_named_twice_in_one_release_is_released_once": (
+        "release {'tags': ['kv_cache', 'kv_cache']} kills the stand-in as a double release; "
+        "SGLang releases the tag once, answers 200 and serves after the resume"
+    ),
+    "test_failed_update_from_disk_leaves_the_version_unchanged": (
+        "an update from a model path that does not exist answers 200 success and sets the "
+        "version; SGLang answers 400 success false and keeps the version"
+    ),
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        name = getattr(item, "originalname", item.name)
+        callspec = getattr(item, "callspec", None)
+        kind = (
+            None
+            if callspec is None
+            else callspec.params.get("target", callspec.params.get("keyed"))
+        )
+        if kind == "standin" and name in STANDIN_DIFFERENCES:
+            reason = f"stand-in differs from SGLang 0.5.23: {STANDIN_DIFFERENCES[name]}"
+            item.add_marker(pytest.mark.xfail(strict=True, reason=reason))
