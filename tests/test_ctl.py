@@ -101,8 +101,8 @@ def memory(server: StandInServer) -> dict[str, int]:
 
 
 def touched(server: StandInServer) -> list[dict[str, Any]]:
-    # GET /server_info (ctl's version check before a call) reads and changes nothing.
-    return [e for e in server.history() if e["op"] != "server_info"]
+    # GET /server_info (ctl's version check before a call) and /ready read and change nothing.
+    return [e for e in server.history() if e["op"] not in ("server_info", "ready")]
 
 
 def history_lengths(servers: list[StandInServer]) -> list[int]:
@@ -155,8 +155,9 @@ def test_offload_status_onload_cycle_drives_every_standin_and_records_the_ledger
         assert row["reachable"] and row["ready"] is False and row["ready_status"] == 503
         assert row["recorded"]["released"] == ALL and row["recorded"]["paused"]
         assert row["agrees"] is True
-        assert row["memory"] == {"weights": 0, "kv_cache": 0, "cuda_graph": 0}
-        assert row["weight_version"] == "0"
+        # SGLang's memory_usage (weight, kvcache in GB, fixed at load): it cannot show a release.
+        assert {"weight", "kvcache"} <= set(row["memory"])
+        assert row["weight_version"] == "default"  # SGLang's initial version
     code, out, _ = ctl("status")  # the table
     lines = out.splitlines()
     header = next(line for line in lines if line.startswith("ENGINE"))
