@@ -241,8 +241,8 @@ def _real_options(args: argparse.Namespace) -> None:
         ]
         if clashes:
             raise SystemExit(
-                f"rollout-lifecycle: {', '.join(clashes)} need the simulated engines (fault "
-                "injection is designed for them), not real SGLang servers"
+                f"rollout-lifecycle: not with real SGLang servers: {', '.join(clashes)} (fault "
+                "injection is designed for the simulated engines)"
             )
         env: dict[str, str] = {}
         for item in args.sglang_env:
