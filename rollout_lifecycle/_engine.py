@@ -92,6 +92,13 @@ class EngineBackend(Protocol):
         ...
 
 
+def introspect(backend: object, name: str, default: Any) -> Any:
+    """``backend.name()`` where the backend offers it (a simulated engine's test hooks), else
+    ``default``: a real server has no such method and answers nothing."""
+    method = getattr(backend, name, None)
+    return default if method is None else method()
+
+
 class EngineHost:
     """Serves one backend's lifecycle operations; the body of an engine actor.
 
@@ -287,18 +294,24 @@ class EngineHost:
 
     async def history(self) -> list[dict[str, Any]]:
         """Ops the backend received, if it records them (the simulated engine does)."""
-        recorder = getattr(self._backend, "history", None)
-        if recorder is None:
-            return []
-        result: list[dict[str, Any]] = recorder()
+        result: list[dict[str, Any]] = introspect(self._backend, "history", [])
         return result
 
     async def memory(self) -> dict[str, int]:
         """Resident bytes per tag, if the backend accounts memory (the simulated engine does)."""
-        meter = getattr(self._backend, "memory", None)
-        if meter is None:
-            return {}
-        result: dict[str, int] = meter()
+        result: dict[str, int] = introspect(self._backend, "memory", {})
+        return result
+
+    async def state(self) -> dict[str, Any]:
+        """What the engine keeps to itself (paused, released tags, ...), if the backend can
+        say (the simulated engine can; a real server publishes none of it)."""
+        result: dict[str, Any] = introspect(self._backend, "state", {})
+        return result
+
+    async def stats(self) -> dict[str, int]:
+        """The backend's work counters and queue lengths (``running``, ``waiting``, ...), if it
+        keeps them (the simulated engine does)."""
+        result: dict[str, int] = introspect(self._backend, "stats", {})
         return result
 
     async def close(self) -> None:

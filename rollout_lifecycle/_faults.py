@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from rollout_lifecycle._config import PauseMode, Tag
-from rollout_lifecycle._engine import EngineBackend
+from rollout_lifecycle._engine import EngineBackend, introspect
 from rollout_lifecycle._exceptions import (
     EngineDead,
     EngineRejected,
@@ -420,18 +420,17 @@ class FaultyEngine:
 
     def history(self) -> list[dict[str, Any]]:
         """The inner engine's own op history (``[]`` if it keeps none)."""
-        recorder = getattr(self._inner, "history", None)
-        if recorder is None:
-            return []
-        result: list[dict[str, Any]] = recorder()
+        result: list[dict[str, Any]] = introspect(self._inner, "history", [])
         return result
 
     def memory(self) -> dict[str, int]:
         """The inner engine's resident bytes per tag (``{}`` if it does not account memory)."""
-        meter = getattr(self._inner, "memory", None)
-        if meter is None:
-            return {}
-        result: dict[str, int] = meter()
+        result: dict[str, int] = introspect(self._inner, "memory", {})
+        return result
+
+    def state(self) -> dict[str, Any]:
+        """The inner engine's own state (``{}`` if it publishes none)."""
+        result: dict[str, Any] = introspect(self._inner, "state", {})
         return result
 
 

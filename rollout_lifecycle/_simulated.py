@@ -1279,6 +1279,21 @@ class SimulatedEngine:
         self._history = [entry for entry in self._history if entry["end"] is None]
         return taken
 
+    def state(self) -> dict[str, Any]:
+        """What SGLang keeps to itself (its ``/server_info`` shows none of it), for tests:
+        label, dead, paused and the pause mode, released tags, whether the weights are valid,
+        a deferred flush, an open weight-update session."""
+        return {
+            "label": self._label,
+            "dead": self._dead,
+            "paused": self.paused,
+            "pause_mode": self.pause_mode,
+            "released_tags": self.released_tags,
+            "weights_valid": self.weights_valid,
+            "flush_pending": self.flush_pending,
+            "weight_update_session_open": self.weight_update_session_open,
+        }
+
     def stats(self) -> dict[str, int]:
         """Counters of the work done so far and the current queues."""
         return {

@@ -1039,17 +1039,7 @@ def create_app(
 
     @route("/_standin/state", ["GET"])
     async def standin_state(_: Request) -> Response:
-        # What SGLang keeps to itself (its /server_info shows none of it), for tests.
-        return JSONResponse(
-            {
-                "paused": engine.paused,
-                "pause_mode": engine.pause_mode,
-                "released_tags": engine.released_tags,
-                "weights_valid": engine.weights_valid,
-                "flush_pending": engine.flush_pending,
-                "weight_update_session_open": engine.weight_update_session_open,
-            }
-        )
+        return JSONResponse(engine.state())
 
     @route("/_standin/stats", ["GET"])
     async def standin_stats(_: Request) -> Response:
