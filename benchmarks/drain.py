@@ -73,8 +73,8 @@ class DrainResult:
 
 
 async def _running(engines: Sequence[Any]) -> int:
-    infos = await asyncio.gather(*(e.server_info.remote() for e in engines))
-    return sum(i["internal_states"][0]["num_running_reqs"] for i in infos)
+    stats = await asyncio.gather(*(e.stats.remote() for e in engines))
+    return sum(s["running"] for s in stats)
 
 
 async def _trial(

@@ -55,7 +55,7 @@ async def test_slime_style_flush_polls_a_busy_engine_every_second(
     (engine,) = fleet(1, token_latency=0.005)
     request = engine.generate.remote({"input_ids": [1], "sampling_params": {"max_new_tokens": 60}})
     for _ in range(500):
-        if (await engine.server_info.remote())["internal_states"][0]["num_running_reqs"]:
+        if (await engine.stats.remote())["running"]:
             break
         await asyncio.sleep(0.01)
     began = time.monotonic()

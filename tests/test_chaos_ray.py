@@ -62,7 +62,7 @@ async def assert_fleet_whole_and_serving(server: RolloutServer) -> None:
     handles = list(server.engines().values())
     memories = await asyncio.gather(*(h.memory.remote() for h in handles))
     assert memories == [dict(DEFAULT_MEMORY_BYTES)] * len(handles)
-    infos = await asyncio.gather(*(h.server_info.remote() for h in handles))
+    infos = await asyncio.gather(*(h.state.remote() for h in handles))
     assert all(not i["paused"] and i["released_tags"] == [] for i in infos)
     outs = await asyncio.wait_for(
         asyncio.gather(

@@ -238,6 +238,9 @@ async def test_a_batch_of_calls_keeps_each_call_with_its_engine_in_order() -> No
     answers = await asyncio.gather(*(c.ref for c in views))
     # each ref is its own engine's answer
     labels = ["sim-0", "sim-1", "sim-2", "sim-3", "sim-4", "sim-0", "sim-1", "sim-2"]
-    assert answers[:3] == [None] * 3 and [a["label"] for a in answers[3:]] == labels[3:]
-    assert all(a["paused"] for a in answers[5:])  # the probe came after the pause
+    # /server_info names no engine; the simulator's model path does.
+    paths = [a["model_path"] for a in answers[3:]]
+    assert answers[:3] == [None] * 3 and paths == [f"simulated/{x}" for x in labels[3:]]
+    for engine in engines[:3]:  # the probe came after the pause
+        assert [h["op"] for h in engine.history()] == ["pause_generation", "server_info"]
     await asyncio.gather(*(e.close() for e in engines))

@@ -67,7 +67,7 @@ async def test_ray_refs_land_with_values_errors_and_late_ones(
         asyncio.ensure_future(_after(0.0, "local")),  # one phase may mix both kinds
     ]
     landed = await gather_calls(refs, timeout=0.2)
-    assert landed.values[0]["label"] == "sim-0" and landed.errors[0] is None
+    assert landed.values[0]["model_path"] == "simulated/sim-0" and landed.errors[0] is None
     assert isinstance(landed.errors[1], ray.exceptions.RayTaskError)
     assert landed.values[3] == "local"
     assert [i for i, e in enumerate(landed.ends) if e is None] == [2]
@@ -97,4 +97,4 @@ async def test_refs_ray_cannot_wait_for_together_are_still_waited_for(
     ref = engine.server_info.remote()
     landed = await gather_calls([ref, ref], timeout=10)  # ray.wait refuses duplicates
     assert landed.late == {} and landed.errors == [None, None]
-    assert [v["label"] for v in landed.values] == ["sim-0", "sim-0"]
+    assert [v["model_path"] for v in landed.values] == ["simulated/sim-0"] * 2

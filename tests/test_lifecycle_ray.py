@@ -289,7 +289,7 @@ async def test_guard_refuses_each_fatal_misuse_and_the_engines_live(fleet: Fleet
     with pytest.raises(IllegalEngineOp, match="not released"):
         group.resume_memory([Tag.WEIGHTS])  # weights were resumed already
     await server.onload_kv()
-    infos = await asyncio.gather(*(h.server_info.remote() for h in engines))
+    infos = await asyncio.gather(*(h.state.remote() for h in engines))
     assert all(not i["paused"] and i["released_tags"] == [] for i in infos)
     for history in (await histories(server)).values():
         assert all(e["outcome"] != "fatal" for e in history)
@@ -327,7 +327,7 @@ async def test_failed_pause_releases_nothing_and_continues_the_paused(fleet: Fle
         # The slow pause landed before its continue was sent, so every engine serves again.
         assert ops(history) == ["pause_generation", "continue_generation"], engine
         assert history[1]["start"] >= history[0]["end"], engine
-    infos = await asyncio.gather(*(h.server_info.remote() for h in [*fast, slow]))
+    infos = await asyncio.gather(*(h.state.remote() for h in [*fast, slow]))
     assert [i["paused"] for i in infos] == [False, False, False]
 
 

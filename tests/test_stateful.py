@@ -923,7 +923,8 @@ async def test_faulty_engine_is_a_backend_and_passes_calls_through() -> None:
     await engine.flush_cache(0.1)
     await engine.release_memory_occupation([Tag.KV_CACHE])
     assert engine.memory()["kv_cache"] == 0
-    assert (await engine.server_info())["released_tags"] == ["kv_cache"]
+    assert engine.state()["released_tags"] == ["kv_cache"]
+    assert (await engine.server_info())["model_path"] == "simulated/pass"
     await engine.resume_memory_occupation([Tag.KV_CACHE])
     await engine.continue_generation()
     assert [c["op"] for c in engine.calls] == [
@@ -953,7 +954,7 @@ async def test_reject_answers_503_without_calling_the_engine() -> None:
     await engine.pause_generation(PauseMode.RETRACT)  # the fault is used up
     assert [c["outcome"] for c in engine.calls] == ["rejected", "rejected", "ok"]
     assert [c["injected"] for c in engine.calls] == ["reject", "reject", None]
-    assert (await inner.server_info())["paused"]
+    assert inner.state()["paused"]
     await engine.close()
 
 
@@ -964,9 +965,9 @@ async def test_slow_call_misses_its_deadline_and_still_lands() -> None:
     task = asyncio.ensure_future(engine.pause_generation(PauseMode.RETRACT))
     done, _ = await asyncio.wait({task}, timeout=0.05)
     assert not done and engine.in_flight == 1 and engine.calls[0]["outcome"] == "pending"
-    assert not (await inner.server_info())["paused"]
+    assert not inner.state()["paused"]
     await asyncio.wait_for(task, 1)
-    assert (await inner.server_info())["paused"]
+    assert inner.state()["paused"]
     call = engine.calls[0]
     assert call["outcome"] == "ok" and call["injected"] == "slow" and call["landed"]
     assert call["end"] - call["start"] >= 0.2 and engine.in_flight == 0
@@ -1008,7 +1009,7 @@ async def test_drop_after_lands_the_call_and_loses_the_answer() -> None:
     engine.arm("release_memory_occupation", "drop_after")
     with pytest.raises(EngineUnreachable):
         await engine.release_memory_occupation([Tag.KV_CACHE])
-    assert (await inner.server_info())["released_tags"] == ["kv_cache"]
+    assert inner.state()["released_tags"] == ["kv_cache"]
     call = engine.calls[-1]
     assert call["outcome"] == "unreachable" and call["landed"] and call["injected"] == "drop_after"
     await engine.close()

@@ -180,7 +180,7 @@ def test_server_errors_propagate_with_their_types(make: Any) -> None:
         rollout.update_weights(FromDisk("/ckpt/1"), version="v1", timeout=T)
     with pytest.raises(StaleWeights) as stale:
         rollout.onload_kv(timeout=T)
-    assert stale.value.engines == {"actor/0": "0"}
+    assert stale.value.engines == {"actor/0": "default"}
     rollout.update_weights(FromDisk("/ckpt/1"), version="v1", timeout=T)
     rollout.onload_kv(timeout=T)
     assert rollout.state is S.SERVING

@@ -82,7 +82,7 @@ async def test_after_n_steps_every_engine_reports_version_n() -> None:
         history = ops(engine)
         assert "release_memory_occupation" not in history
         assert history.count("pause_generation") == history.count("continue_generation") == 5
-        assert not (await engine.server_info())["paused"]
+        assert not engine.state()["paused"]
 
 
 async def test_an_engine_that_missed_the_update_blocks_continue_with_stale_weights() -> None:
@@ -98,9 +98,9 @@ async def test_an_engine_that_missed_the_update_blocks_continue_with_stale_weigh
     assert list(err.value.__cause__.failures) == ["actor/1"]
     with pytest.raises(StaleWeights) as stale:
         await server.onload_kv()
-    assert stale.value.engines == {"actor/1": "0"} and stale.value.expected == "v2"
+    assert stale.value.engines == {"actor/1": "default"} and stale.value.expected == "v2"
     assert server.state is ServerState.KV_RESTORED  # KV is back; generation stays paused
-    infos = [await e.server_info() for e in inner]
+    infos = [e.state() for e in inner]
     assert all(i["paused"] for i in infos)
     await server.update_weights(FromDisk("/ckpt/2"), version="v2")  # the retry reaches it
     await server.onload_kv()
