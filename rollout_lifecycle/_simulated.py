@@ -10,6 +10,7 @@ import contextlib
 import functools
 import itertools
 import math
+import os
 import random
 import time
 import uuid
@@ -52,7 +53,7 @@ LIFECYCLE_OPS: tuple[str, ...] = (
     "abort_request",
 )
 
-SIM_VERSION = "0.5.23-sim"
+SIM_VERSION = "0.5.23"
 
 #: The weight version a server starts with when ``--weight-version`` is not given.
 # sglang: arg_groups/fields/serving.py (weight_version defaults to "default")
@@ -65,7 +66,6 @@ DEFAULT_GROUP_NAME = "weight_update_group"
 FLUSH_FAILED = "Flush cache failed.\n"
 # sglang: flush_wrapper.py SchedulerFlushWrapper.check_pending / handle
 FLUSH_TIMED_OUT = "Timed out waiting for idle state."
-FLUSH_IN_PROGRESS = "Another flush_cache is already in progress."
 # sglang: scheduler_components/weight_updater.py flush_cache_after_weight_update
 WEIGHTS_WRITTEN_FLUSH_FAILED = (
     "Weights were updated, but the cache was not flushed because requests are still running "
@@ -177,6 +177,7 @@ class SimulatedEngine:
         health_timeout: float = 20.0,
         max_running: int = 1024,
         gpu_memory_bytes: int | None = None,
+        check_model_paths: bool = False,
     ) -> None:
         if not isinstance(label, str) or not label:
             raise InvalidArgument(f"label must be a non-empty string, got {label!r}")
@@ -205,6 +206,12 @@ class SimulatedEngine:
         self._max_running = max_running
         self._weights_cpu_backup = bool(weights_cpu_backup)
         self._dp_dummy_batches = bool(dp_dummy_batches)
+        if not isinstance(check_model_paths, bool):
+            raise InvalidArgument(f"check_model_paths must be a bool, got {check_model_paths!r}")
+        self._check_model_paths = check_model_paths
+        # The front end hands the scheduler one flush at a time, in arrival order.
+        # sglang: communicator.py FanOutCommunicator.queueing_call (flush_cache_communicator)
+        self._flush_queue: asyncio.Lock | None = None
 
         self._initial_version = weight_version
         # The scheduler's version (stamped on output tokens) and the tokenizer's (what
@@ -758,17 +765,19 @@ class SimulatedEngine:
         retract pause's requeued requests do not count), else answers "Flush cache failed.".
         ``timeout`` T > 0 flushes at once only if fully idle counting the waiting queue; else it
         is deferred and re-checked, still counting the waiting queue, until idle or until T
-        passes ("Timed out waiting for idle state.": after a retract pause, every time). A
-        flush while one is deferred answers "Another flush_cache is already in progress.".
+        passes ("Timed out waiting for idle state.": after a retract pause, every time).
+        Flushes sent together wait for each other and run one after another, as SGLang's front
+        end hands them over (its scheduler's "Another flush_cache is already in progress." is
+        therefore never an answer).
         """
         # sglang: flush_wrapper.py SchedulerFlushWrapper.handle / check_pending;
         # scheduler.py Scheduler.flush_cache (is_fully_idle(ignore_waiting=self._engine_paused))
         op = "flush_cache"
-        async with self._op(op, timeout=timeout):
+        if self._flush_queue is None:
+            self._flush_queue = asyncio.Lock()
+        async with self._flush_queue, self._op(op, timeout=timeout):
             if _seconds(timeout) is None:
                 raise EngineRejected(self._label, op, f"bad timeout {timeout!r}", 400)
-            if self._flush_pending:
-                raise EngineRejected(self._label, op, FLUSH_IN_PROGRESS, 400)
             if timeout <= 0 or self._is_idle(ignore_waiting=False):
                 self._flush_now(op)
                 return
@@ -796,9 +805,10 @@ class SimulatedEngine:
         """``POST /release_memory_occupation``; empty tags mean all three."""
         op = "release_memory_occupation"
         async with self._op(op, requested_tags=_requested(tags)) as entry:
-            names = self._tag_names(op, tags)
-            entry["tags"] = tuple(names)
+            # SGLang asks "is TAG in tags" once per tag, so a tag named twice is released once.
             # sglang: weight_updater.py SchedulerWeightUpdaterManager.release_memory_occupation
+            names = list(dict.fromkeys(self._tag_names(op, tags)))
+            entry["tags"] = tuple(names)
             if not self._is_idle(ignore_waiting=self._paused):
                 # The scheduler asserts idleness; the failed assertion takes the server down.
                 raise self._fatal(
@@ -915,8 +925,18 @@ class SimulatedEngine:
         ) as entry:
             if not isinstance(model_path, str) or not model_path:
                 raise EngineRejected(self._label, op, f"bad model_path {model_path!r}", 400)
+            # SGLang's loader fails on a path it cannot read: success false, version kept.
+            # sglang: model_runner_components/weight_updater.py update_weights_from_disk
+            refuse = None
+            if self._check_model_paths and not await asyncio.to_thread(os.path.isdir, model_path):
+                refuse = f"Failed to get weights iterator: no model at {model_path!r}."
             await self._write_weights(
-                entry, weight_version, flush_cache, abort_all_requests, selector="all"
+                entry,
+                weight_version,
+                flush_cache,
+                abort_all_requests,
+                selector="all",
+                refuse=refuse,
             )
 
     async def update_weights_from_tensor(

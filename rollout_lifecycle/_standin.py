@@ -1203,7 +1203,7 @@ def _engine_argv(options: Mapping[str, Any]) -> list[str]:
             pairs = [f"{getattr(t, 'value', t)}={int(n)}" for t, n in dict(value).items()]
             if pairs:
                 argv += ["--memory-bytes", *pairs]
-        elif name in ("weights_cpu_backup", "dp_dummy_batches"):
+        elif name in ("weights_cpu_backup", "dp_dummy_batches", "check_model_paths"):
             if value:
                 argv.append("--" + name.replace("_", "-"))
         else:

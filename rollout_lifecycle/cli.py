@@ -61,7 +61,7 @@ def _add_fake_sglang(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--health-timeout", type=float, metavar="S", help="seconds before /health answers 503"
     )
     fake.add_argument("--history-file", metavar="PATH", help="append every op here as JSON lines")
-    fake.add_argument("--weight-version", help="initial weight version (default '0')")
+    fake.add_argument("--weight-version", help="initial weight version (default 'default')")
     fake.add_argument("--model-path", help="model_path reported by /model_info")
     fake.add_argument(
         "--weights-cpu-backup",
@@ -72,6 +72,11 @@ def _add_fake_sglang(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--dp-dummy-batches",
         action="store_true",
         help="run data-parallel dummy batches when idle (they die on released memory)",
+    )
+    fake.add_argument(
+        "--check-model-paths",
+        action="store_true",
+        help="fail an update from disk whose model path is not a directory, as SGLang does",
     )
     fake.add_argument("--max-running", type=int, help="most requests decoding at once")
     fake.add_argument("--gpu-memory-bytes", type=int, help="GPU size; resume beyond it dies (OOM)")
@@ -132,6 +137,7 @@ def _fake_sglang(args: argparse.Namespace) -> int:
         options["gpu_memory_bytes"] = args.gpu_memory_bytes
     options["weights_cpu_backup"] = args.weights_cpu_backup
     options["dp_dummy_batches"] = args.dp_dummy_batches
+    options["check_model_paths"] = args.check_model_paths
     from rollout_lifecycle._standin import DEFAULT_MODEL_PATH, serve
 
     try:

@@ -9,7 +9,9 @@ that kills a server asks for a disposable one.
 from __future__ import annotations
 
 import contextlib
+import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,6 +20,19 @@ from contract.helpers import STANDIN_TOKEN_LATENCY, Kind, Target
 from real.servers import RealServer, RealServerPool
 
 from rollout_lifecycle._standin import StandInServer
+
+
+def _standin(**keys: str) -> StandInServer:
+    """A stand-in that, like SGLang, fails an update from a model path that does not exist; it
+    serves a directory that does."""
+    model = Path(tempfile.gettempdir()) / "rollout-lifecycle-contract-model"
+    model.mkdir(exist_ok=True)
+    return StandInServer(
+        token_latency=STANDIN_TOKEN_LATENCY,
+        model_path=str(model),
+        check_model_paths=True,
+        **keys,
+    ).start()
 
 
 def _restore(url: str, headers: dict[str, str]) -> None:
@@ -38,7 +53,7 @@ class _StandIns:
         if server is None or not server.alive():
             if server is not None:
                 server.stop()
-            server = StandInServer(token_latency=STANDIN_TOKEN_LATENCY, **keys).start()
+            server = _standin(**keys)
             self._servers[name] = server
         return server
 
@@ -72,7 +87,7 @@ def target(request: pytest.FixtureRequest) -> Iterator[Target]:
         shared = request.getfixturevalue("standins").get("shared")
 
         def standin_disposable() -> Target:
-            server = StandInServer(token_latency=STANDIN_TOKEN_LATENCY).start()
+            server = _standin()
             stops.append(server.stop)
             return _standin_target(server)
 
@@ -107,39 +122,3 @@ def keyed(request: pytest.FixtureRequest) -> Iterator[Target]:
         target = _real_target(pool.keyed(), **keys)
     yield target
     _restore(target.url, target.headers())
-
-
-#: Rows where the stand-in still answers differently from the real server, by test name: the
-#: stand-in case is expected to fail (strictly: it must fail, so a fix shows up here).
-STANDIN_DIFFERENCES: dict[str, str] = {
-    "test_server_info_has_version_memory_usage_and_keys": (
-        "/server_info version is '0.5.23-sim'; SGLang answers '0.5.23'"
-    ),
-    "test_flushes_sent_together_are_answered_one_after_the_other": (
-        "the second of two flushes sent together after a retract pause answers 400 'Another "
-        "flush_cache is already in progress.'; SGLang sends one flush at a time to the "
-        "scheduler, so both answer 400 'Timed out waiting for idle state.', one timeout apart"
-    ),
-    "test_a_tag_named_twice_in_one_release_is_released_once": (
-        "release {'tags': ['kv_cache', 'kv_cache']} kills the stand-in as a double release; "
-        "SGLang releases the tag once, answers 200 and serves after the resume"
-    ),
-    "test_failed_update_from_disk_leaves_the_version_unchanged": (
-        "an update from a model path that does not exist answers 200 success and sets the "
-        "version; SGLang answers 400 success false and keeps the version"
-    ),
-}
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        name = getattr(item, "originalname", item.name)
-        callspec = getattr(item, "callspec", None)
-        kind = (
-            None
-            if callspec is None
-            else callspec.params.get("target", callspec.params.get("keyed"))
-        )
-        if kind == "standin" and name in STANDIN_DIFFERENCES:
-            reason = f"stand-in differs from SGLang 0.5.23: {STANDIN_DIFFERENCES[name]}"
-            item.add_marker(pytest.mark.xfail(strict=True, reason=reason))
