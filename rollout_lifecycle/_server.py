@@ -485,11 +485,11 @@ class RolloutServer:
     ) -> dict[str, float]:
         """Write weights while they are resident and generation is paused.
 
-        Legal in ``drained`` and ``weights_restored``. Opens a weight-update session on every
-        engine, calls ``push(WeightUpdate)`` (sync or async), closes the session, sets
-        ``version`` (never aborting a request), and flushes the prefix cache where the KV cache
-        is resident. Engines still serving (groups that do not offload) are paused around the
-        write and continued after it.
+        Legal in ``drained``, ``weights_restored`` and ``kv_restored``. Opens a weight-update
+        session on every engine, calls ``push(WeightUpdate)`` (sync or async), closes the
+        session, sets ``version`` (never aborting a request), and flushes the prefix cache where
+        the KV cache is resident. Engines still serving (groups that do not offload) are paused
+        around the write and continued after it.
         """
         if not callable(push):
             raise InvalidArgument(f"push must be callable, got {push!r}")
