@@ -58,6 +58,9 @@ S = ServerState
 TOKENS = 300
 #: Where many requests must be in flight but their length does not matter.
 SHORT = 150
+#: Requests of a retract cycle: long enough that the pause finds them decoding (a retraction
+#: shows only on a request that was running when the pause landed).
+LONG = 600
 ALL = tuple(t.value for t in ALL_TAGS)
 KV_ONLY = ("kv_cache", "cuda_graph")
 
@@ -120,10 +123,19 @@ def assert_engines(server: RolloutServer, state: ServerState, **expected: Any) -
         assert engine.last_outcome == "ok", f"{engine.id}: {engine}"
 
 
-async def cycle(server: RolloutServer, model: str, version: str, mode: PauseMode) -> None:
+async def cycle(
+    server: RolloutServer,
+    model: str,
+    version: str,
+    mode: PauseMode,
+    traffic: Sequence[asyncio.Future[Any]] = (),
+) -> list[int]:
     """offload -> onload_weights -> update_weights(FromDisk) -> onload_kv, asserting the state,
-    the snapshot and the phases after each call."""
+    the snapshot and the phases after each call. Returns the indexes of ``traffic`` still
+    unanswered when the offload returned: by then every engine acknowledged the pause and two
+    more calls (flush, release), so those requests were running or waiting at the pause."""
     await server.offload()
+    unanswered = [i for i, request in enumerate(traffic) if not request.done()]
     assert phase_names(server, "offload") == OFFLOAD_PHASES
     assert_engines(
         server, S.RELEASED, paused=True, pause_mode=mode.value, flushed=True, released=ALL
@@ -138,6 +150,15 @@ async def cycle(server: RolloutServer, model: str, version: str, mode: PauseMode
     await server.onload_kv()
     assert phase_names(server, "onload_kv") == ONLOAD_KV_PHASES
     assert_engines(server, S.SERVING, paused=False, pause_mode=None, flushed=False, released=())
+    return unanswered
+
+
+def assert_retracted(answers: Sequence[dict[str, Any]], unanswered: Sequence[int]) -> None:
+    """Every request the retract pause found unfinished was retracted, not aborted; at least
+    one was (else the cycle showed nothing about the pause)."""
+    assert unanswered, "every request finished before the pause; none was retracted"
+    for i in unanswered:
+        assert answers[i]["meta_info"]["num_retractions"] >= 1, (i, answers[i]["meta_info"])
 
 
 def assert_invariants(server: RolloutServer, cycles: int) -> None:
@@ -192,8 +213,9 @@ async def test_default_offload_cycle_keeps_six_requests_in_flight_on_one_real_se
     real_sglang: RealSGLang, real_servers: list[RealServer]
 ) -> None:
     """The default config (retract pause, client-retried flush) on one real server with six
-    300-token requests in flight: the cycle completes, all six finish full length after one
-    retraction, the server reports the new version and keeps serving."""
+    300-token requests in flight: the cycle completes, all six finish full length, those the
+    pause found running after a retraction, the server reports the new version and keeps
+    serving."""
     real = real_servers[0]
     started = time.monotonic()
     engine = SGLangHTTPEngine(real.url)
@@ -204,11 +226,11 @@ async def test_default_offload_cycle_keeps_six_requests_in_flight_on_one_real_se
                 asyncio.ensure_future(post_generate(client, real.url, request(i))) for i in range(6)
             ]
             await admitted([real.url])
-            await cycle(server, real_sglang.model, "v1", PauseMode.RETRACT)
+            unanswered = await cycle(server, real_sglang.model, "v1", PauseMode.RETRACT, traffic)
             answers = await asyncio.wait_for(asyncio.gather(*traffic), timeout=600)
         print(tally(answers, 6, started), server.metrics)
         assert_full(answers, TOKENS)
-        assert [a["meta_info"]["num_retractions"] for a in answers] == [1] * 6
+        assert_retracted(answers, unanswered)
         assert {a["meta_info"]["weight_version"] for a in answers} == {"v1"}
         assert await engine.weight_version() == "v1"
         await assert_serving(real, "v1")
@@ -238,21 +260,21 @@ def versions_of(answer: dict[str, Any]) -> list[str]:
     return [span["version"] for span in answer["meta_info"]["weight_versions"]]
 
 
-async def test_retract_cycle_over_two_real_actors_loses_nothing_and_retracts_every_request(
+async def test_retract_cycle_over_two_real_actors_loses_nothing_and_retracts_what_was_running(
     real_sglang: RealSGLang, actor_server: tuple[list[Any], list[RealServer]]
 ) -> None:
     actors, reals = actor_server
     server = RolloutServer([EngineGroup("actor", actors)])
     started = time.monotonic()
-    batch = asyncio.ensure_future(server.generate_batch([request(i, SHORT) for i in range(8)]))
+    traffic = [asyncio.ensure_future(server.generate(request(i, LONG))) for i in range(8)]
     await until_in_flight(server, 8)
     await admitted([r.url for r in reals])
-    await cycle(server, real_sglang.model, "v2-retract", PauseMode.RETRACT)
-    answers = await asyncio.wait_for(batch, timeout=600)
+    unanswered = await cycle(server, real_sglang.model, "v2-retract", PauseMode.RETRACT, traffic)
+    answers = await asyncio.wait_for(asyncio.gather(*traffic), timeout=600)
     print(tally(answers, 8, started), server.generation.stats())
 
-    assert_full(answers, SHORT)
-    assert all(a["meta_info"]["num_retractions"] >= 1 for a in answers)
+    assert_full(answers, LONG)
+    assert_retracted(answers, unanswered)
     assert all(a["meta_info"]["num_resubmissions"] == 0 for a in answers)
     # Each engine ran some of them, one attempt each.
     assert {a["meta_info"]["engines"][0] for a in answers} == {"actor/0", "actor/1"}
@@ -271,22 +293,24 @@ async def test_abort_cycle_over_two_real_actors_resubmits_every_aborted_request_
     config = LifecycleConfig(pause_mode=PauseMode.ABORT)
     server = RolloutServer([EngineGroup("actor", actors)], config=config)
     started = time.monotonic()
-    batch = asyncio.ensure_future(server.generate_batch([request(i, SHORT) for i in range(8)]))
+    traffic = [asyncio.ensure_future(server.generate(request(i, LONG))) for i in range(8)]
     await until_in_flight(server, 8)
     await admitted([r.url for r in reals])
-    await cycle(server, real_sglang.model, "v3-abort", PauseMode.ABORT)
-    answers = await asyncio.wait_for(batch, timeout=600)
+    unanswered = await cycle(server, real_sglang.model, "v3-abort", PauseMode.ABORT, traffic)
+    answers = await asyncio.wait_for(asyncio.gather(*traffic), timeout=600)
     print(tally(answers, 8, started), server.generation.stats())
 
-    assert_full(answers, SHORT)
-    # Aborted with part of their output, held while offloaded, resubmitted once serving again.
-    assert [a["meta_info"]["num_resubmissions"] for a in answers] == [1] * 8
-    assert all(len(a["meta_info"]["engines"]) == 2 for a in answers)
+    assert_full(answers, LONG)
+    # What the pause found running came back aborted with part of its output, was held while
+    # offloaded and resubmitted once serving again; the resubmitted part ran on the new weights.
+    assert unanswered, "every request finished before the pause; none was aborted"
+    for i in unanswered:
+        meta = answers[i]["meta_info"]
+        assert meta["num_resubmissions"] == 1 and len(meta["engines"]) == 2, (i, meta)
+        assert versions_of(answers[i])[-1] == "v3-abort"
     stats = server.generation.stats()
     assert (stats["submitted"], stats["completed"], stats["failed"]) == (8, 8, 0)
-    assert stats["resubmissions"] == 8
-    # The resubmitted part ran on the new weights.
-    assert all(versions_of(a)[-1] == "v3-abort" for a in answers)
+    assert stats["resubmissions"] == len(unanswered)
     for real in reals:
         await assert_serving(real, "v3-abort")
     assert_invariants(server, cycles=1)
@@ -408,15 +432,17 @@ async def test_launched_engine_in_an_actor_runs_the_cycle_with_a_shared_server_t
             [EngineGroup("launched", [launched]), EngineGroup("shared", [shared])]
         )
         started = time.monotonic()
-        batch = asyncio.ensure_future(server.generate_batch([request(i, SHORT) for i in range(8)]))
+        traffic = [asyncio.ensure_future(server.generate(request(i, LONG))) for i in range(8)]
         await until_in_flight(server, 8)
         await admitted([url, real_servers[0].url])
-        await cycle(server, real_sglang.model, "v5-launched", PauseMode.RETRACT)
-        answers = await asyncio.wait_for(batch, timeout=600)
+        unanswered = await cycle(
+            server, real_sglang.model, "v5-launched", PauseMode.RETRACT, traffic
+        )
+        answers = await asyncio.wait_for(asyncio.gather(*traffic), timeout=600)
         print(tally(answers, 8, started), server.generation.stats())
 
-        assert_full(answers, SHORT)
-        assert all(a["meta_info"]["num_retractions"] >= 1 for a in answers)
+        assert_full(answers, LONG)
+        assert_retracted(answers, unanswered)
         assert {a["meta_info"]["engines"][0] for a in answers} == {"launched/0", "shared/0"}
         assert await launched.weight_version.remote() == "v5-launched"
         await assert_serving(real_servers[0], "v5-launched")
