@@ -36,6 +36,9 @@ class Tag(str, Enum):
 
 
 ALL_TAGS: tuple[Tag, ...] = (Tag.WEIGHTS, Tag.KV_CACHE, Tag.CUDA_GRAPH)
+#: The collective group SGLang's weight-update requests name when none is given.
+# sglang: io_struct.py InitWeightsUpdateGroupReqInput.group_name
+DEFAULT_GROUP_NAME = "weight_update_group"
 #: Tags resumed by ``onload_weights`` (step 5 of the safe sequence, docs/design.md).
 WEIGHT_TAGS: tuple[Tag, ...] = (Tag.WEIGHTS,)
 #: Tags resumed by ``onload_kv`` (step 7 of the safe sequence, docs/design.md).

@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from rollout_lifecycle._config import PauseMode, Tag
+from rollout_lifecycle._config import DEFAULT_GROUP_NAME, PauseMode, Tag
 from rollout_lifecycle._exceptions import EngineRejected, EngineTimeout
 
 
@@ -237,7 +237,7 @@ class EngineHost:
         master_port: int,
         rank_offset: int,
         world_size: int,
-        group_name: str = "weight_update_group",
+        group_name: str = DEFAULT_GROUP_NAME,
         backend: str = "nccl",
     ) -> None:
         """Join the collective group weights arrive over (``/init_weights_update_group``);
@@ -251,7 +251,7 @@ class EngineHost:
             backend=backend,
         )
 
-    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> None:
         """Leave a collective group (``/destroy_weights_update_group``)."""
         await self._optional("destroy_weights_update_group")(group_name)
 

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from rollout_lifecycle._config import PauseMode, Tag
+from rollout_lifecycle._config import DEFAULT_GROUP_NAME, PauseMode, Tag
 from rollout_lifecycle._engine import EngineBackend, introspect
 from rollout_lifecycle._exceptions import (
     EngineDead,
@@ -349,7 +349,7 @@ class FaultyEngine:
         rank_offset: int,
         world_size: int,
         *,
-        group_name: str = "weight_update_group",
+        group_name: str = DEFAULT_GROUP_NAME,
         backend: str = "nccl",
     ) -> None:
         """``POST /init_weights_update_group`` (501 if ``inner`` has no such call)."""
@@ -367,7 +367,7 @@ class FaultyEngine:
             ),
         )
 
-    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> None:
         """``POST /destroy_weights_update_group`` (501 if ``inner`` has no such call)."""
         op = "destroy_weights_update_group"
         method = self._optional(op)

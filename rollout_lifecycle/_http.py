@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from rollout_lifecycle._config import PauseMode, Tag, parse_tags
+from rollout_lifecycle._config import DEFAULT_GROUP_NAME, PauseMode, Tag, parse_tags
 from rollout_lifecycle._events import logger
 from rollout_lifecycle._exceptions import (
     EngineDead,
@@ -68,9 +68,6 @@ MIN_SGLANG_VERSION: tuple[int, int, int] = (0, 5, 22)
 # sglang: io_struct.py BeginWeightUpdateReqInput / UpdateWeightsFromTensorReqInput /
 # UpdateWeightsFromDistributedReqInput.selector: Literal["target", "draft", "all"] = "all"
 WEIGHT_SELECTORS: tuple[str, ...] = ("target", "draft", "all")
-#: The collective group SGLang names when none is given.
-# sglang: io_struct.py InitWeightsUpdateGroupReqInput.group_name = "weight_update_group"
-DEFAULT_GROUP_NAME = "weight_update_group"
 #: Server-argument fields that hold a secret (``/server_info`` publishes them in clear).
 # sglang: common.py build_server_info (server_args.resolved_dict()), arg_groups/fields/serving.py
 _SECRET_FIELD = re.compile(r"(api_key|password|secret|watermark_key)$")

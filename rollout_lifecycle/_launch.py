@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from rollout_lifecycle._config import PauseMode, Tag
+from rollout_lifecycle._config import DEFAULT_GROUP_NAME, PauseMode, Tag
 from rollout_lifecycle._events import logger
 from rollout_lifecycle._exceptions import (
     EngineDead,
@@ -27,7 +27,6 @@ from rollout_lifecycle._exceptions import (
     InvalidArgument,
 )
 from rollout_lifecycle._http import (
-    DEFAULT_GROUP_NAME,
     HTTPTimeouts,
     SGLangHTTPEngine,
     _secret_kwargs,

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_lifecycle._config import ALL_TAGS, PauseMode, Tag
+from rollout_lifecycle._config import ALL_TAGS, DEFAULT_GROUP_NAME, PauseMode, Tag
 from rollout_lifecycle._exceptions import EngineDead, EngineRejected, InvalidArgument
 
 GIB = 1 << 30
@@ -58,8 +58,6 @@ SIM_VERSION = "0.5.23"
 #: The weight version a server starts with when ``--weight-version`` is not given.
 # sglang: arg_groups/fields/serving.py (weight_version defaults to "default")
 DEFAULT_WEIGHT_VERSION = "default"
-#: The collective group name SGLang's weight-update requests default to.
-DEFAULT_GROUP_NAME = "weight_update_group"
 
 # The real server's answers, verbatim, where a client may read them.
 # sglang: http_server.py flush_cache (``ret.message or "Flush cache failed.\n"``)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal, NoReturn, TypeVar
 
+from rollout_lifecycle._config import DEFAULT_GROUP_NAME
 from rollout_lifecycle._exceptions import (
     EngineDead,
     EngineRejected,
@@ -44,7 +45,6 @@ from rollout_lifecycle._exceptions import (
 )
 from rollout_lifecycle._secret import Secret, as_secret
 from rollout_lifecycle._simulated import (
-    DEFAULT_GROUP_NAME,
     FLUSH_FAILED,
     WEIGHTS_WRITTEN_FLUSH_FAILED,
     SimulatedEngine,
