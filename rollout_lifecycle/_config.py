@@ -39,6 +39,9 @@ ALL_TAGS: tuple[Tag, ...] = (Tag.WEIGHTS, Tag.KV_CACHE, Tag.CUDA_GRAPH)
 #: The collective group SGLang's weight-update requests name when none is given.
 # sglang: io_struct.py InitWeightsUpdateGroupReqInput.group_name
 DEFAULT_GROUP_NAME = "weight_update_group"
+#: The longest wait the library accepts for any deadline or timeout (a week): longer ones are
+#: mistakes, and past ~9e9 s Python's own waits overflow.
+MAX_SECONDS = 7 * 24 * 3600.0
 #: Tags resumed by ``onload_weights`` (step 5 of the safe sequence, docs/design.md).
 WEIGHT_TAGS: tuple[Tag, ...] = (Tag.WEIGHTS,)
 #: Tags resumed by ``onload_kv`` (step 7 of the safe sequence, docs/design.md).
@@ -77,6 +80,10 @@ class Deadlines:
     probe: float = 10.0
     #: A replacement engine's start-up (its first answer), in ``recover()``.
     startup: float = 900.0
+    #: One hook (or a ``recover()`` factory) from its call to its return. A hook may run a
+    #: whole weight update (``update_weights`` from a ``weights_restored`` hook), so the default
+    #: is the weight update's. A cancelled call cancels its running hook at once.
+    hook: float = 1800.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -85,9 +92,10 @@ class Deadlines:
                 raise InvalidArgument(
                     f"deadline {f.name!r} must be a number of seconds, got {value!r}"
                 )
-            if not math.isfinite(value) or value <= 0:
+            if not math.isfinite(value) or not 0 < value <= MAX_SECONDS:
                 raise InvalidArgument(
-                    f"deadline {f.name!r} must be a positive finite number, got {value!r}"
+                    f"deadline {f.name!r} must be a positive number of seconds no larger than "
+                    f"{MAX_SECONDS:g}, got {value!r}"
                 )
 
 

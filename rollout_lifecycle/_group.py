@@ -11,18 +11,22 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from rollout_lifecycle._config import PauseMode, Tag, parse_tags
 from rollout_lifecycle._engine import EngineBackend, EngineHost
 from rollout_lifecycle._exceptions import IllegalEngineOp, InvalidArgument
+from rollout_lifecycle._http import url_identity
 from rollout_lifecycle._multi import HostedEngine
 from rollout_lifecycle._outcome import EngineOutcome, Outcome
 
 #: Outcomes after which an engine may or may not have carried out the call.
 _EFFECT_UNKNOWN = frozenset({Outcome.TIMED_OUT, Outcome.UNREACHABLE, Outcome.ERROR})
+_MEMORY_OPS = ("release_memory_occupation", "resume_memory_occupation")
+_PAUSE_OPS = ("pause_generation", "continue_generation")
+_SESSION_OPS = ("begin_weight_update", "end_weight_update")
 
 
 def _is_actor(handle: object) -> bool:
@@ -31,6 +35,34 @@ def _is_actor(handle: object) -> bool:
     except ImportError:  # pragma: no cover - ray is a hard dependency
         return False
     return isinstance(handle, ActorHandle)
+
+
+def _actor_key(actor: Any) -> str:
+    actor_id = getattr(actor, "_actor_id", None)
+    return actor_id.hex() if actor_id is not None else f"object-{id(actor)}"
+
+
+def engine_identity(handle: Any) -> Hashable:
+    """What makes two handles the same engine: the server URL of an HTTP backend (normalised by
+    ``url_identity``, so ``localhost`` and ``127.0.0.1`` are one), the backend object of an
+    ``EngineHost``, the Ray actor of an actor handle, the actor and index of a ``HostedEngine``.
+    """
+    if isinstance(handle, EngineHost):
+        backend = handle.backend
+        url = getattr(backend, "url", None)
+        if isinstance(url, str):
+            try:
+                return ("url", url_identity(url))
+            except InvalidArgument:
+                pass
+        return ("object", id(backend))
+    if isinstance(handle, HostedEngine):
+        return ("hosted", _actor_key(handle.actor), handle.index)
+    if _is_actor(handle):
+        return ("actor", _actor_key(handle))
+    if isinstance(handle, EngineBackend):
+        return engine_identity(EngineHost(handle))
+    return ("object", id(handle))
 
 
 def _tag_list(tags: Iterable[Tag]) -> list[str]:
@@ -110,6 +142,8 @@ class EngineRecord:
     #: A begin or end of a weight-update session did not complete: a session may be open, and
     #: the next update closes it first.
     session_unknown: bool = False
+    #: What ``intend`` changed for the call in flight, restored when it is refused outright.
+    _undo: tuple[Any, ...] | None = field(default=None, repr=False)
 
     # -- guards: each raises before a call that would kill the engine is sent ------------------
 
@@ -164,7 +198,37 @@ class EngineRecord:
         if Tag.WEIGHTS in self.released or Tag.WEIGHTS in self.uncertain:
             raise self._refuse(op, "weights are released; writing them is an illegal access")
 
-    # -- effects of outcomes --------------------------------------------------------------------
+    # -- effects of calls ------------------------------------------------------------------------
+
+    def intend(self, op: str, tags: Sequence[Tag], mode: PauseMode | None) -> None:
+        """Record, before ``op`` is sent, what stays unknown until it answers: the tags of a
+        release or resume become uncertain, a pause or continue leaves the engine paused
+        unknown, a weight-update session may be open. A process that dies with the call in
+        flight leaves this record, which refuses the call that could kill the engine; the
+        outcome (``apply``) replaces it."""
+        if op in _MEMORY_OPS:
+            self._undo = (frozenset(t for t in tags if t not in self.uncertain),)
+            self.uncertain.update(tags)
+        elif op in _PAUSE_OPS:
+            self._undo = (self.paused, self.pause_mode, self.flushed, self.pause_unknown)
+            self.paused, self.flushed, self.pause_unknown = True, False, True
+            if op == "pause_generation":
+                self.pause_mode = mode
+        elif op in _SESSION_OPS:
+            self._undo = (self.session_unknown,)
+            self.session_unknown = True
+
+    def _undo_intent(self, op: str) -> None:
+        """Forget what ``intend`` recorded for ``op``: it was refused and did nothing."""
+        undo, self._undo = self._undo, None
+        if undo is None:
+            return
+        if op in _MEMORY_OPS:
+            self.uncertain.difference_update(undo[0])
+        elif op in _PAUSE_OPS:
+            self.paused, self.pause_mode, self.flushed, self.pause_unknown = undo
+        elif op in _SESSION_OPS:
+            (self.session_unknown,) = undo
 
     def apply(
         self, op: str, tags: Sequence[Tag], mode: PauseMode | None, out: EngineOutcome
@@ -173,9 +237,11 @@ class EngineRecord:
         self.last_op = op
         self.last_outcome = out
         if out.outcome is Outcome.DEAD:
+            self._undo = None
             self.alive = False
             return
         if out.outcome in _EFFECT_UNKNOWN:
+            self._undo = None
             # No answer, a dropped connection or garbage: the call may or may not have landed.
             if op in ("release_memory_occupation", "resume_memory_occupation"):
                 self.uncertain.update(tags)  # neither a release nor a resume of them is safe now
@@ -188,11 +254,15 @@ class EngineRecord:
                 self.session_unknown = True
             return
         if not out.ok:
+            self._undo_intent(op)
             if op == "end_weight_update":
                 # SGLang answers 400 when no session is open: then none is. Any other refusal
                 # leaves the session it should have closed open.
                 self.session_unknown = out.status != 400
             return
+        if op in _MEMORY_OPS or op == "begin_weight_update":
+            self._undo_intent(op)  # the answer replaces the intent
+        self._undo = None
         if op == "pause_generation":
             self.paused, self.pause_mode, self.flushed = True, mode, False
             self.pause_unknown = False
@@ -255,6 +325,7 @@ class EngineRecord:
         self.last_op, self.last_outcome, self.stale = snapshot.last_op, last, snapshot.stale
         self.pause_unknown = snapshot.pause_unknown
         self.session_unknown = snapshot.session_unknown
+        self._undo = None
 
 
 @dataclass(eq=False, slots=True)
@@ -334,15 +405,20 @@ class EngineGroup:
         if not engines:
             raise InvalidArgument(f"group {name!r} has no engines")
         handles: list[Any] = []
-        seen: dict[int, int] = {}
+        seen: dict[Hashable, int] = {}
         for index, engine in enumerate(engines):
-            if id(engine) in seen:
+            handle = _as_handle(engine, name, index)
+            key = engine_identity(handle)
+            if key in seen:
                 raise InvalidArgument(
-                    f"engine #{index} of group {name!r} is the same object as engine "
-                    f"#{seen[id(engine)]}"
+                    f"engine #{index} of group {name!r} is the same engine as engine "
+                    f"#{seen[key]} ({_shown(key)})"
                 )
-            seen[id(engine)] = index
-            handles.append(_as_handle(engine, name, index))
+            seen[key] = index
+            handles.append(handle)
+        #: Called after the intent of calls that must not repeat is recorded, before they are
+        #: sent (``RolloutServer``'s journal).
+        self._before_send: Callable[[], None] | None = None
         self._name = name
         self._needs_offload = needs_offload
         self._records = tuple(
@@ -384,7 +460,8 @@ class EngineGroup:
             raise InvalidArgument(f"engine {record.id} is not in group {self._name!r}")
         index = self._records.index(record)
         handle = _as_handle(engine, self._name, index)
-        if any(r.handle is handle for r in self._records if r is not record):
+        key = engine_identity(handle)
+        if any(engine_identity(r.handle) == key for r in self._records if r is not record):
             raise InvalidArgument(f"the replacement for {record.id} is already in the group")
         old = record.handle
         record.handle = handle
@@ -393,6 +470,7 @@ class EngineGroup:
         record.released.clear()
         record.uncertain.clear()
         record.last_op, record.last_outcome, record.stale = None, None, True
+        record._undo = None
         return old
 
     def live(self) -> list[EngineRecord]:
@@ -414,6 +492,16 @@ class EngineGroup:
         chosen = list(targets)
         for record in chosen:  # every guard passes before the first call is sent
             (check or (lambda r: r.check_alive(op)))(record)
+        if chosen and (op in _MEMORY_OPS or op in _PAUSE_OPS or op in _SESSION_OPS):
+            for record in chosen:
+                record.intend(op, tags, mode)
+            if self._before_send is not None:
+                try:
+                    self._before_send()
+                except BaseException:
+                    for record in chosen:
+                        record._undo_intent(op)
+                    raise
         calls = Calls()
         refs, starts = calls.refs, calls.starts
         for record in chosen:
@@ -498,6 +586,13 @@ class EngineGroup:
     def update_weight_version(self, version: str) -> Calls:
         """Set the weight version on every live engine, aborting nothing."""
         return self._run("update_weights", (version,), wire_op="update_weight_version")
+
+
+def _shown(identity: Hashable) -> str:
+    """An engine identity as a message shows it."""
+    if isinstance(identity, tuple) and identity and identity[0] in ("url", "actor"):
+        return f"{identity[0]} {identity[1]}"
+    return "the same object"
 
 
 def _as_handle(engine: Any, group: str, index: int) -> Any:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 import math
 import re
 import socket
@@ -40,6 +41,7 @@ __all__ = [
     "parse_version",
     "scrub",
     "sglang_http_factory",
+    "url_identity",
 ]
 
 #: Answers worth another attempt on a call that is safe to repeat: the server (or a proxy in
@@ -160,6 +162,34 @@ def _validate_url(url: object) -> str:
     if parts.query or parts.fragment:
         raise InvalidArgument(f"url {shown!r} must not have a query or fragment")
     return url.rstrip("/")
+
+
+#: Host names that reach this machine's loopback interface.
+_LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
+
+
+def url_identity(url: object) -> str:
+    """The server a URL reaches, for telling engines apart: ``scheme://host:port/path`` with
+    every name and address of this machine's loopback (``localhost``, ``127.0.0.1``, ``::1``,
+    ``0.0.0.0``) as one host ``loopback``, IP addresses in canonical form, host names lower
+    case and the default port explicit. No name is resolved (nothing is looked up); raises
+    ``InvalidArgument`` for what ``SGLangHTTPEngine`` would refuse."""
+    parts = urlsplit(_validate_url(url))
+    host = (parts.hostname or "").lower().rstrip(".")
+    try:
+        address: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(host)
+    except ValueError:
+        address = None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if host in _LOOPBACK_NAMES or (
+        address is not None and (address.is_loopback or address.is_unspecified)
+    ):
+        host = "loopback"
+    elif address is not None:
+        host = address.compressed
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"{parts.scheme}://{host}:{port}{parts.path.rstrip('/')}"
 
 
 def _check_flag(name: str, value: object) -> bool:

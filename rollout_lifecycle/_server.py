@@ -19,7 +19,15 @@ import inspect
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Hashable,
+    Mapping,
+    Sequence,
+)
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
@@ -45,6 +53,7 @@ from rollout_lifecycle._group import (
     EngineGroup,
     EngineRecord,
     EngineSnapshot,
+    engine_identity,
     send_to_engine,
 )
 from rollout_lifecycle._multi import HostedEngine
@@ -56,6 +65,8 @@ T = TypeVar("T")
 S = ServerState
 
 Hook = Callable[["LifecycleEvent"], Any]
+#: Receives the server's snapshot whenever its records change (see ``RolloutServer``).
+Journal = Callable[["ServerSnapshot"], None]
 #: Makes a replacement engine for an engine id (``"group/index"``); may be async.
 EngineFactory = Callable[[str], Any]
 WeightPush = Callable[["WeightUpdate"], Any]
@@ -206,6 +217,15 @@ class RolloutServer:
 
     All lifecycle calls are coroutines. See ``docs/design.md`` for the states and the
     invariants every call keeps.
+
+    ``journal``, if given, is called with ``snapshot()`` (synchronously, on the server's loop)
+    whenever the records change: after the intent of calls that must not repeat is recorded
+    and before they are sent (a release or resume leaves its tags uncertain, a pause or
+    continue leaves the engine paused unknown), after every phase settles, and after every
+    state change. Kept durably (``rollout-lifecycle ctl`` writes it to its state file), it
+    survives a process killed at any instant, SIGKILL included: ``adopt()`` of the last entry
+    refuses every call an engine might not survive until ``recover()`` or a restart settles
+    it. A journal that raises before a send stops the call with nothing sent.
     """
 
     def __init__(
@@ -214,13 +234,14 @@ class RolloutServer:
         config: LifecycleConfig | None = None,
         *,
         name: str = "rollout",
+        journal: Journal | None = None,
     ) -> None:
         if isinstance(groups, EngineGroup) or not isinstance(groups, Sequence):
             raise InvalidArgument(f"groups must be a sequence of EngineGroup, got {groups!r}")
         if not groups:
             raise InvalidArgument("a RolloutServer needs at least one EngineGroup")
         names: set[str] = set()
-        owners: dict[int, str] = {}
+        owners: dict[Hashable, str] = {}
         for group in groups:
             if not isinstance(group, EngineGroup):
                 raise InvalidArgument(f"expected an EngineGroup, got {group!r}")
@@ -228,19 +249,25 @@ class RolloutServer:
                 raise InvalidArgument(f"two groups are named {group.name!r}")
             names.add(group.name)
             for record in group.records:
-                key = id(record.handle)
+                key = engine_identity(record.handle)
                 if key in owners:
                     raise InvalidArgument(
-                        f"engine {record.id} is also engine of group {owners[key]!r}; "
-                        f"an engine belongs to one group"
+                        f"engine {record.id} is also engine {owners[key]}; an engine belongs "
+                        f"to one group, once"
                     )
-                owners[key] = group.name
+                owners[key] = record.id
         if config is None:
             config = LifecycleConfig()
         if not isinstance(config, LifecycleConfig):
             raise InvalidArgument(f"config must be a LifecycleConfig, got {config!r}")
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"server name must be a non-empty string, got {name!r}")
+        if journal is not None and not callable(journal):
+            raise InvalidArgument(f"journal must be callable or None, got {journal!r}")
+        self._journal = journal
+        if journal is not None:
+            for group in groups:
+                group._before_send = self._write_journal
         self._name = name
         self._groups = tuple(groups)
         self._by_name = {g.name: g for g in self._groups}
@@ -395,6 +422,10 @@ class RolloutServer:
                 vars(record).update(values)
             raise
         self._machine.set_state(state.value)
+
+    def _write_journal(self) -> None:
+        if self._journal is not None:
+            self._journal(self.snapshot())
 
     def engines(self) -> dict[str, Any]:
         """Engine id -> handle, for every engine."""
@@ -665,9 +696,13 @@ class RolloutServer:
                 engine = await engine
             replacements.append((record, engine))
         log = logger().bind(server=self._name, call="recover")
+        retired = []
         for record, engine in replacements:
             old = self._group_of(record).replace(record, engine)
             log.info("engine.replaced", engine=record.id, target=target.value)
+            retired.append(old)
+        self._write_journal()
+        for old in retired:
             await _retire(old, self._config.deadlines.probe)
         outcomes = await self._bring_up([r for r, _ in replacements], target)
         outcomes.update(await self._heal(target, skip))
@@ -883,9 +918,11 @@ class RolloutServer:
         except BaseException as exc:
             if previous is not S.FAILED and not isinstance(exc, asyncio.CancelledError):
                 await self._fire("fail")
+                self._write_journal()
                 log.warning("transition.failed", state=previous.value, error=str(exc))
                 await self._run_hooks(S.FAILED.value, S.FAILED, previous)
             raise
+        self._write_journal()
         state = self.state
         log.info("state.enter", state=state.value, previous=previous.value)
         for phase in phases:
@@ -1458,6 +1495,7 @@ class RolloutServer:
             start = min(start, calls.starts[0])
         took = time.monotonic() - start
         self._record_metric(phase, took, start=start, calls=spans, slowest=slowest, retries=retries)
+        self._write_journal()
         bad = sorted(k for k, v in outcomes.items() if not v.ok)
         log.info(
             "phase.end",
