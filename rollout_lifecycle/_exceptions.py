@@ -79,12 +79,14 @@ class PhaseFailed(LifecycleError):
 class HookFailed(LifecycleError):
     """A user hook raised; the server stays in the last state it completed."""
 
-    def __init__(self, event: str, hook: str, state: str) -> None:
-        self._init = (event, hook, state)
+    def __init__(self, event: str, hook: str, state: str, reason: str = "raised") -> None:
+        self._init = (event, hook, state, reason)
         self.event = event
         self.hook = hook
         self.state = state
-        super().__init__(f"hook {hook} for event {event!r} raised (server stays {state!r})")
+        #: What went wrong: ``raised`` (the cause is ``__cause__``) or why it was stopped.
+        self.reason = reason
+        super().__init__(f"hook {hook} for event {event!r} {reason} (server stays {state!r})")
 
 
 class StaleWeights(LifecycleError):
