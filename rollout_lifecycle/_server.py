@@ -53,6 +53,7 @@ from rollout_lifecycle._group import (
     EngineGroup,
     EngineRecord,
     EngineSnapshot,
+    _as_handle,
     engine_identity,
     send_to_engine,
 )
@@ -166,11 +167,43 @@ class _Operation:
     #: Phases whose ``before_`` hooks ran in the transition in progress (their ``after_``
     #: hooks run once it completes).
     phases: list[str] = field(default_factory=list)
+    #: The user code (hooks, weight push, factory) this operation is waiting for: cancelling
+    #: the operation cancels it.
+    running: set[asyncio.Future[Any]] = field(default_factory=set)
 
 
-_CURRENT: contextvars.ContextVar[tuple[RolloutServer, _Operation] | None] = contextvars.ContextVar(
+@dataclass(eq=False)
+class _Scope:
+    """One run of user code (a hook, weight push or factory) inside an operation.
+
+    A call to the server made while it runs is part of the operation (it runs inline, since
+    the operation holds the lock, one at a time per scope); once the user code has returned
+    or was stopped, a call from a task it left behind is a call of its own, serialized behind
+    the operation. Calls still running inline when the user code returns finish before the
+    operation goes on.
+    """
+
+    open: bool = True
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    calls: dict[asyncio.Future[Any], _Operation] = field(default_factory=dict)
+
+
+_Current = tuple["RolloutServer", _Operation, _Scope | None]
+_CURRENT: contextvars.ContextVar[_Current | None] = contextvars.ContextVar(
     "rollout_lifecycle_current_operation", default=None
 )
+
+
+class _HookCancelled(HookFailed):
+    """User code was cancelled because its operation was: the call stops at the last
+    boundary it completed and its caller sees ``CancelledError``."""
+
+
+def _cancel(op: _Operation) -> None:
+    """Ask ``op`` to stop at its next boundary, and cancel the user code it waits for."""
+    op.cancelled = True
+    for task in list(op.running):
+        task.cancel()
 
 
 class _Machine:
@@ -391,8 +424,11 @@ class RolloutServer:
         order, ``needs_offload``, engine ids). Every record takes the snapshot's knowledge
         (paused, flushed, released and uncertain tags, alive, stale) and the server enters the
         snapshot's state, so every guard applies as if this server had made those calls. The
-        records must imply that state (``failed`` takes any; ``pausing`` is never adopted).
-        Raises ``InvalidArgument``, changing nothing, when they do not or a call is in progress.
+        records must imply that state (``failed`` takes any). A snapshot a ``journal`` took
+        mid-call (records with a call in flight: uncertain tags, a pause or session unknown)
+        is adopted as ``failed``, whatever its state: that process died with calls unanswered.
+        Raises ``InvalidArgument``, changing nothing, when the records imply another state, a
+        ``pausing`` snapshot has no call in flight, or a call is in progress.
         """
         if not isinstance(snapshot, ServerSnapshot):
             raise InvalidArgument(f"expected a ServerSnapshot, got {snapshot!r}")
@@ -403,7 +439,12 @@ class RolloutServer:
         if ours != theirs:
             raise InvalidArgument(f"the snapshot's groups {theirs} are not this server's {ours}")
         state = snapshot.state
-        if state is S.PAUSING:
+        in_flight = any(
+            e.alive and (e.uncertain or e.pause_unknown or e.session_unknown)
+            for g in snapshot.groups
+            for e in g.engines
+        )
+        if state is S.PAUSING and not in_flight:
             raise InvalidArgument("a snapshot taken in 'pausing' (mid-call) cannot be adopted")
         records = [r for g in self._groups for r in g.records]
         saved = [{k: copy.copy(v) for k, v in vars(r).items()} for r in records]
@@ -412,6 +453,8 @@ class RolloutServer:
             for record, engine in zip(records, engines, strict=True):
                 record.load(engine)
             implied = self._settled_state()
+            if state not in (S.FAILED, implied) and in_flight:
+                state = S.FAILED
             if state not in (S.FAILED, implied) and (state, implied) != (S.KV_RESTORED, S.DRAINED):
                 shown = "no single state" if implied is None else repr(implied.value)
                 raise InvalidArgument(
@@ -690,17 +733,18 @@ class RolloutServer:
                 [S.SERVING.value, S.DRAINED.value, S.RELEASED.value, S.WEIGHTS_RESTORED.value],
             )
         replacements: list[tuple[EngineRecord, Any]] = []
+        deadline = self._config.deadlines.startup
         for record in broken:  # every replacement exists before anything is retired
-            engine = factory(record.id)
-            if inspect.isawaitable(engine):
-                engine = await engine
+            engine = await self._run_user("recover", factory, record.id, deadline, wrap=False)
             replacements.append((record, engine))
+        self._check_replacements(replacements)
         log = logger().bind(server=self._name, call="recover")
         retired = []
         for record, engine in replacements:
             old = self._group_of(record).replace(record, engine)
             log.info("engine.replaced", engine=record.id, target=target.value)
-            retired.append(old)
+            if engine_identity(old) != engine_identity(record.handle):
+                retired.append(old)  # (a server restarted at the same URL is not stopped)
         self._write_journal()
         for old in retired:
             await _retire(old, self._config.deadlines.probe)
@@ -715,6 +759,39 @@ class RolloutServer:
             if self.state is S.FAILED:
                 raise IllegalTransition("recover", S.FAILED.value, [])  # records still disagree
         return outcomes
+
+    def _check_replacements(self, replacements: Sequence[tuple[EngineRecord, Any]]) -> None:
+        """Refuse, before anything is retired, replacements that are engines of this server
+        already (other than the one each replaces) or that two factory calls returned."""
+        replaced = {r.id for r, _ in replacements}
+        taken = {
+            engine_identity(r.handle): r.id
+            for g in self._groups
+            for r in g.records
+            if r.id not in replaced
+        }
+        for record, engine in replacements:
+            key = engine_identity(_as_handle(engine, record.group, 0))
+            if key in taken:
+                raise InvalidArgument(
+                    f"the replacement for {record.id} is engine {taken[key]} already; "
+                    f"the factory must return a new engine"
+                )
+            taken[key] = f"the replacement for {record.id}"
+
+    def _check_live(self, call: str) -> None:
+        """Refuse a lifecycle call when a group has no live engine: it would succeed on
+        nothing. ``recover()`` and ``reset()`` are how such a fleet comes back."""
+        if call in ("recover", "reset"):
+            return
+        for group in self._groups:
+            if not group.live():
+                raise IllegalEngineOp(
+                    f"group {group.name!r}",
+                    call,
+                    f"all {len(group.records)} engines of the group are dead; recover() "
+                    f"replaces them",
+                )
 
     def _majority_state(self, skip: Collection[str]) -> ServerState | None:
         """After a phase failed part-way, the state most offloaded engines are in."""
@@ -943,16 +1020,86 @@ class RolloutServer:
         self, event: str, state: ServerState, previous: ServerState, phase: str | None = None
     ) -> None:
         for hook in list(self._hooks[event]):
+            info = LifecycleEvent(event, state, previous, self, phase)
+            await self._run_user(event, hook, info, self._config.deadlines.hook)
+
+    async def _run_user(
+        self,
+        event: str,
+        fn: Callable[[Any], Any],
+        arg: Any,
+        deadline: float,
+        *,
+        wrap: bool = True,
+        grace: float | None = -1.0,
+    ) -> Any:
+        """Run user code (a hook, the weight push, a ``recover()`` factory) inside the
+        operation in progress, in a ``_Scope`` of its own; its result.
+
+        An awaitable it returns runs as a task bounded by ``deadline`` and cancelled when the
+        operation is. Whatever it raises, ``BaseException`` included, becomes ``HookFailed``
+        (``KeyboardInterrupt`` propagates as it is; with ``wrap=False`` an ``Exception``
+        does too); a cancellation of the operation becomes ``_HookCancelled``. Past its
+        deadline it is cancelled and given ``grace`` seconds to stop (the probe deadline by
+        default; ``None`` waits for it: a weight push must not write after its session
+        closed). A sync callable runs on the loop and cannot be bounded: it must not block.
+        """
+        if grace is not None and grace < 0:
+            grace = self._config.deadlines.probe
+        current = _CURRENT.get()
+        op = current[1] if current is not None and current[0] is self else _Operation(event)
+        scope = _Scope()
+        name = getattr(fn, "__qualname__", repr(fn))
+        task: asyncio.Future[Any] | None = None
+        stopped = ""
+        token = _CURRENT.set((self, op, scope))
+        try:
             try:
-                result = hook(LifecycleEvent(event, state, previous, self, phase))
+                result = fn(arg)
                 if inspect.isawaitable(result):
-                    await result
-            except Exception as exc:
-                name = getattr(hook, "__qualname__", repr(hook))
-                logger().warning(
-                    "hook.failed", server=self._name, hook_event=event, hook=name, error=str(exc)
-                )
-                raise HookFailed(event, name, self.state.value) from exc
+                    # created here, the task's context carries the scope
+                    task = asyncio.ensure_future(_captured(result))
+            finally:
+                _CURRENT.reset(token)
+            if task is not None:
+                op.running.add(task)
+                try:
+                    done, _ = await asyncio.wait([task], timeout=deadline)
+                finally:
+                    op.running.discard(task)
+                if not done:
+                    stopped = f"did not return within {deadline:g}s and was cancelled"
+                    task.cancel()
+                    # a hook that ignores its cancellation is left behind
+                    await asyncio.wait([task], timeout=grace)
+                    raise TimeoutError(stopped)
+                caught, result = task.result()
+                if caught is not None:
+                    raise caught
+            return result
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
+            if task is not None and not task.done():  # this task itself was cancelled
+                task.cancel()
+                raise
+            if isinstance(exc, asyncio.CancelledError) and op.cancelled:
+                raise _HookCancelled(event, name, self.state.value, "was cancelled") from exc
+            if not wrap and isinstance(exc, Exception) and not stopped:
+                raise
+            logger().warning(
+                "hook.failed", server=self._name, hook_event=event, hook=name, error=repr(exc)
+            )
+            raise HookFailed(event, name, self.state.value, stopped or "raised") from exc
+        finally:
+            scope.open = False
+            # calls it made that still run are part of it: they finish (or stop at their next
+            # boundary, if the operation was cancelled) before the operation goes on
+            while scope.calls:
+                if op.cancelled:
+                    for nested in scope.calls.values():
+                        _cancel(nested)
+                await asyncio.wait(list(scope.calls))
 
     async def _before(self, phase: str) -> None:
         """Run the ``before_<phase>`` hooks; the phase's ``after_`` hooks follow the transition."""
@@ -964,20 +1111,30 @@ class RolloutServer:
 
     async def _serialized(self, call: str, body: Callable[[], Awaitable[None]]) -> dict[str, float]:
         current = _CURRENT.get()
-        if current is not None and current[0] is self:
-            # Re-entered from a hook or a weight push: the outer call already holds the lock.
-            # Cancelling the nested call stops it at its next phase boundary, like any call.
+        scope = current[2] if current is not None and current[0] is self else None
+        if scope is not None and scope.open:
+            # Made from a hook, weight push or factory while it runs: part of the operation
+            # that called it, which holds the lock. Cancelling the nested call stops it at its
+            # next phase boundary, like any call.
+            assert current is not None
             op = _Operation(call, metrics=current[1].metrics)
-            task: asyncio.Future[dict[str, float]] = asyncio.ensure_future(self._inline(op, body))
+            task: asyncio.Future[dict[str, float]] = asyncio.ensure_future(
+                self._inline(op, scope, body)
+            )
+            scope.calls[task] = op
+            task.add_done_callback(lambda t: scope.calls.pop(t, None))
         else:
+            # Everything else, including a task that user code started and left running after
+            # it returned, waits for the lock.
             op = _Operation(call)
             task = asyncio.ensure_future(self._locked(op, body))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             # Settle what is in flight before letting go: the operation stops at the next phase
-            # boundary, and the caller sees CancelledError only once state is exact again.
-            op.cancelled = True
+            # boundary (its running hook is cancelled), and the caller sees CancelledError only
+            # once state is exact again.
+            _cancel(op)
             await asyncio.wait([task])
             if not task.cancelled() and task.exception() is not None:
                 logger().warning(
@@ -989,13 +1146,19 @@ class RolloutServer:
             raise
 
     async def _inline(
-        self, op: _Operation, body: Callable[[], Awaitable[None]]
+        self, op: _Operation, scope: _Scope, body: Callable[[], Awaitable[None]]
     ) -> dict[str, float]:
-        token = _CURRENT.set((self, op))
-        try:
-            await body()
-        finally:
-            _CURRENT.reset(token)
+        async with scope.lock:
+            if op.cancelled:
+                raise asyncio.CancelledError(f"{op.call} cancelled before it started")
+            token = _CURRENT.set((self, op, None))
+            try:
+                self._check_live(op.call)
+                await body()
+            except _HookCancelled as exc:
+                raise asyncio.CancelledError(str(exc)) from exc
+            finally:
+                _CURRENT.reset(token)
         return {}
 
     async def _locked(
@@ -1006,7 +1169,7 @@ class RolloutServer:
                 raise asyncio.CancelledError(f"{op.call} cancelled before it started")
             memory = self._config.memory_metrics
             before = await self._resident_bytes() if memory else {}
-            token = _CURRENT.set((self, op))
+            token = _CURRENT.set((self, op, None))
             start = time.monotonic()
             self._trace = self._timeline.begin_call(op.call, start)
             self._call_slowest = {}
@@ -1014,8 +1177,12 @@ class RolloutServer:
             log.info("call.start", state=self.state.value)
             outcome = "error"
             try:
+                self._check_live(op.call)
                 await body()
                 outcome = "ok"
+            except _HookCancelled as exc:
+                outcome = "cancelled"
+                raise asyncio.CancelledError(str(exc)) from exc
             except asyncio.CancelledError:
                 outcome = "cancelled"
                 raise
@@ -1361,12 +1528,9 @@ class RolloutServer:
     async def _call_push(self, push: WeightPush, update: WeightUpdate) -> None:
         start = time.monotonic()
         try:
-            result = push(update)
-            if inspect.isawaitable(result):
-                await asyncio.wait_for(_awaitable(result), self._config.deadlines.weight_update)
-        except Exception as exc:
-            name = getattr(push, "__qualname__", repr(push))
-            raise HookFailed("update_weights", name, self.state.value) from exc
+            await self._run_user(
+                "update_weights", push, update, self._config.deadlines.weight_update, grace=None
+            )
         finally:
             self._record_metric("push", time.monotonic() - start)
 
@@ -1378,8 +1542,19 @@ class RolloutServer:
     # -- gathering ----------------------------------------------------------------------------
 
     def _succeeded(self, outcomes: Mapping[str, EngineOutcome]) -> bool:
+        """Every engine succeeded, or (``DeadEnginePolicy.SKIP``) was found dead; and every
+        group the phase reached has an engine that succeeded: no success on nothing."""
         skip_dead = self._config.dead_engines is DeadEnginePolicy.SKIP
-        return all(o.ok or (skip_dead and o.outcome is Outcome.DEAD) for o in outcomes.values())
+        reached: set[str] = set()
+        succeeded: set[str] = set()
+        for engine, o in outcomes.items():
+            group = engine.rpartition("/")[0]
+            reached.add(group)
+            if o.ok:
+                succeeded.add(group)
+            elif not (skip_dead and o.outcome is Outcome.DEAD):
+                return False
+        return succeeded == reached
 
     def _with_unattempted(self, outcomes: dict[str, EngineOutcome]) -> dict[str, EngineOutcome]:
         out = dict(outcomes)
@@ -1573,7 +1748,9 @@ async def _retire(handle: Any, deadline: float) -> None:
     """Best effort to stop an engine that was replaced (it may be dead already).
 
     A live one first aborts its requests, so each returns with its partial output (and a
-    generation client resubmits it) instead of being dropped with the engine.
+    generation client resubmits it) instead of being dropped with the engine. An engine actor
+    closes its backend (a launched SGLang server is stopped with its process group) before the
+    actor is killed.
     """
     with contextlib.suppress(Exception):
         await asyncio.wait_for(
@@ -1587,6 +1764,8 @@ async def _retire(handle: Any, deadline: float) -> None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(_awaitable(send_to_engine(handle, "close")), deadline)
         return
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(_awaitable(send_to_engine(handle, "close")), deadline)
     try:
         import ray
 
@@ -1608,6 +1787,17 @@ def _plain(row: Mapping[str, Any]) -> dict[str, Any]:
 
 async def _awaitable(result: Awaitable[T]) -> T:
     return await result
+
+
+async def _captured(result: Awaitable[T]) -> tuple[BaseException | None, T | None]:
+    """Await user code's awaitable, handing back what it raised instead of raising it: a
+    ``SystemExit`` raised in a task would otherwise leave through the event loop itself."""
+    try:
+        return None, await result
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        raise
+    except BaseException as exc:
+        return exc, None
 
 
 def _debug_enabled(log: Any) -> bool:

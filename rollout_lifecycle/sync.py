@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
 
-from rollout_lifecycle._config import LifecycleConfig
+from rollout_lifecycle._config import MAX_SECONDS, LifecycleConfig
 from rollout_lifecycle._events import logger
 from rollout_lifecycle._exceptions import InvalidArgument, LifecycleError
 from rollout_lifecycle._group import EngineGroup
@@ -119,6 +119,9 @@ class _Runtime:
         self.pending: set[_Call[Any]] = set()
         #: Worker threads running a sync callable; touched on the loop thread only.
         self.workers: set[threading.Thread] = set()
+        #: Workers whose call was cancelled or outlived its deadline while the callable still
+        #: ran: nobody waits for them any more, and ``close()`` does not join them.
+        self.abandoned: set[threading.Thread] = set()
         self.thread = threading.Thread(
             target=_run_loop, args=(self,), name=f"rollout-sync-{name}", daemon=True
         )
@@ -202,10 +205,11 @@ def _check_timeout(timeout: object) -> float | None:
         isinstance(timeout, bool)
         or not isinstance(timeout, int | float)
         or not math.isfinite(timeout)
-        or timeout <= 0
+        or not 0 < timeout <= MAX_SECONDS
     ):
         raise InvalidArgument(
-            f"timeout must be None or a finite number of seconds > 0, got {timeout!r}"
+            f"timeout must be None or a number of seconds > 0 and <= {MAX_SECONDS:g}, "
+            f"got {timeout!r}"
         )
     return float(timeout)
 
@@ -234,14 +238,18 @@ class SyncRolloutServer:
       operation that started it. A hook calling ``facade.update_weights(...)`` is thus seen by
       the server as a call from inside the operation that holds its lock, exactly like an async
       hook awaiting ``server.update_weights(...)``: it runs inline instead of waiting for the
-      lock. Such a nested call is part of that operation: it is never cancelled on its own (that
-      would interrupt a phase), so its ``timeout`` does not apply; the operation's does. A thread
-      the hook starts itself does not inherit the context: calling the facade from there while
-      the hook waits for it would wait for the lock.
-    * **Nothing is abandoned.** A call that outlives its ``timeout`` (``SyncCallTimeout``) or
-      whose caller is interrupted (Ctrl-C) is cancelled as a cancelled async caller is: the
-      server settles the phase in flight first, so the state is exact when the caller hears of
-      it. A worker thread cannot be interrupted: a cancelled call waits for its callable.
+      lock, while the hook runs. Such a nested call is part of that operation: it is never
+      cancelled on its own (that would interrupt a phase), so its ``timeout`` does not apply;
+      the operation's does. A thread the hook starts itself does not inherit the context:
+      calling the facade from there while the hook waits for it would wait for the lock (until
+      the hook deadline, ``Deadlines.hook``, stops the hook).
+    * **Nothing is lost, nothing hangs.** A call that outlives its ``timeout``
+      (``SyncCallTimeout``) or whose caller is interrupted (Ctrl-C) is cancelled as a cancelled
+      async caller is: the server settles the phase in flight first, so the state is exact
+      when the caller hears of it. A hook's worker thread cannot be interrupted: a cancelled
+      call (or a hook past ``Deadlines.hook``, which fails with ``HookFailed``) stops waiting
+      for it and leaves it to return on its own; ``close()`` does not join such a thread, and
+      whatever it calls on the facade later is a call of its own, serialized behind any other.
     * Calling a blocking member from the loop thread itself (an async hook, a coroutine on that
       loop) raises ``CalledFromLoopThread`` instead of deadlocking; await ``facade.server``
       there. ``close()`` cancels the calls in flight (each settles; its caller gets
@@ -352,7 +360,7 @@ class SyncRolloutServer:
     def on(self, event: str | ServerState, hook: SyncHook) -> Callable[[], None]:
         """Call ``hook(LifecycleEvent)`` on ``event`` (see ``RolloutServer.on``); returns its
         remover. A sync hook runs in a worker thread and may call this facade."""
-        target = self._threaded(hook) if callable(hook) else hook
+        target = self._threaded(hook, leave=True) if callable(hook) else hook
         remove = self._call("on", lambda: _now(lambda: self._server.on(event, target)))
 
         def remover() -> None:
@@ -491,8 +499,11 @@ class SyncRolloutServer:
         runtime = self._runtime
         runtime.stop()
         runtime.thread.join()
-        for worker in list(runtime.workers):
+        for worker in list(runtime.workers - runtime.abandoned):
             worker.join()
+        for worker in runtime.abandoned:
+            if worker.is_alive():
+                logger().warning("sync.worker_abandoned", server=runtime.name, thread=worker.name)
         self._finalizer.detach()
 
     # -- machinery ----------------------------------------------------------------------------
@@ -573,14 +584,18 @@ class SyncRolloutServer:
         with contextlib.suppress(RuntimeError):  # closed loop: the call has been settled
             self._runtime.loop.call_soon_threadsafe(cancel)
 
-    def _threaded(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def _threaded(self, fn: Callable[..., Any], *, leave: bool = False) -> Callable[..., Any]:
         """``fn`` as the server should call it: async callables as they are, sync ones in a
-        worker thread (whatever awaitable they return is awaited on the loop)."""
+        worker thread (whatever awaitable they return is awaited on the loop).
+
+        A cancelled call ``leave``s a hook's thread running; it waits for a weight push (which
+        must not write weights after its session closed) or a factory (whose engine would leak).
+        """
         if _is_async(fn):
             return fn
 
         async def in_worker(*args: Any) -> Any:
-            result = await self._in_thread(fn, args)
+            result = await self._in_thread(fn, args, leave=leave)
             if inspect.isawaitable(result):
                 result = await result
             return result
@@ -590,7 +605,9 @@ class SyncRolloutServer:
         in_worker.__name__ = getattr(fn, "__name__", in_worker.__qualname__)
         return in_worker
 
-    async def _in_thread(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    async def _in_thread(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], *, leave: bool
+    ) -> Any:
         """Run ``fn(*args)`` in a new thread, in a copy of this task's context (so that a call
         back into the facade is seen as a re-entry of the operation in progress)."""
         runtime = self._runtime
@@ -616,17 +633,25 @@ class SyncRolloutServer:
                 loop.call_soon_threadsafe(settle, *outcome)
 
         # Threads that have ended are forgotten here; close() joins the rest.
-        runtime.workers.difference_update([t for t in runtime.workers if not t.is_alive()])
+        ended = [t for t in runtime.workers if not t.is_alive()]
+        runtime.workers.difference_update(ended)
+        runtime.abandoned.difference_update(ended)
         thread = threading.Thread(target=work, name=f"{runtime.thread.name}-worker", daemon=True)
         runtime.workers.add(thread)
         thread.start()
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
-            # A thread cannot be interrupted: wait for the callable to return, then propagate.
-            while not future.done():
+            # A thread cannot be interrupted. A hook's call stops waiting for it (the server
+            # stops at its last boundary) and leaves it to return on its own: a call it makes
+            # to the facade afterwards is a call of its own, serialized by the server. Others
+            # are waited for.
+            while not leave and not future.done():
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.wait([future])
+            if not future.done():
+                runtime.abandoned.add(thread)
+                logger().warning("sync.worker_left_running", server=runtime.name, fn=repr(fn))
             raise
 
 

@@ -594,11 +594,12 @@ def test_async_hooks_run_on_the_loop_and_sync_ones_in_workers(make: Any) -> None
     assert where == [("async", "rollout-sync-rollout"), ("sync", "rollout-sync-rollout-worker")]
 
 
-def test_system_exit_in_a_sync_hook_reaches_the_caller_and_the_loop_survives(make: Any) -> None:
+def test_system_exit_in_a_sync_hook_is_hook_failed_and_the_loop_survives(make: Any) -> None:
     rollout = make()
     remove = rollout.on("drained", lambda event: sys.exit(3))
-    with pytest.raises(SystemExit):
+    with pytest.raises(HookFailed) as failed:
         rollout.pause(timeout=T)
+    assert isinstance(failed.value.__cause__, SystemExit)
     remove()
     assert rollout.state is S.DRAINED
     rollout.resume(timeout=T)

@@ -294,22 +294,29 @@ async def test_recover_heals_engines_that_a_part_way_failure_left_behind() -> No
     assert all(all(b > 0 for b in e.memory().values()) for e in inner)
 
 
-async def test_a_caller_cancelled_right_after_the_pause_trigger_never_leaves_pausing() -> None:
+async def test_a_caller_cancelled_in_a_pausing_hook_cancels_it_and_never_leaves_pausing() -> None:
     engines = sims(2)
     server = RolloutServer([EngineGroup("actor", engines)])
     entered = asyncio.Event()
+    hook_cancelled: list[bool] = []
 
     async def linger(event: LifecycleEvent) -> None:
         entered.set()
-        await asyncio.sleep(0.05)  # the caller is cancelled while the server is in pausing
+        try:
+            await asyncio.sleep(30)  # the caller is cancelled while the server is in pausing
+        except asyncio.CancelledError:
+            hook_cancelled.append(True)
+            raise
 
     server.on("pausing", linger)
     task = asyncio.ensure_future(server.offload())
     await asyncio.wait_for(entered.wait(), timeout=5)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
-        await task
-    assert server.state is ServerState.DRAINED  # the drain ran; the release did not start
+        await asyncio.wait_for(task, timeout=10)  # not the hook's 30 s
+    assert hook_cancelled == [True]
+    # The hook ran before the drain sent anything: the call stops where it started.
+    assert server.state is ServerState.SERVING
     assert all("release_memory_occupation" not in ops(e) for e in engines)
 
 
