@@ -183,9 +183,17 @@ class _Scope:
     operation goes on.
     """
 
-    open: bool = True
+    closed: bool = False
+    #: The task running async user code: it has returned once the task is done (even before
+    #: the operation has resumed to notice).
+    task: asyncio.Future[Any] | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     calls: dict[asyncio.Future[Any], _Operation] = field(default_factory=dict)
+
+    @property
+    def open(self) -> bool:
+        """Whether the user code is still running."""
+        return not self.closed and (self.task is None or not self.task.done())
 
 
 _Current = tuple["RolloutServer", _Operation, _Scope | None]
@@ -983,6 +991,9 @@ class RolloutServer:
         # ``pausing`` only leads into the drain: a cancelled call never stops there.
         if current is not None and current[1].cancelled and previous is not S.PAUSING:
             raise asyncio.CancelledError(f"cancelled before {trigger}")
+        if current is not None and self.state not in sources_of(trigger):
+            # a hook (or a call it made) moved the server on: refused, never a raw machine error
+            self._require(trigger, call=f"{current[1].call} ({trigger})")
         log = logger().bind(server=self._name, transition=trigger)
         log.debug("transition.start", state=previous.value)
         phases: list[str] = []
@@ -1058,7 +1069,7 @@ class RolloutServer:
                 result = fn(arg)
                 if inspect.isawaitable(result):
                     # created here, the task's context carries the scope
-                    task = asyncio.ensure_future(_captured(result))
+                    task = scope.task = asyncio.ensure_future(_captured(result))
             finally:
                 _CURRENT.reset(token)
             if task is not None:
@@ -1092,7 +1103,7 @@ class RolloutServer:
             )
             raise HookFailed(event, name, self.state.value, stopped or "raised") from exc
         finally:
-            scope.open = False
+            scope.closed = True
             # calls it made that still run are part of it: they finish (or stop at their next
             # boundary, if the operation was cancelled) before the operation goes on
             while scope.calls:
