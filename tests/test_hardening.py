@@ -5,12 +5,16 @@ and a process that dies with calls in flight (the journal)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
 
 from rollout_lifecycle import (
     DeadEnginePolicy,
@@ -31,9 +35,11 @@ from rollout_lifecycle import (
     SGLangHTTPEngine,
     SimulatedEngine,
 )
+from rollout_lifecycle._actor import start_engine_actor
 from rollout_lifecycle._faults import FaultyEngine
 from rollout_lifecycle._http import url_identity
 from rollout_lifecycle.sync import SyncCallTimeout, SyncRolloutServer
+from rollout_lifecycle.testing import simulated_engine_actors
 
 S = ServerState
 #: An outer bound on every call that a regression could hang: far below any default deadline.
@@ -49,7 +55,9 @@ def faulty(n: int, label: str = "f") -> list[FaultyEngine]:
 
 
 def dead(engines: list[Any]) -> list[str]:
-    return [e.label for e in engines if getattr(e, "dead", False)]
+    """The engines the simulator killed (a contract violation such as a second resume)."""
+    inner = [e.inner if isinstance(e, FaultyEngine) else e for e in engines]
+    return [e.label for e in inner if e.dead]
 
 
 def assert_exact(server: RolloutServer) -> None:
@@ -70,7 +78,9 @@ def released_calls(engine: FaultyEngine) -> int:
 
 @pytest.mark.parametrize("kind", ["async", "sync"])
 async def test_an_onload_a_released_hook_left_running_waits_for_the_lock(kind: str) -> None:
-    engines = sims(2)
+    engines = faulty(2)
+    for engine in engines:  # the left-behind onload is still resuming when the caller's begins
+        engine.arm("resume_memory_occupation", "slow", seconds=0.2)
     server = RolloutServer([EngineGroup("actor", engines)])
     started: list[asyncio.Task[Any]] = []
 
@@ -130,7 +140,9 @@ async def test_a_call_a_hook_starts_and_awaits_runs_inside_the_call() -> None:
 
 
 def test_a_facade_hook_task_left_behind_is_serialized() -> None:
-    engines = sims(2)
+    engines = faulty(2)
+    for engine in engines:  # the left-behind onload is still resuming when the caller's begins
+        engine.arm("resume_memory_occupation", "slow", seconds=0.3)
     left: list[Any] = []
     with SyncRolloutServer([EngineGroup("actor", engines)]) as rollout:
 
@@ -538,3 +550,66 @@ def test_lifecycle_errors_are_the_only_errors_for_misuse() -> None:
             rollout.onload_kv(timeout=BOUND)
         with pytest.raises(LifecycleError):
             rollout.update_weights(lambda update: None, timeout=BOUND)
+
+
+# -- engine actors ----------------------------------------------------------------------------
+
+
+class _MarksItsClose(SimulatedEngine):
+    """A simulated engine that leaves a file behind when it is closed (seen across Ray)."""
+
+    def __init__(self, label: str, path: str) -> None:
+        super().__init__(label, token_latency=0.001)
+        self._path = path
+
+    async def close(self) -> None:
+        Path(self._path).write_text("closed")  # noqa: ASYNC240 - a few bytes, in a test
+        await super().close()
+
+
+def _marking(label: str, path: str) -> SimulatedEngine:
+    return _MarksItsClose(label, path)
+
+
+def test_one_engine_actor_in_two_groups_is_refused(fleet: Any) -> None:
+    (actor,) = fleet(1)
+    again = ray.cloudpickle.loads(ray.cloudpickle.dumps(actor))  # another handle, same actor
+    assert again is not actor
+    with pytest.raises(InvalidArgument, match="belongs to one group"):
+        RolloutServer([EngineGroup("a", [actor]), EngineGroup("b", [again])])
+    with pytest.raises(InvalidArgument, match="same engine"):
+        EngineGroup("a", [actor, again])
+
+
+async def test_a_replaced_engine_actor_closes_its_backend_before_it_is_killed(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    marks = [tmp_path / f"closed-{i}" for i in range(2)]
+    actors = [
+        start_engine_actor(functools.partial(_marking, f"m{i}", str(mark)))
+        for i, mark in enumerate(marks)
+    ]
+    (fresh,) = simulated_engine_actors(1, label="fresh", token_latency=0.001)
+    try:
+        ray.get([a.ping.remote() for a in [*actors, fresh]], timeout=60)
+        server = RolloutServer([EngineGroup("actor", actors)])
+        # engine 0's memory state is unknown (a release that never answered, say)
+        snap = server.snapshot()
+        (group,) = snap.groups
+        first = dataclasses.replace(group.engines[0], uncertain=("weights",))
+        engines = (first, *group.engines[1:])
+        server.adopt(
+            dataclasses.replace(
+                snap, state=S.FAILED, groups=(dataclasses.replace(group, engines=engines),)
+            )
+        )
+        await asyncio.wait_for(server.recover(lambda engine_id: fresh), BOUND)
+        assert server.state is S.SERVING
+        assert marks[0].read_text() == "closed"  # closed, then killed
+        assert not marks[1].exists()
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actors[0].ping.remote(), timeout=60)
+    finally:
+        for actor in [*actors, fresh]:
+            ray.kill(actor)
