@@ -36,6 +36,7 @@ from rollout_lifecycle._generation import (
     GenerationClient,
     GenerationError,
     GenerationTimeout,
+    NoLiveEngine,
     TooManyResubmissions,
 )
 from rollout_lifecycle._group import EngineGroup, EngineSnapshot
@@ -97,6 +98,7 @@ __all__ = [
     "LifecycleConfig",
     "LifecycleError",
     "LifecycleEvent",
+    "NoLiveEngine",
     "Outcome",
     "PauseMode",
     "PhaseFailed",

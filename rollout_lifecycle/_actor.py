@@ -17,6 +17,8 @@ from rollout_lifecycle._exceptions import InvalidArgument
 
 def build_backend(factory: Callable[[], EngineBackend]) -> EngineBackend:
     """Call an engine factory and check that it made an engine backend."""
+    if not callable(factory):
+        raise InvalidArgument(f"an engine factory must be callable, got {factory!r}")
     backend = factory()
     if not isinstance(backend, EngineBackend):
         raise InvalidArgument(
@@ -46,6 +48,8 @@ def start_engine_actor(
     """Start one engine actor (no CPU reservation by default: the engine's work is I/O)."""
     if not callable(factory):
         raise InvalidArgument(f"factory must be callable, got {factory!r}")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise InvalidArgument(f"name must be a non-empty string or None, got {name!r}")
     opts: dict[str, Any] = {"num_cpus": 0, **options}
     if name is not None:
         opts["name"] = name

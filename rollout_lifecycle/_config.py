@@ -6,7 +6,7 @@ Everything a transition waits for has a deadline here; nothing in the library wa
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import TypeVar
@@ -46,17 +46,76 @@ MAX_SECONDS = 7 * 24 * 3600.0
 WEIGHT_TAGS: tuple[Tag, ...] = (Tag.WEIGHTS,)
 #: Tags resumed by ``onload_kv`` (step 7 of the safe sequence, docs/design.md).
 KV_TAGS: tuple[Tag, ...] = (Tag.KV_CACHE, Tag.CUDA_GRAPH)
+#: The most calls a ``Timeline`` (``LifecycleConfig.timeline_calls``) keeps.
+MAX_TIMELINE_CALLS = 1_000_000
+
+
+def check_seconds(
+    what: str, value: object, *, positive: bool = True, maximum: float = MAX_SECONDS
+) -> float:
+    """``value`` as a number of seconds, or ``InvalidArgument`` naming ``what`` and the value.
+
+    An int or a float (not a bool), finite, > 0 (``positive``) or >= 0, and at most ``maximum``
+    (a week by default: every wait the library takes is bounded, so none overflows later).
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidArgument(f"{what} must be a number of seconds, got {value!r}")
+    low = "> 0" if positive else ">= 0"
+    try:
+        ok = math.isfinite(value) and (value > 0 if positive else value >= 0) and value <= maximum
+    except OverflowError:  # an int too large for a float
+        ok = False
+    if not ok:
+        raise InvalidArgument(
+            f"{what} must be a finite number of seconds {low} and <= {maximum:g}, got "
+            f"{_shown(value)}"
+        )
+    return float(value)
+
+
+def check_flag(what: str, value: object) -> bool:
+    """``value`` if it is a real bool (not a string such as ``"no"``, not 0/1), else refuse it."""
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"{what} must be True or False, got {_shown(value)}")
+    return value
+
+
+def check_int(what: str, value: object, *, minimum: int = 0, maximum: int | None = None) -> int:
+    """``value`` if it is an int (not a bool) in ``[minimum, maximum]``, else refuse it."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < minimum
+        or (maximum is not None and value > maximum)
+    ):
+        bound = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+        raise InvalidArgument(f"{what} must be an int {bound}, got {_shown(value)}")
+    return value
+
+
+def _shown(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut short for an error message (an int of 10**5000 digits cannot even
+    be printed)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int too large to convert to a string
+        if isinstance(value, int):
+            return f"<an int of about {value.bit_length() * 0.30103:.0f} digits>"
+        return "<unprintable value>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def parse_tags(tags: Iterable[str | Tag], *, what: str = "tags") -> tuple[Tag, ...]:
     """Validate tag names; SGLang accepts typos silently (and frees nothing), so we do not."""
     if isinstance(tags, str | Tag):
         raise InvalidArgument(f"{what} must be a sequence of tag names, got the string {tags!r}")
+    if isinstance(tags, bytes | Mapping) or not isinstance(tags, Iterable):
+        raise InvalidArgument(f"{what} must be a sequence of tag names, got {_shown(tags)}")
     out: list[Tag] = []
     for raw in tags:
         try:
             tag = Tag(raw)
-        except ValueError:
+        except (ValueError, TypeError):
             valid = ", ".join(t.value for t in Tag)
             raise InvalidArgument(f"unknown memory tag {raw!r} in {what}; valid: {valid}") from None
         if tag in out:
@@ -87,16 +146,7 @@ class Deadlines:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise InvalidArgument(
-                    f"deadline {f.name!r} must be a number of seconds, got {value!r}"
-                )
-            if not math.isfinite(value) or not 0 < value <= MAX_SECONDS:
-                raise InvalidArgument(
-                    f"deadline {f.name!r} must be a positive number of seconds no larger than "
-                    f"{MAX_SECONDS:g}, got {value!r}"
-                )
+            check_seconds(f"deadline {f.name!r}", getattr(self, f.name))
 
 
 E = TypeVar("E", bound=Enum)
@@ -106,7 +156,7 @@ def _member(enum: type[E], value: object, what: str) -> E:
     """``value`` as a member of ``enum``, or an error naming the value and the valid ones."""
     try:
         return enum(value)
-    except ValueError:
+    except (ValueError, TypeError):
         valid = ", ".join(str(m.value) for m in enum)
         raise InvalidArgument(f"unknown {what} {value!r}; valid: {valid}") from None
 
@@ -152,18 +202,11 @@ class LifecycleConfig:
         if not isinstance(self.deadlines, Deadlines):
             raise InvalidArgument(f"deadlines must be a Deadlines, got {self.deadlines!r}")
         object.__setattr__(self, "release_tags", parse_tags(self.release_tags, what="release_tags"))
-        interval = self.flush_retry_interval
-        if (
-            isinstance(interval, bool)
-            or not isinstance(interval, int | float)
-            or not (0 < interval <= self.deadlines.flush)
-        ):
-            raise InvalidArgument(
-                f"flush_retry_interval must be a positive number of seconds no larger than the "
-                f"flush deadline, got {interval!r}"
-            )
-        calls = self.timeline_calls
-        if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
-            raise InvalidArgument(f"timeline_calls must be an int >= 0, got {calls!r}")
-        if not isinstance(self.memory_metrics, bool):
-            raise InvalidArgument(f"memory_metrics must be a bool, got {self.memory_metrics!r}")
+        check_seconds(
+            "flush_retry_interval",
+            self.flush_retry_interval,
+            maximum=self.deadlines.flush,
+        )
+        check_flag("continue_on_failure", self.continue_on_failure)
+        check_int("timeline_calls", self.timeline_calls, maximum=MAX_TIMELINE_CALLS)
+        check_flag("memory_metrics", self.memory_metrics)

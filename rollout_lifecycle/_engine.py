@@ -14,8 +14,15 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from rollout_lifecycle._config import DEFAULT_GROUP_NAME, PauseMode, Tag
-from rollout_lifecycle._exceptions import EngineRejected, EngineTimeout
+from rollout_lifecycle._config import (
+    DEFAULT_GROUP_NAME,
+    PauseMode,
+    Tag,
+    _member,
+    check_seconds,
+    parse_tags,
+)
+from rollout_lifecycle._exceptions import EngineRejected, EngineTimeout, InvalidArgument
 
 
 @runtime_checkable
@@ -107,6 +114,8 @@ class EngineHost:
     """
 
     def __init__(self, backend: EngineBackend) -> None:
+        if not isinstance(backend, EngineBackend):
+            raise InvalidArgument(f"backend must be an engine backend, got {backend!r}")
         self._backend = backend
 
     @property
@@ -120,7 +129,7 @@ class EngineHost:
 
     async def pause_generation(self, mode: str) -> None:
         """Pause generation in ``mode``."""
-        await self._backend.pause_generation(PauseMode(mode))
+        await self._backend.pause_generation(_member(PauseMode, mode, "pause mode"))
 
     async def continue_generation(self) -> None:
         """Continue generation."""
@@ -142,6 +151,8 @@ class EngineHost:
         # sglang: flush_wrapper.py SchedulerFlushWrapper.handle (timeout_s <= 0 -> flush now;
         # > 0 -> deferred, check_pending uses is_fully_idle() with the waiting queue);
         # scheduler.py Scheduler.flush_cache (is_fully_idle(ignore_waiting=self._engine_paused))
+        deadline = check_seconds("flush deadline", deadline, positive=False)  # 0: one attempt
+        retry_interval = check_seconds("flush retry_interval", retry_interval, positive=False)
         start = time.monotonic()
         attempts = 0
         while True:
@@ -164,11 +175,11 @@ class EngineHost:
 
     async def release_memory_occupation(self, tags: list[str]) -> None:
         """Release the given tags."""
-        await self._backend.release_memory_occupation([Tag(t) for t in tags])
+        await self._backend.release_memory_occupation(list(parse_tags(tags, what="release tags")))
 
     async def resume_memory_occupation(self, tags: list[str]) -> None:
         """Resume the given tags."""
-        await self._backend.resume_memory_occupation([Tag(t) for t in tags])
+        await self._backend.resume_memory_occupation(list(parse_tags(tags, what="resume tags")))
 
     async def begin_weight_update(self) -> None:
         """Open a weight-update session."""

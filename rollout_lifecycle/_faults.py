@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from rollout_lifecycle._config import DEFAULT_GROUP_NAME, PauseMode, Tag
+from rollout_lifecycle._config import (
+    DEFAULT_GROUP_NAME,
+    PauseMode,
+    Tag,
+    check_int,
+    check_seconds,
+)
 from rollout_lifecycle._engine import EngineBackend, introspect
 from rollout_lifecycle._exceptions import (
     EngineDead,
@@ -100,19 +105,12 @@ class FaultyEngine:
 
     def arm(self, op: str, kind: str, *, count: int = 1, seconds: float = 0.0) -> None:
         """Make the next ``count`` calls of ``op`` fail as ``kind`` (after those armed before)."""
-        if op not in FAULT_OPS:
+        if not isinstance(op, str) or op not in FAULT_OPS:
             raise InvalidArgument(f"unknown op {op!r}; valid: {', '.join(FAULT_OPS)}")
-        if kind not in FAULT_KINDS:
+        if not isinstance(kind, str) or kind not in FAULT_KINDS:
             raise InvalidArgument(f"unknown fault kind {kind!r}; valid: {', '.join(FAULT_KINDS)}")
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise InvalidArgument(f"count must be an int >= 1, got {count!r}")
-        if (
-            isinstance(seconds, bool)
-            or not isinstance(seconds, int | float)
-            or not math.isfinite(seconds)
-            or seconds < 0
-        ):
-            raise InvalidArgument(f"seconds must be a finite number >= 0, got {seconds!r}")
+        check_int("count", count, minimum=1)
+        seconds = check_seconds("seconds", seconds, positive=False)
         if kind == "slow" and seconds <= 0:
             raise InvalidArgument(f"a 'slow' fault needs seconds > 0, got {seconds!r}")
         if kind != "slow" and seconds:

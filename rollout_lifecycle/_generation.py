@@ -8,13 +8,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import math
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
+from rollout_lifecycle._config import check_int, check_seconds
 from rollout_lifecycle._exceptions import (
     EngineError,
     InvalidArgument,
@@ -31,6 +31,8 @@ S = ServerState
 
 #: Prompt keys of a request; everything else in it is passed through unchanged.
 _PROMPT_KEYS = ("input_ids", "text")
+#: The most resubmissions ``max_resubmissions`` may allow.
+MAX_RESUBMISSIONS = 1_000_000
 #: Outcomes after which an attempt's work is lost but the request can run elsewhere.
 _LOST = frozenset({Outcome.DEAD, Outcome.UNREACHABLE})
 
@@ -67,6 +69,28 @@ class GenerationTimeout(GenerationError):
         #: ``"hold_timeout"`` or ``"request_timeout"``.
         self.limit = limit
         self.waited = waited
+
+
+class NoLiveEngine(GenerationError):
+    """Every engine that could serve a request (those of its ``group``, or of every group when
+    none is named) is dead: nothing can answer it, so it fails at once instead of being held.
+
+    Raised for a new request and for one held or resubmitted when its last engine dies; a
+    ``recover()`` that replaces the dead engines lets later requests through. ``state`` is the
+    server's state when the request gave up, ``group`` the group it named (or None).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        state: str,
+        group: str | None,
+        partial: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message, partial)
+        self._init = (message, state, group, partial)
+        self.state = state
+        self.group = group
 
 
 class TooManyResubmissions(GenerationError):
@@ -134,7 +158,10 @@ class GenerationClient:
       in ``failed`` every request waits. The wait is woken by hooks on every state and on the
       end of every phase (re-checked at each wake, and every ``recheck_interval`` seconds for
       changes no hook reports, such as a replaced engine) and bounded by ``hold_timeout``: then
-      ``GenerationTimeout``.
+      ``GenerationTimeout``. A request none of whose engines is alive (every engine of its
+      group, or of every group, is recorded dead or was seen dying by this client) is not
+      held: it fails at once with ``NoLiveEngine``, and so does a held request, or one whose
+      attempt was lost, once its last engine dies.
     * **Resubmission**: an answer with finish_reason ``abort`` (a pause in ``abort`` mode, or any
       other abort that is not a 4xx refusal of the request itself) and an attempt lost to a dead
       or unreachable engine are resubmitted, once the group serves again, as prompt + partial
@@ -185,17 +212,11 @@ class GenerationClient:
 
         if not isinstance(server, RolloutServer):
             raise InvalidArgument(f"server must be a RolloutServer, got {server!r}")
-        self._hold_timeout = _check_seconds("hold_timeout", hold_timeout)
-        self._request_timeout = _check_seconds("request_timeout", request_timeout)
-        if (
-            isinstance(max_resubmissions, bool)
-            or not isinstance(max_resubmissions, int)
-            or max_resubmissions < 0
-        ):
-            raise InvalidArgument(
-                f"max_resubmissions must be an int >= 0, got {max_resubmissions!r}"
-            )
-        self._max_resubmissions = max_resubmissions
+        self._hold_timeout = check_seconds("hold_timeout", hold_timeout)
+        self._request_timeout = check_seconds("request_timeout", request_timeout)
+        self._max_resubmissions = check_int(
+            "max_resubmissions", max_resubmissions, maximum=MAX_RESUBMISSIONS
+        )
         self._server = server
         self._outstanding: dict[str, int] = {}
         #: Engine id -> the handle this client saw die in that slot (a replacement is not dead).
@@ -243,7 +264,8 @@ class GenerationClient:
         """Run one generate request to its full answer (see the class docstring).
 
         Raises ``InvalidArgument`` before anything is sent for a bad request or an unknown
-        group; ``GenerationTimeout``, ``TooManyResubmissions``, or the engine's own error (for
+        group; ``NoLiveEngine`` at once when every engine that could serve it is dead;
+        ``GenerationTimeout``, ``TooManyResubmissions``, or the engine's own error (for
         example ``EngineRejected``) when the request cannot be completed.
         """
         self._check_open()
@@ -260,9 +282,7 @@ class GenerationClient:
         """
         self._check_open()
         if isinstance(requests, str | bytes | Mapping) or not isinstance(requests, Sequence):
-            raise InvalidArgument(
-                f"requests must be a list of dicts, got {type(requests).__name__}"
-            )
+            raise InvalidArgument(f"requests must be a list of dicts, got {_short(requests)}")
         name = self._check_group(group)
         works = []
         for index, request in enumerate(requests):
@@ -336,9 +356,7 @@ class GenerationClient:
     def _prepare(self, request: object, group: str | None) -> _Work:
         """Validate ``request`` and copy it (the caller may reuse its dict)."""
         if not isinstance(request, dict):
-            raise InvalidArgument(
-                f"a generate request must be a dict, got {type(request).__name__}"
-            )
+            raise InvalidArgument(f"a generate request must be a dict, got {_short(request)}")
         given = [k for k in _PROMPT_KEYS if request.get(k) is not None]
         if len(given) != 1:
             raise InvalidArgument(
@@ -376,8 +394,11 @@ class GenerationClient:
             raise InvalidArgument(
                 f"sampling_params.max_new_tokens must be a positive int, got {max_new!r}"
             )
-        if request.get("stream"):
-            raise InvalidArgument("stream must be false: generate() returns one complete answer")
+        if request.get("stream") not in (None, False):
+            raise InvalidArgument(
+                f"stream must be false: generate() returns one complete answer, got "
+                f"{_short(request.get('stream'))}"
+            )
         rid = request.get("rid")
         if rid is not None and (not isinstance(rid, str) or not rid):
             raise InvalidArgument(f"rid must be a non-empty string, got {rid!r}")
@@ -668,6 +689,7 @@ class GenerationClient:
                 record = self._pick(work)
                 if record is not None:
                     return record
+                self._check_alive(work)
                 now = time.monotonic()
                 waited = now - start
                 if now >= deadline:
@@ -698,6 +720,33 @@ class GenerationClient:
         finally:
             if held:
                 self._holding -= 1
+
+    def _engine_dead(self, record: EngineRecord) -> bool:
+        """Dead for good: recorded dead by the server, or seen dying by this client (the same
+        handle; a replacement in its slot is another engine)."""
+        return not record.alive or self._dead.get(record.id) is record.handle
+
+    def _check_alive(self, work: _Work) -> None:
+        """Fail ``work`` at once when every engine that could ever serve it is dead."""
+        records = [
+            r for g in self._server.groups if work.group in (None, g.name) for r in g.records
+        ]
+        if not all(self._engine_dead(r) for r in records):
+            return
+        where = f"group {work.group!r}" if work.group is not None else "any group"
+        dead = ", ".join(r.id for r in records) or "none"
+        message = (
+            f"no engine of {where} is alive to serve the generate request (dead: {dead}; "
+            f"server {self._server.state.value!r})"
+        )
+        if work.engines:
+            message += f"; {work.produced} token(s) produced so far are in .partial"
+        raise NoLiveEngine(
+            message,
+            self._server.state.value,
+            work.group,
+            self._compose(work, None, message) if work.engines else None,
+        )
 
     def _why_held(self, work: _Work) -> str:
         state = self._server.state
@@ -742,17 +791,6 @@ class GenerationClient:
     def _on_state(self, event: LifecycleEvent) -> None:
         """The hook on every state (and phase end): wake held requests to re-check; never raises."""
         self._notify()
-
-
-def _check_seconds(name: str, value: object) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise InvalidArgument(f"{name} must be a finite number of seconds > 0, got {value!r}")
-    return float(value)
 
 
 def _resumable_abort(finish: Mapping[str, Any]) -> bool:
@@ -856,5 +894,6 @@ __all__ = [
     "GenerationClient",
     "GenerationError",
     "GenerationTimeout",
+    "NoLiveEngine",
     "TooManyResubmissions",
 ]

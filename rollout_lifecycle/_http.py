@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import ipaddress
-import math
 import re
 import socket
 import time
@@ -19,7 +18,15 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from rollout_lifecycle._config import DEFAULT_GROUP_NAME, PauseMode, Tag, parse_tags
+from rollout_lifecycle._config import (
+    DEFAULT_GROUP_NAME,
+    PauseMode,
+    Tag,
+    check_flag,
+    check_int,
+    check_seconds,
+    parse_tags,
+)
 from rollout_lifecycle._events import logger
 from rollout_lifecycle._exceptions import (
     EngineDead,
@@ -62,6 +69,8 @@ _NORMAL_PATHS = frozenset(
 _OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 #: The longest pause between two attempts of a retried call.
 _MAX_BACKOFF = 5.0
+#: The most retries a call may be given (each waits up to ``_MAX_BACKOFF``).
+_MAX_RETRIES = 1000
 #: The oldest SGLang this client drives: 0.5.20 has no begin/end weight-update endpoints and its
 #: release asserts plain idleness (a retract pause that left requests waiting kills it); 0.5.21
 #: dies on a weight update with ``flush_cache: true`` on a busy engine.
@@ -113,20 +122,6 @@ class _Failure:
 
     error: EngineError
     retryable: bool
-
-
-def check_seconds(what: str, value: object, *, positive: bool) -> float:
-    """``value`` as a finite number of seconds (> 0 if ``positive``, else >= 0), or refuse it."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value < 0
-        or (positive and value == 0)
-    ):
-        bound = "positive" if positive else ">= 0"
-        raise InvalidArgument(f"{what} must be a finite number of seconds {bound}, got {value!r}")
-    return float(value)
 
 
 def _mask_userinfo(url: str) -> str:
@@ -193,9 +188,7 @@ def url_identity(url: object) -> str:
 
 
 def _check_flag(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise InvalidArgument(f"{name} must be True or False, got {value!r}")
-    return value
+    return check_flag(name, value)
 
 
 def _check_str(name: str, value: object, *, optional: bool) -> str | None:
@@ -203,13 +196,13 @@ def _check_str(name: str, value: object, *, optional: bool) -> str | None:
         return None
     if not isinstance(value, str):
         kind = "a string or None" if optional else "a string"
-        raise InvalidArgument(f"{name} must be {kind}, got {type(value).__name__}")
+        raise InvalidArgument(f"{name} must be {kind}, got {_shown(value)}")
     return value
 
 
 def _check_str_list(name: str, value: object) -> list[str]:
     if isinstance(value, str) or not isinstance(value, Sequence):
-        raise InvalidArgument(f"{name} must be a list of strings, got {type(value).__name__}")
+        raise InvalidArgument(f"{name} must be a list of strings, got {_shown(value)}")
     items = list(value)
     if not all(isinstance(item, str) for item in items):
         raise InvalidArgument(f"{name} must hold strings only")
@@ -224,7 +217,7 @@ def _check_name(name: str, value: object) -> str:
 
 def _check_shapes(value: object) -> list[list[int]]:
     if isinstance(value, str) or not isinstance(value, Sequence):
-        raise InvalidArgument(f"shapes must be a list of lists of ints, got {type(value).__name__}")
+        raise InvalidArgument(f"shapes must be a list of lists of ints, got {_shown(value)}")
     shapes: list[list[int]] = []
     for shape in value:
         if isinstance(shape, str) or not isinstance(shape, Sequence):
@@ -306,27 +299,23 @@ class SGLangHTTPEngine:
         if timeouts is None:
             timeouts = HTTPTimeouts()
         elif not isinstance(timeouts, HTTPTimeouts):
-            raise InvalidArgument(
-                f"timeouts must be an HTTPTimeouts, got {type(timeouts).__name__}"
-            )
+            raise InvalidArgument(f"timeouts must be an HTTPTimeouts, got {_shown(timeouts)}")
         self._timeouts = timeouts
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            raise InvalidArgument(f"retries must be an int >= 0, got {retries!r}")
-        self._retries = retries
+        self._retries = check_int("retries", retries, maximum=_MAX_RETRIES)
         self._retry_backoff = check_seconds("retry_backoff", retry_backoff, positive=False)
         if transport is not None and not isinstance(transport, httpx.AsyncBaseTransport):
             raise InvalidArgument(
-                f"transport must be an httpx.AsyncBaseTransport, got {type(transport).__name__}"
+                f"transport must be an httpx.AsyncBaseTransport, got {_shown(transport)}"
             )
         self._transport = transport
         if label is None:
             label = self._url
         elif not isinstance(label, str) or not label:
-            raise InvalidArgument("label must be a non-empty string")
+            raise InvalidArgument(f"label must be a non-empty string, got {_shown(label)}")
         if self._scrub(label) != label or self._scrub(self._url) != self._url:
             raise InvalidArgument("label and url must not contain a key")
         self._label = label
-        if weight_selector not in WEIGHT_SELECTORS:
+        if not isinstance(weight_selector, str) or weight_selector not in WEIGHT_SELECTORS:
             valid = ", ".join(WEIGHT_SELECTORS)
             raise InvalidArgument(
                 f"weight_selector must be one of {valid}, got {weight_selector!r}"
@@ -715,7 +704,7 @@ class SGLangHTTPEngine:
     def _probe_wait(self, timeout: float | None) -> float:
         if timeout is None:
             return self._timeouts.probe
-        return max(0.001, min(timeout, self._timeouts.probe))
+        return max(0.001, min(check_seconds("ready timeout", timeout), self._timeouts.probe))
 
     async def check_version(self, op: str = "check_version") -> str:
         """Read ``version`` from ``/server_info`` and refuse an SGLang older than 0.5.22.
@@ -784,7 +773,7 @@ class SGLangHTTPEngine:
         """``POST /generate``, run to completion; sent once. Streaming is not supported here."""
         op = "generate"
         if not isinstance(request, dict):
-            raise InvalidArgument(f"request must be a dict, got {type(request).__name__}")
+            raise InvalidArgument(f"request must be a dict, got {_shown(request)}")
         if request.get("stream"):
             raise InvalidArgument("generate() does not stream; send the request with stream false")
         response = await self._request(
@@ -808,7 +797,7 @@ class SGLangHTTPEngine:
         # sglang: tokenizer_manager.py TokenizerManager.abort_request (rid_to_state.get(rid);
         # no state and tokenizer_worker_num == 1 -> return)
         if not isinstance(rid, str):
-            raise InvalidArgument(f"rid must be a string, got {type(rid).__name__}")
+            raise InvalidArgument(f"rid must be a string, got {_shown(rid)}")
         body = {"rid": rid, "abort_all": _check_flag("abort_all", abort_all)}
         await self._request(
             "abort_request", "POST", "/abort_request", body, self._timeouts.control, retry=False

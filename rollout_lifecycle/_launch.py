@@ -85,7 +85,7 @@ _T = TypeVar("_T")
 
 def _str_list(name: str, value: object, *, allow_empty: bool) -> list[str]:
     if isinstance(value, str | bytes) or not isinstance(value, Sequence):
-        raise InvalidArgument(f"{name} must be a sequence of strings, got {type(value).__name__}")
+        raise InvalidArgument(f"{name} must be a sequence of strings, got {value!r}")
     items = list(value)
     if not all(isinstance(item, str) for item in items):
         raise InvalidArgument(f"{name} must hold strings only")
@@ -158,7 +158,7 @@ class LaunchedSGLangEngine:
             not isinstance(env, Mapping)
             or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
         ):
-            raise InvalidArgument("env must be a mapping of strings to strings")
+            raise InvalidArgument(f"env must be a mapping of strings to strings, got {env!r}")
         self._admin_key = as_secret(admin_key, what="admin_key")
         self._api_key = as_secret(api_key, what="api_key")
         self._model_path = model_path

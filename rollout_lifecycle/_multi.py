@@ -15,9 +15,10 @@ from typing import Any
 import ray
 
 from rollout_lifecycle._actor import build_backend
+from rollout_lifecycle._config import check_int
 from rollout_lifecycle._engine import EngineBackend, EngineHost
 from rollout_lifecycle._exceptions import InvalidArgument
-from rollout_lifecycle._simulated import fleet_factories
+from rollout_lifecycle._simulated import MAX_FLEET, fleet_factories
 
 #: The calls a hosted engine answers: the public methods of ``EngineHost``.
 HOSTED_OPS: frozenset[str] = frozenset(
@@ -25,18 +26,26 @@ HOSTED_OPS: frozenset[str] = frozenset(
 )
 
 
+def _check_factories(factories: object) -> None:
+    if isinstance(factories, str | bytes) or not isinstance(factories, Sequence) or not factories:
+        raise InvalidArgument(f"factories must be a non-empty sequence, got {factories!r}")
+    for factory in factories:
+        if not callable(factory):
+            raise InvalidArgument(f"every factory must be callable, got {factory!r}")
+
+
 class MultiEngineActorBody:
     """Hosts one ``EngineHost`` per backend factory; the class behind ``MultiEngineActor``."""
 
     def __init__(self, factories: Sequence[Callable[[], EngineBackend]]) -> None:
-        if not factories:
-            raise InvalidArgument("a multi-engine actor needs at least one engine factory")
+        _check_factories(factories)
         self._hosts = [EngineHost(build_backend(f)) for f in factories]
 
     async def call(self, index: int, op: str, *args: Any) -> Any:
         """Run ``op(*args)`` on engine ``index``, as its own actor would."""
-        if op not in HOSTED_OPS:
+        if not isinstance(op, str) or op not in HOSTED_OPS:
             raise InvalidArgument(f"{op!r} is not an engine operation")
+        check_int("index", index, maximum=len(self._hosts) - 1)
         return await getattr(self._hosts[index], op)(*args)
 
     async def ping(self) -> list[str]:
@@ -68,6 +77,9 @@ class HostedEngine:
     actor: Any
     index: int
 
+    def __post_init__(self) -> None:
+        check_int("index", self.index, maximum=MAX_FLEET)
+
     def send(self, op: str, args: tuple[Any, ...] = ()) -> Any:
         """Issue ``op(*args)`` to the hosted engine; returns the Ray object ref, without waiting."""
         return self.actor.call.remote(self.index, op, *args)
@@ -81,11 +93,7 @@ def start_multi_engine_actor(
     No CPU is reserved by default (the engines' work is I/O); the actor accepts as many
     concurrent calls as its engines can have generate requests in flight.
     """
-    if isinstance(factories, str | bytes) or not isinstance(factories, Sequence) or not factories:
-        raise InvalidArgument(f"factories must be a non-empty sequence, got {factories!r}")
-    for factory in factories:
-        if not callable(factory):
-            raise InvalidArgument(f"every factory must be callable, got {factory!r}")
+    _check_factories(factories)
     opts: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 100_000, **options}
     actor = MultiEngineActor.options(**opts).remote(list(factories))
     return actor, [HostedEngine(actor, i) for i in range(len(factories))]
@@ -105,9 +113,8 @@ def simulated_multi_engine_actors(
     draws its op latencies from ``seed + i``, as in ``simulated_engine_actors``. Returns the
     actors and the engine handles in order.
     """
-    for name, value in (("actors", actors), ("engines_per_actor", engines_per_actor)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
+    check_int("actors", actors, minimum=1, maximum=MAX_FLEET)
+    check_int("engines_per_actor", engines_per_actor, minimum=1, maximum=MAX_FLEET)
     factories = fleet_factories(actors * engines_per_actor, label=label, seed=seed, **options)
     started: list[Any] = []
     handles: list[HostedEngine] = []

@@ -498,7 +498,7 @@ class RolloutServer:
         self, requests: Sequence[dict[str, Any]], *, group: str | None = None
     ) -> list[dict[str, Any]]:
         """``generate`` for many requests at once; answers in request order."""
-        return await self.generation.generate_batch(list(requests), group=group)
+        return await self.generation.generate_batch(requests, group=group)
 
     @property
     def generation(self) -> GenerationClient:

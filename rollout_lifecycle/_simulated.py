@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import inspect
 import itertools
 import math
 import os
@@ -19,7 +20,15 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_lifecycle._config import ALL_TAGS, DEFAULT_GROUP_NAME, PauseMode, Tag
+from rollout_lifecycle._config import (
+    ALL_TAGS,
+    DEFAULT_GROUP_NAME,
+    PauseMode,
+    Tag,
+    check_flag,
+    check_int,
+    check_seconds,
+)
 from rollout_lifecycle._exceptions import EngineDead, EngineRejected, InvalidArgument
 
 GIB = 1 << 30
@@ -106,6 +115,10 @@ class _Request:
 _HISTORY_CHUNK = 16
 
 
+#: The most requests ``max_running`` may let run at once.
+MAX_RUNNING = 1_000_000
+
+
 def _seconds(value: object) -> float | None:
     """``value`` as seconds if it is a finite number >= 0, else None."""
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -121,10 +134,7 @@ def _requested(tags: Sequence[Tag | str] | None) -> tuple[object, ...] | str | N
 
 
 def _check_seconds(name: str, value: object) -> float:
-    seconds = _seconds(value)
-    if seconds is None:
-        raise InvalidArgument(f"{name} must be a finite number of seconds >= 0, got {value!r}")
-    return seconds
+    return check_seconds(name, value, positive=False)
 
 
 def _detokenize(tokens: Sequence[int]) -> str:
@@ -189,8 +199,7 @@ class SimulatedEngine:
         self._capacity = self._validate_memory(memory_bytes)
         if not isinstance(weight_version, str):
             raise InvalidArgument(f"weight_version must be a string, got {weight_version!r}")
-        if not isinstance(max_running, int) or isinstance(max_running, bool) or max_running < 1:
-            raise InvalidArgument(f"max_running must be an int >= 1, got {max_running!r}")
+        check_int("max_running", max_running, minimum=1, maximum=MAX_RUNNING)
         if gpu_memory_bytes is not None and (
             not isinstance(gpu_memory_bytes, int)
             or isinstance(gpu_memory_bytes, bool)
@@ -202,11 +211,9 @@ class SimulatedEngine:
         self._gpu_memory_bytes = gpu_memory_bytes
         self._external_bytes = 0
         self._max_running = max_running
-        self._weights_cpu_backup = bool(weights_cpu_backup)
-        self._dp_dummy_batches = bool(dp_dummy_batches)
-        if not isinstance(check_model_paths, bool):
-            raise InvalidArgument(f"check_model_paths must be a bool, got {check_model_paths!r}")
-        self._check_model_paths = check_model_paths
+        self._weights_cpu_backup = check_flag("weights_cpu_backup", weights_cpu_backup)
+        self._dp_dummy_batches = check_flag("dp_dummy_batches", dp_dummy_batches)
+        self._check_model_paths = check_flag("check_model_paths", check_model_paths)
         # The front end hands the scheduler one flush at a time, in arrival order.
         # sglang: communicator.py FanOutCommunicator.queueing_call (flush_cache_communicator)
         self._flush_queue: asyncio.Lock | None = None
@@ -1300,7 +1307,7 @@ class SimulatedEngine:
     def state(self) -> dict[str, Any]:
         """What SGLang keeps to itself (its ``/server_info`` shows none of it), for tests:
         label, dead, paused and the pause mode, released tags, whether the weights are valid,
-        a deferred flush, an open weight-update session."""
+        a deferred flush, an open weight-update session, the lifecycle calls in flight."""
         return {
             "label": self._label,
             "dead": self._dead,
@@ -1310,6 +1317,8 @@ class SimulatedEngine:
             "weights_valid": self.weights_valid,
             "flush_pending": self.flush_pending,
             "weight_update_session_open": self.weight_update_session_open,
+            # lifecycle calls that have started and not returned (their latency included)
+            "in_flight": [e["op"] for e in self._history if e["end"] is None],
         }
 
     def stats(self) -> dict[str, int]:
@@ -1324,6 +1333,23 @@ class SimulatedEngine:
         }
 
 
+def check_engine_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` as keyword arguments of ``SimulatedEngine``; an unknown name (which Python
+    would refuse with a ``TypeError``) raises ``InvalidArgument`` naming it."""
+    if not isinstance(options, Mapping):
+        raise InvalidArgument(f"engine options must be a mapping, got {options!r}")
+    known = inspect.signature(SimulatedEngine).parameters
+    for name in options:
+        if not isinstance(name, str) or name not in known:
+            valid = ", ".join(known)
+            raise InvalidArgument(f"unknown SimulatedEngine option {name!r}; valid: {valid}")
+    return dict(options)
+
+
+#: The most engines ``fleet_factories`` makes factories for.
+MAX_FLEET = 1_000_000
+
+
 def fleet_factories(
     count: int, *, label: str, seed: int | None, **options: Any
 ) -> list[Callable[[], SimulatedEngine]]:
@@ -1331,6 +1357,8 @@ def fleet_factories(
     ``f"{label}-{i}"`` and, with ``seed``, draws its op latencies from ``seed + i``, so that a
     fleet is reproducible and its engines differ. Bad ``options`` raise ``InvalidArgument``
     here, before any engine is built where the factories are called (a Ray actor, say)."""
+    check_int("count", count, minimum=1, maximum=MAX_FLEET)
+    options = check_engine_options(options)
     SimulatedEngine(label=label, seed=seed, **options)
     return [
         functools.partial(

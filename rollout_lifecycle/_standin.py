@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal, NoReturn, TypeVar
 
-from rollout_lifecycle._config import DEFAULT_GROUP_NAME
+from rollout_lifecycle._config import DEFAULT_GROUP_NAME, check_flag, check_seconds
 from rollout_lifecycle._exceptions import (
     EngineDead,
     EngineRejected,
@@ -48,6 +48,7 @@ from rollout_lifecycle._simulated import (
     FLUSH_FAILED,
     WEIGHTS_WRITTEN_FLUSH_FAILED,
     SimulatedEngine,
+    check_engine_options,
 )
 
 if TYPE_CHECKING:
@@ -683,7 +684,12 @@ def create_app(
     api = as_secret(api_key, what="api_key")
     admin = as_secret(admin_key, what="admin_key")
     if not isinstance(engine, SimulatedEngine):
-        raise InvalidArgument(f"engine must be a SimulatedEngine, got {type(engine).__name__}")
+        raise InvalidArgument(f"engine must be a SimulatedEngine, got {engine!r}")
+    history_file = _check_path("history_file", history_file)
+    if not isinstance(model_path, str) or not model_path:
+        raise InvalidArgument(f"model_path must be a non-empty string, got {model_path!r}")
+    if on_death is not None and not callable(on_death):
+        raise InvalidArgument(f"on_death must be callable or None, got {on_death!r}")
     state = _StandIn(engine, on_death=on_death, history_file=history_file, model_path=model_path)
 
     @contextlib.asynccontextmanager
@@ -1100,6 +1106,12 @@ def serve(
             "the stand-in SGLang server needs fastapi and uvicorn: "
             "pip install 'rollout-lifecycle[standin]'"
         ) from exc
+    if not isinstance(host, str) or not host:
+        raise InvalidArgument(f"host must be a non-empty string, got {host!r}")
+    check_flag("print_ready", print_ready)
+    check_flag("allow_remote", allow_remote)
+    if engine_options is not None and not isinstance(engine_options, Mapping):
+        raise InvalidArgument(f"engine_options must be a mapping or None, got {engine_options!r}")
     if not allow_remote and not _is_loopback(host):
         raise InvalidArgument(
             f"host {host!r} is not a loopback address; the stand-in has no TLS and serves "
@@ -1107,7 +1119,7 @@ def serve(
         )
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise InvalidArgument(f"port must be an int in 0..65535, got {port!r}")
-    engine = SimulatedEngine(**dict(engine_options or {}))
+    engine = SimulatedEngine(**check_engine_options(engine_options or {}))
 
     def on_death() -> None:
         sys.stderr.write(
@@ -1211,6 +1223,18 @@ def _engine_argv(options: Mapping[str, Any]) -> list[str]:
     return argv
 
 
+def _check_path(what: str, value: object) -> str | None:
+    """A file path (a string or ``os.PathLike``) as a string, None for None; else refuse it."""
+    if value is None:
+        return None
+    if not isinstance(value, str | os.PathLike):
+        raise InvalidArgument(f"{what} must be a path or None, got {value!r}")
+    path = os.fspath(value)
+    if not isinstance(path, str) or not path:
+        raise InvalidArgument(f"{what} must be a non-empty text path or None, got {value!r}")
+    return path
+
+
 def _kill(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.kill()
@@ -1233,22 +1257,26 @@ class StandInServer:
         history_file: str | os.PathLike[str] | None = None,
         startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
         model_path: str | None = None,
+        port: int = 0,
         **engine_options: Any,
     ) -> None:
-        if (
-            isinstance(startup_timeout, bool)
-            or not isinstance(startup_timeout, int | float)
-            or not math.isfinite(startup_timeout)
-            or startup_timeout <= 0
-        ):
-            raise InvalidArgument(f"startup_timeout must be seconds > 0, got {startup_timeout!r}")
+        self._startup_timeout = check_seconds("startup_timeout", startup_timeout)
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise InvalidArgument(f"port must be an int in 0..65535 (0: any free), got {port!r}")
+        #: The port asked for: 0 takes a free one; a port a stopped stand-in used restarts a
+        #: server at the same URL.
+        self._port_asked = port
         self._admin_key = as_secret(admin_key, what="admin_key")
         self._api_key = as_secret(api_key, what="api_key")
-        self._history_file = None if history_file is None else os.fspath(history_file)
-        self._startup_timeout = float(startup_timeout)
+        self._history_file = _check_path("history_file", history_file)
+        if model_path is not None and (not isinstance(model_path, str) or not model_path):
+            raise InvalidArgument(
+                f"model_path must be a non-empty string or None, got {model_path!r}"
+            )
         self._model_path = model_path
         engine_options.setdefault("label", "fake-sglang")
-        SimulatedEngine(**engine_options)  # invalid options fail here, not in the child
+        # Invalid options fail here, not in the child.
+        SimulatedEngine(**check_engine_options(engine_options))
         self._engine_argv = _engine_argv(engine_options)
         self.label: str = engine_options["label"]
         self._proc: subprocess.Popen[bytes] | None = None
@@ -1264,7 +1292,8 @@ class StandInServer:
     # ------------------------------------------------------------------ starting
 
     def _argv(self) -> list[str]:
-        argv = [sys.executable, "-m", "rollout_lifecycle.cli", "fake-sglang", "--port", "0"]
+        argv = [sys.executable, "-m", "rollout_lifecycle.cli", "fake-sglang"]
+        argv += ["--port", str(self._port_asked)]
         argv += self._engine_argv
         if self._admin_key is not None:
             argv += ["--admin-key-env", ADMIN_KEY_ENV]
@@ -1452,6 +1481,9 @@ class StandInServer:
         a delay, ``status`` (400..599, default 502) for a status. A bad rule raises
         ``InvalidArgument`` and none is added.
         """
+        for rule in rules:
+            if not isinstance(rule, Mapping):
+                raise InvalidArgument(f"a fault rule must be a mapping, got {rule!r}")
         answer = self._standin_call("POST", FAULTS_PATH, [dict(rule) for rule in rules])
         result: list[dict[str, Any]] = answer["faults"]
         return result
@@ -1480,6 +1512,7 @@ class StandInServer:
 
     def wait_dead(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the process to end; True if it has."""
+        timeout = check_seconds("timeout", timeout, positive=False)
         if self._proc is None:
             return True
         try:
@@ -1490,6 +1523,7 @@ class StandInServer:
 
     def stop(self, timeout: float = 5.0) -> int | None:
         """Terminate the server (kill it if it lingers past ``timeout``); its exit status."""
+        timeout = check_seconds("timeout", timeout, positive=False)
         proc = self._proc
         if proc is None:
             return None

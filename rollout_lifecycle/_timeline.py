@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollout_lifecycle._config import MAX_TIMELINE_CALLS, check_int
 from rollout_lifecycle._exceptions import InvalidArgument
 from rollout_lifecycle._outcome import Outcome
 
@@ -104,8 +105,9 @@ class Timeline:
     """
 
     def __init__(self, max_calls: int = 16, *, name: str = "rollout") -> None:
-        if isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 0:
-            raise InvalidArgument(f"max_calls must be an int >= 0, got {max_calls!r}")
+        check_int("max_calls", max_calls, maximum=MAX_TIMELINE_CALLS)
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument(f"name must be a non-empty string, got {name!r}")
         self._name = name
         self._max_calls = max_calls
         self._calls: deque[_CallRecord] = deque(maxlen=max_calls)
@@ -264,7 +266,7 @@ class Timeline:
 
     def export_chrome_trace(self, path: str | os.PathLike[str]) -> Path:
         """Write ``chrome_trace()`` as JSON to ``path`` (open it in https://ui.perfetto.dev)."""
-        target = Path(path)
+        target = _path("path", path)
         target.write_text(json.dumps(self.chrome_trace()), encoding="utf-8")
         return target
 
@@ -280,8 +282,10 @@ class Timeline:
         (so that the weights' and the KV cache's resume differ), a dashed line at
         every phase barrier (the end of a phase); what did not succeed is hatched red. Needs
         matplotlib (the ``plot`` extra)."""
-        if isinstance(max_engines, bool) or not isinstance(max_engines, int) or max_engines < 1:
-            raise InvalidArgument(f"max_engines must be an int >= 1, got {max_engines!r}")
+        target = _path("path", path)
+        check_int("max_engines", max_engines, minimum=1)
+        if title is not None and not isinstance(title, str):
+            raise InvalidArgument(f"title must be a string or None, got {title!r}")
         try:
             from matplotlib.backends.backend_agg import FigureCanvasAgg
             from matplotlib.figure import Figure
@@ -366,9 +370,17 @@ class Timeline:
                 fontsize=7,
             )
         figure.tight_layout()
-        target = Path(path)
         figure.savefig(target, format="png")
         return target
+
+
+def _path(what: str, value: object) -> Path:
+    """A file path given as a string or ``os.PathLike``; else ``InvalidArgument``."""
+    if isinstance(value, str | os.PathLike):
+        path = os.fspath(value)
+        if isinstance(path, str) and path:
+            return Path(path)
+    raise InvalidArgument(f"{what} must be a non-empty file path, got {value!r}")
 
 
 def _meta(name: str, pid: int, tid: int, value: object, *, key: str = "name") -> dict[str, Any]:

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rollout_lifecycle._config import check_int
 from rollout_lifecycle._exceptions import InvalidArgument, LifecycleError
 from rollout_lifecycle._group import send_to_engine
 from rollout_lifecycle._outcome import classify
@@ -55,6 +56,27 @@ def _nonempty(name: str, value: object) -> str:
     return value
 
 
+def _strings(name: str, value: object) -> tuple[str, ...]:
+    """A sequence of strings (not one string), as a tuple; else refuse it."""
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Sequence):
+        raise InvalidArgument(f"{name} must be a sequence of strings, got {value!r}")
+    items = tuple(value)
+    for item in items:
+        if not isinstance(item, str):
+            raise InvalidArgument(f"{name} must hold strings only, got {item!r}")
+    return items
+
+
+def _shape(name: str, value: object) -> tuple[int, ...]:
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Sequence):
+        raise InvalidArgument(f"{name} must be a sequence of ints, got {value!r}")
+    dims = tuple(value)
+    for dim in dims:
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+            raise InvalidArgument(f"{name} must hold ints >= 0, got {dim!r}")
+    return dims
+
+
 @dataclass(frozen=True)
 class FromDisk:
     """Every engine loads ``model_path`` (``/update_weights_from_disk``)."""
@@ -82,11 +104,19 @@ class FromTensor:
     payload: Sequence[str] | Mapping[str, Sequence[str]]
 
     def __post_init__(self) -> None:
-        if isinstance(self.payload, str) or not isinstance(self.payload, Sequence | Mapping):
+        payload = self.payload
+        if isinstance(payload, str | bytes) or not isinstance(payload, Sequence | Mapping):
             raise InvalidArgument(
                 f"payload must be a list of serialized tensors or a mapping of them by engine id, "
-                f"got {type(self.payload).__name__}"
+                f"got {payload!r}"
             )
+        if isinstance(payload, Mapping):
+            for engine, tensors in payload.items():
+                if not isinstance(engine, str):
+                    raise InvalidArgument(f"payload keys must be engine ids, got {engine!r}")
+                _strings(f"payload[{engine!r}]", tensors)
+        else:
+            _strings("payload", payload)
 
     async def __call__(self, update: WeightUpdate) -> None:
         if isinstance(self.payload, Mapping):
@@ -127,6 +157,12 @@ class FromDistributed:
 
     def __post_init__(self) -> None:
         _nonempty("group_name", self.group_name)
+        _strings("names", self.names)
+        _strings("dtypes", self.dtypes)
+        if isinstance(self.shapes, str | bytes | Mapping) or not isinstance(self.shapes, Sequence):
+            raise InvalidArgument(f"shapes must be a sequence of shapes, got {self.shapes!r}")
+        for i, shape in enumerate(self.shapes):
+            _shape(f"shapes[{i}]", shape)
         if not (len(self.names) == len(self.dtypes) == len(self.shapes)) or not self.names:
             raise InvalidArgument(
                 f"names, dtypes and shapes must be non-empty and of one length, got "
@@ -141,10 +177,22 @@ class FromDistributed:
                 "master_address, master_port, world_size and rank_offsets go together: give "
                 "all four for the engines to join the group, or none if it exists already"
             )
-        if self.rank_offsets is not None and not isinstance(self.rank_offsets, Mapping):
-            raise InvalidArgument(
-                f"rank_offsets must map engine ids to ranks, got {type(self.rank_offsets).__name__}"
-            )
+        if self.master_address is not None:
+            _nonempty("master_address", self.master_address)
+        if self.master_port is not None:
+            check_int("master_port", self.master_port, minimum=1, maximum=65535)
+        if self.world_size is not None:
+            check_int("world_size", self.world_size, minimum=2)
+        if self.rank_offsets is not None:
+            if not isinstance(self.rank_offsets, Mapping):
+                raise InvalidArgument(
+                    f"rank_offsets must map engine ids to ranks, got {self.rank_offsets!r}"
+                )
+            assert self.world_size is not None
+            for engine, rank in self.rank_offsets.items():
+                if not isinstance(engine, str):
+                    raise InvalidArgument(f"rank_offsets keys must be engine ids, got {engine!r}")
+                check_int(f"rank_offsets[{engine!r}]", rank, minimum=1, maximum=self.world_size - 1)
 
     async def __call__(self, update: WeightUpdate) -> None:
         args = (

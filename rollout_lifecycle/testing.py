@@ -14,8 +14,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from rollout_lifecycle._actor import start_engine_actor
+from rollout_lifecycle._config import check_int
 from rollout_lifecycle._exceptions import InvalidArgument
-from rollout_lifecycle._simulated import SimulatedEngine, fleet_factories
+from rollout_lifecycle._simulated import MAX_FLEET, SimulatedEngine, fleet_factories
 from rollout_lifecycle._standin import StandInServer
 
 History = Sequence[Mapping[str, Any]]
@@ -47,10 +48,21 @@ def simulated_engine_actors(
     Engine ``i`` is labelled ``f"{label}-{i}"``; with ``seed`` it draws its op latencies from
     ``seed + i``, so a fleet is reproducible and its engines differ.
     """
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise InvalidArgument(f"count must be a positive int, got {count!r}")
+    check_int("count", count, minimum=1, maximum=MAX_FLEET)
     factories = fleet_factories(count, label=label, seed=seed, **options)
     return [start_engine_actor(factory) for factory in factories]
+
+
+def _check_entry(entry: object) -> None:
+    if not isinstance(entry, Mapping):
+        raise InvalidArgument(f"a history entry must be a mapping, got {entry!r}")
+
+
+def _check_history(what: str, history: object) -> None:
+    if isinstance(history, str | bytes | Mapping) or not isinstance(history, Sequence):
+        raise InvalidArgument(f"{what} must be a sequence of history entries, got {history!r}")
+    for entry in history:
+        _check_entry(entry)
 
 
 #: The phases of one colocated cycle, in the order the barriers impose, as (name, op, tag).
@@ -66,6 +78,7 @@ CYCLE_PHASES: tuple[tuple[str, str, str | None], ...] = (
 
 def cycle_phase_of(entry: Mapping[str, Any]) -> str | None:
     """The cycle phase (``CYCLE_PHASES``) a history entry belongs to, if any."""
+    _check_entry(entry)
     for name, op, tag in CYCLE_PHASES:
         if entry.get("op") != op:
             continue
@@ -76,6 +89,7 @@ def cycle_phase_of(entry: Mapping[str, Any]) -> str | None:
 
 def cycle_rounds(history: History) -> list[list[Mapping[str, Any]]]:
     """Split one engine's history at each pause: round k is what follows its k-th pause."""
+    _check_history("history", history)
     rounds: list[list[Mapping[str, Any]]] = []
     for entry in history:
         if entry.get("op") == "pause_generation":
@@ -91,6 +105,10 @@ def cycle_order_violations(histories: Mapping[str, History]) -> list[str]:
     In every round, each phase of ``CYCLE_PHASES`` must end on every engine before the next
     phase present in that round starts on any engine. Also reports any fatal op.
     """
+    if not isinstance(histories, Mapping):
+        raise InvalidArgument(f"histories must map engine ids to histories, got {histories!r}")
+    for engine, history in histories.items():
+        _check_history(f"histories[{engine!r}]", history)
     problems: list[str] = []
     for engine, history in histories.items():
         for entry in history:
@@ -148,6 +166,7 @@ def collector_load(root: object = None) -> int:
 
 def released_ops(history: History) -> list[Mapping[str, Any]]:
     """The release calls in one engine's history."""
+    _check_history("history", history)
     return [e for e in history if e.get("op") == "release_memory_occupation"]
 
 

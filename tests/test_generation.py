@@ -31,6 +31,7 @@ from rollout_lifecycle._generation import (
     GenerationClient,
     GenerationError,
     GenerationTimeout,
+    NoLiveEngine,
     TooManyResubmissions,
 )
 from rollout_lifecycle.testing import cycle_order_violations
@@ -328,6 +329,96 @@ async def test_hold_timeout_raises_a_clear_error_naming_the_state(
     copied = pickle.loads(pickle.dumps(error))
     assert (copied.state, copied.limit, str(copied)) == (error.state, error.limit, str(error))
     await server.onload()
+
+
+# -- failing fast when no engine is alive -----------------------------------------------------
+# hold_timeout stays at its 600 s default: a request that were held instead of failing would
+# trip the outer bound (far below the hold) and fail the test rather than hang it.
+
+
+async def kill_and_probe(server: RolloutServer, sims: list[Any]) -> None:
+    for sim in sims:
+        sim._die("injected")
+    await server.probe()
+
+
+async def test_request_fails_at_once_when_every_engine_is_dead(sims_to_close: list[Any]) -> None:
+    sims = engines(2)
+    sims_to_close.extend(sims)
+    server = RolloutServer(
+        [EngineGroup("actor", sims)], config=LifecycleConfig(dead_engines="skip")
+    )
+    client = GenerationClient(server)
+    await kill_and_probe(server, sims)
+    with pytest.raises(NoLiveEngine) as info:
+        await asyncio.wait_for(client.generate(request(0)), 30)
+    error = info.value
+    assert error.state == "serving" and error.group is None and error.partial is None
+    assert "actor/0" in str(error) and "actor/1" in str(error)
+    assert client.stats()["failed"] == 1 and client.stats()["holding"] == 0
+    copied = pickle.loads(pickle.dumps(error))
+    assert (type(copied), copied.state, copied.group, str(copied)) == (
+        NoLiveEngine,
+        error.state,
+        error.group,
+        str(error),
+    )
+
+
+async def test_batch_fails_at_once_when_every_engine_is_dead(sims_to_close: list[Any]) -> None:
+    sims = engines(2)
+    sims_to_close.extend(sims)
+    server = RolloutServer(
+        [EngineGroup("actor", sims)], config=LifecycleConfig(dead_engines="skip")
+    )
+    await kill_and_probe(server, sims)
+    with pytest.raises(NoLiveEngine):
+        await asyncio.wait_for(server.generate_batch([request(i) for i in range(3)]), 30)
+    with pytest.raises(NoLiveEngine):
+        await asyncio.wait_for(server.generate(request(0)), 30)
+
+
+async def test_request_for_a_dead_group_fails_while_other_groups_serve(
+    sims_to_close: list[Any],
+) -> None:
+    dead, live = engines(2, "dead"), engines(1, "live")
+    sims_to_close.extend(dead + live)
+    server = RolloutServer(
+        [EngineGroup("actor", dead), EngineGroup("other", live)],
+        config=LifecycleConfig(dead_engines="skip"),
+    )
+    client = GenerationClient(server)
+    await kill_and_probe(server, dead)
+    with pytest.raises(NoLiveEngine) as info:
+        await asyncio.wait_for(client.generate(request(0), group="actor"), 30)
+    assert info.value.group == "actor" and "group 'actor'" in str(info.value)
+    # Any group, or the live one by name, still serves.
+    answers = await asyncio.wait_for(
+        asyncio.gather(client.generate(request(1)), client.generate(request(2), group="other")),
+        30,
+    )
+    assert [a["meta_info"]["engines"] for a in answers] == [["other/0"], ["other/0"]]
+
+
+async def test_held_request_fails_once_its_last_engine_dies(sims_to_close: list[Any]) -> None:
+    sims = engines(2)
+    sims_to_close.extend(sims)
+    server = RolloutServer(
+        [EngineGroup("actor", sims)], config=LifecycleConfig(dead_engines="skip")
+    )
+    client = GenerationClient(server)
+    await server.offload()
+    task = asyncio.ensure_future(client.generate(request(0)))
+    await until(lambda: client.stats()["holding"] == 1, what="the request to be held")
+    sims[0]._die("injected")
+    await server.probe()
+    await asyncio.sleep(0.1)
+    assert not task.done()  # one engine is still alive: the request keeps waiting for it
+    await kill_and_probe(server, sims[1:])
+    with pytest.raises(NoLiveEngine) as info:
+        await asyncio.wait_for(task, 30)
+    assert info.value.state == "released"
+    assert engine_stat(sims, "submitted") == 0
 
 
 async def test_request_timeout_stops_the_engine_call_and_keeps_the_partial_output(
@@ -657,17 +748,22 @@ async def test_killed_engine_requests_complete_on_another_engine(
     assert again["meta_info"]["engines"] == ["actor/1"]
 
 
-async def test_every_engine_dead_holds_then_times_out(sims_to_close: list[Any]) -> None:
+async def test_every_engine_dead_fails_at_once_with_the_partial(
+    sims_to_close: list[Any],
+) -> None:
+    # The last engine dies under a request: nothing can ever finish it, so it is not held
+    # (hold_timeout is far longer than the outer bound) but fails with what it produced.
     sims = engines(1, token_latency=0.003)
     sims_to_close.extend(sims)
     server = RolloutServer([EngineGroup("actor", sims)])
-    client = GenerationClient(server, hold_timeout=0.2)
+    client = GenerationClient(server, hold_timeout=600)
     task = asyncio.ensure_future(client.generate(request(0, 100)))
     await until(lambda: sims[0].stats()["tokens"] >= 3)
     sims[0]._die("injected")
-    with pytest.raises(GenerationTimeout) as info:
-        await asyncio.wait_for(task, 5)
-    assert info.value.state == "serving" and "actor/0 died under a request" in str(info.value)
+    with pytest.raises(NoLiveEngine) as info:
+        await asyncio.wait_for(task, 30)
+    assert info.value.state == "serving" and "actor/0" in str(info.value)
+    assert info.value.group is None
     assert info.value.partial is not None
     assert info.value.partial["meta_info"]["engines"] == ["actor/0"]
 

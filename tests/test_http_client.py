@@ -34,6 +34,7 @@ from rollout_lifecycle import (
     IllegalEngineOp,
     InvalidArgument,
     PauseMode,
+    SimulatedEngine,
     Tag,
 )
 from rollout_lifecycle._http import (
@@ -1224,13 +1225,12 @@ async def test_a_timed_flush_still_sends_its_timeout_for_an_unpaused_engine() ->
     assert server.requests[0].url.params["timeout"] == "0.2"
 
 
-class PausedWithWaiting:
+class PausedWithWaiting(SimulatedEngine):
     """A backend whose engine is paused with retracted requests in its waiting queue: its flush
     answers 400 whenever a server-side timeout is asked for, 200 without one."""
 
-    label = "paused-with-waiting"
-
     def __init__(self) -> None:
+        super().__init__("paused-with-waiting")
         self.timeouts: list[float] = []
 
     async def flush_cache(self, timeout: float) -> None:
@@ -1241,7 +1241,7 @@ class PausedWithWaiting:
 
 async def test_engine_host_flushes_with_no_server_side_timeout() -> None:
     backend = PausedWithWaiting()
-    host = EngineHost(backend)  # type: ignore[arg-type]
+    host = EngineHost(backend)
     assert await host.flush_cache(deadline=0.5, retry_interval=0.01) == 1
     assert backend.timeouts == [0.0]
 
