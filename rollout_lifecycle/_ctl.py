@@ -3,7 +3,10 @@
 Each ``ctl`` run is one lifecycle call of a ``RolloutServer`` whose engines are
 ``SGLangHTTPEngine`` backends in this process (no Ray), so every guard applies. SGLang cannot say
 which memory tags it holds released, so the server's ledger lives in a state file between runs:
-each run adopts it (``RolloutServer.adopt``), makes its call and writes it back atomically.
+each run adopts it (``RolloutServer.adopt``), makes its call and writes it back atomically, and
+during the call the server's journal rewrites it before every send that must not repeat and
+after every outcome, so that a run killed at any instant (SIGKILL included) leaves a ledger that
+refuses the call that could kill an engine.
 """
 
 from __future__ import annotations
@@ -11,11 +14,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from enum import IntEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -40,11 +45,13 @@ from rollout_lifecycle._exceptions import (
     StaleWeights,
 )
 from rollout_lifecycle._group import EngineGroup, EngineSnapshot
-from rollout_lifecycle._http import HTTPTimeouts, SGLangHTTPEngine, check_seconds
+from rollout_lifecycle._http import HTTPTimeouts, SGLangHTTPEngine, check_seconds, url_identity
 from rollout_lifecycle._outcome import Outcome
 from rollout_lifecycle._secret import Secret
 from rollout_lifecycle._server import RolloutServer, ServerSnapshot
-from rollout_lifecycle._states import mermaid
+from rollout_lifecycle._states import ServerState, mermaid
+
+T = TypeVar("T")
 
 #: The one group every ``ctl`` fleet forms; engine ids are ``sglang/<index in the ledger>``.
 GROUP = "sglang"
@@ -72,6 +79,8 @@ class ExitCode(IntEnum):
     BUSY = 7
     #: Interrupted (Ctrl-C) after the phase in flight settled; the ledger was written.
     INTERRUPTED = 130
+    #: Terminated (SIGTERM) after the phase in flight settled; the ledger was written.
+    TERMINATED = 143
 
 
 #: The ``ctl`` actions and what each does.
@@ -101,7 +110,11 @@ ACTIONS: dict[str, str] = {
         "serving)"
     ),
     "resume": "continue generation (drained or kv_restored -> serving)",
-    "reset": "leave failed for the state the recorded engine records imply (RolloutServer.reset)",
+    "reset": (
+        "leave failed for the state the recorded engine records imply (RolloutServer.reset); "
+        "engines a stopped run left with their pause state unknown are continued first. "
+        "--restarted URL records an engine as restarted (serving, all memory resident)"
+    ),
 }
 
 _PAUSING_ACTIONS = ("pause", "drain", "offload")
@@ -126,10 +139,17 @@ from the command line and never printed.
 The ledger (which engines are paused, flushed, which tags each holds released, the server
 state) is kept in a JSON state file, rewritten atomically after every call: --state-file PATH,
 or by default $XDG_STATE_HOME/rollout-lifecycle/ctl-<hash of the engine set>.json
-(~/.local/state/... without XDG_STATE_HOME). The same engines in any order share it. A state
-file recording other engines is refused. With no state file the engines are taken to be
-serving, which a pausing action first checks on /ready; delete a state file only when every
-engine is serving again.
+(~/.local/state/... without XDG_STATE_HOME). The same engines in any order, and under any
+spelling of their URLs (localhost, 127.0.0.1), share it. A state file recording other engines
+is refused. With no state file the engines are taken to be serving, which a pausing action
+first checks on /ready; delete a state file only when every engine is serving again.
+
+During a call the state file is rewritten before every call that must not repeat is sent
+(a release or resume: its tags become uncertain) and after every outcome, with the state
+'failed' while a call is in flight. A run stopped at any instant, even by SIGKILL, leaves it
+exact or uncertain, never wrong: the next run refuses what could kill an engine. Then 'reset'
+continues engines whose pause state is unknown; an engine with uncertain tags must be restarted
+(SGLang cannot report its tags), and 'reset --restarted URL' records it as serving.
 
 exit codes:
   0   ok
@@ -141,6 +161,7 @@ exit codes:
       engine is not serving
   7   busy: another ctl run holds the state file
   130 interrupted (Ctrl-C) once the phase in flight settled; the state file is written
+  143 terminated (SIGTERM) once the phase in flight settled; the state file is written
 """
 
 
@@ -216,7 +237,18 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     actions = ctl.add_subparsers(dest="action", required=True, metavar="ACTION")
     for name, text in ACTIONS.items():
-        actions.add_parser(name, parents=[common], help=text, description=text)
+        action = actions.add_parser(name, parents=[common], help=text, description=text)
+        if name == "reset":
+            action.add_argument(
+                "--restarted",
+                action="append",
+                default=[],
+                metavar="URL",
+                help=(
+                    "an engine restarted since the ledger was written (its /ready must be 200): "
+                    "recorded as serving with all memory resident; repeatable"
+                ),
+            )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -230,20 +262,22 @@ def run(args: argparse.Namespace) -> int:
     with _events_to_stderr(args.verbose):
         try:
             if setup.action == "status":
-                code, report = asyncio.run(_status(setup))
+                code, report = _run_async(lambda: _status(setup))
             else:
                 with _lock(setup.state_path, setup.lock_timeout):
-                    code, report = asyncio.run(_drive(setup))
+                    code, report = _run_async(lambda: _drive(setup))
         except CtlError as exc:
             return _report_error(setup.action, setup.json, exc.code, exc.message, setup)
-        except KeyboardInterrupt:
-            message = "interrupted"
+        except (KeyboardInterrupt, _Terminated) as exc:
+            terminated = isinstance(exc, _Terminated)
+            message = "terminated (SIGTERM)" if terminated else "interrupted"
             if setup.action != "status":
                 message += (
                     "; the phase in flight settled first, and the state file records where "
                     "the engines are"
                 )
-            return _report_error(setup.action, setup.json, ExitCode.INTERRUPTED, message, setup)
+            stop = ExitCode.TERMINATED if terminated else ExitCode.INTERRUPTED
+            return _report_error(setup.action, setup.json, stop, message, setup)
     if setup.json:
         _out(json.dumps(report, indent=2))
     else:
@@ -252,6 +286,43 @@ def run(args: argparse.Namespace) -> int:
     if error:
         print(f"rollout-lifecycle ctl {setup.action}: {error['message']}", file=sys.stderr)
     return int(code)
+
+
+class _Terminated(Exception):
+    """SIGTERM stopped the run once the call in flight had settled."""
+
+
+#: The signal that stopped the run in progress, once one has (SIGTERM; SIGINT is asyncio's).
+_STOPPED_BY: list[signal.Signals] = []
+
+
+def _run_async(make: Callable[[], Awaitable[T]]) -> T:
+    """``asyncio.run(make())`` with SIGTERM handled as asyncio handles SIGINT: the main task is
+    cancelled, so the call in flight settles (``RolloutServer`` stops at its next boundary)
+    and the ledger is written; then ``_Terminated``. A second SIGTERM changes nothing."""
+
+    async def main() -> T:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+
+        def terminate() -> None:
+            if not _STOPPED_BY:
+                _STOPPED_BY.append(signal.SIGTERM)
+                task.cancel()
+
+        _STOPPED_BY.clear()
+        loop.add_signal_handler(signal.SIGTERM, terminate)
+        try:
+            return await make()
+        except asyncio.CancelledError:
+            if _STOPPED_BY:
+                raise _Terminated from None
+            raise
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+
+    return asyncio.run(main())
 
 
 def _diagram(out: str | None) -> int:
@@ -281,6 +352,8 @@ class _Setup:
     state_path: Path
     lock_timeout: float
     json: bool
+    #: ``reset --restarted``: engines restarted since the ledger was written.
+    restarted: tuple[str, ...] = ()
 
 
 def _setup(args: argparse.Namespace) -> _Setup:
@@ -329,7 +402,18 @@ def _setup(args: argparse.Namespace) -> _Setup:
     except InvalidArgument as exc:
         raise CtlError(ExitCode.USAGE, str(exc)) from None
     state = Path(args.state_file) if args.state_file else default_state_path(urls)
+    restarted: list[str] = []
+    given = {url_identity(u): u for u in urls}
+    for raw in getattr(args, "restarted", []):
+        try:
+            key = url_identity(raw)
+        except InvalidArgument as exc:
+            raise CtlError(ExitCode.USAGE, f"--restarted: {exc}") from None
+        if key not in given:
+            raise CtlError(ExitCode.USAGE, f"--restarted {raw} is not one of the engines")
+        restarted.append(given[key])
     return _Setup(
+        restarted=tuple(restarted),
         action=args.action,
         urls=urls,
         admin_key=keys["admin"],
@@ -355,23 +439,28 @@ def _engine_urls(given: Sequence[str], engines_file: str | None) -> tuple[str, .
     if not raw:
         raise CtlError(ExitCode.USAGE, "no engines: give --engine URL or --engines-file PATH")
     urls: list[str] = []
+    seen: dict[str, str] = {}
     for url in raw:
         try:
             normal = SGLangHTTPEngine(url).url  # validates; opens nothing
         except InvalidArgument as exc:
             raise CtlError(ExitCode.USAGE, str(exc)) from None
-        if normal in urls:
-            raise CtlError(ExitCode.USAGE, f"engine {normal} is given twice")
+        key = url_identity(normal)
+        if key in seen:
+            same = "is given twice" if seen[key] == normal else f"is {seen[key]} again"
+            raise CtlError(ExitCode.USAGE, f"engine {normal} {same} (one server: {key})")
+        seen[key] = normal
         urls.append(normal)
     return tuple(urls)
 
 
 def default_state_path(urls: Sequence[str]) -> Path:
     """The state file of an engine set: ``$XDG_STATE_HOME/rollout-lifecycle/ctl-<hash>.json``
-    (``~/.local/state`` when XDG_STATE_HOME is unset or not absolute); any order, one file."""
+    (``~/.local/state`` when XDG_STATE_HOME is unset or not absolute); any order and any
+    spelling of the same servers (``url_identity``), one file."""
     base = os.environ.get("XDG_STATE_HOME", "")
     root = Path(base) if os.path.isabs(base) else Path.home() / ".local" / "state"
-    digest = hashlib.sha256("\n".join(sorted(urls)).encode()).hexdigest()[:16]
+    digest = hashlib.sha256("\n".join(sorted(map(url_identity, urls))).encode()).hexdigest()[:16]
     return root / "rollout-lifecycle" / f"ctl-{digest}.json"
 
 
@@ -397,16 +486,23 @@ def _read_ledger(path: Path, urls: Sequence[str]) -> tuple[list[str], dict[str, 
     recorded = data.get("engines")
     if not isinstance(recorded, list) or not all(isinstance(u, str) for u in recorded):
         raise CtlError(ExitCode.STATE, f"state file {path} has no engine list")
-    if sorted(recorded) != sorted(urls):
-        missing = sorted(set(recorded) - set(urls)) or "none"
-        extra = sorted(set(urls) - set(recorded)) or "none"
+    try:
+        keys = [url_identity(u) for u in recorded]
+    except InvalidArgument as exc:
+        raise CtlError(ExitCode.STATE, f"state file {path} records a bad URL: {exc}") from None
+    given = {url_identity(u): u for u in urls}
+    if sorted(keys) != sorted(given):
+        missing = sorted(u for u, k in zip(recorded, keys, strict=True) if k not in given)
+        extra = sorted(u for k, u in given.items() if k not in keys)
         raise CtlError(
             ExitCode.STATE,
-            f"state file {path} records other engines (recorded but not given: {missing}; "
-            f"given but not recorded: {extra}); give the engines it records, or another "
+            f"state file {path} records other engines (recorded but not given: "
+            f"{missing or 'none'}; given but not recorded: {extra or 'none'}); give the engines "
+            f"it records, or another "
             f"--state-file",
         )
-    return list(recorded), data
+    # the ledger's order, under the spelling given this run
+    return [given[k] for k in keys], data
 
 
 def _write_ledger(
@@ -542,8 +638,83 @@ async def _check_versions(backends: Sequence[SGLangHTTPEngine]) -> None:
 
 
 async def _reset(server: RolloutServer) -> dict[str, float]:
-    await server.reset()
+    """``reset``, after what a stopped run left behind that can be settled without a restart.
+
+    An engine with uncertain tags is refused (SGLang cannot say whether a release or resume it
+    got landed; a second one kills it). Records that imply no single state because a stopped
+    run left a pause or continue unanswered, or a drain unflushed, are healed first: engines
+    whose pause state is unknown are continued (``RolloutServer.recover`` with nothing to
+    replace), then the server settles in the state the records imply.
+    """
+    if server.state is not ServerState.FAILED:
+        await server.reset()  # refused: reset leaves failed only
+        return {}
+    engines = server.snapshot().engines().values()
+    unknown = {e.id: list(e.uncertain) for e in engines if e.alive and e.uncertain}
+    if unknown:
+        detail = "; ".join(f"{engine} {tags}" for engine, tags in sorted(unknown.items()))
+        raise IllegalEngineOp(
+            ", ".join(sorted(unknown)),
+            "reset",
+            f"tags may or may not be released ({detail}): a call to them was in flight when a "
+            f"run stopped, and SGLang cannot report them. Restart each such server, then run "
+            f"'ctl reset --restarted URL' for it",
+        )
+    try:
+        await server.reset()
+    except IllegalTransition:
+
+        def no_replacement(engine_id: str) -> Any:
+            raise IllegalEngineOp(
+                engine_id,
+                "reset",
+                "the engine is dead: restart it, then run 'ctl reset --restarted URL'",
+            )
+
+        return {
+            f"lifecycle/reset/healed_{engine}": 1.0
+            for engine, outcome in (await server.recover(no_replacement)).items()
+            if outcome.ok
+        }
     return {}
+
+
+def _restarted(ledger: dict[str, Any], urls: Sequence[str], restarted: Sequence[str]) -> None:
+    """Record each ``restarted`` engine in ``ledger`` as a new server: alive, serving, every tag
+    resident; the server state becomes ``failed``, for ``reset`` to settle."""
+    server = ledger.get("server")
+    if not isinstance(server, dict) or not isinstance(server.get("groups"), list):
+        return  # ServerSnapshot.from_dict refuses it
+    ids = {f"{GROUP}/{urls.index(u)}" for u in restarted}
+    for group in server["groups"]:
+        for engine in group.get("engines", []) if isinstance(group, dict) else []:
+            if isinstance(engine, dict) and engine.get("id") in ids:
+                engine.update(
+                    alive=True,
+                    paused=False,
+                    pause_mode=None,
+                    flushed=False,
+                    released=[],
+                    uncertain=[],
+                    stale=False,
+                    pause_unknown=False,
+                    session_unknown=False,
+                    last_op="restarted",
+                    last_outcome=None,
+                )
+    server["state"] = ServerState.FAILED.value
+
+
+def _journal_entry(snapshot: ServerSnapshot) -> ServerSnapshot:
+    """What the state file records while a call is in flight: ``failed`` (a run stopped now
+    leaves engines mid-call) unless the records imply the server's state exactly."""
+    in_flight = any(
+        e.alive and (e.uncertain or e.pause_unknown or e.session_unknown)
+        for e in snapshot.engines().values()
+    )
+    if in_flight or snapshot.state is ServerState.PAUSING:
+        return dataclasses.replace(snapshot, state=ServerState.FAILED)
+    return snapshot
 
 
 _CALLS: dict[str, Callable[[RolloutServer], Awaitable[dict[str, float]]]] = {
@@ -560,8 +731,35 @@ _CALLS: dict[str, Callable[[RolloutServer], Awaitable[dict[str, float]]]] = {
 async def _drive(setup: _Setup) -> tuple[ExitCode, dict[str, Any]]:
     """Adopt the ledger, make the action's call, write the ledger; the exit code and report."""
     urls, ledger = _read_ledger(setup.state_path, setup.urls)
+    if setup.restarted:
+        if ledger is None:
+            raise CtlError(
+                ExitCode.STATE, f"--restarted: there is no state file at {setup.state_path}"
+            )
+        answers = await asyncio.gather(*(_ready_status(u, setup.timeouts) for u in setup.restarted))
+        busy = [
+            f"{u} ({s or why})"
+            for u, (s, why) in zip(setup.restarted, answers, strict=True)
+            if s != 200
+        ]
+        if busy:
+            raise CtlError(
+                ExitCode.STATE,
+                f"--restarted: /ready of {', '.join(busy)} is not 200; a restarted server "
+                f"serves with all its memory resident",
+            )
+        _restarted(ledger, urls, setup.restarted)
     backends = _backends(setup, urls)
-    server = RolloutServer([EngineGroup(GROUP, backends)], setup.config, name="ctl")
+    recording: list[dict[str, Any]] = []
+
+    def journal(snapshot: ServerSnapshot) -> None:
+        # before every send that must not repeat, and after every outcome
+        for last in recording:
+            _write_ledger(setup.state_path, urls, _journal_entry(snapshot), last)
+
+    server = RolloutServer(
+        [EngineGroup(GROUP, backends)], setup.config, name="ctl", journal=journal
+    )
     try:
         if ledger is not None:
             try:
@@ -577,6 +775,10 @@ async def _drive(setup: _Setup) -> tuple[ExitCode, dict[str, Any]]:
         # Without a ledger only a checked fleet is recorded: a refused or idle call proves
         # nothing about the engines.
         record = ledger is not None or setup.action in _PAUSING_ACTIONS
+        if record:
+            recording.append(
+                {"action": setup.action, "at": _now(), "exit_code": None, "in_flight": True}
+            )
         before = server.state
         metrics: dict[str, float] = {}
         code, error, outcomes = ExitCode.OK, None, None
@@ -603,12 +805,14 @@ async def _drive(setup: _Setup) -> tuple[ExitCode, dict[str, Any]]:
         except LifecycleError as exc:
             code, error = ExitCode.FAILED, _error(exc)
         except asyncio.CancelledError:
-            code = ExitCode.INTERRUPTED
-            error = {"kind": "interrupted", "message": "interrupted once the phase settled"}
+            code = ExitCode.TERMINATED if _STOPPED_BY else ExitCode.INTERRUPTED
+            stopped = "terminated" if _STOPPED_BY else "interrupted"
+            error = {"kind": stopped, "message": f"{stopped} once the phase settled"}
             raise
         finally:
-            # Also when cancelled (Ctrl-C): the phase in flight has settled by now, and the
-            # ledger must say what the engines hold.
+            # Also when cancelled (Ctrl-C, SIGTERM): the phase in flight has settled by now,
+            # and the ledger must say what the engines hold.
+            recording.clear()
             if record:
                 last = {"action": setup.action, "at": _now(), "exit_code": int(code)}
                 last["error"] = error["message"] if error else None

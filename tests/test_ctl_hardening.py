@@ -1,0 +1,274 @@
+"""``ctl`` stopped by a signal at every phase, and one server under two spellings.
+
+Each case runs ``rollout-lifecycle ctl`` as a subprocess against stand-in servers whose target
+operation takes a while inside the engine, signals it once every engine is running that
+operation, and checks what the state file says, what the next run refuses, and that the
+documented way out brings the fleet back to serving with every engine alive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from rollout_lifecycle._ctl import ExitCode, default_state_path
+from rollout_lifecycle.testing import StandInServer
+
+ROOT = Path(__file__).resolve().parent.parent
+#: An outer bound on every wait, far above what a loaded machine needs.
+BOUND = 60.0
+#: How long the targeted operation runs inside each engine.
+SLOW = 2.5
+
+#: phase -> (the ctl action whose call it is, the engine op, the actions run before it)
+PHASES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "pause": ("offload", "pause_generation", ()),
+    "flush": ("offload", "flush_cache", ()),
+    "release": ("offload", "release_memory_occupation", ()),
+    "resume_weights": ("onload-weights", "resume_memory_occupation", ("offload",)),
+    "resume_kv": ("onload-kv", "resume_memory_occupation", ("offload", "onload-weights")),
+    "continue": ("onload-kv", "continue_generation", ("offload", "onload-weights")),
+}
+#: phase -> the state a handled SIGTERM leaves (the call stops at its next boundary).
+AFTER_SIGTERM = {
+    "pause": "drained",
+    "flush": "drained",
+    "release": "released",
+    "resume_weights": "weights_restored",
+    "resume_kv": "kv_restored",
+    "continue": "serving",
+}
+#: The actions that bring each state back to serving.
+TO_SERVING = {
+    "serving": (),
+    "drained": ("resume",),
+    "released": ("onload-weights", "onload-kv"),
+    "weights_restored": ("onload-kv",),
+    "kv_restored": ("resume",),
+}
+
+
+class Fleet:
+    """Two stand-ins whose ``op`` runs ``SLOW`` seconds, and ``ctl`` run against them."""
+
+    def __init__(self, op: str, state_file: Path) -> None:
+        self.op = op
+        self.state_file = state_file
+        self.servers = StandInServer.start_many(
+            2, token_latency=0.002, op_latency={op: SLOW}, seed=1
+        )
+
+    def argv(self, action: str, *extra: str) -> list[str]:
+        engines = [a for s in self.servers for a in ("--engine", s.url)]
+        return [
+            sys.executable, "-m", "rollout_lifecycle.cli", "ctl", action, *engines,
+            "--state-file", str(self.state_file), "--json", *extra,
+        ]  # fmt: skip
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def run(self, action: str, *extra: str) -> tuple[int, dict[str, Any]]:
+        done = subprocess.run(
+            self.argv(action, *extra), env=self.env(), capture_output=True, text=True, timeout=120
+        )
+        report: dict[str, Any] = json.loads(done.stdout) if done.stdout.strip() else {}
+        return done.returncode, report
+
+    def start(self, action: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            self.argv(action), env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+
+    def wait_in_flight(self) -> None:
+        """Until every engine is running ``op`` (sent, not answered)."""
+        deadline = time.monotonic() + BOUND
+        while not all(self.running(s) for s in self.servers):
+            assert time.monotonic() < deadline, f"{self.op} never started on every engine"
+            time.sleep(0.02)
+
+    def running(self, server: StandInServer) -> bool:
+        return self.op in server.state()["in_flight"]
+
+    def wait_settled(self) -> None:
+        """Until no engine runs ``op`` any more (a call a killed run left lands or not)."""
+        deadline = time.monotonic() + BOUND
+        while any(self.running(s) for s in self.servers):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+    def count(self, op: str) -> list[int]:
+        return [sum(e["op"] == op for e in s.history()) for s in self.servers]
+
+    def ledger(self) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads(self.state_file.read_text())
+        return data
+
+    def recorded(self) -> list[dict[str, Any]]:
+        engines: list[dict[str, Any]] = self.ledger()["server"]["groups"][0]["engines"]
+        return engines
+
+    def restart(self) -> None:
+        """Stop every stand-in and start a fresh one at the same URL (all memory resident)."""
+        ports = [s.port for s in self.servers]
+        for server in self.servers:
+            server.stop()
+        self.servers = StandInServer.start_all(
+            StandInServer(port=port, token_latency=0.002) for port in ports
+        )
+
+    def alive(self) -> list[bool]:
+        return [s.alive() for s in self.servers]
+
+    def ready(self) -> list[int]:
+        return [httpx.get(f"{s.url}/ready", timeout=10).status_code for s in self.servers]
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+
+@pytest.fixture
+def fleet_for(tmp_path: Path) -> Iterator[Any]:
+    made: list[Fleet] = []
+
+    def make(op: str) -> Fleet:
+        made.append(Fleet(op, tmp_path / "fleet.json"))
+        return made[-1]
+
+    yield make
+    for fleet in made:
+        fleet.stop()
+
+
+def cycle(fleet: Fleet) -> None:
+    """A full offload / onload cycle passes and every engine serves."""
+    for action in ("offload", "onload-weights", "onload-kv"):
+        code, report = fleet.run(action)
+        assert code == 0, report
+    assert fleet.ready() == [200, 200]
+
+
+@pytest.mark.parametrize("phase", list(PHASES))
+def test_sigterm_at_each_phase_settles_the_call_and_writes_an_exact_ledger(
+    fleet_for: Any, phase: str
+) -> None:
+    action, op, before = PHASES[phase]
+    fleet = fleet_for(op)
+    for earlier in before:
+        assert fleet.run(earlier)[0] == 0
+    proc = fleet.start(action)
+    fleet.wait_in_flight()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=BOUND)
+    assert proc.returncode == ExitCode.TERMINATED == 143, err
+    assert "terminated (SIGTERM)" in err
+    state = fleet.ledger()["server"]["state"]
+    assert state == AFTER_SIGTERM[phase]
+    # the ledger is exact: what each engine holds released is what it records
+    for server, engine in zip(fleet.servers, fleet.recorded(), strict=True):
+        assert sorted(server.state()["released_tags"]) == sorted(engine["released"])
+        assert not engine["uncertain"] and not engine["pause_unknown"]
+    for step in TO_SERVING[state]:
+        assert fleet.run(step)[0] == 0
+    assert fleet.alive() == [True, True]
+    cycle(fleet)
+
+
+@pytest.mark.parametrize("phase", list(PHASES))
+def test_sigkill_at_each_phase_leaves_a_ledger_that_refuses_what_could_kill(
+    fleet_for: Any, phase: str
+) -> None:
+    action, op, before = PHASES[phase]
+    fleet = fleet_for(op)
+    for earlier in before:
+        assert fleet.run(earlier)[0] == 0
+    memory_op = op in ("release_memory_occupation", "resume_memory_occupation")
+    proc = fleet.start(action)
+    fleet.wait_in_flight()
+    proc.kill()
+    proc.communicate(timeout=BOUND)
+    fleet.wait_settled()  # the calls the killed run sent land on the engines
+    ledger = fleet.ledger()
+    assert ledger["server"]["state"] == "failed"
+    assert ledger["last_call"]["in_flight"] is True
+    engines = fleet.recorded()
+    if memory_op:
+        assert all(e["uncertain"] for e in engines)  # may or may not have landed
+    if op in ("pause_generation", "continue_generation"):
+        assert all(e["pause_unknown"] for e in engines)
+    sent = fleet.count(op)
+    # the same call again is refused: nothing is sent twice
+    code, report = fleet.run(action)
+    assert code == ExitCode.REFUSED, report
+    assert fleet.count(op) == sent
+    assert fleet.alive() == [True, True]
+    code, report = fleet.run("reset")
+    if memory_op:
+        # tags in an unknown state: only a restart settles them
+        assert code == ExitCode.REFUSED and "--restarted" in report["error"]["message"]
+        assert fleet.alive() == [True, True]
+        fleet.restart()
+        urls = [a for s in fleet.servers for a in ("--restarted", s.url)]
+        code, report = fleet.run("reset", *urls)
+    assert code == 0, report
+    assert report["state"] == "serving"
+    assert fleet.alive() == [True, True] and fleet.ready() == [200, 200]
+    cycle(fleet)
+
+
+def test_a_second_sigterm_does_not_abandon_the_phase(fleet_for: Any) -> None:
+    fleet = fleet_for("release_memory_occupation")
+    proc = fleet.start("offload")
+    fleet.wait_in_flight()
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=BOUND)
+    assert proc.returncode == ExitCode.TERMINATED
+    assert fleet.ledger()["server"]["state"] == "released"
+    assert fleet.run("onload-weights")[0] == 0 and fleet.run("onload-kv")[0] == 0
+
+
+# -- one server, two spellings -----------------------------------------------------------------
+
+
+def test_localhost_and_127_0_0_1_are_one_engine(tmp_path: Path) -> None:
+    (server,) = StandInServer.start_many(1, token_latency=0.002)
+    try:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_STATE_HOME": str(tmp_path / "xdg")}
+        numeric = f"http://127.0.0.1:{server.port}"
+        named = f"http://localhost:{server.port}"
+
+        def ctl(action: str, *urls: str) -> subprocess.CompletedProcess[str]:
+            engines = [a for u in urls for a in ("--engine", u)]
+            argv = [sys.executable, "-m", "rollout_lifecycle.cli", "ctl", action, *engines]
+            return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+
+        both = ctl("offload", numeric, named)
+        assert both.returncode == ExitCode.USAGE
+        assert numeric in both.stderr and named in both.stderr
+        assert [e["op"] for e in server.history() if e["op"] == "pause_generation"] == []
+        # one state file for both spellings, accepted under either
+        assert default_state_path([numeric]) == default_state_path([named + "/"])
+        assert ctl("offload", numeric).returncode == 0
+        again = ctl("offload", named)  # a no-op in released: nothing released twice
+        assert again.returncode == 0, again.stderr
+        assert ctl("onload-weights", named).returncode == 0
+        assert ctl("onload-kv", numeric).returncode == 0
+        ops = [e["op"] for e in server.history()]
+        assert ops.count("release_memory_occupation") == 1
+        assert server.alive()
+    finally:
+        server.stop()
