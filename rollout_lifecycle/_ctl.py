@@ -708,11 +708,7 @@ def _restarted(ledger: dict[str, Any], urls: Sequence[str], restarted: Sequence[
 def _journal_entry(snapshot: ServerSnapshot) -> ServerSnapshot:
     """What the state file records while a call is in flight: ``failed`` (a run stopped now
     leaves engines mid-call) unless the records imply the server's state exactly."""
-    in_flight = any(
-        e.alive and (e.uncertain or e.pause_unknown or e.session_unknown)
-        for e in snapshot.engines().values()
-    )
-    if in_flight or snapshot.state is ServerState.PAUSING:
+    if snapshot.in_flight() or snapshot.state is ServerState.PAUSING:
         return dataclasses.replace(snapshot, state=ServerState.FAILED)
     return snapshot
 

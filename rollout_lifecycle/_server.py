@@ -131,6 +131,15 @@ class ServerSnapshot:
         """Every engine's snapshot by id."""
         return {e.id: e for g in self.groups for e in g.engines}
 
+    def in_flight(self) -> bool:
+        """Whether a live engine's record shows a call without an answer (uncertain tags, a
+        pause or a weight-update session unknown): taken mid-call, or left by a failed one."""
+        return any(
+            e.alive and (e.uncertain or e.pause_unknown or e.session_unknown)
+            for g in self.groups
+            for e in g.engines
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """Plain data, for logging or JSON."""
         out = asdict(self)
@@ -447,11 +456,7 @@ class RolloutServer:
         if ours != theirs:
             raise InvalidArgument(f"the snapshot's groups {theirs} are not this server's {ours}")
         state = snapshot.state
-        in_flight = any(
-            e.alive and (e.uncertain or e.pause_unknown or e.session_unknown)
-            for g in snapshot.groups
-            for e in g.engines
-        )
+        in_flight = snapshot.in_flight()
         if state is S.PAUSING and not in_flight:
             raise InvalidArgument("a snapshot taken in 'pausing' (mid-call) cannot be adopted")
         records = [r for g in self._groups for r in g.records]
