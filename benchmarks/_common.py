@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_lifecycle import LifecycleConfig, RolloutServer
-from rollout_lifecycle._group import send_to_engine
+from rollout_lifecycle.core.group import send_to_engine
 from rollout_lifecycle.testing import (
     CYCLE_PHASES,
     cycle_order_violations,

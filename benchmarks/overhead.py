@@ -52,8 +52,11 @@ from benchmarks._common import (
     violations,
 )
 from rollout_lifecycle import EngineGroup, RolloutServer
-from rollout_lifecycle._multi import simulated_multi_engine_actors
-from rollout_lifecycle.testing import local_ray, simulated_engine_actors
+from rollout_lifecycle.testing import (
+    local_ray,
+    simulated_engine_actors,
+    simulated_multi_engine_actors,
+)
 
 RAW = "raw floor"
 LIBRARY = "library"

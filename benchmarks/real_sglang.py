@@ -45,9 +45,9 @@ import httpx
 
 from benchmarks._common import machine, median, table
 from rollout_lifecycle import EngineGroup, LifecycleConfig, RolloutServer
-from rollout_lifecycle._http import SGLangHTTPEngine
-from rollout_lifecycle._launch import LaunchedSGLangEngine, launched_sglang_factory
-from rollout_lifecycle._weights import FromDisk
+from rollout_lifecycle.backends.http import SGLangHTTPEngine
+from rollout_lifecycle.backends.launch import LaunchedSGLangEngine, launched_sglang_factory
+from rollout_lifecycle.backends.weights import FromDisk
 
 ROOT = Path(__file__).resolve().parent.parent
 CONDITIONS = ("idle", "traffic")

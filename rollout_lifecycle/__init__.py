@@ -6,8 +6,18 @@ while a request runs, weights return before the KV cache, and generation resumes
 memory.
 """
 
-from rollout_lifecycle._actor import EngineActor, EngineActorBody, start_engine_actor
-from rollout_lifecycle._config import (
+from rollout_lifecycle.backends.actor import EngineActor, EngineActorBody, start_engine_actor
+from rollout_lifecycle.backends.engine import EngineBackend, EngineHost
+from rollout_lifecycle.backends.http import HTTPTimeouts, SGLangHTTPEngine, sglang_http_factory
+from rollout_lifecycle.backends.launch import LaunchedSGLangEngine, launched_sglang_factory
+from rollout_lifecycle.backends.secret import Secret
+from rollout_lifecycle.backends.weights import (
+    FromDisk,
+    FromDistributed,
+    FromTensor,
+    WeightPushFailed,
+)
+from rollout_lifecycle.core.config import (
     ALL_TAGS,
     KV_TAGS,
     WEIGHT_TAGS,
@@ -17,8 +27,7 @@ from rollout_lifecycle._config import (
     PauseMode,
     Tag,
 )
-from rollout_lifecycle._engine import EngineBackend, EngineHost
-from rollout_lifecycle._exceptions import (
+from rollout_lifecycle.core.exceptions import (
     EngineDead,
     EngineError,
     EngineRejected,
@@ -32,19 +41,16 @@ from rollout_lifecycle._exceptions import (
     PhaseFailed,
     StaleWeights,
 )
-from rollout_lifecycle._generation import (
+from rollout_lifecycle.core.generation import (
     GenerationClient,
     GenerationError,
     GenerationTimeout,
     NoLiveEngine,
     TooManyResubmissions,
 )
-from rollout_lifecycle._group import EngineGroup, EngineSnapshot
-from rollout_lifecycle._http import HTTPTimeouts, SGLangHTTPEngine, sglang_http_factory
-from rollout_lifecycle._launch import LaunchedSGLangEngine, launched_sglang_factory
-from rollout_lifecycle._outcome import EngineOutcome, Outcome
-from rollout_lifecycle._secret import Secret
-from rollout_lifecycle._server import (
+from rollout_lifecycle.core.group import EngineGroup, EngineSnapshot
+from rollout_lifecycle.core.outcome import EngineOutcome, Outcome
+from rollout_lifecycle.core.server import (
     HOOK_EVENTS,
     HOOK_PHASES,
     GroupSnapshot,
@@ -53,11 +59,10 @@ from rollout_lifecycle._server import (
     ServerSnapshot,
     WeightUpdate,
 )
-from rollout_lifecycle._simulated import SimulatedEngine
-from rollout_lifecycle._states import TRANSITIONS, ServerState, mermaid
-from rollout_lifecycle._timeline import Span, Timeline
-from rollout_lifecycle._weights import FromDisk, FromDistributed, FromTensor, WeightPushFailed
+from rollout_lifecycle.core.states import TRANSITIONS, ServerState, mermaid
+from rollout_lifecycle.core.timeline import Span, Timeline
 from rollout_lifecycle.sync import SyncRolloutServer
+from rollout_lifecycle.testing.simulated import SimulatedEngine
 
 __version__ = "0.1.0"
 

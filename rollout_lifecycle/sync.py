@@ -16,13 +16,18 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
 
-from rollout_lifecycle._config import MAX_SECONDS, LifecycleConfig
-from rollout_lifecycle._events import logger
-from rollout_lifecycle._exceptions import InvalidArgument, LifecycleError
-from rollout_lifecycle._group import EngineGroup
-from rollout_lifecycle._outcome import EngineOutcome
-from rollout_lifecycle._server import LifecycleEvent, RolloutServer, ServerSnapshot, WeightUpdate
-from rollout_lifecycle._states import ServerState
+from rollout_lifecycle.core.config import MAX_SECONDS, LifecycleConfig
+from rollout_lifecycle.core.events import logger
+from rollout_lifecycle.core.exceptions import InvalidArgument, LifecycleError
+from rollout_lifecycle.core.group import EngineGroup
+from rollout_lifecycle.core.outcome import EngineOutcome
+from rollout_lifecycle.core.server import (
+    LifecycleEvent,
+    RolloutServer,
+    ServerSnapshot,
+    WeightUpdate,
+)
+from rollout_lifecycle.core.states import ServerState
 
 T = TypeVar("T")
 

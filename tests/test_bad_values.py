@@ -17,8 +17,18 @@ from typing import Any
 import pytest
 
 from rollout_lifecycle import InvalidArgument
-from rollout_lifecycle._actor import start_engine_actor
-from rollout_lifecycle._config import (
+from rollout_lifecycle.backends.actor import start_engine_actor
+from rollout_lifecycle.backends.engine import EngineHost
+from rollout_lifecycle.backends.hosted import (
+    HostedEngine,
+    MultiEngineActorBody,
+    start_multi_engine_actor,
+)
+from rollout_lifecycle.backends.http import HTTPTimeouts, SGLangHTTPEngine
+from rollout_lifecycle.backends.http import check_seconds as http_check_seconds
+from rollout_lifecycle.backends.launch import LaunchedSGLangEngine
+from rollout_lifecycle.backends.weights import FromDisk, FromDistributed, FromTensor
+from rollout_lifecycle.core.config import (
     MAX_SECONDS,
     DeadEnginePolicy,
     Deadlines,
@@ -26,31 +36,21 @@ from rollout_lifecycle._config import (
     check_seconds,
     parse_tags,
 )
-from rollout_lifecycle._engine import EngineHost
-from rollout_lifecycle._faults import FaultyEngine
-from rollout_lifecycle._generation import GenerationClient
-from rollout_lifecycle._group import EngineGroup
-from rollout_lifecycle._http import HTTPTimeouts, SGLangHTTPEngine
-from rollout_lifecycle._http import check_seconds as http_check_seconds
-from rollout_lifecycle._launch import LaunchedSGLangEngine
-from rollout_lifecycle._multi import (
-    HostedEngine,
-    MultiEngineActorBody,
-    simulated_multi_engine_actors,
-    start_multi_engine_actor,
-)
-from rollout_lifecycle._server import RolloutServer
-from rollout_lifecycle._simulated import SimulatedEngine, fleet_factories
-from rollout_lifecycle._standin import StandInServer, create_app, serve
-from rollout_lifecycle._timeline import Timeline
-from rollout_lifecycle._weights import FromDisk, FromDistributed, FromTensor
+from rollout_lifecycle.core.generation import GenerationClient
+from rollout_lifecycle.core.group import EngineGroup
+from rollout_lifecycle.core.server import RolloutServer
+from rollout_lifecycle.core.timeline import Timeline
 from rollout_lifecycle.testing import (
     cycle_order_violations,
     cycle_phase_of,
     cycle_rounds,
     released_ops,
     simulated_engine_actors,
+    simulated_multi_engine_actors,
 )
+from rollout_lifecycle.testing.faults import FaultyEngine
+from rollout_lifecycle.testing.simulated import SimulatedEngine, fleet_factories
+from rollout_lifecycle.testing.standin import StandInServer, create_app, serve
 
 HUGE = 10**400  # an int no float holds
 #: Bad numbers of seconds (positive ones wanted).

@@ -20,7 +20,7 @@ from rollout_lifecycle import (
     ServerState,
     StaleWeights,
 )
-from rollout_lifecycle._simulated import DEFAULT_MEMORY_BYTES
+from rollout_lifecycle.testing.simulated import DEFAULT_MEMORY_BYTES
 
 Fleet = Callable[..., list[Any]]
 SLOW = 0.6

@@ -25,9 +25,9 @@ from rollout_lifecycle import (
     SimulatedEngine,
     Tag,
 )
-from rollout_lifecycle._group import Calls, EngineRecord
-from rollout_lifecycle._outcome import classify
-from rollout_lifecycle._states import TRANSITIONS, sources_of
+from rollout_lifecycle.core.group import Calls, EngineRecord
+from rollout_lifecycle.core.outcome import classify
+from rollout_lifecycle.core.states import TRANSITIONS, sources_of
 
 
 def test_server_states_are_exactly_the_designed_names() -> None:

@@ -28,8 +28,8 @@ from rollout_lifecycle import (
     SimulatedEngine,
     mermaid,
 )
-from rollout_lifecycle._ctl import STATE_FORMAT, ExitCode, default_state_path
 from rollout_lifecycle.cli import main
+from rollout_lifecycle.cli.ctl import STATE_FORMAT, ExitCode, default_state_path
 from rollout_lifecycle.testing import StandInServer, cycle_order_violations
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rollout_lifecycle._ctl import ExitCode, default_state_path
+from rollout_lifecycle.cli.ctl import ExitCode, default_state_path
 from rollout_lifecycle.testing import StandInServer
 
 ROOT = Path(__file__).resolve().parent.parent

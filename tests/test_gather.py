@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import ray
 
-from rollout_lifecycle._gather import gather_calls
+from rollout_lifecycle.backends.gather import gather_calls
 
 
 async def _after(seconds: float, value: Any = None, error: BaseException | None = None) -> Any:

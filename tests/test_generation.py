@@ -27,7 +27,7 @@ from rollout_lifecycle import (
     SimulatedEngine,
     WeightUpdate,
 )
-from rollout_lifecycle._generation import (
+from rollout_lifecycle.core.generation import (
     GenerationClient,
     GenerationError,
     GenerationTimeout,

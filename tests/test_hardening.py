@@ -35,11 +35,11 @@ from rollout_lifecycle import (
     SGLangHTTPEngine,
     SimulatedEngine,
 )
-from rollout_lifecycle._actor import start_engine_actor
-from rollout_lifecycle._faults import FaultyEngine
-from rollout_lifecycle._http import url_identity
+from rollout_lifecycle.backends.actor import start_engine_actor
+from rollout_lifecycle.backends.http import url_identity
 from rollout_lifecycle.sync import SyncCallTimeout, SyncRolloutServer
 from rollout_lifecycle.testing import simulated_engine_actors
+from rollout_lifecycle.testing.faults import FaultyEngine
 
 S = ServerState
 #: An outer bound on every call that a regression could hang: far below any default deadline.

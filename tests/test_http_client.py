@@ -37,18 +37,18 @@ from rollout_lifecycle import (
     SimulatedEngine,
     Tag,
 )
-from rollout_lifecycle._http import (
+from rollout_lifecycle.backends.http import (
     HTTPTimeouts,
     SGLangHTTPEngine,
     parse_version,
     sglang_http_factory,
 )
-from rollout_lifecycle._launch import (
+from rollout_lifecycle.backends.launch import (
     ADMIN_KEY_ENV,
     LaunchedSGLangEngine,
     launched_sglang_factory,
 )
-from rollout_lifecycle._secret import Secret
+from rollout_lifecycle.backends.secret import Secret
 
 URL = "http://engine.test:30000"
 ADMIN_KEY = "sk-admin-7f3a9c1e55d0"

@@ -24,7 +24,7 @@ from rollout_lifecycle import (
     launched_sglang_factory,
     start_engine_actor,
 )
-from rollout_lifecycle._standin import StandInServer
+from rollout_lifecycle.testing.standin import StandInServer
 
 KEY = "contract-admin-key-91c7"
 

@@ -40,7 +40,7 @@ from rollout_lifecycle import (
     Tag,
     WeightUpdate,
 )
-from rollout_lifecycle._standin import DEATH_EXIT_CODE, FAULTS_PATH, StandInServer
+from rollout_lifecycle.testing.standin import DEATH_EXIT_CODE, FAULTS_PATH, StandInServer
 
 ADMIN_KEY = "fault-admin-key-4d1e"
 API_KEY = "fault-api-key-7a20"

@@ -26,10 +26,10 @@ from rollout_lifecycle import (
     WeightUpdate,
     start_engine_actor,
 )
-from rollout_lifecycle._http import SGLangHTTPEngine
-from rollout_lifecycle._launch import sglang_http_factory
-from rollout_lifecycle._standin import StandInServer
+from rollout_lifecycle.backends.http import SGLangHTTPEngine
+from rollout_lifecycle.backends.launch import sglang_http_factory
 from rollout_lifecycle.testing import cycle_order_violations
+from rollout_lifecycle.testing.standin import StandInServer
 
 ADMIN_KEY = "adm-3f9c2e7b1d"
 LATENCY = {

@@ -33,8 +33,8 @@ from rollout_lifecycle import (
     SGLangHTTPEngine,
     WeightUpdate,
 )
-from rollout_lifecycle._standin import StandInServer
 from rollout_lifecycle.testing import cycle_order_violations
+from rollout_lifecycle.testing.standin import StandInServer
 
 
 async def run_load(

@@ -19,8 +19,8 @@ from rollout_lifecycle import (
     Tag,
     WeightUpdate,
 )
-from rollout_lifecycle._faults import FaultyEngine
-from rollout_lifecycle._simulated import DEFAULT_MEMORY_BYTES
+from rollout_lifecycle.testing.faults import FaultyEngine
+from rollout_lifecycle.testing.simulated import DEFAULT_MEMORY_BYTES
 
 Fleet = Callable[..., list[Any]]
 PHASE_KEYS = {

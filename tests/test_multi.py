@@ -18,12 +18,11 @@ from rollout_lifecycle import (
     RolloutServer,
     ServerState,
 )
-from rollout_lifecycle._multi import (
+from rollout_lifecycle.backends.hosted import (
     HostedEngine,
-    simulated_multi_engine_actors,
     start_multi_engine_actor,
 )
-from rollout_lifecycle.testing import cycle_order_violations
+from rollout_lifecycle.testing import cycle_order_violations, simulated_multi_engine_actors
 
 
 @pytest.fixture

@@ -23,8 +23,8 @@ from rollout_lifecycle import (
     sglang_http_factory,
     start_engine_actor,
 )
-from rollout_lifecycle._standin import StandInServer
 from rollout_lifecycle.cli import main
+from rollout_lifecycle.testing.standin import StandInServer
 
 KEY = "sk-admin-7f3e9b1c5d2a"
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from rollout_lifecycle._config import ALL_TAGS, PauseMode, Tag
-from rollout_lifecycle._exceptions import EngineDead, EngineRejected, InvalidArgument
-from rollout_lifecycle._simulated import SimulatedEngine
+from rollout_lifecycle.core.config import ALL_TAGS, PauseMode, Tag
+from rollout_lifecycle.core.exceptions import EngineDead, EngineRejected, InvalidArgument
 from rollout_lifecycle.testing import collector_load
+from rollout_lifecycle.testing.simulated import SimulatedEngine
 
 GIB = 1 << 30
 Result = dict[str, Any]

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rollout_lifecycle._standin import (
+from rollout_lifecycle.testing.standin import (
     DEATH_EXIT_CODE,
     DEFAULT_STARTUP_TIMEOUT,
     StandInServer,

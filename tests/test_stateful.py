@@ -109,7 +109,7 @@ from rollout_lifecycle import (
     Tag,
     WeightUpdate,
 )
-from rollout_lifecycle._faults import FAULT_KINDS, FaultyEngine
+from rollout_lifecycle.testing.faults import FAULT_KINDS, FaultyEngine
 
 S = ServerState
 

@@ -29,13 +29,13 @@ from rollout_lifecycle import (
     StaleWeights,
     WeightUpdate,
 )
-from rollout_lifecycle._faults import FaultyEngine
 from rollout_lifecycle.sync import (
     CalledFromLoopThread,
     SyncCallTimeout,
     SyncRolloutServer,
     SyncServerClosed,
 )
+from rollout_lifecycle.testing.faults import FaultyEngine
 
 S = ServerState
 #: Every facade call is bounded, so that a deadlock fails the test instead of hanging it.

@@ -23,8 +23,8 @@ from rollout_lifecycle import (
     Timeline,
     WeightUpdate,
 )
-from rollout_lifecycle._faults import FaultyEngine
 from rollout_lifecycle.testing import collector_load
+from rollout_lifecycle.testing.faults import FaultyEngine
 
 Fleet = Callable[..., list[Any]]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

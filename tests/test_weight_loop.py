@@ -25,7 +25,7 @@ from rollout_lifecycle import (
     WeightPushFailed,
     WeightUpdate,
 )
-from rollout_lifecycle._faults import FaultyEngine
+from rollout_lifecycle.testing.faults import FaultyEngine
 
 
 def sims(n: int, label: str = "e") -> list[SimulatedEngine]:

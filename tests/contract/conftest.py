@@ -19,7 +19,7 @@ import pytest
 from contract.helpers import STANDIN_TOKEN_LATENCY, Kind, Target
 from real.servers import RealServer, RealServerPool
 
-from rollout_lifecycle._standin import StandInServer
+from rollout_lifecycle.testing.standin import StandInServer
 
 
 def _standin(**keys: str) -> StandInServer:

@@ -12,7 +12,7 @@ import pytest
 from contract.helpers import STANDIN_TOKEN_LATENCY, Target, finish_type, gen_request, in_flight
 
 from rollout_lifecycle import PauseMode, SGLangHTTPEngine, Tag
-from rollout_lifecycle._standin import StandInServer
+from rollout_lifecycle.testing.standin import StandInServer
 
 ALL_TAGS = ["kv_cache", "weights", "cuda_graph"]
 #: A server that dies does so at once; this only bounds the wait.

@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from rollout_lifecycle._config import (
+from rollout_lifecycle.core.config import (
     DEFAULT_GROUP_NAME,
     PauseMode,
     Tag,
@@ -22,7 +22,7 @@ from rollout_lifecycle._config import (
     check_seconds,
     parse_tags,
 )
-from rollout_lifecycle._exceptions import EngineRejected, EngineTimeout, InvalidArgument
+from rollout_lifecycle.core.exceptions import EngineRejected, EngineTimeout, InvalidArgument
 
 
 @runtime_checkable

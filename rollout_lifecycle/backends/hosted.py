@@ -14,11 +14,13 @@ from typing import Any
 
 import ray
 
-from rollout_lifecycle._actor import build_backend
-from rollout_lifecycle._config import check_int
-from rollout_lifecycle._engine import EngineBackend, EngineHost
-from rollout_lifecycle._exceptions import InvalidArgument
-from rollout_lifecycle._simulated import MAX_FLEET, fleet_factories
+from rollout_lifecycle.backends.actor import build_backend
+from rollout_lifecycle.backends.engine import EngineBackend, EngineHost
+from rollout_lifecycle.core.config import check_int
+from rollout_lifecycle.core.exceptions import InvalidArgument
+
+#: The most engines one actor hosts (as many as a simulated fleet may have).
+MAX_HOSTED = 1_000_000
 
 #: The calls a hosted engine answers: the public methods of ``EngineHost``.
 HOSTED_OPS: frozenset[str] = frozenset(
@@ -78,7 +80,7 @@ class HostedEngine:
     index: int
 
     def __post_init__(self) -> None:
-        check_int("index", self.index, maximum=MAX_FLEET)
+        check_int("index", self.index, maximum=MAX_HOSTED)
 
     def send(self, op: str, args: tuple[Any, ...] = ()) -> Any:
         """Issue ``op(*args)`` to the hosted engine; returns the Ray object ref, without waiting."""
@@ -99,38 +101,10 @@ def start_multi_engine_actor(
     return actor, [HostedEngine(actor, i) for i in range(len(factories))]
 
 
-def simulated_multi_engine_actors(
-    actors: int,
-    engines_per_actor: int,
-    *,
-    label: str = "sim",
-    seed: int | None = None,
-    **options: Any,
-) -> tuple[list[Any], list[HostedEngine]]:
-    """Start ``actors`` actors of ``engines_per_actor`` ``SimulatedEngine(**options)`` each.
-
-    Engine ``i`` (counting across actors) is labelled ``f"{label}-{i}"`` and, with ``seed``,
-    draws its op latencies from ``seed + i``, as in ``simulated_engine_actors``. Returns the
-    actors and the engine handles in order.
-    """
-    check_int("actors", actors, minimum=1, maximum=MAX_FLEET)
-    check_int("engines_per_actor", engines_per_actor, minimum=1, maximum=MAX_FLEET)
-    factories = fleet_factories(actors * engines_per_actor, label=label, seed=seed, **options)
-    started: list[Any] = []
-    handles: list[HostedEngine] = []
-    for a in range(actors):
-        first = a * engines_per_actor
-        actor, hosted = start_multi_engine_actor(factories[first : first + engines_per_actor])
-        started.append(actor)
-        handles.extend(hosted)
-    return started, handles
-
-
 __all__ = [
     "HOSTED_OPS",
     "HostedEngine",
     "MultiEngineActor",
     "MultiEngineActorBody",
-    "simulated_multi_engine_actors",
     "start_multi_engine_actor",
 ]

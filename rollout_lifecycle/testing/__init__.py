@@ -13,11 +13,12 @@ import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from rollout_lifecycle._actor import start_engine_actor
-from rollout_lifecycle._config import check_int
-from rollout_lifecycle._exceptions import InvalidArgument
-from rollout_lifecycle._simulated import MAX_FLEET, SimulatedEngine, fleet_factories
-from rollout_lifecycle._standin import StandInServer
+from rollout_lifecycle.backends.actor import start_engine_actor
+from rollout_lifecycle.backends.hosted import HostedEngine, start_multi_engine_actor
+from rollout_lifecycle.core.config import check_int
+from rollout_lifecycle.core.exceptions import InvalidArgument
+from rollout_lifecycle.testing.simulated import MAX_FLEET, SimulatedEngine, fleet_factories
+from rollout_lifecycle.testing.standin import StandInServer
 
 History = Sequence[Mapping[str, Any]]
 
@@ -51,6 +52,33 @@ def simulated_engine_actors(
     check_int("count", count, minimum=1, maximum=MAX_FLEET)
     factories = fleet_factories(count, label=label, seed=seed, **options)
     return [start_engine_actor(factory) for factory in factories]
+
+
+def simulated_multi_engine_actors(
+    actors: int,
+    engines_per_actor: int,
+    *,
+    label: str = "sim",
+    seed: int | None = None,
+    **options: Any,
+) -> tuple[list[Any], list[HostedEngine]]:
+    """Start ``actors`` actors of ``engines_per_actor`` ``SimulatedEngine(**options)`` each.
+
+    Engine ``i`` (counting across actors) is labelled ``f"{label}-{i}"`` and, with ``seed``,
+    draws its op latencies from ``seed + i``, as in ``simulated_engine_actors``. Returns the
+    actors and the engine handles in order.
+    """
+    check_int("actors", actors, minimum=1, maximum=MAX_FLEET)
+    check_int("engines_per_actor", engines_per_actor, minimum=1, maximum=MAX_FLEET)
+    factories = fleet_factories(actors * engines_per_actor, label=label, seed=seed, **options)
+    started: list[Any] = []
+    handles: list[HostedEngine] = []
+    for a in range(actors):
+        first = a * engines_per_actor
+        actor, hosted = start_multi_engine_actor(factories[first : first + engines_per_actor])
+        started.append(actor)
+        handles.extend(hosted)
+    return started, handles
 
 
 def _check_entry(entry: object) -> None:
@@ -181,4 +209,5 @@ __all__ = [
     "local_ray",
     "released_ops",
     "simulated_engine_actors",
+    "simulated_multi_engine_actors",
 ]

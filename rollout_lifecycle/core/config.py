@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import TypeVar
 
-from rollout_lifecycle._exceptions import InvalidArgument
+from rollout_lifecycle.core.exceptions import InvalidArgument
 
 
 class PauseMode(str, Enum):

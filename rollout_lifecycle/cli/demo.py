@@ -34,21 +34,21 @@ from typing import Any, TextIO
 
 import ray
 
-from rollout_lifecycle._actor import EngineActorBody, start_engine_actor
-from rollout_lifecycle._config import LifecycleConfig, PauseMode
-from rollout_lifecycle._exceptions import (
+from rollout_lifecycle.backends.actor import EngineActorBody, start_engine_actor
+from rollout_lifecycle.backends.weights import FromDisk
+from rollout_lifecycle.core.config import LifecycleConfig, PauseMode
+from rollout_lifecycle.core.exceptions import (
     IllegalTransition,
     InvalidArgument,
     LifecycleError,
     PhaseFailed,
 )
-from rollout_lifecycle._faults import FaultyEngine
-from rollout_lifecycle._group import EngineGroup
-from rollout_lifecycle._server import RolloutServer
-from rollout_lifecycle._simulated import DEFAULT_MEMORY_BYTES, SimulatedEngine
-from rollout_lifecycle._states import ServerState, mermaid
-from rollout_lifecycle._weights import FromDisk
+from rollout_lifecycle.core.group import EngineGroup
+from rollout_lifecycle.core.server import RolloutServer
+from rollout_lifecycle.core.states import ServerState, mermaid
 from rollout_lifecycle.testing import cycle_order_violations, local_ray
+from rollout_lifecycle.testing.faults import FaultyEngine
+from rollout_lifecycle.testing.simulated import DEFAULT_MEMORY_BYTES, SimulatedEngine
 
 #: What ``--inject-fault`` can do to one engine (engine 0 of group 0, in step 2 or the last).
 FAULTS: tuple[str, ...] = ("none", "slow-flush", "flush-reject", "engine-death")
@@ -523,7 +523,7 @@ class _Demo:
         if args.real:
             await self.launch_real(slots)
         elif args.http:
-            from rollout_lifecycle._standin import StandInServer
+            from rollout_lifecycle.testing.standin import StandInServer
 
             self.histories_dir = tempfile.TemporaryDirectory(prefix="rollout-lifecycle-demo-")
             folder = self.histories_dir.name
@@ -551,7 +551,7 @@ class _Demo:
 
     async def launch_real(self, slots: Sequence[tuple[str, str, int]]) -> None:
         """Launch one real SGLang server per slot, together, and an HTTP engine actor for each."""
-        from rollout_lifecycle._launch import launched_sglang_factory
+        from rollout_lifecycle.backends.launch import launched_sglang_factory
 
         args = self.args
         launched = [
@@ -581,7 +581,7 @@ class _Demo:
             started.handle = self.http_actor(started.launched.url)
 
     def http_actor(self, url: str) -> Any:
-        from rollout_lifecycle._http import sglang_http_factory
+        from rollout_lifecycle.backends.http import sglang_http_factory
 
         return start_engine_actor(sglang_http_factory(url))
 
@@ -592,7 +592,7 @@ class _Demo:
         label = f"{old.label.split('~')[0]}~r{self.replacements}"
         seed = self.args.seed + 1000 + self.replacements
         if self.args.http:
-            from rollout_lifecycle._standin import StandInServer
+            from rollout_lifecycle.testing.standin import StandInServer
 
             assert self.histories_dir is not None
             standin = StandInServer(

@@ -11,8 +11,8 @@ from typing import Any
 
 import ray
 
-from rollout_lifecycle._engine import EngineBackend, EngineHost
-from rollout_lifecycle._exceptions import InvalidArgument
+from rollout_lifecycle.backends.engine import EngineBackend, EngineHost
+from rollout_lifecycle.core.exceptions import InvalidArgument
 
 
 def build_backend(factory: Callable[[], EngineBackend]) -> EngineBackend:

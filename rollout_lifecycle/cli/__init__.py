@@ -15,7 +15,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from rollout_lifecycle import _ctl, _demo
+from rollout_lifecycle.cli import ctl as _ctl
+from rollout_lifecycle.cli import demo as _demo
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -106,7 +107,7 @@ def _pairs(items: Sequence[str], flag: str) -> list[tuple[str, str]]:
 
 
 def _fake_sglang(args: argparse.Namespace) -> int:
-    from rollout_lifecycle._exceptions import InvalidArgument
+    from rollout_lifecycle.core.exceptions import InvalidArgument
 
     keys: dict[str, str | None] = {"admin": None, "api": None}
     for kind, var in (("admin", args.admin_key_env), ("api", args.api_key_env)):
@@ -138,7 +139,7 @@ def _fake_sglang(args: argparse.Namespace) -> int:
     options["weights_cpu_backup"] = args.weights_cpu_backup
     options["dp_dummy_batches"] = args.dp_dummy_batches
     options["check_model_paths"] = args.check_model_paths
-    from rollout_lifecycle._standin import DEFAULT_MODEL_PATH, serve
+    from rollout_lifecycle.testing.standin import DEFAULT_MODEL_PATH, serve
 
     try:
         return serve(
@@ -167,7 +168,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         return _demo.run(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -11,15 +11,15 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from rollout_lifecycle._config import (
+from rollout_lifecycle.backends.engine import EngineBackend, introspect
+from rollout_lifecycle.core.config import (
     DEFAULT_GROUP_NAME,
     PauseMode,
     Tag,
     check_int,
     check_seconds,
 )
-from rollout_lifecycle._engine import EngineBackend, introspect
-from rollout_lifecycle._exceptions import (
+from rollout_lifecycle.core.exceptions import (
     EngineDead,
     EngineRejected,
     EngineTimeout,

@@ -14,18 +14,18 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
-from rollout_lifecycle._config import check_int, check_seconds
-from rollout_lifecycle._exceptions import (
+from rollout_lifecycle.core.config import check_int, check_seconds
+from rollout_lifecycle.core.exceptions import (
     EngineError,
     InvalidArgument,
     LifecycleError,
 )
-from rollout_lifecycle._group import EngineGroup, EngineRecord, send_to_engine
-from rollout_lifecycle._outcome import Outcome, classify, unwrap
-from rollout_lifecycle._states import ServerState
+from rollout_lifecycle.core.group import EngineGroup, EngineRecord, send_to_engine
+from rollout_lifecycle.core.outcome import Outcome, classify, unwrap
+from rollout_lifecycle.core.states import ServerState
 
 if TYPE_CHECKING:
-    from rollout_lifecycle._server import LifecycleEvent, RolloutServer
+    from rollout_lifecycle.core.server import LifecycleEvent, RolloutServer
 
 S = ServerState
 
@@ -208,7 +208,7 @@ class GenerationClient:
         max_resubmissions: int = 100,
     ) -> None:
         # Imported here: _server may import this module.
-        from rollout_lifecycle._server import HOOK_EVENTS, RolloutServer
+        from rollout_lifecycle.core.server import HOOK_EVENTS, RolloutServer
 
         if not isinstance(server, RolloutServer):
             raise InvalidArgument(f"server must be a RolloutServer, got {server!r}")

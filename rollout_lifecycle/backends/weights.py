@@ -14,13 +14,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rollout_lifecycle._config import check_int
-from rollout_lifecycle._exceptions import InvalidArgument, LifecycleError
-from rollout_lifecycle._group import send_to_engine
-from rollout_lifecycle._outcome import classify
+from rollout_lifecycle.core.config import check_int
+from rollout_lifecycle.core.exceptions import InvalidArgument, LifecycleError
+from rollout_lifecycle.core.group import send_to_engine
+from rollout_lifecycle.core.outcome import classify
 
 if TYPE_CHECKING:
-    from rollout_lifecycle._server import WeightUpdate
+    from rollout_lifecycle.core.server import WeightUpdate
 
 
 class WeightPushFailed(LifecycleError):

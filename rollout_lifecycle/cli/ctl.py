@@ -33,9 +33,16 @@ from typing import Any, TypeVar
 
 import httpx
 
-from rollout_lifecycle._config import Deadlines, LifecycleConfig, PauseMode
-from rollout_lifecycle._events import LOGGER_NAME
-from rollout_lifecycle._exceptions import (
+from rollout_lifecycle.backends.http import (
+    HTTPTimeouts,
+    SGLangHTTPEngine,
+    check_seconds,
+    url_identity,
+)
+from rollout_lifecycle.backends.secret import Secret
+from rollout_lifecycle.core.config import Deadlines, LifecycleConfig, PauseMode
+from rollout_lifecycle.core.events import LOGGER_NAME
+from rollout_lifecycle.core.exceptions import (
     EngineError,
     IllegalEngineOp,
     IllegalTransition,
@@ -44,12 +51,10 @@ from rollout_lifecycle._exceptions import (
     PhaseFailed,
     StaleWeights,
 )
-from rollout_lifecycle._group import EngineGroup, EngineSnapshot
-from rollout_lifecycle._http import HTTPTimeouts, SGLangHTTPEngine, check_seconds, url_identity
-from rollout_lifecycle._outcome import Outcome
-from rollout_lifecycle._secret import Secret
-from rollout_lifecycle._server import RolloutServer, ServerSnapshot
-from rollout_lifecycle._states import ServerState, mermaid
+from rollout_lifecycle.core.group import EngineGroup, EngineSnapshot
+from rollout_lifecycle.core.outcome import Outcome
+from rollout_lifecycle.core.server import RolloutServer, ServerSnapshot
+from rollout_lifecycle.core.states import ServerState, mermaid
 
 T = TypeVar("T")
 

@@ -11,7 +11,7 @@ import asyncio
 from dataclasses import dataclass
 from enum import Enum
 
-from rollout_lifecycle._exceptions import (
+from rollout_lifecycle.core.exceptions import (
     EngineDead,
     EngineError,
     EngineRejected,

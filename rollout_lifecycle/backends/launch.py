@@ -16,17 +16,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from rollout_lifecycle._config import DEFAULT_GROUP_NAME, PauseMode, Tag
-from rollout_lifecycle._events import logger
-from rollout_lifecycle._exceptions import (
-    EngineDead,
-    EngineError,
-    EngineTimeout,
-    EngineUnreachable,
-    IllegalEngineOp,
-    InvalidArgument,
-)
-from rollout_lifecycle._http import (
+from rollout_lifecycle.backends.http import (
     HTTPTimeouts,
     SGLangHTTPEngine,
     _secret_kwargs,
@@ -34,7 +24,17 @@ from rollout_lifecycle._http import (
     scrub,
     sglang_http_factory,
 )
-from rollout_lifecycle._secret import Secret, as_secret
+from rollout_lifecycle.backends.secret import Secret, as_secret
+from rollout_lifecycle.core.config import DEFAULT_GROUP_NAME, PauseMode, Tag
+from rollout_lifecycle.core.events import logger
+from rollout_lifecycle.core.exceptions import (
+    EngineDead,
+    EngineError,
+    EngineTimeout,
+    EngineUnreachable,
+    IllegalEngineOp,
+    InvalidArgument,
+)
 
 __all__ = [
     "ADMIN_KEY_ENV",

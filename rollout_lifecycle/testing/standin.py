@@ -36,15 +36,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal, NoReturn, TypeVar
 
-from rollout_lifecycle._config import DEFAULT_GROUP_NAME, check_flag, check_seconds
-from rollout_lifecycle._exceptions import (
+from rollout_lifecycle.backends.secret import Secret, as_secret
+from rollout_lifecycle.core.config import DEFAULT_GROUP_NAME, check_flag, check_seconds
+from rollout_lifecycle.core.exceptions import (
     EngineDead,
     EngineRejected,
     InvalidArgument,
     LifecycleError,
 )
-from rollout_lifecycle._secret import Secret, as_secret
-from rollout_lifecycle._simulated import (
+from rollout_lifecycle.testing.simulated import (
     FLUSH_FAILED,
     WEIGHTS_WRITTEN_FLUSH_FAILED,
     SimulatedEngine,

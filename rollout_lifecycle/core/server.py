@@ -34,10 +34,18 @@ from typing import Any, TypeVar
 
 from transitions.extensions.asyncio import AsyncMachine
 
-from rollout_lifecycle._config import WEIGHT_TAGS, DeadEnginePolicy, LifecycleConfig, PauseMode, Tag
-from rollout_lifecycle._engine import EngineHost
-from rollout_lifecycle._events import logger
-from rollout_lifecycle._exceptions import (
+from rollout_lifecycle.backends.engine import EngineHost
+from rollout_lifecycle.backends.gather import gather_calls
+from rollout_lifecycle.backends.hosted import HostedEngine
+from rollout_lifecycle.core.config import (
+    WEIGHT_TAGS,
+    DeadEnginePolicy,
+    LifecycleConfig,
+    PauseMode,
+    Tag,
+)
+from rollout_lifecycle.core.events import logger
+from rollout_lifecycle.core.exceptions import (
     HookFailed,
     IllegalEngineOp,
     IllegalTransition,
@@ -46,9 +54,8 @@ from rollout_lifecycle._exceptions import (
     PhaseFailed,
     StaleWeights,
 )
-from rollout_lifecycle._gather import gather_calls
-from rollout_lifecycle._generation import GenerationClient
-from rollout_lifecycle._group import (
+from rollout_lifecycle.core.generation import GenerationClient
+from rollout_lifecycle.core.group import (
     Calls,
     EngineGroup,
     EngineRecord,
@@ -57,10 +64,9 @@ from rollout_lifecycle._group import (
     engine_identity,
     send_to_engine,
 )
-from rollout_lifecycle._multi import HostedEngine
-from rollout_lifecycle._outcome import EngineOutcome, Outcome, classify
-from rollout_lifecycle._states import TRANSITIONS, ServerState, sources_of
-from rollout_lifecycle._timeline import EngineCalls, Timeline, _CallRecord
+from rollout_lifecycle.core.outcome import EngineOutcome, Outcome, classify
+from rollout_lifecycle.core.states import TRANSITIONS, ServerState, sources_of
+from rollout_lifecycle.core.timeline import EngineCalls, Timeline, _CallRecord
 
 T = TypeVar("T")
 S = ServerState

@@ -18,7 +18,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from rollout_lifecycle._config import (
+from rollout_lifecycle.backends.secret import Secret, as_secret
+from rollout_lifecycle.core.config import (
     DEFAULT_GROUP_NAME,
     PauseMode,
     Tag,
@@ -27,8 +28,8 @@ from rollout_lifecycle._config import (
     check_seconds,
     parse_tags,
 )
-from rollout_lifecycle._events import logger
-from rollout_lifecycle._exceptions import (
+from rollout_lifecycle.core.events import logger
+from rollout_lifecycle.core.exceptions import (
     EngineDead,
     EngineError,
     EngineRejected,
@@ -37,7 +38,6 @@ from rollout_lifecycle._exceptions import (
     IllegalEngineOp,
     InvalidArgument,
 )
-from rollout_lifecycle._secret import Secret, as_secret
 
 __all__ = [
     "MIN_SGLANG_VERSION",

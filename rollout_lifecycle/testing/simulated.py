@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_lifecycle._config import (
+from rollout_lifecycle.core.config import (
     ALL_TAGS,
     DEFAULT_GROUP_NAME,
     PauseMode,
@@ -29,7 +29,7 @@ from rollout_lifecycle._config import (
     check_int,
     check_seconds,
 )
-from rollout_lifecycle._exceptions import EngineDead, EngineRejected, InvalidArgument
+from rollout_lifecycle.core.exceptions import EngineDead, EngineRejected, InvalidArgument
 
 GIB = 1 << 30
 

@@ -2,7 +2,7 @@
 
 Catch ``LifecycleError`` to catch everything this library raises. Engine backends raise the
 ``EngineError`` family; the server translates whatever a lower layer (Ray, a transport) raises
-into these at one boundary (``rollout_lifecycle._outcome``).
+into these at one boundary (``rollout_lifecycle.core.outcome``).
 
 Every exception here pickles with its fields intact, because engine errors cross Ray actor
 boundaries.
@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rollout_lifecycle._outcome import EngineOutcome
+    from rollout_lifecycle.core.outcome import EngineOutcome
 
 
 class LifecycleError(Exception):

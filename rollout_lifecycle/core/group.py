@@ -15,12 +15,12 @@ from collections.abc import Awaitable, Callable, Hashable, Iterable, Iterator, M
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from rollout_lifecycle._config import PauseMode, Tag, parse_tags
-from rollout_lifecycle._engine import EngineBackend, EngineHost
-from rollout_lifecycle._exceptions import IllegalEngineOp, InvalidArgument
-from rollout_lifecycle._http import url_identity
-from rollout_lifecycle._multi import HostedEngine
-from rollout_lifecycle._outcome import EngineOutcome, Outcome
+from rollout_lifecycle.backends.engine import EngineBackend, EngineHost
+from rollout_lifecycle.backends.hosted import HostedEngine
+from rollout_lifecycle.backends.http import url_identity
+from rollout_lifecycle.core.config import PauseMode, Tag, parse_tags
+from rollout_lifecycle.core.exceptions import IllegalEngineOp, InvalidArgument
+from rollout_lifecycle.core.outcome import EngineOutcome, Outcome
 
 #: Outcomes after which an engine may or may not have carried out the call.
 _EFFECT_UNKNOWN = frozenset({Outcome.TIMED_OUT, Outcome.UNREACHABLE, Outcome.ERROR})

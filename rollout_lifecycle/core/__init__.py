@@ -1,0 +1,1 @@
+"""The lifecycle core: states, the ledger, phases and the server that runs them."""
