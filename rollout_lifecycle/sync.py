@@ -11,6 +11,7 @@ import contextvars
 import inspect
 import math
 import threading
+import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -30,6 +31,9 @@ from rollout_lifecycle.core.server import (
 from rollout_lifecycle.core.states import ServerState
 
 T = TypeVar("T")
+
+#: How long ``close()`` waits, in all, for workers it abandoned (hooks still running) to end.
+_ABANDONED_GRACE_S = 1.0
 
 #: What the facade's hooks receive (``event.server`` is the async server; close over the facade
 #: to call it).
@@ -506,7 +510,11 @@ class SyncRolloutServer:
         runtime.thread.join()
         for worker in list(runtime.workers - runtime.abandoned):
             worker.join()
+        # An abandoned worker is usually about to return (its call to this facade fails now that
+        # the loop has stopped): it gets a short grace to end; one that is hung is left behind.
+        grace_ends = time.monotonic() + _ABANDONED_GRACE_S
         for worker in runtime.abandoned:
+            worker.join(max(0.0, grace_ends - time.monotonic()))
             if worker.is_alive():
                 logger().warning("sync.worker_abandoned", server=runtime.name, thread=worker.name)
         self._finalizer.detach()
