@@ -25,8 +25,9 @@ from rollout_lifecycle import (
     SimulatedEngine,
     Tag,
 )
-from rollout_lifecycle.core.group import Calls, EngineRecord
-from rollout_lifecycle.core.outcome import classify
+from rollout_lifecycle.backends.seam import classify
+from rollout_lifecycle.core.ledger import EngineRecord
+from rollout_lifecycle.core.runner import Calls
 from rollout_lifecycle.core.states import TRANSITIONS, sources_of
 
 

@@ -901,13 +901,13 @@ async def test_close_removes_hooks_and_refuses_new_requests(sims_to_close: list[
     sims = engines(1)
     sims_to_close.extend(sims)
     server = RolloutServer([EngineGroup("actor", sims)])
-    before = {k: len(v) for k, v in server._hooks.items()}
+    before = {k: len(v) for k, v in server._hooks.registered.items()}
     client = GenerationClient(server)
-    added = {k for k, v in server._hooks.items() if len(v) == before[k] + 1}
+    added = {k for k, v in server._hooks.registered.items() if len(v) == before[k] + 1}
     assert {s.value for s in ServerState} <= added
     client.close()
     client.close()
-    assert {k: len(v) for k, v in server._hooks.items()} == before
+    assert {k: len(v) for k, v in server._hooks.registered.items()} == before
     with pytest.raises(GenerationError, match="closed"):
         await client.generate(request(0))
 

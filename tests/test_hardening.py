@@ -62,7 +62,7 @@ def dead(engines: list[Any]) -> list[str]:
 
 def assert_exact(server: RolloutServer) -> None:
     """The records imply the state the server is in, and no call is left in flight."""
-    implied = server._settled_state()
+    implied = server.fleet.settled_state()
     state = server.state
     assert implied is state or (state, implied) == (S.KV_RESTORED, S.DRAINED), (state, implied)
     for engine in server.snapshot().engines().values():

@@ -14,10 +14,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rollout_lifecycle.backends.seam import classify, send
 from rollout_lifecycle.core.config import check_int
 from rollout_lifecycle.core.exceptions import InvalidArgument, LifecycleError
-from rollout_lifecycle.core.group import send_to_engine
-from rollout_lifecycle.core.outcome import classify
 
 if TYPE_CHECKING:
     from rollout_lifecycle.core.server import WeightUpdate
@@ -39,7 +38,7 @@ async def _write_all(
 ) -> None:
     ids = list(args_for)
     results = await asyncio.gather(
-        *(send_to_engine(update.engines[i], op, args_for[i]) for i in ids), return_exceptions=True
+        *(send(update.engines[i], op, args_for[i]) for i in ids), return_exceptions=True
     )
     failures = {
         i: str(classify(r))

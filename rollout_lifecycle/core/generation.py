@@ -7,30 +7,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any
 
+from rollout_lifecycle.backends import seam
 from rollout_lifecycle.core.config import check_int, check_seconds
 from rollout_lifecycle.core.exceptions import (
-    EngineError,
     InvalidArgument,
     LifecycleError,
 )
-from rollout_lifecycle.core.group import EngineGroup, EngineRecord, send_to_engine
-from rollout_lifecycle.core.outcome import Outcome, classify, unwrap
+from rollout_lifecycle.core.hooks import HOOK_EVENTS
+from rollout_lifecycle.core.ledger import EngineRecord, Fleet, GroupRecords, may_serve
+from rollout_lifecycle.core.ops import Op
+from rollout_lifecycle.core.outcome import Outcome
+from rollout_lifecycle.core.requests import Request, resumable_abort, short
 from rollout_lifecycle.core.states import ServerState
 
 if TYPE_CHECKING:
-    from rollout_lifecycle.core.server import LifecycleEvent, RolloutServer
+    from rollout_lifecycle.core.hooks import LifecycleEvent
+    from rollout_lifecycle.core.server import RolloutServer
 
 S = ServerState
 
 #: Prompt keys of a request; everything else in it is passed through unchanged.
-_PROMPT_KEYS = ("input_ids", "text")
 #: The most resubmissions ``max_resubmissions`` may allow.
 MAX_RESUBMISSIONS = 1_000_000
 #: Outcomes after which an attempt's work is lost but the request can run elsewhere.
@@ -97,55 +97,6 @@ class TooManyResubmissions(GenerationError):
     """A request was aborted or lost more than ``max_resubmissions`` times."""
 
 
-class WeightVersionSpan(TypedDict):
-    """One entry of ``meta_info["weight_versions"]``: output tokens ``[start, end)`` were
-    generated with weights ``version`` (SGLang 0.5.23 ``srt/utils/weight_versions.py``:
-    ``WeightVersionSpan``, put in the answer by ``add_weight_versions_to_meta_info``)."""
-
-    version: str
-    start: int
-    end: int
-
-
-#: Output-side counters of ``meta_info`` that each attempt counts for its own output only; the
-#: answer reports their sum over attempts. (``completion_tokens`` is the tokens produced in all.)
-_SUMMED_COUNTERS = ("num_retractions", "reasoning_tokens", "spec_verify_ct")
-#: Prompt-side fields: they describe the caller's prompt, so the first attempt's are kept (a
-#: resubmission's prompt is the caller's prompt plus the partial output, the client's doing).
-_PROMPT_FIELDS = ("prompt_tokens", "cached_tokens", "cached_tokens_details")
-
-
-@dataclass(eq=False)
-class _Work:
-    """One caller's request across all its attempts."""
-
-    request: dict[str, Any]
-    group: str | None
-    prompt_ids: list[int] | None
-    prompt_text: str | None
-    params: dict[str, Any]
-    max_new: int | None
-    rid: str | None
-    output_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    produced: int = 0
-    resubmissions: int = 0
-    engines: list[str] = field(default_factory=list)
-    #: Engines where an attempt of this request was lost; others are preferred.
-    avoid: set[str] = field(default_factory=set)
-    #: Prompt-side fields of the first attempt that answered (see ``_PROMPT_FIELDS``).
-    prompt_meta: dict[str, Any] = field(default_factory=dict)
-    #: Sums of ``_SUMMED_COUNTERS`` over the attempts that reported them.
-    counters: dict[str, int] = field(default_factory=dict)
-    #: Weight-version spans over the joined output; None once an attempt that produced tokens
-    #: carried none (or malformed ones): the answer then cannot say which weights made them.
-    spans: list[WeightVersionSpan] | None = field(default_factory=list)
-    #: The version of the last (possibly empty) span seen, for an answer with no tokens at all.
-    span_version: str | None = None
-    #: The ``meta_info`` of the last attempt that answered.
-    last_meta: dict[str, Any] = field(default_factory=dict)
-
-
 class GenerationClient:
     """Sends generate requests to a ``RolloutServer``'s engines, only while they serve.
 
@@ -167,7 +118,7 @@ class GenerationClient:
       or unreachable engine are resubmitted, once the group serves again, as prompt + partial
       output (``text`` + partial text for text prompts) with ``max_new_tokens`` (and
       ``min_new_tokens``) reduced by the tokens already produced, at most ``max_resubmissions``
-      times, each attempt under its own request id (``rid``; see ``_attempt_rid``).
+      times, each attempt under its own request id (``rid``; see ``Request.next_rid``).
     * **One answer**: ``output_ids`` and ``text`` joined over the attempts, and a ``meta_info``
       that describes the whole answer:
 
@@ -207,10 +158,7 @@ class GenerationClient:
         request_timeout: float = 3600.0,
         max_resubmissions: int = 100,
     ) -> None:
-        # Imported here: _server may import this module.
-        from rollout_lifecycle.core.server import HOOK_EVENTS, RolloutServer
-
-        if not isinstance(server, RolloutServer):
+        if not isinstance(getattr(server, "fleet", None), Fleet):
             raise InvalidArgument(f"server must be a RolloutServer, got {server!r}")
         self._hold_timeout = check_seconds("hold_timeout", hold_timeout)
         self._request_timeout = check_seconds("request_timeout", request_timeout)
@@ -269,7 +217,7 @@ class GenerationClient:
         example ``EngineRejected``) when the request cannot be completed.
         """
         self._check_open()
-        work = self._prepare(request, self._check_group(group))
+        work = Request.prepare(request, self._check_group(group))
         return await self._generate(work)
 
     async def generate_batch(
@@ -282,12 +230,12 @@ class GenerationClient:
         """
         self._check_open()
         if isinstance(requests, str | bytes | Mapping) or not isinstance(requests, Sequence):
-            raise InvalidArgument(f"requests must be a list of dicts, got {_short(requests)}")
+            raise InvalidArgument(f"requests must be a list of dicts, got {short(requests)}")
         name = self._check_group(group)
         works = []
         for index, request in enumerate(requests):
             try:
-                works.append(self._prepare(request, name))
+                works.append(Request.prepare(request, name))
             except InvalidArgument as exc:
                 raise InvalidArgument(f"request #{index}: {exc}") from None
         if not works:
@@ -353,68 +301,9 @@ class GenerationClient:
             )
         return group
 
-    def _prepare(self, request: object, group: str | None) -> _Work:
-        """Validate ``request`` and copy it (the caller may reuse its dict)."""
-        if not isinstance(request, dict):
-            raise InvalidArgument(f"a generate request must be a dict, got {_short(request)}")
-        given = [k for k in _PROMPT_KEYS if request.get(k) is not None]
-        if len(given) != 1:
-            raise InvalidArgument(
-                "a generate request needs exactly one of 'input_ids' (a list of token ids) or "
-                f"'text' (a string), got {given or 'neither'}"
-            )
-        prompt_ids: list[int] | None = None
-        prompt_text: str | None = None
-        if given == ["input_ids"]:
-            ids = request["input_ids"]
-            if (
-                not isinstance(ids, list)
-                or not ids
-                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
-            ):
-                raise InvalidArgument(
-                    f"input_ids must be a non-empty list of token ids (ints >= 0), got "
-                    f"{_short(ids)}"
-                )
-            prompt_ids = list(ids)
-        else:
-            text = request["text"]
-            if not isinstance(text, str) or not text:
-                raise InvalidArgument(f"text must be a non-empty string, got {_short(text)}")
-            prompt_text = text
-        params = request.get("sampling_params")
-        if params is None:
-            params = {}
-        if not isinstance(params, dict):
-            raise InvalidArgument(f"sampling_params must be a dict, got {_short(params)}")
-        max_new = params.get("max_new_tokens")
-        if max_new is not None and (
-            isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1
-        ):
-            raise InvalidArgument(
-                f"sampling_params.max_new_tokens must be a positive int, got {max_new!r}"
-            )
-        if request.get("stream") not in (None, False):
-            raise InvalidArgument(
-                f"stream must be false: generate() returns one complete answer, got "
-                f"{_short(request.get('stream'))}"
-            )
-        rid = request.get("rid")
-        if rid is not None and (not isinstance(rid, str) or not rid):
-            raise InvalidArgument(f"rid must be a non-empty string, got {rid!r}")
-        return _Work(
-            request=copy.deepcopy(request),
-            group=group,
-            prompt_ids=prompt_ids,
-            prompt_text=prompt_text,
-            params=copy.deepcopy(params),
-            max_new=max_new,
-            rid=rid,
-        )
-
     # -- one request --------------------------------------------------------------------------
 
-    async def _generate(self, work: _Work) -> dict[str, Any]:
+    async def _generate(self, work: Request) -> dict[str, Any]:
         self._counts["submitted"] += 1
         try:
             result = await self._run(work)
@@ -424,12 +313,12 @@ class GenerationClient:
         self._counts["completed"] += 1
         return result
 
-    async def _run(self, work: _Work) -> dict[str, Any]:
+    async def _run(self, work: Request) -> dict[str, Any]:
         deadline = time.monotonic() + self._request_timeout
         while True:
             record = await self._acquire(work, deadline)
             engine, handle = record.id, record.handle
-            body = self._attempt_body(work)
+            body = work.body()
             work.engines.append(engine)
             self._outstanding[engine] = self._outstanding.get(engine, 0) + 1
             try:
@@ -437,9 +326,9 @@ class GenerationClient:
             except GenerationError:
                 raise
             except Exception as exc:
-                outcome = classify(exc)
+                outcome = seam.classify(exc)
                 if outcome.outcome not in _LOST:
-                    inner = unwrap(exc)  # the engine's own error, not Ray's wrapping of it
+                    inner = seam.unwrap(exc)  # the engine's own error, not Ray's wrapping of it
                     if inner is exc:
                         raise
                     raise inner from exc
@@ -451,90 +340,39 @@ class GenerationClient:
                 continue
             finally:
                 self._outstanding[engine] -= 1
-            finish = self._absorb(work, engine, answer)
-            if _resumable_abort(finish) and not self._budget_used(work):
+            retractions = work.counters.get("num_retractions", 0)
+            finish = work.absorb(engine, answer)
+            self._counts["retractions"] += work.counters.get("num_retractions", 0) - retractions
+            if resumable_abort(finish) and not work.budget_used():
                 self._resubmit(work, f"aborted on engine {engine}: {finish.get('message')}")
                 continue
-            return self._compose(work, self._whole_finish(work, finish))
+            return work.compose(work.whole_finish(finish))
 
-    def _budget_used(self, work: _Work) -> bool:
-        return work.max_new is not None and work.produced >= work.max_new
-
-    def _whole_finish(self, work: _Work, finish: dict[str, Any]) -> dict[str, Any]:
-        """The finish_reason of the whole answer, from that of its last attempt.
-
-        A length finish says how long the answer is: SGLang 0.5.23 ``Req.update_finish_state``
-        reports ``FINISH_LENGTH(length=max_new_tokens)`` when the output reached its budget, so
-        one request's ``length`` is its number of output tokens. After a resubmission the last
-        attempt's ``length`` is only its reduced budget: the answer's is every token produced.
-        A resumable abort that lands once the whole budget was produced is a length finish too.
-        Any other finish (stop, a refusing abort) is the last attempt's, unchanged.
-        """
-        if _resumable_abort(finish) or (finish.get("type") == "length" and work.resubmissions):
-            return {"type": "length", "length": work.produced}
-        return finish
-
-    def _resubmit(self, work: _Work, why: str) -> None:
+    def _resubmit(self, work: Request, why: str) -> None:
         if work.resubmissions >= self._max_resubmissions:
             message = (
                 f"generate request gave up after {work.resubmissions} resubmission(s) "
                 f"(max_resubmissions={self._max_resubmissions}); last: {why}; "
                 f"{work.produced} token(s) produced so far are in .partial"
             )
-            raise TooManyResubmissions(message, self._compose(work, None, message))
+            raise TooManyResubmissions(message, work.compose(None, message))
         work.resubmissions += 1
         self._counts["resubmissions"] += 1
 
-    def _attempt_body(self, work: _Work) -> dict[str, Any]:
-        """The request to send now: the prompt plus everything produced so far."""
-        body = {k: v for k, v in work.request.items() if k not in (*_PROMPT_KEYS, "rid")}
-        if work.prompt_ids is not None:
-            body["input_ids"] = work.prompt_ids + work.output_ids
-        else:
-            body["text"] = (work.prompt_text or "") + work.text
-        if work.produced:
-            params = dict(work.params)
-            if work.max_new is not None:
-                params["max_new_tokens"] = work.max_new - work.produced
-            low = params.get("min_new_tokens")
-            if isinstance(low, int) and not isinstance(low, bool):
-                params["min_new_tokens"] = max(0, low - work.produced)
-            body["sampling_params"] = params
-        body["rid"] = self._attempt_rid(work)
-        return body
-
-    def _attempt_rid(self, work: _Work) -> str:
-        """The request id of the attempt about to be sent; the client aborts it by exactly this.
-
-        Every attempt carries an id the client knows, because SGLang 0.5.23
-        ``TokenizerManager.abort_request`` (one tokenizer worker, the default) acts only on an
-        rid equal to a live request's id: a prefix, or the id of an earlier attempt, aborts
-        nothing. Each attempt's id is new, so that an abort meant for one attempt never reaches
-        another (and ``TokenizerManager`` refuses an rid that is still live). The caller's
-        ``rid`` goes to the first attempt unchanged and, suffixed ``-resubmit-N``, to attempt
-        N. Without one, each attempt gets a fresh ``uuid4().hex`` (SGLang's own default id):
-        equal lengths, so none is a prefix of another, which matters because once the tokenizer
-        lets an abort through, ``Scheduler.abort_request`` aborts every rid that *starts* with it.
-        """
-        attempt = len(work.engines)
-        if work.rid is None:
-            return uuid.uuid4().hex
-        return work.rid if attempt == 0 else f"{work.rid}-resubmit-{attempt}"
-
     async def _call(
-        self, work: _Work, handle: Any, body: dict[str, Any], deadline: float
+        self, work: Request, handle: Any, body: dict[str, Any], deadline: float
     ) -> dict[str, Any]:
-        ref = send_to_engine(handle, "generate", (body,))
+        ref = seam.send(handle, Op.GENERATE, (body,))
         future: asyncio.Future[Any] = asyncio.ensure_future(ref)
         try:
             done, _ = await asyncio.wait({future}, timeout=max(0.0, deadline - time.monotonic()))
         except asyncio.CancelledError:
             self._abort_attempt(handle, body["rid"])
-            _cancel_call(ref, future)
+            seam.cancel(ref, future)
             raise
         if not done:
             self._abort_attempt(handle, body["rid"])
-            _cancel_call(ref, future)
+            seam.cancel(ref, future)
             message = (
                 f"generate request ran longer than request_timeout={self._request_timeout:g}s "
                 f"(last attempt on {work.engines[-1]}, server {self._server.state.value!r}); "
@@ -545,7 +383,7 @@ class GenerationClient:
                 self._server.state.value,
                 "request_timeout",
                 self._request_timeout,
-                self._compose(work, None, message),
+                work.compose(None, message),
             )
         answer: dict[str, Any] = future.result()
         return answer
@@ -553,7 +391,7 @@ class GenerationClient:
     def _abort_attempt(self, handle: Any, rid: str) -> None:
         """Ask the engine to abort the attempt ``rid`` that nobody waits for; do not wait.
 
-        By the exact id the attempt was sent with (see ``_attempt_rid``): SGLang 0.5.23
+        By the exact id the attempt was sent with (see ``Request.next_rid``): SGLang 0.5.23
         ``TokenizerManager.abort_request`` ignores an rid that is not a live request's id. The
         cancelled call alone may not stop the work: over HTTP SGLang notices a closed
         connection only at its next poll (``TokenizerManager._stream_one_response``), and a
@@ -561,9 +399,7 @@ class GenerationClient:
         has finished the attempt, has nothing to abort.
         """
         try:
-            sent: asyncio.Future[Any] = asyncio.ensure_future(
-                send_to_engine(handle, "abort_request", (rid,))
-            )
+            sent: asyncio.Future[Any] = asyncio.ensure_future(seam.send(handle, Op.ABORT, (rid,)))
         except Exception:  # a handle that cannot take the call: nothing more to do
             return
         self._aborts.add(sent)
@@ -574,85 +410,10 @@ class GenerationClient:
         if not sent.cancelled():
             sent.exception()  # retrieved: a failed best-effort abort is not an error
 
-    def _absorb(self, work: _Work, engine: str, answer: object) -> dict[str, Any]:
-        """Add one attempt's answer to the work; return its finish_reason."""
-
-        def garbage(what: str) -> EngineError:
-            return EngineError(engine, "generate", f"unusable answer: {what}")
-
-        if not isinstance(answer, Mapping):
-            raise garbage(f"expected a JSON object, got {type(answer).__name__}")
-        meta = answer.get("meta_info")
-        if not isinstance(meta, Mapping):
-            raise garbage(f"meta_info is {_short(meta)}")
-        finish = meta.get("finish_reason")
-        if not isinstance(finish, Mapping) or not isinstance(finish.get("type"), str):
-            raise garbage(f"finish_reason is {_short(finish)}")
-        ids = answer.get("output_ids")
-        text = answer.get("text", "")
-        if work.prompt_ids is not None and not (
-            isinstance(ids, list) and all(isinstance(t, int) for t in ids)
-        ):
-            raise garbage(f"output_ids is {_short(ids)}")
-        if not isinstance(text, str) or (work.prompt_text is not None and "text" not in answer):
-            raise garbage(f"text is {_short(text)}")
-        offset = work.produced
-        if isinstance(ids, list):
-            count = len(ids)
-            work.output_ids.extend(ids)
-        else:
-            tokens = meta.get("completion_tokens")
-            count = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else 0
-        work.produced += count
-        work.text += text
-        for key in _SUMMED_COUNTERS:
-            value = meta.get(key)
-            if isinstance(value, int) and not isinstance(value, bool):
-                work.counters[key] = work.counters.get(key, 0) + value
-                if key == "num_retractions":
-                    self._counts["retractions"] += value
-        if not work.last_meta:
-            # The first answer's prompt is the caller's: attempts before it produced nothing.
-            work.prompt_meta = {k: meta[k] for k in _PROMPT_FIELDS if k in meta}
-        _join_spans(work, meta.get("weight_versions"), offset, count)
-        work.last_meta = dict(meta)
-        return dict(finish)
-
-    def _compose(self, work: _Work, finish: dict[str, Any] | None, why: str = "") -> dict[str, Any]:
-        """The caller's answer, joined over the attempts (see the class docstring).
-
-        ``finish`` None: the partial answer of a request given up for ``why``; its
-        finish_reason is an abort with that message.
-        """
-        meta = dict(work.last_meta)
-        meta["finish_reason"] = finish if finish is not None else {"type": "abort", "message": why}
-        meta["num_resubmissions"] = work.resubmissions
-        meta["engines"] = list(work.engines)
-        meta.update(work.prompt_meta)
-        meta.update(work.counters)
-        meta["num_retractions"] = work.counters.get("num_retractions", 0)
-        if "completion_tokens" in meta:
-            meta["completion_tokens"] = work.produced
-        meta.pop("weight_versions", None)
-        spans = work.spans
-        if spans:
-            meta["weight_versions"] = [_copy_span(s) for s in spans]
-            # As add_weight_versions_to_meta_info: weight_version names the last span's.
-            meta["weight_version"] = spans[-1]["version"]
-        elif spans is not None and work.produced == 0 and work.span_version is not None:
-            # No output at all: SGLang's compute_weight_version_spans gives one empty span.
-            meta["weight_versions"] = [WeightVersionSpan(version=work.span_version, start=0, end=0)]
-            meta["weight_version"] = work.span_version
-        return {"text": work.text, "output_ids": list(work.output_ids), "meta_info": meta}
-
     # -- routing and holding ------------------------------------------------------------------
 
-    def _group_may_serve(self, group: EngineGroup, state: ServerState) -> bool:
-        if state is S.SERVING:
-            return True
-        if state is S.FAILED:
-            return False
-        return not group.needs_offload  # an offload leaves such groups serving
+    def _group_may_serve(self, group: GroupRecords, state: ServerState) -> bool:
+        return may_serve(state, group.needs_offload)
 
     def _engine_serves(self, record: EngineRecord) -> bool:
         return (
@@ -665,7 +426,7 @@ class GenerationClient:
             and self._dead.get(record.id) is not record.handle
         )
 
-    def _pick(self, work: _Work) -> EngineRecord | None:
+    def _pick(self, work: Request) -> EngineRecord | None:
         state = self._server.state
         candidates = [
             r
@@ -679,7 +440,7 @@ class GenerationClient:
         preferred = [r for r in candidates if r.id not in work.avoid] or candidates
         return min(preferred, key=lambda r: self._outstanding.get(r.id, 0))
 
-    async def _acquire(self, work: _Work, deadline: float) -> EngineRecord:
+    async def _acquire(self, work: Request, deadline: float) -> EngineRecord:
         """A serving engine for ``work``; waits (holds) while there is none."""
         start = time.monotonic()
         held = False
@@ -715,7 +476,7 @@ class GenerationClient:
                     state,
                     limit,
                     waited,
-                    self._compose(work, None, message) if work.engines else None,
+                    work.compose(None, message) if work.engines else None,
                 )
         finally:
             if held:
@@ -726,7 +487,7 @@ class GenerationClient:
         handle; a replacement in its slot is another engine)."""
         return not record.alive or self._dead.get(record.id) is record.handle
 
-    def _check_alive(self, work: _Work) -> None:
+    def _check_alive(self, work: Request) -> None:
         """Fail ``work`` at once when every engine that could ever serve it is dead."""
         records = [
             r for g in self._server.groups if work.group in (None, g.name) for r in g.records
@@ -745,10 +506,10 @@ class GenerationClient:
             message,
             self._server.state.value,
             work.group,
-            self._compose(work, None, message) if work.engines else None,
+            work.compose(None, message) if work.engines else None,
         )
 
-    def _why_held(self, work: _Work) -> str:
+    def _why_held(self, work: Request) -> str:
         state = self._server.state
         groups = [g for g in self._server.groups if work.group in (None, g.name)]
         where = f"group {work.group!r}" if work.group is not None else "any group"
@@ -791,97 +552,6 @@ class GenerationClient:
     def _on_state(self, event: LifecycleEvent) -> None:
         """The hook on every state (and phase end): wake held requests to re-check; never raises."""
         self._notify()
-
-
-def _resumable_abort(finish: Mapping[str, Any]) -> bool:
-    """An abort that says nothing against the request itself (a 4xx status refuses it)."""
-    if finish.get("type") != "abort":
-        return False
-    status = finish.get("status_code")
-    return not (isinstance(status, int) and 400 <= status < 500)
-
-
-def _parse_spans(raw: object, count: int) -> list[WeightVersionSpan] | None:
-    """One attempt's ``meta_info["weight_versions"]`` over its ``count`` output tokens; None
-    when absent or not spans (a list of strings, say, as older servers and simulators sent).
-
-    SGLang 0.5.23 builds them in ``compute_weight_version_spans`` (scheduler: ordered,
-    contiguous from 0, adjacent equal versions joined) and ``add_weight_versions_to_meta_info``
-    (tokenizer: ends clipped to the output length). Here: ordered, non-overlapping, each
-    ``0 <= start <= end``, clipped to ``count`` likewise.
-    """
-    if not isinstance(raw, list) or not raw:
-        return None
-    spans: list[WeightVersionSpan] = []
-    floor = 0
-    for item in raw:
-        if not isinstance(item, Mapping):
-            return None
-        version, start, end = item.get("version"), item.get("start"), item.get("end")
-        if not (
-            isinstance(version, str)
-            and isinstance(start, int)
-            and isinstance(end, int)
-            and not isinstance(start, bool)
-            and not isinstance(end, bool)
-            and floor <= start <= end
-        ):
-            return None
-        floor = end
-        spans.append(
-            WeightVersionSpan(version=version, start=min(start, count), end=min(end, count))
-        )
-    return spans
-
-
-def _join_spans(work: _Work, raw: object, offset: int, count: int) -> None:
-    """Add an attempt's spans to ``work.spans``, shifted by the ``offset`` tokens before it.
-
-    Empty spans cover nothing and are dropped. A span that continues the previous one with the
-    same version is joined to it, as SGLang 0.5.23 ``compute_weight_version_spans`` does within
-    one request: an answer resubmitted under unchanged weights reads as one span, exactly as if
-    it had never been aborted. An attempt that produced tokens without usable spans makes the
-    answer's spans unknown (None) for good: they would misattribute its tokens otherwise.
-    """
-    if work.spans is None:
-        return
-    spans = _parse_spans(raw, count)
-    if spans is None:
-        if count:
-            work.spans = None
-        return
-    for span in spans:
-        work.span_version = span["version"]
-        start, end = offset + span["start"], offset + span["end"]
-        if end <= start:
-            continue
-        last = work.spans[-1] if work.spans else None
-        if last is not None and last["version"] == span["version"] and last["end"] == start:
-            last["end"] = end
-        else:
-            work.spans.append(WeightVersionSpan(version=span["version"], start=start, end=end))
-
-
-def _copy_span(span: WeightVersionSpan) -> WeightVersionSpan:
-    return WeightVersionSpan(version=span["version"], start=span["start"], end=span["end"])
-
-
-def _short(value: object, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _cancel_call(ref: object, future: asyncio.Future[Any]) -> None:
-    """Stop an engine call nobody waits for (in process: cancel it; over Ray: ask Ray)."""
-    future.cancel()
-    if ref is future:
-        return
-    try:
-        import ray
-
-        ray.cancel(ref)
-    except Exception:  # best effort: the ref may be finished, or not a Ray ref at all
-        return
 
 
 async def _cancel_all(tasks: Sequence[asyncio.Future[Any]]) -> None:

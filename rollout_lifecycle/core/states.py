@@ -1,8 +1,10 @@
-"""The lifecycle states and the transition table, declared once as data.
+"""The lifecycle states, the transition table and the call plans, declared once as data.
 
-The server's ``transitions.AsyncMachine`` runs on ``TRANSITIONS``; each row names the phase the
-server runs before the state changes (``before``), so a phase that fails leaves the state where
-it was. The Mermaid diagram is drawn from the same rows, so it cannot drift from the code.
+The server's ``transitions.AsyncMachine`` runs on ``TRANSITIONS``; a transition with a phase
+(``PHASED``) runs it before the state changes, so a phase that fails leaves the state where it
+was. ``CALLS`` says, for each public call, the states it is legal in and the transitions it
+fires from each, in order: the server reads it, and a test checks that every plan is a path
+through ``TRANSITIONS``. The Mermaid diagram is drawn from the same rows, so it cannot drift.
 """
 
 from __future__ import annotations
@@ -28,38 +30,34 @@ class ServerState(str, Enum):
 
 S = ServerState
 
-#: Every transition the server can make. ``before`` is the server method that runs the phase.
-#: ``write_weights`` is internal (``dest`` None): the state does not change while weights are
-#: written, and it is only legal where the weights are resident (invariant 5 of docs/design.md).
+#: Every transition the server can make. ``write_weights`` is internal (``dest`` None): the
+#: state does not change while weights are written, and it is only legal where the weights are
+#: resident (invariant 5 of docs/design.md).
 TRANSITIONS: tuple[dict[str, Any], ...] = (
     {"trigger": "pause", "source": S.SERVING, "dest": S.PAUSING},
     # A hook refused the drain before anything was left paused: back to serving.
     {"trigger": "abandon", "source": S.PAUSING, "dest": S.SERVING},
-    {"trigger": "drain", "source": S.PAUSING, "dest": S.DRAINED, "before": "_phase_drain"},
-    {"trigger": "release", "source": S.DRAINED, "dest": S.RELEASED, "before": "_phase_release"},
+    {"trigger": "drain", "source": S.PAUSING, "dest": S.DRAINED},
+    {"trigger": "release", "source": S.DRAINED, "dest": S.RELEASED},
     {
         "trigger": "restore_weights",
         "source": S.RELEASED,
         "dest": S.WEIGHTS_RESTORED,
-        "before": "_phase_restore_weights",
     },
     {
         "trigger": "write_weights",
         "source": [S.DRAINED, S.WEIGHTS_RESTORED, S.KV_RESTORED],
         "dest": None,
-        "before": "_phase_write_weights",
     },
     {
         "trigger": "restore_kv",
         "source": S.WEIGHTS_RESTORED,
         "dest": S.KV_RESTORED,
-        "before": "_phase_restore_kv",
     },
     {
         "trigger": "resume",
         "source": [S.DRAINED, S.KV_RESTORED],
         "dest": S.SERVING,
-        "before": "_phase_continue",
     },
     {
         "trigger": "fail",
@@ -72,11 +70,62 @@ TRANSITIONS: tuple[dict[str, Any], ...] = (
             "trigger": "reset",
             "source": S.FAILED,
             "dest": dest,
-            "conditions": "_settles_in_" + dest.value,
         }
         for dest in (S.SERVING, S.DRAINED, S.RELEASED, S.WEIGHTS_RESTORED)
     ),
 )
+
+
+#: The transitions that run a phase of engine calls before the state changes.
+PHASED: tuple[str, ...] = (
+    "drain",
+    "release",
+    "restore_weights",
+    "write_weights",
+    "restore_kv",
+    "resume",
+)
+
+#: Each public call: the states it is legal in, and the transitions it fires from each, in order
+#: (an empty plan: the call has nothing to do there). ``offload`` pauses and drains only the
+#: groups that offload; ``pause`` all of them.
+CALLS: dict[str, dict[ServerState, tuple[str, ...]]] = {
+    "offload": {
+        S.SERVING: ("pause", "drain", "release"),
+        S.DRAINED: ("release",),
+        S.RELEASED: (),
+    },
+    "onload_weights": {S.RELEASED: ("restore_weights",), S.WEIGHTS_RESTORED: ()},
+    "update_weights": {
+        S.DRAINED: ("write_weights",),
+        S.WEIGHTS_RESTORED: ("write_weights",),
+        S.KV_RESTORED: ("write_weights",),
+    },
+    "onload_kv": {S.WEIGHTS_RESTORED: ("restore_kv", "resume"), S.KV_RESTORED: ("resume",)},
+    "onload": {
+        S.SERVING: (),
+        S.DRAINED: ("resume",),
+        S.RELEASED: ("restore_weights", "restore_kv", "resume"),
+        S.WEIGHTS_RESTORED: ("restore_kv", "resume"),
+        S.KV_RESTORED: ("resume",),
+    },
+    "pause": {S.SERVING: ("pause", "drain"), S.DRAINED: ()},
+    "resume": {S.SERVING: (), S.DRAINED: ("resume",), S.KV_RESTORED: ("resume",)},
+    "reset": {S.FAILED: ("reset",)},
+}
+
+
+def destination(trigger: str, state: ServerState) -> ServerState | None:
+    """Where ``trigger`` leads from ``state`` (``state`` itself for ``write_weights``); None
+    when it is not legal there. ``reset`` is taken to lead to ``serving`` (its destination is
+    decided by the engines' records)."""
+    for row in TRANSITIONS:
+        source = row["source"]
+        if row["trigger"] == trigger and state in (
+            source if isinstance(source, list) else [source]
+        ):
+            return state if row["dest"] is None else ServerState(row["dest"])
+    return None
 
 
 def sources_of(trigger: str) -> tuple[ServerState, ...]:

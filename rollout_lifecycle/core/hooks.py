@@ -1,0 +1,196 @@
+"""Hooks and user code: the events a server emits, and how code a user hands it is run.
+
+``Hooks`` keeps the hooks registered for each event and runs them. ``run_user`` runs any user
+code the lifecycle calls (a hook, the weight push, a ``recover()`` factory) inside the operation
+in progress: bounded by a deadline, cancelled with its operation, and with whatever it raises
+turned into ``HookFailed`` so that a user's bug never leaves a phase half done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from rollout_lifecycle.core.config import Deadlines
+from rollout_lifecycle.core.events import logger
+from rollout_lifecycle.core.exceptions import HookFailed, InvalidArgument
+from rollout_lifecycle.core.scope import CURRENT, HookCancelled, Operation, Scope, cancel, current
+from rollout_lifecycle.core.states import ServerState
+
+if TYPE_CHECKING:
+    from rollout_lifecycle.core.server import RolloutServer
+
+T = TypeVar("T")
+
+Hook = Callable[["LifecycleEvent"], Any]
+
+#: Phases with ``before_<phase>`` / ``after_<phase>`` hook events, in the order a cycle runs them.
+HOOK_PHASES: tuple[str, ...] = (
+    "pause",
+    "flush",
+    "release",
+    "resume_weights",
+    "update_weights",
+    "resume_kv",
+    "continue",
+)
+#: The events hooks can subscribe to: entering each state, and before / after each phase.
+HOOK_EVENTS: tuple[str, ...] = (
+    *(s.value for s in ServerState),
+    *(f"{when}_{phase}" for phase in HOOK_PHASES for when in ("before", "after")),
+)
+
+
+@dataclass(frozen=True)
+class LifecycleEvent:
+    """What a hook receives: the event, the state entered and the one left."""
+
+    event: str
+    state: ServerState
+    previous: ServerState
+    server: RolloutServer
+    #: The phase, for ``before_<phase>`` / ``after_<phase>`` events.
+    phase: str | None = None
+
+
+class Hooks:
+    """The hooks of one server, by event, and the runner of every piece of user code."""
+
+    def __init__(
+        self, server: RolloutServer, state: Callable[[], ServerState], deadlines: Deadlines
+    ) -> None:
+        self._server = server
+        self._state = state
+        self._deadlines = deadlines
+        self.registered: dict[str, list[Hook]] = {e: [] for e in HOOK_EVENTS}
+
+    def on(self, event: str | ServerState, hook: Hook) -> Callable[[], None]:
+        """Register ``hook`` for ``event``; returns its remover (see ``RolloutServer.on``)."""
+        key = event.value if isinstance(event, ServerState) else event
+        if key not in self.registered:
+            raise InvalidArgument(f"unknown event {event!r}; events: {', '.join(HOOK_EVENTS)}")
+        if not callable(hook):
+            raise InvalidArgument(f"hook for {key!r} must be callable, got {hook!r}")
+        self.registered[key].append(hook)
+
+        def remove() -> None:
+            if hook in self.registered[key]:
+                self.registered[key].remove(hook)
+
+        return remove
+
+    async def emit(
+        self, event: str, state: ServerState, previous: ServerState, phase: str | None = None
+    ) -> None:
+        """Run the hooks of ``event``, in registration order."""
+        for hook in list(self.registered[event]):
+            info = LifecycleEvent(event, state, previous, self._server, phase)
+            await self.run_user(event, hook, info, self._deadlines.hook)
+
+    async def before(self, phase: str) -> None:
+        """Run the ``before_<phase>`` hooks; the phase's ``after_`` hooks follow the transition."""
+        state = self._state()
+        await self.emit(f"before_{phase}", state, state, phase)
+        found = current(self._server)
+        if found is not None:
+            found[0].phases.append(phase)
+
+    async def run_user(
+        self,
+        event: str,
+        fn: Callable[[Any], Any],
+        arg: Any,
+        deadline: float,
+        *,
+        wrap: bool = True,
+        grace: float | None = -1.0,
+    ) -> Any:
+        """Run user code (a hook, the weight push, a ``recover()`` factory) inside the
+        operation in progress, in a ``Scope`` of its own; its result.
+
+        An awaitable it returns runs as a task bounded by ``deadline`` and cancelled when the
+        operation is. Whatever it raises, ``BaseException`` included, becomes ``HookFailed``
+        (``KeyboardInterrupt`` propagates as it is; with ``wrap=False`` an ``Exception``
+        does too); a cancellation of the operation becomes ``HookCancelled``. Past its
+        deadline it is cancelled and given ``grace`` seconds to stop (the probe deadline by
+        default; ``None`` waits for it: a weight push must not write after its session
+        closed). A sync callable runs on the loop and cannot be bounded: it must not block.
+        """
+        if grace is not None and grace < 0:
+            grace = self._deadlines.probe
+        found = current(self._server)
+        op = found[0] if found is not None else Operation(event)
+        scope = Scope()
+        name = getattr(fn, "__qualname__", repr(fn))
+        task: asyncio.Future[Any] | None = None
+        stopped = ""
+        token = CURRENT.set((self._server, op, scope))
+        try:
+            try:
+                result = fn(arg)
+                if inspect.isawaitable(result):
+                    # created here, the task's context carries the scope
+                    task = scope.task = asyncio.ensure_future(_captured(result))
+            finally:
+                CURRENT.reset(token)
+            if task is not None:
+                op.running.add(task)
+                try:
+                    done, _ = await asyncio.wait([task], timeout=deadline)
+                finally:
+                    op.running.discard(task)
+                if not done:
+                    stopped = f"did not return within {deadline:g}s and was cancelled"
+                    task.cancel()
+                    # a hook that ignores its cancellation is left behind
+                    await asyncio.wait([task], timeout=grace)
+                    raise TimeoutError(stopped)
+                caught, result = task.result()
+                if caught is not None:
+                    raise caught
+            return result
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
+            if task is not None and not task.done():  # this task itself was cancelled
+                task.cancel()
+                raise
+            state = self._state().value
+            if isinstance(exc, asyncio.CancelledError) and op.cancelled:
+                raise HookCancelled(event, name, state, "was cancelled") from exc
+            if not wrap and isinstance(exc, Exception) and not stopped:
+                raise
+            logger().warning(
+                "hook.failed",
+                server=self._server.name,
+                hook_event=event,
+                hook=name,
+                error=repr(exc),
+            )
+            raise HookFailed(event, name, state, stopped or "raised") from exc
+        finally:
+            scope.closed = True
+            # calls it made that still run are part of it: they finish (or stop at their next
+            # boundary, if the operation was cancelled) before the operation goes on
+            while scope.calls:
+                if op.cancelled:
+                    for nested in scope.calls.values():
+                        cancel(nested)
+                await asyncio.wait(list(scope.calls))
+
+
+async def _captured(result: Awaitable[T]) -> tuple[BaseException | None, T | None]:
+    """Await user code's awaitable, handing back what it raised instead of raising it: a
+    ``SystemExit`` raised in a task would otherwise leave through the event loop itself."""
+    try:
+        return None, await result
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        raise
+    except BaseException as exc:
+        return exc, None
+
+
+__all__ = ["HOOK_EVENTS", "HOOK_PHASES", "Hook", "Hooks", "LifecycleEvent"]

@@ -1,0 +1,541 @@
+"""The fleet ledger: what the server knows of every engine, the guards, and the memory targets.
+
+An ``EngineRecord`` is one engine's entry: paused or not, which memory tags are released or in
+an unknown state, whether it passed the idle barrier since its last pause, alive or dead. Its
+``check_*`` guards refuse a call that would kill the engine before it is sent; ``intend`` and
+``apply`` record what a call may have done and what it did. ``target`` is the one table from a
+server state to the memory state each engine should be in; ``Fleet`` answers every question
+the server, recovery, ``adopt`` and the generation client ask of the records, from that table.
+Nothing here sends a call.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Protocol
+
+from rollout_lifecycle.core.config import WEIGHT_TAGS, PauseMode, Tag, parse_tags
+from rollout_lifecycle.core.exceptions import IllegalEngineOp, InvalidArgument
+from rollout_lifecycle.core.ops import MEMORY_OPS, PAUSE_OPS, SESSION_OPS, Op
+from rollout_lifecycle.core.outcome import EngineOutcome, Outcome
+from rollout_lifecycle.core.states import ServerState
+
+S = ServerState
+
+#: Outcomes after which an engine may or may not have carried out the call.
+_EFFECT_UNKNOWN = frozenset({Outcome.TIMED_OUT, Outcome.UNREACHABLE, Outcome.ERROR})
+
+
+def _tag_list(tags: Collection[Tag]) -> list[str]:
+    return [t.value for t in tags]
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What the server knows about one engine at one moment."""
+
+    id: str
+    group: str
+    alive: bool
+    paused: bool
+    pause_mode: str | None
+    flushed: bool
+    released: tuple[str, ...]
+    uncertain: tuple[str, ...]
+    last_op: str | None
+    last_outcome: str | None
+    stale: bool
+    #: A pause or continue did not answer: the engine may be paused or serving.
+    pause_unknown: bool = False
+    #: A weight-update session may be open (its begin or end did not complete).
+    session_unknown: bool = False
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EngineSnapshot:
+        """The snapshot whose ``asdict`` gave ``data`` (JSON lists stand for the tuples);
+        unknown keys are ignored, a missing or mistyped field raises ``InvalidArgument``."""
+        if not isinstance(data, Mapping):
+            raise InvalidArgument(f"an engine snapshot must be a mapping, got {data!r}")
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in data:
+                if f.default is MISSING:
+                    raise InvalidArgument(f"engine snapshot lacks {f.name!r}")
+                continue
+            value = data[f.name]
+            kind = str(f.type)
+            if kind == "tuple[str, ...]" and isinstance(value, list | tuple):
+                value = tuple(value)
+                ok = all(isinstance(v, str) for v in value)
+            elif kind == "bool":
+                ok = isinstance(value, bool)
+            else:
+                ok = isinstance(value, str) or (value is None and kind == "str | None")
+            if not ok:
+                raise InvalidArgument(f"engine snapshot field {f.name!r} is {kind}, got {value!r}")
+            values[f.name] = value
+        return cls(**values)
+
+
+@dataclass(eq=False)
+class EngineRecord:
+    """The ledger entry of one engine: the server's knowledge of its state, and the guards."""
+
+    id: str
+    group: str
+    handle: Any
+    alive: bool = True
+    paused: bool = False
+    pause_mode: PauseMode | None = None
+    #: Passed the idle barrier (a successful flush) since it was last paused.
+    flushed: bool = False
+    released: set[Tag] = field(default_factory=set)
+    #: Tags whose release or resume did not answer in time: the engine may or may not hold them.
+    uncertain: set[Tag] = field(default_factory=set)
+    last_op: str | None = None
+    last_outcome: EngineOutcome | None = None
+    #: A replacement that has not received the fleet's weights yet.
+    stale: bool = False
+    #: A pause or continue did not answer: whether the engine is paused is not known. It is
+    #: recorded as paused and not flushed, so it is continued or paused again before anything
+    #: else, and never released on the strength of an old flush.
+    pause_unknown: bool = False
+    #: A begin or end of a weight-update session did not complete: a session may be open, and
+    #: the next update closes it first.
+    session_unknown: bool = False
+    #: What ``intend`` changed for the call in flight, restored when it is refused outright.
+    _undo: tuple[Any, ...] | None = field(default=None, repr=False)
+
+    # -- guards: each raises before a call that would kill the engine is sent ------------------
+
+    def _refuse(self, op: Op, reason: str) -> IllegalEngineOp:
+        return IllegalEngineOp(self.id, op.value, reason)
+
+    def check_alive(self, op: Op) -> None:
+        """Refuse any call to an engine known to be dead."""
+        if not self.alive:
+            raise self._refuse(op, "the engine is dead")
+
+    def check_release(self, tags: Sequence[Tag]) -> None:
+        """Release only a paused, flushed (idle) engine, and never a tag twice."""
+        op = Op.RELEASE
+        self.check_alive(op)
+        if self.uncertain:
+            raise self._refuse(op, f"tags {_tag_list(self.uncertain)} are in an unknown state")
+        if not self.paused:
+            raise self._refuse(op, "the engine is not paused (release would hit live requests)")
+        if self.pause_unknown:
+            raise self._refuse(op, "its last pause or continue did not answer: pause it again")
+        if self.pause_mode is PauseMode.IN_PLACE:
+            raise self._refuse(op, "paused in_place: requests still hold their KV cache")
+        if not self.flushed:
+            raise self._refuse(op, "the engine has not passed a flush since it was paused")
+        twice = [t.value for t in tags if t in self.released]
+        if twice:
+            raise self._refuse(op, f"tags {twice} are already released (double release kills)")
+
+    def check_resume(self, tags: Sequence[Tag]) -> None:
+        """Resume only tags that are released."""
+        op = Op.RESUME
+        self.check_alive(op)
+        if self.uncertain:
+            raise self._refuse(op, f"tags {_tag_list(self.uncertain)} are in an unknown state")
+        missing = [t.value for t in tags if t not in self.released]
+        if missing:
+            raise self._refuse(op, f"tags {missing} are not released (resuming them kills)")
+
+    def check_continue(self) -> None:
+        """Continue generation only on fully resident memory."""
+        op = Op.CONTINUE
+        self.check_alive(op)
+        held = sorted(t.value for t in self.released | self.uncertain)
+        if held:
+            raise self._refuse(op, f"tags {held} are released; generation would run on them")
+
+    def check_write_weights(self) -> None:
+        """Write weights only when they are resident."""
+        op = Op.SET_VERSION
+        self.check_alive(op)
+        if Tag.WEIGHTS in self.released or Tag.WEIGHTS in self.uncertain:
+            raise self._refuse(op, "weights are released; writing them is an illegal access")
+
+    # -- effects of calls ------------------------------------------------------------------------
+
+    def intend(self, op: Op, tags: Sequence[Tag], mode: PauseMode | None) -> None:
+        """Record, before ``op`` is sent, what stays unknown until it answers: the tags of a
+        release or resume become uncertain, a pause or continue leaves the engine paused
+        unknown, a weight-update session may be open. A process that dies with the call in
+        flight leaves this record, which refuses the call that could kill the engine; the
+        outcome (``apply``) replaces it."""
+        op = Op(op)  # an operation the ledger does not know is an error, never ignored
+        if op in MEMORY_OPS:
+            self._undo = (frozenset(t for t in tags if t not in self.uncertain),)
+            self.uncertain.update(tags)
+        elif op in PAUSE_OPS:
+            self._undo = (self.paused, self.pause_mode, self.flushed, self.pause_unknown)
+            self.paused, self.flushed, self.pause_unknown = True, False, True
+            if op is Op.PAUSE:
+                self.pause_mode = mode
+        elif op in SESSION_OPS:
+            self._undo = (self.session_unknown,)
+            self.session_unknown = True
+
+    def undo_intent(self, op: Op) -> None:
+        """Forget what ``intend`` recorded for ``op``: it was refused and did nothing."""
+        undo, self._undo = self._undo, None
+        if undo is None:
+            return
+        if op in MEMORY_OPS:
+            self.uncertain.difference_update(undo[0])
+        elif op in PAUSE_OPS:
+            self.paused, self.pause_mode, self.flushed, self.pause_unknown = undo
+        elif op in SESSION_OPS:
+            (self.session_unknown,) = undo
+
+    def apply(
+        self, op: Op, tags: Sequence[Tag], mode: PauseMode | None, out: EngineOutcome
+    ) -> None:
+        """Record what a settled call means for this engine."""
+        op = Op(op)  # an operation the ledger does not know is an error, never ignored
+        self.last_op = op.value
+        self.last_outcome = out
+        if out.outcome is Outcome.DEAD:
+            self._undo = None
+            self.alive = False
+            return
+        if out.outcome in _EFFECT_UNKNOWN:
+            self._undo = None
+            # No answer, a dropped connection or garbage: the call may or may not have landed.
+            _UNANSWERED.get(op, _nothing)(self, tags, mode)
+            return
+        if not out.ok:
+            self.undo_intent(op)
+            if op is Op.END_UPDATE:
+                # SGLang answers 400 when no session is open: then none is. Any other refusal
+                # leaves the session it should have closed open.
+                self.session_unknown = out.status != 400
+            return
+        if op in MEMORY_OPS or op is Op.BEGIN_UPDATE:
+            self.undo_intent(op)  # the answer replaces the intent
+        self._undo = None
+        _ANSWERED.get(op, _nothing)(self, tags, mode)
+
+    def renew(self, handle: Any) -> None:
+        """A new engine takes this slot: alive, serving, all memory resident, stale until it
+        receives the fleet's weights."""
+        self.handle = handle
+        self.alive, self.paused, self.pause_mode, self.flushed = True, False, None, False
+        self.pause_unknown = self.session_unknown = False
+        self.released.clear()
+        self.uncertain.clear()
+        self.last_op, self.last_outcome, self.stale = None, None, True
+        self._undo = None
+
+    def snapshot(self) -> EngineSnapshot:
+        """An immutable copy of this record."""
+        order = {t: i for i, t in enumerate(Tag)}
+        return EngineSnapshot(
+            id=self.id,
+            group=self.group,
+            alive=self.alive,
+            paused=self.paused,
+            pause_mode=self.pause_mode.value if self.pause_mode else None,
+            flushed=self.flushed,
+            released=tuple(t.value for t in sorted(self.released, key=order.__getitem__)),
+            uncertain=tuple(t.value for t in sorted(self.uncertain, key=order.__getitem__)),
+            last_op=self.last_op,
+            last_outcome=str(self.last_outcome) if self.last_outcome else None,
+            stale=self.stale,
+            pause_unknown=self.pause_unknown,
+            session_unknown=self.session_unknown,
+        )
+
+    def load(self, snapshot: EngineSnapshot) -> None:
+        """Take over what ``snapshot`` recorded of this engine (in an earlier process, say).
+
+        Raises ``InvalidArgument``, changing nothing, when it is another engine's or names an
+        unknown pause mode or tag. The last outcome keeps its text, not its duration.
+        """
+        if (snapshot.id, snapshot.group) != (self.id, self.group):
+            raise InvalidArgument(f"snapshot of engine {snapshot.id} cannot load into {self.id}")
+        mode = None
+        if snapshot.pause_mode is not None:
+            try:
+                mode = PauseMode(snapshot.pause_mode)
+            except ValueError:
+                raise InvalidArgument(
+                    f"engine {self.id}: unknown pause mode {snapshot.pause_mode!r}"
+                ) from None
+        released = set(parse_tags(snapshot.released)) if snapshot.released else set()
+        uncertain = set(parse_tags(snapshot.uncertain)) if snapshot.uncertain else set()
+        last = None
+        if snapshot.last_outcome is not None:
+            head, _, detail = snapshot.last_outcome.partition(" (")
+            if head in {o.value for o in Outcome}:
+                last = EngineOutcome(Outcome(head), detail.removesuffix(")"))
+        self.alive, self.paused, self.pause_mode = snapshot.alive, snapshot.paused, mode
+        self.flushed, self.released, self.uncertain = snapshot.flushed, released, uncertain
+        self.last_op, self.last_outcome, self.stale = snapshot.last_op, last, snapshot.stale
+        self.pause_unknown = snapshot.pause_unknown
+        self.session_unknown = snapshot.session_unknown
+        self._undo = None
+
+
+# -- effects of calls, by operation --------------------------------------------------------------
+
+_Effect = Callable[[EngineRecord, Sequence[Tag], PauseMode | None], None]
+
+
+def _nothing(record: EngineRecord, tags: Sequence[Tag], mode: PauseMode | None) -> None:
+    return
+
+
+def _paused(record: EngineRecord, tags: Sequence[Tag], mode: PauseMode | None) -> None:
+    record.paused, record.pause_mode, record.flushed = True, mode, False
+    record.pause_unknown = False
+
+
+def _flushed(record: EngineRecord, tags: Sequence[Tag], mode: PauseMode | None) -> None:
+    record.flushed = True
+
+
+def _released(record: EngineRecord, tags: Sequence[Tag], mode: PauseMode | None) -> None:
+    record.released.update(tags)
+
+
+def _resumed(record: EngineRecord, tags: Sequence[Tag], mode: PauseMode | None) -> None:
+    record.released.difference_update(tags)
+
+
+def _continued(record: EngineRecord, tags: Sequence[Tag], mode: PauseMode | None) -> None:
+    record.paused, record.pause_mode, record.flushed = False, None, False
+    record.pause_unknown = False
+
+
+def _session_closed(record: EngineRecord, tags: Sequence[Tag], mode: PauseMode | None) -> None:
+    record.session_unknown = False
+
+
+def _tags_unknown(record: EngineRecord, tags: Sequence[Tag], mode: PauseMode | None) -> None:
+    record.uncertain.update(tags)  # neither a release nor a resume of them is safe now
+
+
+def _pause_unknown(record: EngineRecord, tags: Sequence[Tag], mode: PauseMode | None) -> None:
+    # Count the engine as paused, so that it is continued (harmless if it never paused) and
+    # never taken for serving; a flush alone never makes it releasable.
+    record.paused, record.flushed, record.pause_unknown = True, False, True
+
+
+def _pause_sent_unknown(record: EngineRecord, tags: Sequence[Tag], mode: PauseMode | None) -> None:
+    _pause_unknown(record, tags, mode)
+    record.pause_mode = mode
+
+
+def _session_unknown(record: EngineRecord, tags: Sequence[Tag], mode: PauseMode | None) -> None:
+    record.session_unknown = True
+
+
+#: What a call that succeeded means for the record (operations absent change nothing).
+_ANSWERED: Mapping[Op, _Effect] = {
+    Op.PAUSE: _paused,
+    Op.FLUSH: _flushed,
+    Op.RELEASE: _released,
+    Op.RESUME: _resumed,
+    Op.CONTINUE: _continued,
+    Op.END_UPDATE: _session_closed,
+}
+#: What a call that may or may not have landed means for the record.
+_UNANSWERED: Mapping[Op, _Effect] = {
+    Op.RELEASE: _tags_unknown,
+    Op.RESUME: _tags_unknown,
+    Op.PAUSE: _pause_sent_unknown,
+    Op.CONTINUE: _pause_unknown,
+    Op.BEGIN_UPDATE: _session_unknown,
+    Op.END_UPDATE: _session_unknown,
+}
+
+
+# -- the memory target of each server state ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """The memory state an engine is in when the server is settled in some state."""
+
+    #: Paused (generation stopped); for a group that keeps its memory in ``drained`` this is
+    #: what ``pause()`` leaves, while an ``offload()`` stopped there left it serving.
+    paused: bool
+    #: The tags it holds released, in release order.
+    released: tuple[Tag, ...]
+
+
+def target(state: ServerState, needs_offload: bool, release_tags: Sequence[Tag]) -> Target | None:
+    """The memory state of an engine of a group (that offloads, or keeps its memory) when the
+    server is settled in ``state``; None for ``pausing`` and ``failed``, which imply none.
+
+    The one encoding of the lifecycle's memory states: ``serving`` holds everything and
+    generates; ``drained`` is paused and idle everywhere; ``released`` releases every release
+    tag of the groups that offload while the others serve; ``weights_restored`` has the
+    weights back; ``kv_restored`` has everything back, the offloaded groups still paused.
+    """
+    if state is S.SERVING:
+        return Target(False, ())
+    if state is S.DRAINED:
+        return Target(True, ())
+    if state not in (S.RELEASED, S.WEIGHTS_RESTORED, S.KV_RESTORED):
+        return None
+    if not needs_offload:
+        return Target(False, ())
+    if state is S.RELEASED:
+        return Target(True, tuple(release_tags))
+    if state is S.WEIGHTS_RESTORED:
+        return Target(True, tuple(t for t in release_tags if t not in WEIGHT_TAGS))
+    return Target(True, ())
+
+
+def may_serve(state: ServerState, needs_offload: bool) -> bool:
+    """Whether an engine of such a group may take generate requests in ``state`` (it must also
+    be unpaused and hold all its memory): everywhere in ``serving``, only in the groups that
+    keep their memory while the server is anywhere in an offload, nowhere in ``failed``."""
+    if state is S.SERVING:
+        return True
+    return state is not S.FAILED and not needs_offload
+
+
+#: The states ``settled_state`` tells apart by the tags the offloaded engines hold released.
+_RELEASE_STATES = (S.RELEASED, S.WEIGHTS_RESTORED)
+
+
+class GroupRecords(Protocol):
+    """What the ledger needs of a group: its name, its policy, its records."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def needs_offload(self) -> bool: ...
+
+    @property
+    def records(self) -> tuple[EngineRecord, ...]: ...
+
+
+class Fleet:
+    """The records of every engine of a server's groups, and the named queries over them."""
+
+    def __init__(self, groups: Sequence[GroupRecords], release_tags: Sequence[Tag]) -> None:
+        self._groups = tuple(groups)
+        self._release_tags = tuple(release_tags)
+        self._offloads = {g.name: g.needs_offload for g in self._groups}
+
+    @property
+    def groups(self) -> tuple[GroupRecords, ...]:
+        """The groups, in order."""
+        return self._groups
+
+    def records(self) -> list[EngineRecord]:
+        """Every record, dead or alive, in group order."""
+        return [r for g in self._groups for r in g.records]
+
+    def live(self, skip: Collection[str] = ()) -> list[EngineRecord]:
+        """The records of the engines not known to be dead (but those in ``skip``)."""
+        return [r for g in self._groups for r in g.records if r.alive and r.id not in skip]
+
+    def offloads(self, record: EngineRecord) -> bool:
+        """Whether ``record``'s group offloads (its GPUs are shared with the trainer)."""
+        return self._offloads[record.group]
+
+    def offloaded(self, skip: Collection[str] = ()) -> list[EngineRecord]:
+        """The live records of the groups that offload."""
+        return [r for r in self.live(skip) if self._offloads[r.group]]
+
+    def paused_keepers(self) -> list[EngineRecord]:
+        """The paused live engines, with every tag resident, of the groups that keep their
+        memory."""
+        return [
+            r
+            for r in self.live()
+            if not self._offloads[r.group] and r.paused and not (r.released | r.uncertain)
+        ]
+
+    def continuable(self) -> list[EngineRecord]:
+        """The paused live engines that hold all their memory and have the fleet's weights:
+        what a drain that did not complete leaves to continue."""
+        return [r for r in self.live() if r.paused and not (r.released | r.uncertain or r.stale)]
+
+    def broken(self) -> list[EngineRecord]:
+        """The engines ``recover()`` replaces: dead, or holding tags in an unknown state."""
+        return [r for r in self.records() if not r.alive or r.uncertain]
+
+    def dead_groups(self) -> list[GroupRecords]:
+        """The groups none of whose engines is alive."""
+        return [g for g in self._groups if not any(r.alive for r in g.records)]
+
+    def target(self, record: EngineRecord, state: ServerState) -> Target | None:
+        """The memory state ``record`` should be in when the server is settled in ``state``."""
+        return target(state, self._offloads[record.group], self._release_tags)
+
+    def settled_state(self, skip: Collection[str] = ()) -> ServerState | None:
+        """The state the records of the live engines (but ``skip``) imply; None if they disagree.
+
+        ``drained`` stands for every offloaded engine paused and idle, whether or not the
+        groups that keep their memory are paused too (both ``pause()`` and ``offload()`` reach
+        it); those groups must agree among themselves.
+        """
+        live = self.live(skip)
+        if any(r.uncertain for r in live):
+            return None
+        if any(r.stale and not r.paused for r in live):
+            return None  # a replacement that could not be brought up: recover() pauses it
+        # Replacements without the weights, held paused while their groups serve.
+        waiting = {r.id for r in live if r.stale and r.paused and not r.released}
+        offload = [r for r in live if self._offloads[r.group]]
+        others = [r for r in live if not self._offloads[r.group]]
+        released = {frozenset(r.released) for r in offload} or {frozenset()}
+        if len(released) != 1 or any(r.released for r in others):
+            return None
+        if len({r.paused for r in others if r.id not in waiting}) > 1:
+            return None
+        (held,) = released
+        idle = all(r.paused and (r.flushed or r.pause_mode is PauseMode.IN_PLACE) for r in offload)
+        if not held:
+            if not any(r.paused for r in live if r.id not in waiting):
+                return S.SERVING
+            return S.DRAINED if idle else None
+        if not idle:
+            return None  # (groups that keep their memory may be paused: a write that failed)
+        return self._state_releasing(held)
+
+    def majority_state(self, skip: Collection[str]) -> ServerState | None:
+        """After a phase failed part-way, the state most offloaded engines are in."""
+        offload = self.offloaded(skip)
+        if not offload:
+            return S.SERVING
+        held = Counter(frozenset(r.released) for r in offload).most_common()
+        top = [h for h, n in held if n == held[0][1]]
+        tags = min(top, key=len)  # on a tie, the most restored
+        if not tags:
+            # A drain that did not complete (paused, never flushed) is undone, not finished.
+            drained = sum(r.paused and r.flushed for r in offload)
+            return S.DRAINED if drained * 2 > len(offload) else S.SERVING
+        return self._state_releasing(tags)
+
+    def _state_releasing(self, held: Collection[Tag]) -> ServerState | None:
+        """The state in which the offloaded engines hold exactly ``held`` released."""
+        for state in _RELEASE_STATES:
+            goal = target(state, True, self._release_tags)
+            if goal is not None and set(goal.released) == set(held):
+                return state
+        return None
+
+
+__all__ = [
+    "EngineRecord",
+    "EngineSnapshot",
+    "Fleet",
+    "GroupRecords",
+    "Target",
+    "may_serve",
+    "target",
+]

@@ -1,0 +1,64 @@
+"""The engine operations, declared once: their wire names and the kinds the ledger tells apart.
+
+Every engine call the library sends is an ``Op``. Its value is the name of the ``EngineHost``
+method (and of the Ray actor method) that carries it out, so ``Op.PAUSE == "pause_generation"``
+and the history an engine records compares equal to the enum. ``EngineRecord.apply`` and the
+guards look operations up in the tables below: an operation the ledger does not know is a
+``KeyError``, never a silently ignored typo.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Op(str, Enum):
+    """One engine operation; the value is its wire (method) name."""
+
+    PAUSE = "pause_generation"
+    CONTINUE = "continue_generation"
+    FLUSH = "flush_cache"
+    RELEASE = "release_memory_occupation"
+    RESUME = "resume_memory_occupation"
+    BEGIN_UPDATE = "begin_weight_update"
+    END_UPDATE = "end_weight_update"
+    SET_VERSION = "update_weight_version"
+    WEIGHT_VERSION = "weight_version"
+    SERVER_INFO = "server_info"
+    GENERATE = "generate"
+    ABORT = "abort_request"
+    UPDATE_FROM_DISK = "update_weights_from_disk"
+    UPDATE_FROM_TENSOR = "update_weights_from_tensor"
+    UPDATE_FROM_DISTRIBUTED = "update_weights_from_distributed"
+    INIT_UPDATE_GROUP = "init_weights_update_group"
+    DESTROY_UPDATE_GROUP = "destroy_weights_update_group"
+    LABEL = "label"
+    HISTORY = "history"
+    MEMORY = "memory"
+    STATE = "state"
+    STATS = "stats"
+    CLOSE = "close"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: Operations that change which memory tags an engine holds.
+MEMORY_OPS = frozenset({Op.RELEASE, Op.RESUME})
+#: Operations that change whether an engine generates.
+PAUSE_OPS = frozenset({Op.PAUSE, Op.CONTINUE})
+#: Operations that open or close a weight-update session.
+SESSION_OPS = frozenset({Op.BEGIN_UPDATE, Op.END_UPDATE})
+#: Operations whose intent is recorded before they are sent (a process that dies with one in
+#: flight leaves a record that refuses the call that could kill the engine).
+INTENT_OPS = MEMORY_OPS | PAUSE_OPS | SESSION_OPS
+#: Operations that write or depend on resident weights.
+WEIGHT_OPS = frozenset({Op.BEGIN_UPDATE, Op.END_UPDATE, Op.SET_VERSION})
+
+
+def as_op(name: str | Op) -> Op:
+    """The operation named ``name``; ``ValueError`` for a name that is not one."""
+    return name if isinstance(name, Op) else Op(name)
+
+
+__all__ = ["INTENT_OPS", "MEMORY_OPS", "PAUSE_OPS", "SESSION_OPS", "WEIGHT_OPS", "Op", "as_op"]

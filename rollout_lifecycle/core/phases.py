@@ -1,0 +1,240 @@
+"""The lifecycle's phases: drain, release, restore and continue, each a barrier over the fleet.
+
+Each phase plans its engine calls over the ledger (``Fleet``), runs them through the phase
+runner, and raises ``PhaseFailed`` unless every engine it reached succeeded. The order in which
+they run, and the states they connect, are the state machine's; what each guarantees is in
+``docs/design.md`` (invariants 1-6).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rollout_lifecycle.core.config import WEIGHT_TAGS, DeadEnginePolicy, LifecycleConfig, PauseMode
+from rollout_lifecycle.core.exceptions import HookFailed, IllegalEngineOp, PhaseFailed, StaleWeights
+from rollout_lifecycle.core.hooks import Hooks
+from rollout_lifecycle.core.ledger import EngineRecord, Fleet, GroupRecords
+from rollout_lifecycle.core.machine import PhaseArgs
+from rollout_lifecycle.core.ops import Op
+from rollout_lifecycle.core.outcome import EngineOutcome, Outcome
+from rollout_lifecycle.core.runner import PhaseRunner, Plan
+from rollout_lifecycle.core.states import ServerState
+
+FAILED = ServerState.FAILED.value
+
+
+@dataclass
+class Versions:
+    """The weight version generation must see: set by a versioned update, checked before
+    every continue."""
+
+    expected: str | None = None
+
+
+class Phases:
+    """The phases of one server's transitions."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        runner: PhaseRunner,
+        config: LifecycleConfig,
+        hooks: Hooks,
+        versions: Versions,
+    ) -> None:
+        self._fleet = fleet
+        self._runner = runner
+        self._config = config
+        self._hooks = hooks
+        self._versions = versions
+        #: The outcomes of the last continue after a failed drain.
+        self._last_outcomes: dict[str, EngineOutcome] = {}
+
+    def offload_groups(self) -> tuple[GroupRecords, ...]:
+        """The groups whose GPUs are shared with the trainer."""
+        return tuple(g for g in self._fleet.groups if g.needs_offload)
+
+    def preflight_offload(self) -> None:
+        """Refuse an offload, before anything is paused, that a release would refuse."""
+        tags = self._config.release_tags
+        for record in self._fleet.offloaded():
+            held = [t.value for t in tags if t in record.released | record.uncertain]
+            if held:
+                raise IllegalEngineOp(
+                    record.id, Op.RELEASE.value, f"tags {held} are already released or unknown"
+                )
+        if self._config.dead_engines is DeadEnginePolicy.FAIL:
+            groups = self.offload_groups()
+            dead = [r.id for g in groups for r in g.records if not r.alive]
+            if dead:
+                raise IllegalEngineOp(
+                    ", ".join(dead), "offload", "engines are dead; recover() them first"
+                )
+
+    # -- drain ----------------------------------------------------------------------------------
+
+    async def drain(self, args: PhaseArgs) -> None:
+        """Pause ``args.groups``, then flush them until idle (the idle barrier)."""
+        mode = self._config.pause_mode
+        deadlines = self._config.deadlines
+        await self._hooks.before("pause")
+        plan = Plan.over(args.groups, Op.PAUSE, (mode.value,), mode=mode)
+        outcomes = (await self._runner.run("pause", plan, deadlines.pause)).outcomes
+        if not self._runner.succeeded(outcomes):
+            await self.undo_pause()
+            raise PhaseFailed("pause", self._with_unattempted(outcomes), FAILED)
+        if mode is PauseMode.IN_PLACE:
+            return  # requests keep their KV cache: flush would be refused, and is not needed
+        try:
+            await self._hooks.before("flush")
+        except HookFailed:
+            if not await self.undo_pause(always=True):
+                raise PhaseFailed("continue_after_hook", self._last_outcomes, FAILED) from None
+            raise
+        interval = self._config.flush_retry_interval
+        plan = Plan.over(args.groups, Op.FLUSH, (deadlines.flush, interval))
+        # The engine retries internally until the flush deadline; the barrier allows a margin
+        # for the last attempt's answer to arrive.
+        result = await self._runner.run("flush", plan, deadlines.flush + deadlines.probe)
+        if not self._runner.succeeded(result.outcomes):
+            await self.undo_pause()
+            raise PhaseFailed("flush", result.outcomes, FAILED)
+
+    async def undo_pause(self, *, always: bool = False) -> bool:
+        """Continue the engines a drain paused (nothing is released); True if none stays paused.
+
+        After a failed drain this follows ``continue_on_failure``; ``always`` is for a drain a
+        hook refused, which must return to ``serving``.
+        """
+        if not (always or self._config.continue_on_failure):
+            return False
+        deadline = self._config.deadlines.continue_
+        # A pause that missed its deadline may still land and would overtake a continue sent
+        # before it: such calls get until the deadline, and an engine whose pause is still in
+        # flight is left paused (as recorded) for recover() to continue once it has landed.
+        targets = await self._runner.landed(self._fleet.continuable(), deadline)
+        plan = Plan(Op.CONTINUE, tuple(targets))
+        result = await self._runner.run("continue_after_failure", plan, deadline)
+        self._last_outcomes = result.outcomes
+        return self._runner.succeeded(result.outcomes) and not any(
+            r.paused and not r.stale for r in self._fleet.live()
+        )
+
+    def _with_unattempted(self, outcomes: dict[str, EngineOutcome]) -> dict[str, EngineOutcome]:
+        out = dict(outcomes)
+        for record in self._fleet.records():
+            if record.id not in out and not record.alive:
+                out[record.id] = EngineOutcome(Outcome.NOT_ATTEMPTED, "engine already dead")
+        return out
+
+    # -- release and restore --------------------------------------------------------------------
+
+    async def release(self, args: PhaseArgs) -> None:
+        """Release the release tags of the groups that offload; the others serve."""
+        tags = self._config.release_tags
+        groups = self.offload_groups()
+        release = ([t.value for t in tags],)
+        Plan.over(groups, Op.RELEASE, release, tags=tags).check()
+        await self._hooks.before("release")
+        plan = Plan.over(groups, Op.RELEASE, release, tags=tags)  # (after the hooks)
+        await self._runner.require("release", plan, self._config.deadlines.release)
+        # Groups that keep their memory serve while the others are offloaded, also when
+        # ``pause()`` paused them before this release.
+        outcomes = await self.continue_keepers()
+        if not self._runner.succeeded(outcomes):
+            raise PhaseFailed("continue_keepers", outcomes, FAILED)
+
+    async def restore_weights(self, args: PhaseArgs) -> None:
+        """Resume the released weight tags."""
+        await self._restore("weights")
+
+    async def restore_kv(self, args: PhaseArgs) -> None:
+        """Resume the released tags that are not weights (the KV cache, CUDA graphs)."""
+        await self._restore("kv")
+
+    async def _restore(self, which: str) -> None:
+        released = self._config.release_tags
+        if which == "weights":
+            tags = tuple(t for t in released if t in WEIGHT_TAGS)
+        else:
+            tags = tuple(t for t in released if t not in WEIGHT_TAGS)
+        if not tags:
+            await self._hooks.before(f"resume_{which}")
+            return
+        groups, args = self.offload_groups(), ([t.value for t in tags],)
+        Plan.over(groups, Op.RESUME, args, tags=tags).check()
+        await self._hooks.before(f"resume_{which}")
+        plan = Plan.over(groups, Op.RESUME, args, tags=tags)  # (after the hooks)
+        await self._runner.require(f"resume_{which}", plan, self._config.deadlines.resume)
+
+    # -- continue -------------------------------------------------------------------------------
+
+    async def continue_(self, args: PhaseArgs) -> None:
+        """Continue every paused engine, once each has the expected weights."""
+        plan = Plan.over(self._fleet.groups, Op.CONTINUE)
+        plan.check()
+        await self.check_versions(plan.targets)
+        await self._hooks.before("continue")
+        await self.await_stragglers("continue", plan.targets)
+        plan = Plan.over(self._fleet.groups, Op.CONTINUE)  # (after the hooks)
+        await self._runner.require("continue", plan, self._config.deadlines.continue_)
+
+    async def continue_keepers(self) -> dict[str, EngineOutcome]:
+        """Continue the paused engines of the groups that keep their memory, except those
+        without the expected weights (they stay paused until an update reaches them)."""
+        keepers = self._fleet.paused_keepers()
+        if not keepers:
+            return {}
+        # a continue must not be overtaken by a pause still in flight
+        landed = await self._runner.landed(keepers, self._config.deadlines.pause)
+        lacking = await self.lacking_weights(keepers)
+        plan = Plan(Op.CONTINUE, tuple(r for r in landed if r.id not in lacking))
+        deadline = self._config.deadlines.continue_
+        return (await self._runner.run("continue_keepers", plan, deadline)).outcomes
+
+    async def await_stragglers(self, phase: str, targets: Sequence[EngineRecord]) -> None:
+        """Let calls that missed an earlier deadline on ``targets`` land (bounded by the pause
+        deadline) before a continue is sent: a late pause would overtake it and leave the engine
+        paused behind a ledger that says serving. Fails the phase, sending nothing, for an
+        engine whose call is still in flight."""
+        landed = {r.id for r in await self._runner.landed(targets, self._config.deadlines.pause)}
+        busy = {
+            r.id: EngineOutcome(Outcome.NOT_ATTEMPTED, "an earlier call is still in flight")
+            for r in targets
+            if r.id not in landed
+        }
+        if busy:
+            raise PhaseFailed(phase, busy, FAILED)
+
+    async def check_versions(self, targets: Sequence[EngineRecord]) -> None:
+        """Refuse to continue engines without the expected weights (``StaleWeights``).
+
+        An engine must report the version of the last versioned update, and a replacement must
+        have received an update since it joined. Nothing is continued when one lacks them.
+        """
+        stale = await self.lacking_weights(targets)
+        if stale:
+            raise StaleWeights(self._versions.expected, stale)
+
+    async def lacking_weights(self, targets: Sequence[EngineRecord]) -> dict[str, str | None]:
+        """The engines of ``targets`` without the expected weights, with the version each
+        reports (None for a replacement that has received no update)."""
+        expected = self._versions.expected
+        stale: dict[str, str | None] = {r.id: None for r in targets if r.stale}
+        if expected is not None and targets:
+            plan = Plan(Op.WEIGHT_VERSION, tuple(targets))
+            result = await self._runner.run("check_versions", plan, self._config.deadlines.probe)
+            for record in plan.targets:
+                if not result.outcomes[record.id].ok:
+                    raise PhaseFailed("check_versions", result.outcomes, FAILED)
+                found = result.values.get(record.id)
+                if found == expected:
+                    stale.pop(record.id, None)
+                    record.stale = False
+                else:
+                    stale[record.id] = found
+        return stale
+
+
+__all__ = ["Phases", "Versions"]

@@ -1,0 +1,243 @@
+"""Recovery: replace dead engines and engines in an unknown state, and heal the rest.
+
+``Recovery.recover`` works out the state the fleet should be in (the server's, or after a
+failure the state the healthy engines' records imply), makes every replacement through the
+user's factory before anything is retired, brings each to that state's memory target phase by
+phase (``target`` in the ledger), moves healthy engines a part-way failure left behind or ahead,
+and leaves ``failed`` only when the records agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
+
+from rollout_lifecycle.backends import seam
+from rollout_lifecycle.core.config import LifecycleConfig, PauseMode, Tag
+from rollout_lifecycle.core.events import logger
+from rollout_lifecycle.core.exceptions import IllegalTransition, InvalidArgument, PhaseFailed
+from rollout_lifecycle.core.group import EngineGroup
+from rollout_lifecycle.core.hooks import Hooks
+from rollout_lifecycle.core.ledger import EngineRecord, Fleet, target
+from rollout_lifecycle.core.machine import Machine
+from rollout_lifecycle.core.ops import Op
+from rollout_lifecycle.core.outcome import EngineOutcome
+from rollout_lifecycle.core.phases import Phases
+from rollout_lifecycle.core.runner import PhaseRunner, Plan
+from rollout_lifecycle.core.states import ServerState
+
+S = ServerState
+
+#: Makes a replacement engine for an engine id (``"group/index"``); may be async.
+EngineFactory = Callable[[str], Any]
+
+#: The states ``recover()`` can bring a fleet to.
+_TARGETS = (S.SERVING, S.DRAINED, S.RELEASED, S.WEIGHTS_RESTORED)
+
+
+class Recovery:
+    """``recover()`` of one server."""
+
+    def __init__(
+        self,
+        name: str,
+        groups: Mapping[str, EngineGroup],
+        fleet: Fleet,
+        runner: PhaseRunner,
+        config: LifecycleConfig,
+        hooks: Hooks,
+        phases: Phases,
+        machine: Machine,
+        journal: Callable[[], None],
+    ) -> None:
+        self._name = name
+        self._groups = groups
+        self._fleet = fleet
+        self._runner = runner
+        self._config = config
+        self._hooks = hooks
+        self._phases = phases
+        self._machine = machine
+        self._journal = journal
+
+    async def recover(self, factory: EngineFactory) -> dict[str, EngineOutcome]:
+        """Replace the broken engines, heal the rest; the outcome of every step."""
+        fleet, machine = self._fleet, self._machine
+        broken = fleet.broken()
+        state = machine.state
+        skip = {r.id for r in broken}
+        goal = fleet.settled_state(skip=skip) if state is S.FAILED else state
+        if goal is None and state is S.FAILED:
+            goal = fleet.majority_state(skip)
+        if goal not in _TARGETS:
+            raise IllegalTransition("recover", state.value, [s.value for s in _TARGETS])
+        assert goal is not None
+        replacements: list[tuple[EngineRecord, Any]] = []
+        deadline = self._config.deadlines.startup
+        for record in broken:  # every replacement exists before anything is retired
+            engine = await self._hooks.run_user("recover", factory, record.id, deadline, wrap=False)
+            replacements.append((record, engine))
+        self._check_replacements(replacements)
+        log = logger().bind(server=self._name, call="recover")
+        retired = []
+        for record, engine in replacements:
+            old = self._groups[record.group].replace(record, engine)
+            log.info("engine.replaced", engine=record.id, target=goal.value)
+            if seam.identity(old) != seam.identity(record.handle):
+                retired.append(old)  # (a server restarted at the same URL is not stopped)
+        self._journal()
+        for old in retired:
+            await seam.retire(old, self._config.deadlines.probe)
+        outcomes = await self._bring_up([r for r, _ in replacements], goal)
+        outcomes.update(await self._heal(goal, skip))
+        if not self._runner.succeeded(outcomes):
+            if state is not S.FAILED:
+                await machine.fail()
+            raise PhaseFailed("recover", outcomes, S.FAILED.value)
+        if state is S.FAILED:
+            await machine.advance("reset")
+            if machine.state is S.FAILED:
+                raise IllegalTransition("recover", S.FAILED.value, [])  # records still disagree
+        return outcomes
+
+    def _check_replacements(self, replacements: Sequence[tuple[EngineRecord, Any]]) -> None:
+        """Refuse, before anything is retired, replacements that are engines of this server
+        already (other than the one each replaces) or that two factory calls returned."""
+        replaced = {r.id for r, _ in replacements}
+        taken = {
+            seam.identity(r.handle): r.id for r in self._fleet.records() if r.id not in replaced
+        }
+        for record, engine in replacements:
+            key = seam.identity(seam.as_handle(engine, record.group, 0))
+            if key in taken:
+                raise InvalidArgument(
+                    f"the replacement for {record.id} is engine {taken[key]} already; "
+                    f"the factory must return a new engine"
+                )
+            taken[key] = f"the replacement for {record.id}"
+
+    def _released_in(self, state: ServerState) -> tuple[Tag, ...]:
+        goal = target(state, True, self._config.release_tags)
+        return goal.released if goal is not None else ()
+
+    async def _heal(self, goal: ServerState, skip: Collection[str]) -> dict[str, EngineOutcome]:
+        """Move healthy engines that a part-way failure left behind (or ahead) to ``goal``.
+
+        Resumes what is released beyond the goal, pauses, flushes and releases what is short
+        of it, and continues engines left paused in a serving fleet (once a late pause has
+        landed).
+        """
+        deadlines = self._config.deadlines
+        tags = set(self._released_in(goal))
+        healthy = self._fleet.live(skip)
+        outcomes: dict[str, EngineOutcome] = {}
+        ahead = [r for r in healthy if r.released - tags]
+        for extra in {frozenset(r.released - tags) for r in ahead}:
+            group_tags = tuple(t for t in self._config.release_tags if t in extra)
+            chosen = tuple(r for r in ahead if r.released - tags == extra)
+            plan = Plan(Op.RESUME, chosen, ([t.value for t in group_tags],), tags=group_tags)
+            outcomes.update(
+                (await self._runner.run("recover_resume", plan, deadlines.resume)).outcomes
+            )
+        drains = goal in (S.DRAINED, S.RELEASED, S.WEIGHTS_RESTORED)
+        in_place = self._config.pause_mode is PauseMode.IN_PLACE
+        short = [
+            r
+            for r in healthy
+            if (
+                self._fleet.offloads(r)
+                and (
+                    tags - r.released
+                    # short of the drain: not paused, paused without an answer, or not flushed
+                    or (drains and (not r.paused or r.pause_unknown or not (r.flushed or in_place)))
+                )
+            )
+            # a replacement without the weights that an earlier bring-up could not pause
+            or (r.stale and (not r.paused or r.pause_unknown))
+        ]
+        if short:
+            outcomes.update(await self._bring_up(short, goal, fresh=False))
+        if goal in (S.RELEASED, S.WEIGHTS_RESTORED):
+            # groups that keep their memory serve here (a failed release may have left the
+            # ones ``pause()`` paused)
+            outcomes.update(await self._phases.continue_keepers())
+        if goal is S.SERVING:
+            # (a replacement without the weights stays paused: it waits for an update)
+            stuck = [r for r in healthy if r.paused and not (r.released | r.uncertain or r.stale)]
+            stuck = await self._runner.landed(stuck, deadlines.pause)
+            plan = Plan(Op.CONTINUE, tuple(stuck))
+            result = await self._runner.run("recover_continue", plan, deadlines.continue_)
+            outcomes.update(result.outcomes)
+        return outcomes
+
+    async def _bring_up(
+        self, records: Sequence[EngineRecord], goal: ServerState, *, fresh: bool = True
+    ) -> dict[str, EngineOutcome]:
+        """Bring engines to ``goal``'s memory state, phase by phase, each phase a barrier:
+        fresh ones (serving, all memory resident) are probed first; an engine whose last pause
+        or continue did not answer is paused again; a held tag is never released again. The
+        first phase that fails anywhere stops the bring-up (a later ``recover()`` finishes it).
+
+        A replacement without the fleet's weights (stale) is paused even where its group
+        serves: it waits for a weight update instead of generating on its initial weights.
+        """
+        deadlines = self._config.deadlines
+        outcomes: dict[str, EngineOutcome] = {}
+
+        async def step(phase: str, plan: Plan, deadline: float) -> list[EngineRecord] | None:
+            got = (await self._runner.run(phase, plan, deadline)).outcomes
+            outcomes.update(got)
+            if not self._runner.succeeded(got):
+                return None
+            return [r for r in plan.targets if got[r.id].ok]
+
+        up = list(records)
+        if fresh:
+            probed = await step("recover_probe", Plan(Op.SERVER_INFO, tuple(up)), deadlines.startup)
+            if probed is None:
+                return outcomes
+            up = probed
+        mode = self._config.pause_mode
+        to_pause = [
+            r
+            for r in up
+            if (_goal_paused(self._fleet, r, goal) or r.stale) and (not r.paused or r.pause_unknown)
+        ]
+        await self._runner.landed(to_pause, deadlines.pause)  # a pause in flight lands first
+        plan = Plan(Op.PAUSE, tuple(to_pause), (mode.value,), mode=mode)
+        newly = await step("recover_pause", plan, deadlines.pause)
+        if newly is None:
+            return outcomes
+        asked = {r.id for r in to_pause}
+        paused = [r for r in up if r.paused and r.id not in asked] + newly
+        if mode is not PauseMode.IN_PLACE:
+            interval = self._config.flush_retry_interval
+            plan = Plan(
+                Op.FLUSH, tuple(r for r in paused if not r.flushed), (deadlines.flush, interval)
+            )
+            if await step("recover_flush", plan, deadlines.flush + deadlines.probe) is None:
+                return outcomes
+            paused = [r for r in paused if r.flushed]
+        all_tags = self._released_in(goal)
+        for missing in {tuple(t for t in all_tags if t not in r.released) for r in paused}:
+            chosen = tuple(
+                r
+                for r in paused
+                if self._fleet.offloads(r)
+                and tuple(t for t in all_tags if t not in r.released) == missing
+            )
+            if not missing or not chosen:
+                continue
+            plan = Plan(Op.RELEASE, chosen, ([t.value for t in missing],), tags=missing)
+            if await step("recover_release", plan, deadlines.release) is None:
+                return outcomes
+        return outcomes
+
+
+def _goal_paused(fleet: Fleet, record: EngineRecord, goal: ServerState) -> bool:
+    """Whether ``record`` is paused when the server is settled in ``goal``."""
+    found = fleet.target(record, goal)
+    return found is not None and found.paused
+
+
+__all__ = ["EngineFactory", "Recovery"]

@@ -1,0 +1,347 @@
+"""The phase runner: every engine call of the lifecycle is planned, guarded, sent and settled here.
+
+A ``Plan`` names one operation and the engines it goes to, across any number of groups.
+``issue`` checks the operation's guard on *every* target before it sends to *any* (all or
+nothing), records the intent of calls that must not repeat, lets the journal write it, then
+sends each call through the engine seam without waiting. ``PhaseRunner.run`` is one phase: issue,
+gather every call with one deadline (the barrier), keep the calls that missed it as stragglers,
+write each outcome into the ledger, then hand a ``PhaseResult`` to the observers (metrics,
+timeline, journal). Which targets an operation has by default, and which guard protects it, are
+tables here, not choices each caller makes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_lifecycle.backends import seam
+from rollout_lifecycle.core.config import DeadEnginePolicy, PauseMode, Tag
+from rollout_lifecycle.core.events import logger
+from rollout_lifecycle.core.exceptions import PhaseFailed
+from rollout_lifecycle.core.ledger import EngineRecord, GroupRecords
+from rollout_lifecycle.core.ops import INTENT_OPS, WEIGHT_OPS, Op
+from rollout_lifecycle.core.outcome import EngineOutcome, Outcome
+from rollout_lifecycle.core.states import ServerState
+
+_Guard = Callable[[EngineRecord], None]
+
+
+def guard(op: Op, tags: tuple[Tag, ...] = ()) -> _Guard:
+    """The check every target of ``op`` passes before anything is sent."""
+    if op is Op.RELEASE:
+        return lambda r: r.check_release(tags)
+    if op is Op.RESUME:
+        return lambda r: r.check_resume(tags)
+    if op is Op.CONTINUE:
+        return EngineRecord.check_continue
+    if op in WEIGHT_OPS:
+        return EngineRecord.check_write_weights
+    return lambda r: r.check_alive(op)
+
+
+def default_targets(group: GroupRecords, op: Op) -> list[EngineRecord]:
+    """The engines of ``group`` that ``op`` goes to when the caller names none: memory calls to
+    the groups that offload, continue and flush to the paused engines, the rest to every live
+    engine."""
+    live = [r for r in group.records if r.alive]
+    if op in (Op.RELEASE, Op.RESUME):
+        return live if group.needs_offload else []
+    if op in (Op.CONTINUE, Op.FLUSH):
+        return [r for r in live if r.paused]
+    return live
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One operation for a set of engines, possibly of several groups; nothing sent yet."""
+
+    op: Op
+    targets: tuple[EngineRecord, ...]
+    args: tuple[Any, ...] = ()
+    tags: tuple[Tag, ...] = ()
+    mode: PauseMode | None = None
+
+    @classmethod
+    def over(
+        cls,
+        groups: Iterable[GroupRecords],
+        op: Op,
+        args: tuple[Any, ...] = (),
+        *,
+        tags: tuple[Tag, ...] = (),
+        mode: PauseMode | None = None,
+    ) -> Plan:
+        """``op`` to the default targets (``default_targets``) of every group of ``groups``."""
+        targets = tuple(r for g in groups for r in default_targets(g, op))
+        return cls(op, targets, args, tags, mode)
+
+    def check(self) -> None:
+        """Run the guard on every target; raises ``IllegalEngineOp`` at the first refusal."""
+        check = guard(self.op, self.tags)
+        for record in self.targets:
+            check(record)
+
+
+@dataclass(eq=False, slots=True)
+class PendingCall:
+    """One engine call that has been issued and not yet gathered (a view of ``Calls``)."""
+
+    record: EngineRecord
+    op: Op
+    tags: tuple[Tag, ...]
+    mode: PauseMode | None
+    ref: Awaitable[Any]
+    start: float
+
+
+class Calls:
+    """Engine calls issued together and not yet gathered, as parallel lists.
+
+    Issuing a call adds no object of its own (only the engine's future), so that a phase of
+    thousands of calls gives CPython's collector nothing more to count or walk; iterating
+    gives ``PendingCall`` views, for the paths that are not per-engine-per-phase.
+    """
+
+    __slots__ = ("modes", "ops", "records", "refs", "starts", "tags")
+
+    def __init__(self) -> None:
+        self.records: list[EngineRecord] = []
+        self.ops: list[Op] = []
+        self.tags: list[tuple[Tag, ...]] = []
+        self.modes: list[PauseMode | None] = []
+        self.refs: list[Awaitable[Any]] = []
+        self.starts: list[float] = []
+
+    @classmethod
+    def join(cls, parts: Iterable[Calls]) -> Calls:
+        """One batch of the calls of ``parts``, in order."""
+        joined = cls()
+        for part in parts:
+            for name in cls.__slots__:
+                getattr(joined, name).extend(getattr(part, name))
+        return joined
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __iter__(self) -> Iterator[PendingCall]:
+        columns = (self.records, self.ops, self.tags, self.modes, self.refs, self.starts)
+        for record, op, tags, mode, ref, start in zip(*columns, strict=True):
+            yield PendingCall(record, op, tags, mode, ref, start)
+
+
+def issue(plan: Plan, before_send: Callable[[], None] | None = None) -> Calls:
+    """Send ``plan``: every guard passes, on every target of every group, before the first
+    call is sent; the intent of calls that must not repeat is recorded and ``before_send``
+    (the journal) runs before any is sent, and a ``before_send`` that raises sends nothing."""
+    plan.check()
+    op, chosen = plan.op, list(plan.targets)
+    if chosen and op in INTENT_OPS:
+        for record in chosen:
+            record.intend(op, plan.tags, plan.mode)
+        if before_send is not None:
+            try:
+                before_send()
+            except BaseException:
+                for record in chosen:
+                    record.undo_intent(op)
+                raise
+    calls = Calls()
+    refs, starts, args = calls.refs, calls.starts, plan.args
+    for record in chosen:
+        starts.append(time.monotonic())
+        refs.append(seam.send(record.handle, op, args))
+    calls.records = chosen
+    calls.ops = [op] * len(chosen)
+    calls.tags = [plan.tags] * len(chosen)
+    calls.modes = [plan.mode] * len(chosen)
+    return calls
+
+
+@dataclass
+class PhaseResult:
+    """What one phase came to: each engine's outcome and what observers record of it."""
+
+    phase: str
+    outcomes: dict[str, EngineOutcome]
+    start: float
+    seconds: float
+    #: The timeline's record of the engine calls, six flat fields per call.
+    spans: list[str | float] = field(default_factory=list)
+    #: The slowest engine call: (engine id, seconds).
+    slowest: tuple[str, float] | None = None
+    #: For a phase that flushes, the flush attempts beyond the first.
+    retries: int | None = None
+    #: Each call's result (None where it failed), by engine id.
+    values: dict[str, Any] = field(default_factory=dict)
+
+
+#: Receives every settled phase (the server's metrics and timeline).
+Observer = Callable[[PhaseResult], None]
+
+
+class PhaseRunner:
+    """Runs phases over a server's engines: issue, barrier, stragglers, ledger, observers."""
+
+    def __init__(
+        self,
+        name: str,
+        dead_engines: DeadEnginePolicy,
+        *,
+        journal: Callable[[], None] | None = None,
+        observers: Sequence[Observer] = (),
+    ) -> None:
+        self._name = name
+        self._skip_dead = dead_engines is DeadEnginePolicy.SKIP
+        self._journal = journal
+        self._observers = list(observers)
+        #: Calls that missed their phase's deadline and may still land, by engine id.
+        self.stragglers: dict[str, asyncio.Future[Any]] = {}
+
+    def issue(self, plan: Plan) -> Calls:
+        """``issue(plan)`` with this server's journal."""
+        return issue(plan, self._journal)
+
+    async def run(self, phase: str, plan: Plan, deadline: float) -> PhaseResult:
+        """Issue ``plan`` and settle it as ``phase``."""
+        return await self.settle(phase, self.issue(plan), deadline)
+
+    async def require(self, phase: str, plan: Plan, deadline: float) -> PhaseResult:
+        """``run``, raising ``PhaseFailed`` unless the phase succeeded (``succeeded``)."""
+        result = await self.run(phase, plan, deadline)
+        if not self.succeeded(result.outcomes):
+            raise PhaseFailed(phase, result.outcomes, ServerState.FAILED.value)
+        return result
+
+    def succeeded(self, outcomes: Mapping[str, EngineOutcome]) -> bool:
+        """Every engine succeeded, or (``DeadEnginePolicy.SKIP``) was found dead; and every
+        group the phase reached has an engine that succeeded: no success on nothing."""
+        reached: set[str] = set()
+        succeeded: set[str] = set()
+        for engine, o in outcomes.items():
+            group = engine.rpartition("/")[0]
+            reached.add(group)
+            if o.ok:
+                succeeded.add(group)
+            elif not (self._skip_dead and o.outcome is Outcome.DEAD):
+                return False
+        return succeeded == reached
+
+    async def landed(self, records: Sequence[EngineRecord], timeout: float) -> list[EngineRecord]:
+        """Give calls that missed an earlier deadline on ``records`` up to ``timeout`` to land;
+        the records with no such call still in flight."""
+        late = [self.stragglers[r.id] for r in records if r.id in self.stragglers]
+        if late:
+            await asyncio.wait(late, timeout=timeout)
+        return [r for r in records if r.id not in self.stragglers]
+
+    def observe(self, result: PhaseResult) -> None:
+        """Hand ``result`` to every observer (also for time spent outside engine calls)."""
+        for observer in self._observers:
+            observer(result)
+
+    async def settle(self, phase: str, calls: Calls, deadline: float) -> PhaseResult:
+        """Gather every call of a phase (the barrier), each bounded by ``deadline``."""
+        log = logger().bind(server=self._name, phase=phase)
+        start = time.monotonic()
+        log.info("phase.start", engines=len(calls), deadline_s=deadline)
+        # Per-engine events cost more than the rest of a phase's bookkeeping: build them only
+        # when someone listens at debug level.
+        debug = _debug_enabled(log)
+        if debug:
+            for call in calls:
+                log.debug(
+                    "engine_call.start", group=call.record.group, engine=call.record.id, op=call.op
+                )
+        # One wait for the whole phase: per-call futures cost more than the rest of the
+        # bookkeeping at thousands of engines.
+        landed = await seam.wait(calls.refs, deadline)
+        result = PhaseResult(phase, {}, start, 0.0)
+        outcomes, spans, values = result.outcomes, result.spans, result.values
+        slowest: tuple[str, float] | None = None
+        retries: int | None = None
+        columns = (calls.records, calls.ops, calls.tags, calls.modes, calls.starts)
+        for i, (record, op, tags, mode, began) in enumerate(zip(*columns, strict=True)):
+            landed_at = landed.ends[i]
+            if landed_at is None:
+                end = time.monotonic()
+                future = landed.late[i]
+                out = EngineOutcome(
+                    Outcome.TIMED_OUT, f"no answer within {deadline:g}s", end - began
+                )
+                # The call may still land; keep it, so that nothing is sent to this engine
+                # before it has (see ``landed``).
+                self.stragglers[record.id] = future
+                future.add_done_callback(functools.partial(self._forget_straggler, record.id))
+            else:
+                end = landed_at
+                took = end - began
+                exc = landed.errors[i]
+                if exc is None:
+                    out = EngineOutcome(Outcome.OK, "", took)
+                    values[record.id] = landed.values[i]
+                else:
+                    out = seam.classify(exc, took)
+            if op is Op.FLUSH:
+                attempts = landed.values[i] if out.outcome is Outcome.OK else None
+                retries = (retries or 0) + (max(attempts - 1, 0) if type(attempts) is int else 0)
+            if slowest is None or out.duration_s > slowest[1]:
+                slowest = (record.id, out.duration_s)
+            spans += (record.id, record.group, op.value, began, end, out.outcome.value)
+            record.apply(op, tags, mode, out)
+            outcomes[record.id] = out
+            if debug:
+                log.debug(
+                    "engine_call.end",
+                    group=record.group,
+                    engine=record.id,
+                    op=op,
+                    outcome=out.outcome.value,
+                    detail=out.detail or None,
+                    duration_s=round(out.duration_s, 6),
+                )
+        if calls:  # the phase begins with its first engine call, issued before the gather
+            start = min(start, calls.starts[0])
+        result.start, result.seconds = start, time.monotonic() - start
+        result.slowest, result.retries = slowest, retries
+        self.observe(result)
+        if self._journal is not None:
+            self._journal()
+        bad = sorted(k for k, v in outcomes.items() if not v.ok)
+        log.info(
+            "phase.end",
+            engines=len(calls),
+            outcome="ok" if not bad else "failed",
+            failed_engines=bad or None,
+            duration_s=round(result.seconds, 6),
+        )
+        return result
+
+    def _forget_straggler(self, engine: str, future: asyncio.Future[Any]) -> None:
+        if self.stragglers.get(engine) is future:
+            del self.stragglers[engine]
+
+
+def _debug_enabled(log: Any) -> bool:
+    """Whether ``log`` emits debug events (a logger that cannot tell is taken to emit them)."""
+    check = getattr(log, "is_enabled_for", None)
+    return True if check is None else bool(check(logging.DEBUG))
+
+
+__all__ = [
+    "Calls",
+    "Observer",
+    "PendingCall",
+    "PhaseResult",
+    "PhaseRunner",
+    "Plan",
+    "default_targets",
+    "guard",
+    "issue",
+]

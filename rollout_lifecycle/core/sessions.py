@@ -1,0 +1,168 @@
+"""Weight writes: a weight-update session on every engine around the user's push.
+
+``WeightWriter.write`` is the phase of ``update_weights()``: it pauses the engines still serving,
+closes a session an earlier update left open, opens one everywhere, runs the user's push,
+closes the sessions, sets the version (aborting nothing), flushes the prefix cache where the KV
+cache is resident, and continues what it paused, on the expected weights only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rollout_lifecycle.core.config import LifecycleConfig, PauseMode
+from rollout_lifecycle.core.exceptions import PhaseFailed
+from rollout_lifecycle.core.hooks import Hooks
+from rollout_lifecycle.core.ledger import EngineRecord, Fleet
+from rollout_lifecycle.core.machine import PhaseArgs
+from rollout_lifecycle.core.ops import Op
+from rollout_lifecycle.core.outcome import EngineOutcome, Outcome
+from rollout_lifecycle.core.phases import Phases, Versions
+from rollout_lifecycle.core.runner import PhaseResult, PhaseRunner, Plan
+from rollout_lifecycle.core.states import ServerState
+
+FAILED = ServerState.FAILED.value
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    """What a weight-push callable receives: the version and the engines to write to."""
+
+    version: str | None
+    #: Engine id -> engine handle, for every live engine whose weights are being written.
+    engines: Mapping[str, Any]
+
+
+#: Writes weights into the engines of a ``WeightUpdate`` (sync or async).
+WeightPush = Callable[[WeightUpdate], Any]
+
+
+class WeightWriter:
+    """The weight-write phase of one server."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        runner: PhaseRunner,
+        config: LifecycleConfig,
+        hooks: Hooks,
+        versions: Versions,
+        phases: Phases,
+        state: Callable[[], ServerState],
+    ) -> None:
+        self._fleet = fleet
+        self._runner = runner
+        self._config = config
+        self._hooks = hooks
+        self._versions = versions
+        self._phases = phases
+        self._state = state
+
+    async def write(self, args: PhaseArgs) -> None:
+        """The ``write_weights`` phase, with ``args.push`` and ``args.version``."""
+        push, version = args.push, args.version
+        assert push is not None
+        deadlines = self._config.deadlines
+        runner, fleet = self._runner, self._fleet
+        Plan.over(fleet.groups, Op.SET_VERSION).check()
+        await self._hooks.before("update_weights")
+        if version is not None:
+            # From here on generation continues only on engines that report this version.
+            self._versions.expected = version
+        # Engines still serving (groups that keep their memory) are paused around the write.
+        serving = [r for r in fleet.live() if not r.paused]
+        if serving:
+            mode = self._config.pause_mode
+            plan = Plan(Op.PAUSE, tuple(serving), (mode.value,), mode=mode)
+            await runner.require("pause_for_update", plan, deadlines.pause)
+        # A session that an earlier update left open (its begin or end did not complete) is
+        # closed first, or this begin would be refused with "a weight update session is open".
+        left_open = [r for r in fleet.live() if r.session_unknown]
+        if left_open:
+            outcomes = await self.close_sessions("close_weight_update", left_open)
+            if any(r.session_unknown for r in left_open if r.alive):
+                raise PhaseFailed("close_weight_update", outcomes, FAILED)
+        begin = Plan.over(fleet.groups, Op.BEGIN_UPDATE)
+        outcomes = (
+            await runner.run("begin_weight_update", begin, deadlines.weight_update)
+        ).outcomes
+        if not runner.succeeded(outcomes):
+            # Close the sessions that did (or may have) opened, or every later update would be
+            # refused with "a weight update session is open".
+            opened = [
+                r
+                for r in begin.targets
+                if r.alive and outcomes[r.id].outcome not in (Outcome.REJECTED, Outcome.REFUSED)
+            ]
+            await self.close_sessions("end_weight_update", opened)
+            raise PhaseFailed("begin_weight_update", outcomes, FAILED)
+        engines = {r.id: r.handle for r in fleet.live()}
+        try:
+            await self._call_push(push, WeightUpdate(version, engines))
+        finally:
+            end = Plan.over(fleet.groups, Op.END_UPDATE)
+            await runner.require("end_weight_update", end, deadlines.weight_update)
+        if version is not None:
+            plan = Plan.over(fleet.groups, Op.SET_VERSION, (version,))
+            await runner.require("update_weight_version", plan, deadlines.weight_update)
+        else:
+            for record in fleet.live():
+                record.stale = False  # unversioned: having been written to is all we know
+        # The prefix cache holds KV computed with the old weights: drop it wherever the KV
+        # cache is resident (a released KV cache comes back empty).
+        resident = [
+            r
+            for r in fleet.live()
+            if not (r.released | r.uncertain) and r.pause_mode is not PauseMode.IN_PLACE
+        ]
+        interval = self._config.flush_retry_interval
+        plan = Plan(Op.FLUSH, tuple(resident), (deadlines.flush, interval))
+        await runner.require("flush_after_update", plan, deadlines.flush + deadlines.probe)
+        await self._continue_paused(serving)
+
+    async def _continue_paused(self, serving: Sequence[EngineRecord]) -> None:
+        # Only a complete write continues what it paused, and only on the expected weights; on
+        # any failure those engines stay paused until the next continue checks them again.
+        resumed = [r for r in serving if r.alive and r.paused]
+        if self._state() is not ServerState.DRAINED:
+            # Outside 'drained' the groups that keep their memory serve: an earlier write that
+            # failed left them paused, and this complete one continues them.
+            chosen = {r.id for r in resumed}
+            resumed += [r for r in self._fleet.paused_keepers() if r.id not in chosen]
+        if resumed:
+            await self._phases.check_versions(resumed)
+            await self._phases.await_stragglers("continue_after_update", resumed)
+            plan = Plan(Op.CONTINUE, tuple(resumed))
+            deadline = self._config.deadlines.continue_
+            await self._runner.require("continue_after_update", plan, deadline)
+
+    async def close_sessions(
+        self, phase: str, records: Sequence[EngineRecord]
+    ) -> dict[str, EngineOutcome]:
+        """End the weight-update sessions that may be open on ``records``.
+
+        A begin still in flight would open its session after the end: it gets until the
+        deadline to land, and an engine whose begin still has not answered keeps its session
+        marked unknown for the next update to close. Ending a session that is not open is a
+        harmless 400, which the ledger reads as closed.
+        """
+        deadline = self._config.deadlines.weight_update
+        for record in records:
+            record.session_unknown = True
+        ready = await self._runner.landed(records, deadline)
+        return (await self._runner.run(phase, Plan(Op.END_UPDATE, tuple(ready)), deadline)).outcomes
+
+    async def _call_push(self, push: WeightPush, update: WeightUpdate) -> None:
+        start = time.monotonic()
+        try:
+            await self._hooks.run_user(
+                "update_weights", push, update, self._config.deadlines.weight_update, grace=None
+            )
+        finally:
+            self._runner.observe(PhaseResult("push", {}, start, time.monotonic() - start))
+
+
+__all__ = ["WeightPush", "WeightUpdate", "WeightWriter"]

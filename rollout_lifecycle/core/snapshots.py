@@ -1,0 +1,127 @@
+"""Snapshots of a server's knowledge, and adopting one in another process.
+
+``ServerSnapshot`` is the state and every engine's record, as plain frozen data that round-trips
+through JSON (``to_dict`` / ``from_dict``). ``adopt`` loads one into a fleet's records after
+checking that the records imply the snapshot's state, so a process can take over engines an
+earlier one left in any state, with every guard applying as if it had made those calls.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from rollout_lifecycle.core.exceptions import InvalidArgument
+from rollout_lifecycle.core.ledger import EngineSnapshot, Fleet
+from rollout_lifecycle.core.states import ServerState
+
+S = ServerState
+
+
+@dataclass(frozen=True)
+class GroupSnapshot:
+    """One group's engines at one moment."""
+
+    name: str
+    needs_offload: bool
+    engines: tuple[EngineSnapshot, ...]
+
+
+@dataclass(frozen=True)
+class ServerSnapshot:
+    """The server's aggregate state and what it knows of every engine."""
+
+    name: str
+    state: ServerState
+    groups: tuple[GroupSnapshot, ...]
+
+    @classmethod
+    def of(cls, name: str, state: ServerState, fleet: Fleet) -> ServerSnapshot:
+        """The snapshot of ``fleet``'s records now."""
+        groups = tuple(
+            GroupSnapshot(g.name, g.needs_offload, tuple(r.snapshot() for r in g.records))
+            for g in fleet.groups
+        )
+        return cls(name, state, groups)
+
+    def engines(self) -> dict[str, EngineSnapshot]:
+        """Every engine's snapshot by id."""
+        return {e.id: e for g in self.groups for e in g.engines}
+
+    def in_flight(self) -> bool:
+        """Whether a live engine's record shows a call without an answer (uncertain tags, a
+        pause or a weight-update session unknown): taken mid-call, or left by a failed one."""
+        return any(
+            e.alive and (e.uncertain or e.pause_unknown or e.session_unknown)
+            for g in self.groups
+            for e in g.engines
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, for logging or JSON."""
+        out = asdict(self)
+        out["state"] = self.state.value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ServerSnapshot:
+        """The snapshot ``to_dict()`` gave (read back from JSON, say); ``InvalidArgument`` if
+        ``data`` is not one."""
+        engine = EngineSnapshot.from_dict
+        try:
+            groups = tuple(
+                GroupSnapshot(g["name"], g["needs_offload"], tuple(map(engine, g["engines"])))
+                for g in data["groups"]
+            )
+            snapshot = cls(data["name"], ServerState(data["state"]), groups)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidArgument(f"not a server snapshot: {type(exc).__name__}: {exc}") from None
+        if not isinstance(snapshot.name, str) or not all(
+            isinstance(g.name, str) and isinstance(g.needs_offload, bool) for g in groups
+        ):
+            raise InvalidArgument("not a server snapshot: a name or needs_offload is mistyped")
+        return snapshot
+
+
+def adopt(fleet: Fleet, snapshot: ServerSnapshot) -> ServerState:
+    """Load ``snapshot``'s records into ``fleet``; the state the server enters.
+
+    The groups must be the snapshot's (names, order, ``needs_offload``, engine ids), and the
+    records must imply the snapshot's state (``failed`` takes any). A snapshot taken mid-call
+    (records with a call in flight) is adopted as ``failed``. Raises ``InvalidArgument``,
+    changing nothing, otherwise.
+    """
+    if not isinstance(snapshot, ServerSnapshot):
+        raise InvalidArgument(f"expected a ServerSnapshot, got {snapshot!r}")
+    ours = [(g.name, g.needs_offload, [r.id for r in g.records]) for g in fleet.groups]
+    theirs = [(g.name, g.needs_offload, [e.id for e in g.engines]) for g in snapshot.groups]
+    if ours != theirs:
+        raise InvalidArgument(f"the snapshot's groups {theirs} are not this server's {ours}")
+    state = snapshot.state
+    in_flight = snapshot.in_flight()
+    if state is S.PAUSING and not in_flight:
+        raise InvalidArgument("a snapshot taken in 'pausing' (mid-call) cannot be adopted")
+    records = fleet.records()
+    saved = [{k: copy.copy(v) for k, v in vars(r).items()} for r in records]
+    engines = [e for g in snapshot.groups for e in g.engines]
+    try:
+        for record, engine in zip(records, engines, strict=True):
+            record.load(engine)
+        implied = fleet.settled_state()
+        if state not in (S.FAILED, implied) and in_flight:
+            state = S.FAILED
+        if state not in (S.FAILED, implied) and (state, implied) != (S.KV_RESTORED, S.DRAINED):
+            shown = "no single state" if implied is None else repr(implied.value)
+            raise InvalidArgument(
+                f"the snapshot's engine records imply {shown}, not its state {state.value!r}"
+            )
+    except BaseException:
+        for record, values in zip(records, saved, strict=True):
+            vars(record).update(values)
+        raise
+    return state
+
+
+__all__ = ["GroupSnapshot", "ServerSnapshot", "adopt"]

@@ -1,0 +1,132 @@
+"""The fleet ledger without engines: the memory-target table, the state the records imply, and
+the operations the records know."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from rollout_lifecycle import ALL_TAGS, KV_TAGS, EngineHost, PauseMode, ServerState, Tag
+from rollout_lifecycle.core.ledger import EngineRecord, Fleet, Target, may_serve, target
+from rollout_lifecycle.core.ops import Op
+from rollout_lifecycle.core.outcome import EngineOutcome, Outcome
+
+S = ServerState
+SETTLED = (S.SERVING, S.DRAINED, S.RELEASED, S.WEIGHTS_RESTORED)
+
+
+@dataclass
+class Group:
+    name: str
+    needs_offload: bool
+    records: tuple[EngineRecord, ...] = field(default=())
+
+
+def fleet(offloading: int = 2, keeping: int = 1) -> tuple[Fleet, list[EngineRecord]]:
+    def records(group: str, count: int) -> tuple[EngineRecord, ...]:
+        return tuple(EngineRecord(f"{group}/{i}", group, None) for i in range(count))
+
+    groups = [
+        Group("actor", True, records("actor", offloading)),
+        Group("ref", False, records("ref", keeping)),
+    ]
+    return Fleet(groups, ALL_TAGS), [r for g in groups for r in g.records]
+
+
+def put(record: EngineRecord, goal: Target) -> None:
+    """Make ``record`` what a server settled with ``goal`` for it records."""
+    record.paused, record.flushed = goal.paused, goal.paused
+    record.pause_mode = PauseMode.RETRACT if goal.paused else None
+    record.released = set(goal.released)
+
+
+def test_the_memory_target_of_every_state() -> None:
+    assert target(S.SERVING, True, ALL_TAGS) == Target(False, ())
+    assert target(S.DRAINED, True, ALL_TAGS) == Target(True, ())
+    assert target(S.DRAINED, False, ALL_TAGS) == Target(True, ())
+    assert target(S.RELEASED, True, ALL_TAGS) == Target(True, ALL_TAGS)
+    assert target(S.WEIGHTS_RESTORED, True, ALL_TAGS) == Target(True, KV_TAGS)
+    assert target(S.KV_RESTORED, True, ALL_TAGS) == Target(True, ())
+    for state in (S.RELEASED, S.WEIGHTS_RESTORED, S.KV_RESTORED):
+        assert target(state, False, ALL_TAGS) == Target(False, ()), state
+    assert target(S.PAUSING, True, ALL_TAGS) is None
+    assert target(S.FAILED, False, ALL_TAGS) is None
+    # only the configured tags are ever released
+    assert target(S.RELEASED, True, (Tag.KV_CACHE,)) == Target(True, (Tag.KV_CACHE,))
+
+
+def test_which_groups_may_serve_in_each_state() -> None:
+    served = {(s, offloads) for s in S for offloads in (True, False) if may_serve(s, offloads)}
+    keepers = {(s, False) for s in S if s not in (S.SERVING, S.FAILED)}
+    assert served == {(S.SERVING, True), (S.SERVING, False), *keepers}
+
+
+@pytest.mark.parametrize("state", SETTLED)
+def test_records_at_a_states_targets_imply_that_state(state: ServerState) -> None:
+    ledger, records = fleet()
+    for record in records:
+        goal = ledger.target(record, state)
+        assert goal is not None
+        put(record, goal)
+    assert ledger.settled_state() is state
+    assert ledger.majority_state(()) is state
+
+
+def test_kv_restored_records_imply_drained() -> None:
+    ledger, records = fleet()
+    for record in records:
+        goal = ledger.target(record, S.KV_RESTORED)
+        assert goal is not None
+        put(record, goal)
+    assert ledger.settled_state() is S.DRAINED
+
+
+def test_records_that_disagree_imply_no_state() -> None:
+    ledger, records = fleet()
+    records[0].paused = records[0].flushed = True
+    records[0].released = {Tag.KV_CACHE}
+    assert ledger.settled_state() is None
+    ledger, records = fleet()
+    records[0].uncertain = {Tag.WEIGHTS}
+    assert ledger.settled_state() is None
+    # a broken engine left out, the rest agree
+    assert ledger.settled_state(skip={records[0].id}) is S.SERVING
+
+
+def test_the_majority_of_a_partly_released_fleet() -> None:
+    ledger, records = fleet(offloading=3)
+    for record in records[:2]:
+        put(record, Target(True, ALL_TAGS))
+    assert ledger.settled_state() is None
+    assert ledger.majority_state(()) is S.RELEASED
+
+
+def test_named_queries() -> None:
+    ledger, records = fleet()
+    actor0, actor1, ref0 = records
+    actor1.alive = False
+    ref0.paused = True
+    assert ledger.live() == [actor0, ref0]
+    assert ledger.offloaded() == [actor0]
+    assert ledger.paused_keepers() == [ref0]
+    assert ledger.continuable() == [ref0]
+    assert ledger.broken() == [actor1]
+    assert ledger.dead_groups() == []
+    actor0.alive = False
+    assert [g.name for g in ledger.dead_groups()] == ["actor"]
+
+
+def test_an_operation_the_ledger_does_not_know_is_an_error() -> None:
+    record = EngineRecord("g/0", "g", None)
+    with pytest.raises(ValueError, match="release_memory"):
+        record.apply("release_memory", (Tag.KV_CACHE,), None, EngineOutcome(Outcome.OK))  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        record.intend("pause", (), None)  # type: ignore[arg-type]
+    assert not record.released and not record.paused
+
+
+def test_every_operation_is_a_method_of_the_engine_host() -> None:
+    """The protocol is declared once: each ``Op`` names an ``EngineHost`` method."""
+    for op in Op:
+        assert callable(getattr(EngineHost, op.value, None)), op

@@ -1,0 +1,101 @@
+"""The phase runner's guards: all or nothing across groups, the journal before the send, and the
+default targets and guards of each operation."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout_lifecycle import (
+    EngineGroup,
+    IllegalEngineOp,
+    PauseMode,
+    RolloutServer,
+    SimulatedEngine,
+    Tag,
+)
+from rollout_lifecycle.core.ops import Op
+from rollout_lifecycle.core.runner import Plan, default_targets, issue
+
+RELEASE = ([Tag.KV_CACHE.value],)
+
+
+def sims(count: int, label: str) -> list[SimulatedEngine]:
+    return [SimulatedEngine(label=f"{label}-{i}", token_latency=0.001) for i in range(count)]
+
+
+def lifecycle_ops(engine: SimulatedEngine) -> list[str]:
+    return [str(entry["op"]) for entry in engine.history() if entry["op"] != "generate"]
+
+
+async def drained(server: RolloutServer) -> None:
+    await server.pause()
+    assert all(r.paused and r.flushed for g in server.groups for r in g.records)
+
+
+async def test_a_call_planned_over_two_groups_where_one_is_refused_sends_nothing() -> None:
+    first, second = sims(2, "a"), sims(2, "b")
+    server = RolloutServer([EngineGroup("a", first), EngineGroup("b", second)])
+    await drained(server)
+    before = {e.label: lifecycle_ops(e) for e in first + second}
+    refused = server.groups[1].records[1]
+    refused.flushed = False  # not passed the idle barrier: its release is refused
+    plan = Plan.over(server.groups, Op.RELEASE, RELEASE, tags=(Tag.KV_CACHE,))
+    journal: list[int] = []
+    with pytest.raises(IllegalEngineOp, match="b/1"):
+        issue(plan, lambda: journal.append(1))
+    # nothing was sent to any engine of either group, and the ledger is as it was
+    assert {e.label: lifecycle_ops(e) for e in first + second} == before
+    assert not any(r.uncertain or r.released for g in server.groups for r in g.records)
+    assert journal == []
+    for engine in first + second:
+        await engine.close()
+
+
+async def test_a_journal_that_raises_sends_nothing_and_leaves_no_intent() -> None:
+    engines = sims(2, "a")
+    server = RolloutServer([EngineGroup("a", engines)])
+    await drained(server)
+    before = [lifecycle_ops(e) for e in engines]
+
+    def journal() -> None:
+        raise OSError("disk full")
+
+    plan = Plan.over(server.groups, Op.RELEASE, RELEASE, tags=(Tag.KV_CACHE,))
+    with pytest.raises(OSError, match="disk full"):
+        issue(plan, journal)
+    assert [lifecycle_ops(e) for e in engines] == before
+    assert not any(r.uncertain for r in server.groups[0].records)
+    for engine in engines:
+        await engine.close()
+
+
+def test_the_default_targets_of_each_operation() -> None:
+    offloads = EngineGroup("a", sims(3, "a"))
+    keeps = EngineGroup("k", sims(1, "k"), needs_offload=False)
+    a0, a1, a2 = offloads.records
+    a1.paused, a1.pause_mode = True, PauseMode.RETRACT
+    a2.alive = False
+    assert default_targets(offloads, Op.RELEASE) == [a0, a1]
+    assert default_targets(keeps, Op.RELEASE) == []
+    assert default_targets(keeps, Op.RESUME) == []
+    assert default_targets(offloads, Op.CONTINUE) == [a1]
+    assert default_targets(offloads, Op.FLUSH) == [a1]
+    assert default_targets(offloads, Op.PAUSE) == [a0, a1]
+    assert default_targets(offloads, Op.BEGIN_UPDATE) == [a0, a1]
+
+
+def test_each_operation_has_its_guard() -> None:
+    group = EngineGroup("a", sims(1, "a"))
+    (record,) = group.records
+    with pytest.raises(IllegalEngineOp, match="not paused"):
+        Plan(Op.RELEASE, (record,), tags=(Tag.KV_CACHE,)).check()
+    with pytest.raises(IllegalEngineOp, match="not released"):
+        Plan(Op.RESUME, (record,), tags=(Tag.KV_CACHE,)).check()
+    record.released.add(Tag.WEIGHTS)
+    with pytest.raises(IllegalEngineOp, match="released"):
+        Plan(Op.CONTINUE, (record,)).check()
+    with pytest.raises(IllegalEngineOp, match="weights are released"):
+        Plan(Op.SET_VERSION, (record,)).check()
+    record.alive = False
+    with pytest.raises(IllegalEngineOp, match="dead"):
+        Plan(Op.SERVER_INFO, (record,)).check()

@@ -1,0 +1,52 @@
+"""The transition table and the call plans read from it."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout_lifecycle import IllegalTransition, RolloutServer, ServerState
+from rollout_lifecycle.core.states import CALLS, PHASED, TRANSITIONS, destination
+
+S = ServerState
+CALL_PLANS = [(call, state, plan) for call, plans in CALLS.items() for state, plan in plans.items()]
+
+
+@pytest.mark.parametrize(("call", "state", "plan"), CALL_PLANS)
+def test_every_call_plan_is_a_path_through_the_transitions(
+    call: str, state: ServerState, plan: tuple[str, ...]
+) -> None:
+    at = state
+    for trigger in plan:
+        nxt = destination(trigger, at)
+        assert nxt is not None, f"{call}: {trigger} is not legal in {at}"
+        at = nxt
+    # each call ends where its name says
+    ends = {
+        "offload": {S.RELEASED},
+        "onload_weights": {S.WEIGHTS_RESTORED},
+        "update_weights": {state},
+        "onload_kv": {S.SERVING},
+        "onload": {S.SERVING},
+        "pause": {S.DRAINED},
+        "resume": {S.SERVING},
+        "reset": {S.SERVING},  # (destination() takes reset to serving; the records decide)
+    }
+    assert at in ends[call], (call, state, at)
+
+
+def test_every_phased_trigger_is_a_transition() -> None:
+    triggers = {row["trigger"] for row in TRANSITIONS}
+    assert set(PHASED) <= triggers
+    assert "before" not in {k for row in TRANSITIONS for k in row}
+
+
+async def test_an_illegal_call_names_the_states_it_is_legal_in() -> None:
+    from rollout_lifecycle import EngineGroup, SimulatedEngine
+
+    engine = SimulatedEngine(label="s")
+    server = RolloutServer([EngineGroup("a", [engine])])
+    with pytest.raises(IllegalTransition) as caught:
+        await server.onload_kv()
+    assert caught.value.allowed == tuple(s.value for s in CALLS["onload_kv"])
+    assert server.state is S.SERVING
+    await engine.close()
