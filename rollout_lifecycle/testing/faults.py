@@ -13,8 +13,6 @@ from typing import Any, TypeVar
 
 from rollout_lifecycle.backends.engine import EngineBackend, introspect
 from rollout_lifecycle.core.config import (
-    DEFAULT_GROUP_NAME,
-    PauseMode,
     Tag,
     check_int,
     check_seconds,
@@ -26,31 +24,38 @@ from rollout_lifecycle.core.exceptions import (
     EngineUnreachable,
     InvalidArgument,
 )
+from rollout_lifecycle.core.ops import Op
 
 T = TypeVar("T")
 
 #: What an armed fault does to a call.
 FAULT_KINDS: tuple[str, ...] = ("reject", "slow", "die", "drop_after")
 
-#: The calls a fault can be armed on, and that ``FaultyEngine.calls`` records.
-FAULT_OPS: tuple[str, ...] = (
-    "pause_generation",
-    "continue_generation",
-    "flush_cache",
-    "release_memory_occupation",
-    "resume_memory_occupation",
-    "begin_weight_update",
-    "end_weight_update",
-    "update_weights_from_disk",
-    "update_weights_from_tensor",
-    "update_weights_from_distributed",
-    "init_weights_update_group",
-    "destroy_weights_update_group",
-    "update_weight_version",
-    "weight_version",
-    "server_info",
-    "abort_request",
+#: The calls a fault can be armed on, and that ``FaultyEngine.calls`` records: every call of
+#: the backend protocol but ``generate`` (passed through) and ``close``.
+FAULT_OPS: tuple[str, ...] = tuple(
+    op.value
+    for op in (
+        Op.PAUSE,
+        Op.CONTINUE,
+        Op.FLUSH,
+        Op.RELEASE,
+        Op.RESUME,
+        Op.BEGIN_UPDATE,
+        Op.END_UPDATE,
+        Op.UPDATE_FROM_DISK,
+        Op.UPDATE_FROM_TENSOR,
+        Op.UPDATE_FROM_DISTRIBUTED,
+        Op.INIT_UPDATE_GROUP,
+        Op.DESTROY_UPDATE_GROUP,
+        Op.SET_VERSION,
+        Op.WEIGHT_VERSION,
+        Op.SERVER_INFO,
+        Op.ABORT,
+    )
 )
+#: The calls whose first argument is the memory tags (recorded in ``calls``).
+_TAGGED_OPS = frozenset({Op.RELEASE.value, Op.RESUME.value})
 
 
 @dataclass
@@ -233,174 +238,25 @@ class FaultyEngine:
 
     # -- EngineBackend ----------------------------------------------------------------------------
 
-    async def pause_generation(self, mode: PauseMode) -> None:
-        """``POST /pause_generation``."""
-        await self._call("pause_generation", lambda: self._inner.pause_generation(mode))
+    def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
+        """Every lifecycle call of the backend protocol (``FAULT_OPS``): forwarded to ``inner``
+        through the armed faults, with the same arguments; one that ``inner`` does not offer
+        is answered 501, as ``EngineHost`` answers it."""
+        if name not in FAULT_OPS:
+            raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
+        method: Callable[..., Awaitable[Any]] | None = getattr(self._inner, name, None)
+        tagged = name in _TAGGED_OPS
 
-    async def continue_generation(self) -> None:
-        """``POST /continue_generation``."""
-        await self._call("continue_generation", self._inner.continue_generation)
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            if method is None:
+                raise EngineRejected(
+                    self.label, name, f"{type(self._inner).__name__} does not support it", 501
+                )
+            tags = args[0] if tagged and args else kwargs.get("tags") if tagged else None
+            return await self._call(name, lambda: method(*args, **kwargs), tags=tags)
 
-    async def flush_cache(self, timeout: float) -> None:
-        """``POST /flush_cache`` (``?timeout=T`` only for T > 0)."""
-        await self._call("flush_cache", lambda: self._inner.flush_cache(timeout))
-
-    async def release_memory_occupation(self, tags: Sequence[Tag]) -> None:
-        """``POST /release_memory_occupation``."""
-        await self._call(
-            "release_memory_occupation",
-            lambda: self._inner.release_memory_occupation(tags),
-            tags=tags,
-        )
-
-    async def resume_memory_occupation(self, tags: Sequence[Tag]) -> None:
-        """``POST /resume_memory_occupation``."""
-        await self._call(
-            "resume_memory_occupation",
-            lambda: self._inner.resume_memory_occupation(tags),
-            tags=tags,
-        )
-
-    async def begin_weight_update(self) -> None:
-        """``POST /begin_weight_update``."""
-        await self._call("begin_weight_update", self._inner.begin_weight_update)
-
-    async def end_weight_update(self) -> None:
-        """``POST /end_weight_update``."""
-        await self._call("end_weight_update", self._inner.end_weight_update)
-
-    async def update_weights_from_disk(
-        self,
-        model_path: str,
-        *,
-        weight_version: str | None,
-        flush_cache: bool,
-        abort_all_requests: bool,
-    ) -> None:
-        """``POST /update_weights_from_disk``."""
-        await self._call(
-            "update_weights_from_disk",
-            lambda: self._inner.update_weights_from_disk(
-                model_path,
-                weight_version=weight_version,
-                flush_cache=flush_cache,
-                abort_all_requests=abort_all_requests,
-            ),
-        )
-
-    async def update_weights_from_tensor(
-        self,
-        payload: Any,
-        *,
-        weight_version: str | None,
-        flush_cache: bool,
-        abort_all_requests: bool,
-    ) -> None:
-        """``POST /update_weights_from_tensor`` (501 if ``inner`` has no such call)."""
-        op = "update_weights_from_tensor"
-        method = self._optional(op)
-        await self._call(
-            op,
-            lambda: method(
-                payload,
-                weight_version=weight_version,
-                flush_cache=flush_cache,
-                abort_all_requests=abort_all_requests,
-            ),
-        )
-
-    async def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str,
-        *,
-        weight_version: str | None,
-        flush_cache: bool,
-        abort_all_requests: bool,
-        load_format: str | None = None,
-    ) -> None:
-        """``POST /update_weights_from_distributed`` (501 if ``inner`` has no such call);
-        ``load_format`` is passed on only when given."""
-        op = "update_weights_from_distributed"
-        method = self._optional(op)
-        extra: dict[str, Any] = {} if load_format is None else {"load_format": load_format}
-        await self._call(
-            op,
-            lambda: method(
-                names,
-                dtypes,
-                shapes,
-                group_name,
-                weight_version=weight_version,
-                flush_cache=flush_cache,
-                abort_all_requests=abort_all_requests,
-                **extra,
-            ),
-        )
-
-    async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        *,
-        group_name: str = DEFAULT_GROUP_NAME,
-        backend: str = "nccl",
-    ) -> None:
-        """``POST /init_weights_update_group`` (501 if ``inner`` has no such call)."""
-        op = "init_weights_update_group"
-        method = self._optional(op)
-        await self._call(
-            op,
-            lambda: method(
-                master_address,
-                master_port,
-                rank_offset,
-                world_size,
-                group_name=group_name,
-                backend=backend,
-            ),
-        )
-
-    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> None:
-        """``POST /destroy_weights_update_group`` (501 if ``inner`` has no such call)."""
-        op = "destroy_weights_update_group"
-        method = self._optional(op)
-        await self._call(op, lambda: method(group_name))
-
-    async def update_weight_version(self, version: str, *, abort_all_requests: bool) -> None:
-        """``POST /update_weight_version``."""
-        await self._call(
-            "update_weight_version",
-            lambda: self._inner.update_weight_version(
-                version, abort_all_requests=abort_all_requests
-            ),
-        )
-
-    async def weight_version(self) -> str | None:
-        """The loaded weight version (``GET /model_info``)."""
-        return await self._call("weight_version", self._inner.weight_version)
-
-    async def server_info(self) -> dict[str, Any]:
-        """``GET /server_info``."""
-        return await self._call("server_info", self._inner.server_info)
-
-    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        """``POST /abort_request``: exactly ``rid``, or all (501 if ``inner`` has no such call)."""
-        op = "abort_request"
-        method = self._optional(op)
-        await self._call(op, lambda: method(rid, abort_all))
-
-    def _optional(self, op: str) -> Callable[..., Awaitable[Any]]:
-        method: Callable[..., Awaitable[Any]] | None = getattr(self._inner, op, None)
-        if method is None:
-            raise EngineRejected(
-                self.label, op, f"{type(self._inner).__name__} does not support it", 501
-            )
-        return method
+        call.__name__ = call.__qualname__ = name
+        return call
 
     async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
         """``POST /generate``, passed through (``EngineDead`` once a fault killed the engine)."""
