@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from rollout_lifecycle import LifecycleConfig, RolloutServer
-from rollout_lifecycle.core.group import send_to_engine
 from rollout_lifecycle.testing import (
     CYCLE_PHASES,
     cycle_order_violations,
     cycle_phase_of,
     cycle_rounds,
+    send_to_engine,
 )
 
 History = Sequence[Mapping[str, Any]]

@@ -44,10 +44,15 @@ from typing import Any
 import httpx
 
 from benchmarks._common import machine, median, table
-from rollout_lifecycle import EngineGroup, LifecycleConfig, RolloutServer
-from rollout_lifecycle.backends.http import SGLangHTTPEngine
-from rollout_lifecycle.backends.launch import LaunchedSGLangEngine, launched_sglang_factory
-from rollout_lifecycle.backends.weights import FromDisk
+from rollout_lifecycle import (
+    EngineGroup,
+    FromDisk,
+    LaunchedSGLangEngine,
+    LifecycleConfig,
+    RolloutServer,
+    SGLangHTTPEngine,
+    launched_sglang_factory,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 CONDITIONS = ("idle", "traffic")

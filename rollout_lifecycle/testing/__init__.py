@@ -10,9 +10,10 @@ import contextlib
 import gc
 import itertools
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Iterator, Mapping, Sequence
 from typing import Any
 
+from rollout_lifecycle.backends import seam
 from rollout_lifecycle.backends.actor import start_engine_actor
 from rollout_lifecycle.backends.hosted import HostedEngine, start_multi_engine_actor
 from rollout_lifecycle.core.config import check_int
@@ -79,6 +80,14 @@ def simulated_multi_engine_actors(
         started.append(actor)
         handles.extend(hosted)
     return started, handles
+
+
+def send_to_engine(handle: Any, op: str, args: tuple[Any, ...] = ()) -> Awaitable[Any]:
+    """Issue one engine operation (an ``EngineHost`` method name) to a handle the way the
+    library does (a Ray actor handle, a ``HostedEngine`` or an ``EngineHost``), without waiting:
+    a Ray object ref or an asyncio task. For baselines and tests that drive engines by hand;
+    nothing is guarded or recorded."""
+    return seam.send(handle, op, args)
 
 
 def _check_entry(entry: object) -> None:
@@ -208,6 +217,7 @@ __all__ = [
     "cycle_rounds",
     "local_ray",
     "released_ops",
+    "send_to_engine",
     "simulated_engine_actors",
     "simulated_multi_engine_actors",
 ]
