@@ -24,7 +24,7 @@ import pytest
 from rollout_lifecycle.cli.ctl import ExitCode, default_state_path
 from rollout_lifecycle.testing import StandInServer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: An outer bound on every wait, far above what a loaded machine needs.
 BOUND = 60.0
 #: How long the targeted operation runs inside each engine.

@@ -18,7 +18,7 @@ import ray
 from rollout_lifecycle import RolloutServer, mermaid
 from rollout_lifecycle.testing import StandInServer
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 DESIGN = README.parent / "docs" / "design.md"
 
 

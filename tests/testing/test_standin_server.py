@@ -685,7 +685,7 @@ def test_fake_sglang_with_an_unset_key_variable_exits_2_naming_it(
     env = {k: v for k, v in os.environ.items() if k != var}
     if value is not None:
         env[var] = value
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     done = subprocess.run(
         [sys.executable, "-m", "rollout_lifecycle.cli", "fake-sglang", "--port", "0", flag, var],

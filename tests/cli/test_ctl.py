@@ -32,7 +32,7 @@ from rollout_lifecycle.cli import main
 from rollout_lifecycle.cli.ctl import STATE_FORMAT, ExitCode, default_state_path
 from rollout_lifecycle.testing import StandInServer, cycle_order_violations
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ADMIN_KEY = "adm-ctl-4d1f9a7c03"
 KEY_VAR = "CTL_TEST_ADMIN_KEY"
 ALL = ["weights", "kv_cache", "cuda_graph"]

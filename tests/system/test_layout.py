@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "rollout_lifecycle"
 MAX_MODULE_LINES = 800
 MAX_CLASS_LINES = 400

@@ -18,7 +18,7 @@ from types import ModuleType
 import pytest
 import ray
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 SUMMARIES = {
     "colocated_loop": "colocated_loop: 3 steps on 2 engines, 48/48 requests completed",

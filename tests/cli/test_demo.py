@@ -16,7 +16,7 @@ import pytest
 from rollout_lifecycle import mermaid
 from rollout_lifecycle.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SMALL = ["--steps", "2", "--groups", "1", "--engines", "2", "--requests", "6"]
 
