@@ -6,7 +6,6 @@ Requests wait while their engines are paused; aborted or lost work is resubmitte
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -15,13 +14,21 @@ from rollout_lifecycle.backends import seam
 from rollout_lifecycle.core.config import check_int, check_seconds
 from rollout_lifecycle.core.exceptions import (
     InvalidArgument,
-    LifecycleError,
 )
 from rollout_lifecycle.core.hooks import HOOK_EVENTS
-from rollout_lifecycle.core.ledger import EngineRecord, Fleet, GroupRecords, may_serve
+from rollout_lifecycle.core.ledger import Fleet
 from rollout_lifecycle.core.ops import Op
 from rollout_lifecycle.core.outcome import Outcome
-from rollout_lifecycle.core.requests import Request, resumable_abort, short
+from rollout_lifecycle.core.requests import (
+    GenerationError,
+    GenerationTimeout,
+    NoLiveEngine,
+    Request,
+    TooManyResubmissions,
+    resumable_abort,
+    short,
+)
+from rollout_lifecycle.core.routing import Router
 from rollout_lifecycle.core.states import ServerState
 
 if TYPE_CHECKING:
@@ -35,66 +42,6 @@ S = ServerState
 MAX_RESUBMISSIONS = 1_000_000
 #: Outcomes after which an attempt's work is lost but the request can run elsewhere.
 _LOST = frozenset({Outcome.DEAD, Outcome.UNREACHABLE})
-
-
-class GenerationError(LifecycleError):
-    """A generate request could not be completed.
-
-    ``partial`` holds the answer so far (``text``, ``output_ids``, ``meta_info``) when some work
-    was done, so that a caller can still keep it.
-    """
-
-    def __init__(self, message: str, partial: dict[str, Any] | None = None) -> None:
-        self._init: tuple[Any, ...] = (message, partial)
-        self.message = message
-        self.partial = partial
-        super().__init__(message)
-
-
-class GenerationTimeout(GenerationError):
-    """A request waited longer than ``hold_timeout`` for a serving engine, or ran longer than
-    ``request_timeout`` in all; ``state`` is the server's state when it gave up."""
-
-    def __init__(
-        self,
-        message: str,
-        state: str,
-        limit: str,
-        waited: float,
-        partial: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(message, partial)
-        self._init = (message, state, limit, waited, partial)
-        self.state = state
-        #: ``"hold_timeout"`` or ``"request_timeout"``.
-        self.limit = limit
-        self.waited = waited
-
-
-class NoLiveEngine(GenerationError):
-    """Every engine that could serve a request (those of its ``group``, or of every group when
-    none is named) is dead: nothing can answer it, so it fails at once instead of being held.
-
-    Raised for a new request and for one held or resubmitted when its last engine dies; a
-    ``recover()`` that replaces the dead engines lets later requests through. ``state`` is the
-    server's state when the request gave up, ``group`` the group it named (or None).
-    """
-
-    def __init__(
-        self,
-        message: str,
-        state: str,
-        group: str | None,
-        partial: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(message, partial)
-        self._init = (message, state, group, partial)
-        self.state = state
-        self.group = group
-
-
-class TooManyResubmissions(GenerationError):
-    """A request was aborted or lost more than ``max_resubmissions`` times."""
 
 
 class GenerationClient:
@@ -166,9 +113,6 @@ class GenerationClient:
             "max_resubmissions", max_resubmissions, maximum=MAX_RESUBMISSIONS
         )
         self._server = server
-        self._outstanding: dict[str, int] = {}
-        #: Engine id -> the handle this client saw die in that slot (a replacement is not dead).
-        self._dead: dict[str, Any] = {}
         self._counts: dict[str, int] = dict.fromkeys(
             (
                 "submitted",
@@ -181,11 +125,15 @@ class GenerationClient:
             ),
             0,
         )
-        self._holding = 0
+        self._router = Router(
+            server,
+            self._counts,
+            self._hold_timeout,
+            self._request_timeout,
+            lambda: self.recheck_interval,
+        )
         #: Aborts of abandoned attempts still being sent (kept referenced until they finish).
         self._aborts: set[asyncio.Future[Any]] = set()
-        self._wake: asyncio.Event | None = None
-        self._wake_loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         # Every state, and the end of every phase (a group paused around a weight update is
         # continued inside the phase, with no state change).
@@ -257,7 +205,9 @@ class GenerationClient:
     def outstanding(self) -> dict[str, int]:
         """Requests of this client at each engine now, for every engine of the server."""
         return {
-            r.id: self._outstanding.get(r.id, 0) for g in self._server.groups for r in g.records
+            r.id: self._router.outstanding.get(r.id, 0)
+            for g in self._server.groups
+            for r in g.records
         }
 
     def stats(self) -> dict[str, int]:
@@ -267,7 +217,7 @@ class GenerationClient:
         (times a request or resubmission waited for a serving engine), and now: ``holding``
         (waiting), ``in_flight`` (accepted, not finished)."""
         counts = dict(self._counts)
-        counts["holding"] = self._holding
+        counts["holding"] = self._router.holding
         counts["in_flight"] = counts["submitted"] - counts["completed"] - counts["failed"]
         return counts
 
@@ -282,7 +232,7 @@ class GenerationClient:
         for remove in self._removers:
             remove()
         self._removers.clear()
-        self._notify()
+        self._router.notify()
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -316,11 +266,11 @@ class GenerationClient:
     async def _run(self, work: Request) -> dict[str, Any]:
         deadline = time.monotonic() + self._request_timeout
         while True:
-            record = await self._acquire(work, deadline)
+            record = await self._router.acquire(work, deadline)
             engine, handle = record.id, record.handle
             body = work.body()
             work.engines.append(engine)
-            self._outstanding[engine] = self._outstanding.get(engine, 0) + 1
+            self._router.outstanding[engine] = self._router.outstanding.get(engine, 0) + 1
             try:
                 answer = await self._call(work, handle, body, deadline)
             except GenerationError:
@@ -333,13 +283,13 @@ class GenerationClient:
                         raise
                     raise inner from exc
                 if outcome.outcome is Outcome.DEAD:
-                    self._dead[engine] = handle
+                    self._router.dead[engine] = handle
                     self._counts["engine_deaths"] += 1
                 work.avoid.add(engine)
                 self._resubmit(work, f"engine {engine} was lost ({outcome})")
                 continue
             finally:
-                self._outstanding[engine] -= 1
+                self._router.outstanding[engine] -= 1
             retractions = work.counters.get("num_retractions", 0)
             finish = work.absorb(engine, answer)
             self._counts["retractions"] += work.counters.get("num_retractions", 0) - retractions
@@ -410,148 +360,9 @@ class GenerationClient:
         if not sent.cancelled():
             sent.exception()  # retrieved: a failed best-effort abort is not an error
 
-    # -- routing and holding ------------------------------------------------------------------
-
-    def _group_may_serve(self, group: GroupRecords, state: ServerState) -> bool:
-        return may_serve(state, group.needs_offload)
-
-    def _engine_serves(self, record: EngineRecord) -> bool:
-        return (
-            record.alive
-            and not record.paused
-            and not record.released
-            and not record.uncertain
-            # A replacement without the fleet's versioned weights generates nothing for us.
-            and not (record.stale and self._server.expected_version is not None)
-            and self._dead.get(record.id) is not record.handle
-        )
-
-    def _pick(self, work: Request) -> EngineRecord | None:
-        state = self._server.state
-        candidates = [
-            r
-            for g in self._server.groups
-            if work.group in (None, g.name) and self._group_may_serve(g, state)
-            for r in g.records
-            if self._engine_serves(r)
-        ]
-        if not candidates:
-            return None
-        preferred = [r for r in candidates if r.id not in work.avoid] or candidates
-        return min(preferred, key=lambda r: self._outstanding.get(r.id, 0))
-
-    async def _acquire(self, work: Request, deadline: float) -> EngineRecord:
-        """A serving engine for ``work``; waits (holds) while there is none."""
-        start = time.monotonic()
-        held = False
-        try:
-            while True:
-                wake = self._event()
-                record = self._pick(work)
-                if record is not None:
-                    return record
-                self._check_alive(work)
-                now = time.monotonic()
-                waited = now - start
-                if now >= deadline:
-                    limit, bound = "request_timeout", self._request_timeout
-                elif waited >= self._hold_timeout:
-                    limit, bound = "hold_timeout", self._hold_timeout
-                else:
-                    if not held:
-                        held = True
-                        self._holding += 1
-                        self._counts["held"] += 1
-                    pause = min(self._hold_timeout - waited, deadline - now, self.recheck_interval)
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(wake.wait(), pause)
-                    continue
-                state = self._server.state.value
-                message = (
-                    f"generate request held {waited:.3g}s ({limit}={bound:g}s) with no engine "
-                    f"to serve it: {self._why_held(work)}"
-                )
-                raise GenerationTimeout(
-                    message,
-                    state,
-                    limit,
-                    waited,
-                    work.compose(None, message) if work.engines else None,
-                )
-        finally:
-            if held:
-                self._holding -= 1
-
-    def _engine_dead(self, record: EngineRecord) -> bool:
-        """Dead for good: recorded dead by the server, or seen dying by this client (the same
-        handle; a replacement in its slot is another engine)."""
-        return not record.alive or self._dead.get(record.id) is record.handle
-
-    def _check_alive(self, work: Request) -> None:
-        """Fail ``work`` at once when every engine that could ever serve it is dead."""
-        records = [
-            r for g in self._server.groups if work.group in (None, g.name) for r in g.records
-        ]
-        if not all(self._engine_dead(r) for r in records):
-            return
-        where = f"group {work.group!r}" if work.group is not None else "any group"
-        dead = ", ".join(r.id for r in records) or "none"
-        message = (
-            f"no engine of {where} is alive to serve the generate request (dead: {dead}; "
-            f"server {self._server.state.value!r})"
-        )
-        if work.engines:
-            message += f"; {work.produced} token(s) produced so far are in .partial"
-        raise NoLiveEngine(
-            message,
-            self._server.state.value,
-            work.group,
-            work.compose(None, message) if work.engines else None,
-        )
-
-    def _why_held(self, work: Request) -> str:
-        state = self._server.state
-        groups = [g for g in self._server.groups if work.group in (None, g.name)]
-        where = f"group {work.group!r}" if work.group is not None else "any group"
-        if not any(self._group_may_serve(g, state) for g in groups):
-            return f"the server is {state.value!r} ({where} does not serve in that state)"
-        notes = []
-        for g in groups:
-            for r in g.records:
-                if not r.alive:
-                    notes.append(f"{r.id} dead")
-                elif self._dead.get(r.id) is r.handle:
-                    notes.append(f"{r.id} died under a request")
-                elif r.paused:
-                    notes.append(f"{r.id} paused")
-                elif r.released or r.uncertain:
-                    notes.append(f"{r.id} holds released memory")
-                elif r.stale and self._server.expected_version is not None:
-                    notes.append(f"{r.id} lacks weight version {self._server.expected_version!r}")
-        return f"the server is {state.value!r} and no engine of {where} serves ({', '.join(notes)})"
-
-    # -- wake-ups -----------------------------------------------------------------------------
-
-    def _event(self) -> asyncio.Event:
-        loop = asyncio.get_running_loop()
-        if self._wake is None or self._wake_loop is not loop:
-            self._wake, self._wake_loop = asyncio.Event(), loop
-        return self._wake
-
-    def _notify(self) -> None:
-        wake, self._wake = self._wake, None
-        if wake is None:
-            return
-        try:
-            same_loop = asyncio.get_running_loop() is self._wake_loop
-        except RuntimeError:
-            same_loop = False
-        if same_loop:
-            wake.set()  # waiters of another (finished) loop are gone; theirs is just dropped
-
     def _on_state(self, event: LifecycleEvent) -> None:
         """The hook on every state (and phase end): wake held requests to re-check; never raises."""
-        self._notify()
+        self._router.notify()
 
 
 async def _cancel_all(tasks: Sequence[asyncio.Future[Any]]) -> None:

@@ -14,10 +14,70 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-from rollout_lifecycle.core.exceptions import EngineError, InvalidArgument
+from rollout_lifecycle.core.exceptions import EngineError, InvalidArgument, LifecycleError
 
 #: The keys of a prompt: a request has exactly one.
 PROMPT_KEYS = ("input_ids", "text")
+
+
+class GenerationError(LifecycleError):
+    """A generate request could not be completed.
+
+    ``partial`` holds the answer so far (``text``, ``output_ids``, ``meta_info``) when some work
+    was done, so that a caller can still keep it.
+    """
+
+    def __init__(self, message: str, partial: dict[str, Any] | None = None) -> None:
+        self._init: tuple[Any, ...] = (message, partial)
+        self.message = message
+        self.partial = partial
+        super().__init__(message)
+
+
+class GenerationTimeout(GenerationError):
+    """A request waited longer than ``hold_timeout`` for a serving engine, or ran longer than
+    ``request_timeout`` in all; ``state`` is the server's state when it gave up."""
+
+    def __init__(
+        self,
+        message: str,
+        state: str,
+        limit: str,
+        waited: float,
+        partial: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message, partial)
+        self._init = (message, state, limit, waited, partial)
+        self.state = state
+        #: ``"hold_timeout"`` or ``"request_timeout"``.
+        self.limit = limit
+        self.waited = waited
+
+
+class NoLiveEngine(GenerationError):
+    """Every engine that could serve a request (those of its ``group``, or of every group when
+    none is named) is dead: nothing can answer it, so it fails at once instead of being held.
+
+    Raised for a new request and for one held or resubmitted when its last engine dies; a
+    ``recover()`` that replaces the dead engines lets later requests through. ``state`` is the
+    server's state when the request gave up, ``group`` the group it named (or None).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        state: str,
+        group: str | None,
+        partial: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message, partial)
+        self._init = (message, state, group, partial)
+        self.state = state
+        self.group = group
+
+
+class TooManyResubmissions(GenerationError):
+    """A request was aborted or lost more than ``max_resubmissions`` times."""
 
 
 class WeightVersionSpan(TypedDict):
@@ -329,4 +389,14 @@ def short(value: object, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-__all__ = ["PROMPT_KEYS", "Request", "WeightVersionSpan", "resumable_abort", "short"]
+__all__ = [
+    "PROMPT_KEYS",
+    "GenerationError",
+    "GenerationTimeout",
+    "NoLiveEngine",
+    "Request",
+    "TooManyResubmissions",
+    "WeightVersionSpan",
+    "resumable_abort",
+    "short",
+]

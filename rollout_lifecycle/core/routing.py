@@ -1,0 +1,188 @@
+"""Routing and holding for the generation client: which engine serves a request, and waiting
+while none does.
+
+``Router.acquire`` picks a serving engine (alive, unpaused, all memory resident, with the
+expected weights, not seen dying by this client; the fewest requests outstanding first) in a
+group that may serve in the server's state (``ledger.may_serve``), and holds the request while
+there is none, waking at every state change and phase end, until ``hold_timeout`` or the
+request's deadline. A request whose every possible engine is dead fails at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from rollout_lifecycle.core.ledger import EngineRecord, GroupRecords, may_serve
+from rollout_lifecycle.core.requests import GenerationTimeout, NoLiveEngine, Request
+from rollout_lifecycle.core.states import ServerState
+
+if TYPE_CHECKING:
+    from rollout_lifecycle.core.server import RolloutServer
+
+
+class Router:
+    """The engine choice and the holding of one generation client."""
+
+    def __init__(
+        self,
+        server: RolloutServer,
+        counts: dict[str, int],
+        hold_timeout: float,
+        request_timeout: float,
+        recheck: Callable[[], float],
+    ) -> None:
+        self._server = server
+        self._counts = counts
+        self._hold_timeout = hold_timeout
+        self._request_timeout = request_timeout
+        self._recheck = recheck
+        #: Requests of the client at each engine now, by engine id.
+        self.outstanding: dict[str, int] = {}
+        #: Engine id -> the handle the client saw die in that slot (a replacement is not dead).
+        self.dead: dict[str, Any] = {}
+        #: Requests waiting for a serving engine now.
+        self.holding = 0
+        self._wake: asyncio.Event | None = None
+        self._wake_loop: asyncio.AbstractEventLoop | None = None
+
+    def _group_may_serve(self, group: GroupRecords, state: ServerState) -> bool:
+        return may_serve(state, group.needs_offload)
+
+    def _engine_serves(self, record: EngineRecord) -> bool:
+        return (
+            record.alive
+            and not record.paused
+            and not record.released
+            and not record.uncertain
+            # A replacement without the fleet's versioned weights generates nothing for us.
+            and not (record.stale and self._server.expected_version is not None)
+            and self.dead.get(record.id) is not record.handle
+        )
+
+    def pick(self, work: Request) -> EngineRecord | None:
+        state = self._server.state
+        candidates = [
+            r
+            for g in self._server.groups
+            if work.group in (None, g.name) and self._group_may_serve(g, state)
+            for r in g.records
+            if self._engine_serves(r)
+        ]
+        if not candidates:
+            return None
+        preferred = [r for r in candidates if r.id not in work.avoid] or candidates
+        return min(preferred, key=lambda r: self.outstanding.get(r.id, 0))
+
+    async def acquire(self, work: Request, deadline: float) -> EngineRecord:
+        """A serving engine for ``work``; waits (holds) while there is none."""
+        start = time.monotonic()
+        held = False
+        try:
+            while True:
+                wake = self._event()
+                record = self.pick(work)
+                if record is not None:
+                    return record
+                self._check_alive(work)
+                now = time.monotonic()
+                waited = now - start
+                if now >= deadline:
+                    limit, bound = "request_timeout", self._request_timeout
+                elif waited >= self._hold_timeout:
+                    limit, bound = "hold_timeout", self._hold_timeout
+                else:
+                    if not held:
+                        held = True
+                        self.holding += 1
+                        self._counts["held"] += 1
+                    pause = min(self._hold_timeout - waited, deadline - now, self._recheck())
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(wake.wait(), pause)
+                    continue
+                state = self._server.state.value
+                message = (
+                    f"generate request held {waited:.3g}s ({limit}={bound:g}s) with no engine "
+                    f"to serve it: {self._why_held(work)}"
+                )
+                raise GenerationTimeout(
+                    message,
+                    state,
+                    limit,
+                    waited,
+                    work.compose(None, message) if work.engines else None,
+                )
+        finally:
+            if held:
+                self.holding -= 1
+
+    def _engine_dead(self, record: EngineRecord) -> bool:
+        """Dead for good: recorded dead by the server, or seen dying by this client (the same
+        handle; a replacement in its slot is another engine)."""
+        return not record.alive or self.dead.get(record.id) is record.handle
+
+    def _check_alive(self, work: Request) -> None:
+        """Fail ``work`` at once when every engine that could ever serve it is dead."""
+        records = [
+            r for g in self._server.groups if work.group in (None, g.name) for r in g.records
+        ]
+        if not all(self._engine_dead(r) for r in records):
+            return
+        where = f"group {work.group!r}" if work.group is not None else "any group"
+        dead = ", ".join(r.id for r in records) or "none"
+        message = (
+            f"no engine of {where} is alive to serve the generate request (dead: {dead}; "
+            f"server {self._server.state.value!r})"
+        )
+        if work.engines:
+            message += f"; {work.produced} token(s) produced so far are in .partial"
+        raise NoLiveEngine(
+            message,
+            self._server.state.value,
+            work.group,
+            work.compose(None, message) if work.engines else None,
+        )
+
+    def _why_held(self, work: Request) -> str:
+        state = self._server.state
+        groups = [g for g in self._server.groups if work.group in (None, g.name)]
+        where = f"group {work.group!r}" if work.group is not None else "any group"
+        if not any(self._group_may_serve(g, state) for g in groups):
+            return f"the server is {state.value!r} ({where} does not serve in that state)"
+        notes = []
+        for g in groups:
+            for r in g.records:
+                if not r.alive:
+                    notes.append(f"{r.id} dead")
+                elif self.dead.get(r.id) is r.handle:
+                    notes.append(f"{r.id} died under a request")
+                elif r.paused:
+                    notes.append(f"{r.id} paused")
+                elif r.released or r.uncertain:
+                    notes.append(f"{r.id} holds released memory")
+                elif r.stale and self._server.expected_version is not None:
+                    notes.append(f"{r.id} lacks weight version {self._server.expected_version!r}")
+        return f"the server is {state.value!r} and no engine of {where} serves ({', '.join(notes)})"
+
+    def _event(self) -> asyncio.Event:
+        loop = asyncio.get_running_loop()
+        if self._wake is None or self._wake_loop is not loop:
+            self._wake, self._wake_loop = asyncio.Event(), loop
+        return self._wake
+
+    def notify(self) -> None:
+        wake, self._wake = self._wake, None
+        if wake is None:
+            return
+        try:
+            same_loop = asyncio.get_running_loop() is self._wake_loop
+        except RuntimeError:
+            same_loop = False
+        if same_loop:
+            wake.set()  # waiters of another (finished) loop are gone; theirs is just dropped
+
+
+__all__ = ["Router"]
