@@ -141,6 +141,77 @@ class _Runtime:
         with contextlib.suppress(RuntimeError):  # the loop is closed already
             self.loop.call_soon_threadsafe(self.loop.stop)
 
+    def cancel(self, pending: _Call[Any]) -> None:
+        """Cancel ``pending``'s task on the loop (a settled call has nothing to cancel)."""
+
+        def cancel() -> None:
+            if pending.task is not None:
+                pending.task.cancel()
+
+        with contextlib.suppress(RuntimeError):  # closed loop: the call has been settled
+            self.loop.call_soon_threadsafe(cancel)
+
+    def join_workers(self) -> None:
+        """Join the worker threads; an abandoned one (a hook still running) gets a short grace,
+        usually enough (its call to the facade fails now that the loop has stopped), and one
+        that is hung is left behind with a warning."""
+        for worker in list(self.workers - self.abandoned):
+            worker.join()
+        grace_ends = time.monotonic() + _ABANDONED_GRACE_S
+        for worker in self.abandoned:
+            worker.join(max(0.0, grace_ends - time.monotonic()))
+            if worker.is_alive():
+                logger().warning("sync.worker_abandoned", server=self.name, thread=worker.name)
+
+    async def in_thread(
+        self, facade: object, fn: Callable[..., Any], args: tuple[Any, ...], *, leave: bool
+    ) -> Any:
+        """Run ``fn(*args)`` in a new thread, in a copy of this task's context (so that a call
+        back into the facade is seen as a re-entry of the operation in progress)."""
+        runtime = self
+        loop = runtime.loop
+        future: asyncio.Future[Any] = loop.create_future()
+        context = contextvars.copy_context()
+
+        def settle(result: Any, error: BaseException | None) -> None:
+            if future.done():
+                return
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
+
+        def work() -> None:
+            _LOCAL.facade = facade
+            try:
+                outcome: tuple[Any, BaseException | None] = (context.run(fn, *args), None)
+            except BaseException as exc:
+                outcome = (None, exc)
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+                loop.call_soon_threadsafe(settle, *outcome)
+
+        # Threads that have ended are forgotten here; close() joins the rest.
+        ended = [t for t in runtime.workers if not t.is_alive()]
+        runtime.workers.difference_update(ended)
+        runtime.abandoned.difference_update(ended)
+        thread = threading.Thread(target=work, name=f"{runtime.thread.name}-worker", daemon=True)
+        runtime.workers.add(thread)
+        thread.start()
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            # A thread cannot be interrupted. A hook's call stops waiting for it (the server
+            # stops at its last boundary) and leaves it to return on its own: a call it makes
+            # to the facade afterwards is a call of its own, serialized by the server. Others
+            # are waited for.
+            while not leave and not future.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([future])
+            if not future.done():
+                runtime.abandoned.add(thread)
+                logger().warning("sync.worker_left_running", server=runtime.name, fn=repr(fn))
+            raise
+
 
 def _run_loop(runtime: _Runtime) -> None:
     loop = runtime.loop
@@ -508,15 +579,7 @@ class SyncRolloutServer:
         runtime = self._runtime
         runtime.stop()
         runtime.thread.join()
-        for worker in list(runtime.workers - runtime.abandoned):
-            worker.join()
-        # An abandoned worker is usually about to return (its call to this facade fails now that
-        # the loop has stopped): it gets a short grace to end; one that is hung is left behind.
-        grace_ends = time.monotonic() + _ABANDONED_GRACE_S
-        for worker in runtime.abandoned:
-            worker.join(max(0.0, grace_ends - time.monotonic()))
-            if worker.is_alive():
-                logger().warning("sync.worker_abandoned", server=runtime.name, thread=worker.name)
+        runtime.join_workers()
         self._finalizer.detach()
 
     # -- machinery ----------------------------------------------------------------------------
@@ -570,11 +633,11 @@ class SyncRolloutServer:
                 finished = pending.done.wait(limit)
             except BaseException:
                 # Interrupted (Ctrl-C): like a cancelled async caller, settle first, then raise.
-                self._cancel(pending)
+                self._runtime.cancel(pending)
                 pending.done.wait()
                 raise
             if not finished:
-                self._cancel(pending)
+                self._runtime.cancel(pending)
                 pending.done.wait()
         finally:
             with runtime.guard:
@@ -589,14 +652,6 @@ class SyncRolloutServer:
             raise pending.error
         return pending.value[0]
 
-    def _cancel(self, pending: _Call[Any]) -> None:
-        def cancel() -> None:
-            if pending.task is not None:
-                pending.task.cancel()
-
-        with contextlib.suppress(RuntimeError):  # closed loop: the call has been settled
-            self._runtime.loop.call_soon_threadsafe(cancel)
-
     def _threaded(self, fn: Callable[..., Any], *, leave: bool = False) -> Callable[..., Any]:
         """``fn`` as the server should call it: async callables as they are, sync ones in a
         worker thread (whatever awaitable they return is awaited on the loop).
@@ -608,7 +663,7 @@ class SyncRolloutServer:
             return fn
 
         async def in_worker(*args: Any) -> Any:
-            result = await self._in_thread(fn, args, leave=leave)
+            result = await self._runtime.in_thread(self, fn, args, leave=leave)
             if inspect.isawaitable(result):
                 result = await result
             return result
@@ -617,55 +672,6 @@ class SyncRolloutServer:
         in_worker.__qualname__ = getattr(fn, "__qualname__", repr(fn))
         in_worker.__name__ = getattr(fn, "__name__", in_worker.__qualname__)
         return in_worker
-
-    async def _in_thread(
-        self, fn: Callable[..., Any], args: tuple[Any, ...], *, leave: bool
-    ) -> Any:
-        """Run ``fn(*args)`` in a new thread, in a copy of this task's context (so that a call
-        back into the facade is seen as a re-entry of the operation in progress)."""
-        runtime = self._runtime
-        loop = runtime.loop
-        future: asyncio.Future[Any] = loop.create_future()
-        context = contextvars.copy_context()
-
-        def settle(result: Any, error: BaseException | None) -> None:
-            if future.done():
-                return
-            if error is None:
-                future.set_result(result)
-            else:
-                future.set_exception(error)
-
-        def work() -> None:
-            _LOCAL.facade = self
-            try:
-                outcome: tuple[Any, BaseException | None] = (context.run(fn, *args), None)
-            except BaseException as exc:
-                outcome = (None, exc)
-            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
-                loop.call_soon_threadsafe(settle, *outcome)
-
-        # Threads that have ended are forgotten here; close() joins the rest.
-        ended = [t for t in runtime.workers if not t.is_alive()]
-        runtime.workers.difference_update(ended)
-        runtime.abandoned.difference_update(ended)
-        thread = threading.Thread(target=work, name=f"{runtime.thread.name}-worker", daemon=True)
-        runtime.workers.add(thread)
-        thread.start()
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            # A thread cannot be interrupted. A hook's call stops waiting for it (the server
-            # stops at its last boundary) and leaves it to return on its own: a call it makes
-            # to the facade afterwards is a call of its own, serialized by the server. Others
-            # are waited for.
-            while not leave and not future.done():
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait([future])
-            if not future.done():
-                runtime.abandoned.add(thread)
-                logger().warning("sync.worker_left_running", server=runtime.name, fn=repr(fn))
-            raise
 
 
 __all__ = [
