@@ -25,7 +25,6 @@ from rollout_lifecycle.backends.http import (
     sglang_http_factory,
 )
 from rollout_lifecycle.backends.secret import Secret, as_secret
-from rollout_lifecycle.core.config import DEFAULT_GROUP_NAME, PauseMode, Tag
 from rollout_lifecycle.core.events import logger
 from rollout_lifecycle.core.exceptions import (
     EngineDead,
@@ -35,6 +34,7 @@ from rollout_lifecycle.core.exceptions import (
     IllegalEngineOp,
     InvalidArgument,
 )
+from rollout_lifecycle.core.ops import Op
 
 __all__ = [
     "ADMIN_KEY_ENV",
@@ -92,6 +92,20 @@ def _str_list(name: str, value: object, *, allow_empty: bool) -> list[str]:
     if not items and not allow_empty:
         raise InvalidArgument(f"{name} must not be empty")
     return items
+
+
+#: The calls a launched engine passes to its server's HTTP client: the backend protocol's
+#: operations (``close`` and ``label`` are its own) and ``model_info``.
+DELEGATED = frozenset(
+    {
+        *(
+            op.value
+            for op in Op
+            if op not in (Op.CLOSE, Op.LABEL, Op.HISTORY, Op.MEMORY, Op.STATE, Op.STATS)
+        ),
+        "model_info",
+    }
+)
 
 
 class LaunchedSGLangEngine:
@@ -462,159 +476,18 @@ class LaunchedSGLangEngine:
             message = f"{exc.message}; the server process exited with code {proc.returncode}"
         raise EngineDead(self.label, op, message)
 
-    async def pause_generation(self, mode: PauseMode) -> None:
-        """``POST /pause_generation``."""
-        await self._call("pause_generation", lambda h: h.pause_generation(mode))
+    def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
+        """Every call of the backend protocol (``DELEGATED``): started on first use, passed to
+        the server's ``SGLangHTTPEngine`` with the same arguments; a connection lost because the
+        process exited is ``EngineDead`` naming its exit code."""
+        if name not in DELEGATED:
+            raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
 
-    async def continue_generation(self) -> None:
-        """``POST /continue_generation``."""
-        await self._call("continue_generation", lambda h: h.continue_generation())
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            return await self._call(name, lambda h: getattr(h, name)(*args, **kwargs))
 
-    async def flush_cache(self, timeout: float) -> None:
-        """``POST /flush_cache`` (``?timeout=T`` only for T > 0); ``EngineRejected`` (400) when
-        not idle."""
-        await self._call("flush_cache", lambda h: h.flush_cache(timeout))
-
-    async def release_memory_occupation(self, tags: Sequence[Tag]) -> None:
-        """``POST /release_memory_occupation`` with explicit tags; never retried."""
-        await self._call("release_memory_occupation", lambda h: h.release_memory_occupation(tags))
-
-    async def resume_memory_occupation(self, tags: Sequence[Tag]) -> None:
-        """``POST /resume_memory_occupation`` with explicit tags; never retried."""
-        await self._call("resume_memory_occupation", lambda h: h.resume_memory_occupation(tags))
-
-    async def begin_weight_update(self) -> None:
-        """``POST /begin_weight_update``."""
-        await self._call("begin_weight_update", lambda h: h.begin_weight_update())
-
-    async def end_weight_update(self) -> None:
-        """``POST /end_weight_update``."""
-        await self._call("end_weight_update", lambda h: h.end_weight_update())
-
-    async def update_weights_from_disk(
-        self,
-        model_path: str,
-        *,
-        weight_version: str | None,
-        flush_cache: bool,
-        abort_all_requests: bool,
-        load_format: str | None = None,
-    ) -> None:
-        """``POST /update_weights_from_disk``; every flag is sent explicitly."""
-        await self._call(
-            "update_weights_from_disk",
-            lambda h: h.update_weights_from_disk(
-                model_path,
-                weight_version=weight_version,
-                flush_cache=flush_cache,
-                abort_all_requests=abort_all_requests,
-                load_format=load_format,
-            ),
-        )
-
-    async def update_weights_from_tensor(
-        self,
-        serialized_named_tensors: list[str],
-        *,
-        weight_version: str | None,
-        flush_cache: bool,
-        abort_all_requests: bool,
-        load_format: str | None = None,
-    ) -> None:
-        """``POST /update_weights_from_tensor``."""
-        await self._call(
-            "update_weights_from_tensor",
-            lambda h: h.update_weights_from_tensor(
-                serialized_named_tensors,
-                weight_version=weight_version,
-                flush_cache=flush_cache,
-                abort_all_requests=abort_all_requests,
-                load_format=load_format,
-            ),
-        )
-
-    async def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str,
-        *,
-        weight_version: str | None,
-        flush_cache: bool,
-        abort_all_requests: bool,
-        load_format: str | None = None,
-    ) -> None:
-        """``POST /update_weights_from_distributed``."""
-        await self._call(
-            "update_weights_from_distributed",
-            lambda h: h.update_weights_from_distributed(
-                names,
-                dtypes,
-                shapes,
-                group_name,
-                weight_version=weight_version,
-                flush_cache=flush_cache,
-                abort_all_requests=abort_all_requests,
-                load_format=load_format,
-            ),
-        )
-
-    async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        *,
-        group_name: str = DEFAULT_GROUP_NAME,
-        backend: str = "nccl",
-    ) -> None:
-        """``POST /init_weights_update_group``."""
-        await self._call(
-            "init_weights_update_group",
-            lambda h: h.init_weights_update_group(
-                master_address,
-                master_port,
-                rank_offset,
-                world_size,
-                group_name=group_name,
-                backend=backend,
-            ),
-        )
-
-    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> None:
-        """``POST /destroy_weights_update_group``."""
-        await self._call(
-            "destroy_weights_update_group", lambda h: h.destroy_weights_update_group(group_name)
-        )
-
-    async def update_weight_version(self, version: str, *, abort_all_requests: bool) -> None:
-        """``POST /update_weight_version``; ``abort_all_requests`` is sent explicitly."""
-        await self._call(
-            "update_weight_version",
-            lambda h: h.update_weight_version(version, abort_all_requests=abort_all_requests),
-        )
-
-    async def weight_version(self) -> str | None:
-        """The loaded weight version (``GET /model_info``)."""
-        return await self._call("weight_version", lambda h: h.weight_version())
-
-    async def model_info(self) -> dict[str, Any]:
-        """``GET /model_info``."""
-        return await self._call("model_info", lambda h: h.model_info())
-
-    async def server_info(self) -> dict[str, Any]:
-        """``GET /server_info``: the liveness probe that is safe while paused."""
-        return await self._call("server_info", lambda h: h.server_info())
-
-    async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
-        """``POST /generate``, run to completion."""
-        return await self._call("generate", lambda h: h.generate(request))
-
-    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        """``POST /abort_request``: the request whose id is exactly ``rid``, or all."""
-        await self._call("abort_request", lambda h: h.abort_request(rid, abort_all))
+        call.__name__ = call.__qualname__ = name
+        return call
 
 
 def launched_sglang_factory(model_path: str, **kwargs: Any) -> Callable[[], LaunchedSGLangEngine]:
