@@ -476,18 +476,24 @@ class LaunchedSGLangEngine:
             message = f"{exc.message}; the server process exited with code {proc.returncode}"
         raise EngineDead(self.label, op, message)
 
-    def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
-        """Every call of the backend protocol (``DELEGATED``): started on first use, passed to
-        the server's ``SGLangHTTPEngine`` with the same arguments; a connection lost because the
-        process exited is ``EngineDead`` naming its exit code."""
-        if name not in DELEGATED:
-            raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
 
-        async def call(*args: Any, **kwargs: Any) -> Any:
-            return await self._call(name, lambda h: getattr(h, name)(*args, **kwargs))
+def _delegated(name: str) -> Callable[..., Awaitable[Any]]:
+    """``LaunchedSGLangEngine``'s method for the call ``name``: started on first use, passed to
+    the server's ``SGLangHTTPEngine`` with the same arguments; a connection lost because the
+    process exited is ``EngineDead`` naming its exit code."""
 
-        call.__name__ = call.__qualname__ = name
-        return call
+    async def call(self: LaunchedSGLangEngine, *args: Any, **kwargs: Any) -> Any:
+        return await self._call(name, lambda h: getattr(h, name)(*args, **kwargs))
+
+    call.__name__ = name
+    call.__qualname__ = f"LaunchedSGLangEngine.{name}"
+    call.__doc__ = f"``SGLangHTTPEngine.{name}`` on the launched server."
+    return call
+
+
+# One method per call of the backend protocol, declared from DELEGATED rather than by hand.
+for _name in sorted(DELEGATED):
+    setattr(LaunchedSGLangEngine, _name, _delegated(_name))
 
 
 def launched_sglang_factory(model_path: str, **kwargs: Any) -> Callable[[], LaunchedSGLangEngine]:

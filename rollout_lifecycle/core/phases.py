@@ -8,7 +8,7 @@ they run, and the states they connect, are the state machine's; what each guaran
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from rollout_lifecycle.core.config import WEIGHT_TAGS, DeadEnginePolicy, LifecycleConfig, PauseMode
@@ -32,22 +32,42 @@ class Versions:
     expected: str | None = None
 
 
-class Phases:
+@dataclass(frozen=True)
+class Parts:
+    """What the clients of the ledger and the runner (phases, weight writes, recovery) share
+    within one server."""
+
+    name: str
+    fleet: Fleet
+    runner: PhaseRunner
+    config: LifecycleConfig
+    hooks: Hooks
+    versions: Versions
+    #: Writes the server's journal (a no-op without one).
+    journal: Callable[[], None]
+    #: The server's state.
+    state: Callable[[], ServerState]
+
+
+class Client:
+    """A client of the ledger and the runner: the server's parts, at hand."""
+
+    def __init__(self, parts: Parts) -> None:
+        self._name = parts.name
+        self._fleet = parts.fleet
+        self._runner = parts.runner
+        self._config = parts.config
+        self._hooks = parts.hooks
+        self._versions = parts.versions
+        self._journal = parts.journal
+        self._state = parts.state
+
+
+class Phases(Client):
     """The phases of one server's transitions."""
 
-    def __init__(
-        self,
-        fleet: Fleet,
-        runner: PhaseRunner,
-        config: LifecycleConfig,
-        hooks: Hooks,
-        versions: Versions,
-    ) -> None:
-        self._fleet = fleet
-        self._runner = runner
-        self._config = config
-        self._hooks = hooks
-        self._versions = versions
+    def __init__(self, parts: Parts) -> None:
+        super().__init__(parts)
         #: The outcomes of the last continue after a failed drain.
         self._last_outcomes: dict[str, EngineOutcome] = {}
 
@@ -237,4 +257,4 @@ class Phases:
         return stale
 
 
-__all__ = ["Phases", "Versions"]
+__all__ = ["Client", "Parts", "Phases", "Versions"]

@@ -13,17 +13,16 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from rollout_lifecycle.backends import seam
-from rollout_lifecycle.core.config import LifecycleConfig, PauseMode, Tag
+from rollout_lifecycle.core.config import PauseMode, Tag
 from rollout_lifecycle.core.events import logger
 from rollout_lifecycle.core.exceptions import IllegalTransition, InvalidArgument, PhaseFailed
 from rollout_lifecycle.core.group import EngineGroup
-from rollout_lifecycle.core.hooks import Hooks
 from rollout_lifecycle.core.ledger import EngineRecord, Fleet, target
 from rollout_lifecycle.core.machine import Machine
 from rollout_lifecycle.core.ops import Op
 from rollout_lifecycle.core.outcome import EngineOutcome
-from rollout_lifecycle.core.phases import Phases
-from rollout_lifecycle.core.runner import PhaseRunner, Plan
+from rollout_lifecycle.core.phases import Client, Parts, Phases
+from rollout_lifecycle.core.runner import Plan
 from rollout_lifecycle.core.states import ServerState
 
 S = ServerState
@@ -35,30 +34,16 @@ EngineFactory = Callable[[str], Any]
 _TARGETS = (S.SERVING, S.DRAINED, S.RELEASED, S.WEIGHTS_RESTORED)
 
 
-class Recovery:
+class Recovery(Client):
     """``recover()`` of one server."""
 
     def __init__(
-        self,
-        name: str,
-        groups: Mapping[str, EngineGroup],
-        fleet: Fleet,
-        runner: PhaseRunner,
-        config: LifecycleConfig,
-        hooks: Hooks,
-        phases: Phases,
-        machine: Machine,
-        journal: Callable[[], None],
+        self, parts: Parts, groups: Mapping[str, EngineGroup], phases: Phases, machine: Machine
     ) -> None:
-        self._name = name
+        super().__init__(parts)
         self._groups = groups
-        self._fleet = fleet
-        self._runner = runner
-        self._config = config
-        self._hooks = hooks
         self._phases = phases
         self._machine = machine
-        self._journal = journal
 
     async def recover(self, factory: EngineFactory) -> dict[str, EngineOutcome]:
         """Replace the broken engines, heal the rest; the outcome of every step."""

@@ -29,7 +29,7 @@ from rollout_lifecycle.core.machine import NO_ARGS, Machine, PhaseArgs
 from rollout_lifecycle.core.observe import Recorder
 from rollout_lifecycle.core.ops import Op
 from rollout_lifecycle.core.outcome import EngineOutcome
-from rollout_lifecycle.core.phases import Phases, Versions
+from rollout_lifecycle.core.phases import Parts, Phases, Versions
 from rollout_lifecycle.core.recovery import EngineFactory, Recovery
 from rollout_lifecycle.core.runner import PhaseRunner, Plan
 from rollout_lifecycle.core.scope import Serializer
@@ -94,9 +94,12 @@ class RolloutServer:
             journal=self._write_journal if journal is not None else None,
             observers=[recorder.phase],
         )
-        self._versions = versions = Versions()
-        self._phases = phases = Phases(fleet, runner, config, hooks, versions)
-        writer = WeightWriter(fleet, runner, config, hooks, versions, phases, lambda: self.state)
+        self._versions = Versions()
+        parts = Parts(
+            name, fleet, runner, config, hooks, self._versions, self._write_journal, self._state
+        )
+        self._phases = phases = Phases(parts)
+        writer = WeightWriter(parts, phases)
         self._machine = machine = Machine(
             self,
             name,
@@ -113,9 +116,7 @@ class RolloutServer:
             self._write_journal,
         )
         by_name = {g.name: g for g in self._groups}
-        self._recovery = Recovery(
-            name, by_name, fleet, runner, config, hooks, phases, machine, self._write_journal
-        )
+        self._recovery = Recovery(parts, by_name, phases, machine)
         self._serializer = Serializer(self, name, recorder, self._check_live)
 
     def __repr__(self) -> str:
@@ -142,6 +143,9 @@ class RolloutServer:
     def fleet(self) -> Fleet:
         """The ledger of every engine's record, and the queries over it."""
         return self._fleet
+
+    def _state(self) -> ServerState:
+        return self._machine.state
 
     @property
     def state(self) -> ServerState:

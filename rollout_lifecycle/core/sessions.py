@@ -13,15 +13,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rollout_lifecycle.core.config import LifecycleConfig, PauseMode
+from rollout_lifecycle.core.config import PauseMode
 from rollout_lifecycle.core.exceptions import PhaseFailed
-from rollout_lifecycle.core.hooks import Hooks
-from rollout_lifecycle.core.ledger import EngineRecord, Fleet
+from rollout_lifecycle.core.ledger import EngineRecord
 from rollout_lifecycle.core.machine import PhaseArgs
 from rollout_lifecycle.core.ops import Op
 from rollout_lifecycle.core.outcome import EngineOutcome, Outcome
-from rollout_lifecycle.core.phases import Phases, Versions
-from rollout_lifecycle.core.runner import PhaseResult, PhaseRunner, Plan
+from rollout_lifecycle.core.phases import Client, Parts, Phases
+from rollout_lifecycle.core.runner import PhaseResult, Plan
 from rollout_lifecycle.core.states import ServerState
 
 FAILED = ServerState.FAILED.value
@@ -40,26 +39,12 @@ class WeightUpdate:
 WeightPush = Callable[[WeightUpdate], Any]
 
 
-class WeightWriter:
+class WeightWriter(Client):
     """The weight-write phase of one server."""
 
-    def __init__(
-        self,
-        fleet: Fleet,
-        runner: PhaseRunner,
-        config: LifecycleConfig,
-        hooks: Hooks,
-        versions: Versions,
-        phases: Phases,
-        state: Callable[[], ServerState],
-    ) -> None:
-        self._fleet = fleet
-        self._runner = runner
-        self._config = config
-        self._hooks = hooks
-        self._versions = versions
+    def __init__(self, parts: Parts, phases: Phases) -> None:
+        super().__init__(parts)
         self._phases = phases
-        self._state = state
 
     async def write(self, args: PhaseArgs) -> None:
         """The ``write_weights`` phase, with ``args.push`` and ``args.version``."""

@@ -238,26 +238,6 @@ class FaultyEngine:
 
     # -- EngineBackend ----------------------------------------------------------------------------
 
-    def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
-        """Every lifecycle call of the backend protocol (``FAULT_OPS``): forwarded to ``inner``
-        through the armed faults, with the same arguments; one that ``inner`` does not offer
-        is answered 501, as ``EngineHost`` answers it."""
-        if name not in FAULT_OPS:
-            raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
-        method: Callable[..., Awaitable[Any]] | None = getattr(self._inner, name, None)
-        tagged = name in _TAGGED_OPS
-
-        async def call(*args: Any, **kwargs: Any) -> Any:
-            if method is None:
-                raise EngineRejected(
-                    self.label, name, f"{type(self._inner).__name__} does not support it", 501
-                )
-            tags = args[0] if tagged and args else kwargs.get("tags") if tagged else None
-            return await self._call(name, lambda: method(*args, **kwargs), tags=tags)
-
-        call.__name__ = call.__qualname__ = name
-        return call
-
     async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
         """``POST /generate``, passed through (``EngineDead`` once a fault killed the engine)."""
         if self._dead:
@@ -286,6 +266,33 @@ class FaultyEngine:
         """The inner engine's own state (``{}`` if it publishes none)."""
         result: dict[str, Any] = introspect(self._inner, "state", {})
         return result
+
+
+def _forwarded(name: str) -> Callable[..., Awaitable[Any]]:
+    """``FaultyEngine``'s method for the backend call ``name``: forwarded to ``inner`` through
+    the armed faults, with the same arguments; a call ``inner`` does not offer is answered 501,
+    as ``EngineHost`` answers it."""
+    tagged = name in _TAGGED_OPS
+
+    async def call(self: FaultyEngine, *args: Any, **kwargs: Any) -> Any:
+        method: Callable[..., Awaitable[Any]] | None = getattr(self.inner, name, None)
+        if method is None:
+            raise EngineRejected(
+                self.label, name, f"{type(self.inner).__name__} does not support it", 501
+            )
+        tags = (args[0] if args else kwargs.get("tags")) if tagged else None
+        return await self._call(name, lambda: method(*args, **kwargs), tags=tags)
+
+    call.__name__ = name
+    call.__qualname__ = f"FaultyEngine.{name}"
+    call.__doc__ = f"``{name}``, through the armed faults."
+    return call
+
+
+# One method per call of the backend protocol, declared from FAULT_OPS rather than by hand (a
+# subclass may override one and call ``super()``'s).
+for _name in FAULT_OPS:
+    setattr(FaultyEngine, _name, _forwarded(_name))
 
 
 __all__ = ["FAULT_KINDS", "FAULT_OPS", "FaultyEngine"]
