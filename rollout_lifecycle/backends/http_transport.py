@@ -1,0 +1,386 @@
+"""The HTTP transport under ``SGLangHTTPEngine``: one connection pool per event loop, keys
+per endpoint, retries of what is safe to repeat, and the one boundary where httpx's errors and
+SGLang's error answers become the library's exceptions (with every key scrubbed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import httpx
+
+from rollout_lifecycle.backends.secret import Secret
+from rollout_lifecycle.core.events import logger
+from rollout_lifecycle.core.exceptions import (
+    EngineDead,
+    EngineError,
+    EngineRejected,
+    EngineTimeout,
+    EngineUnreachable,
+)
+
+#: Answers worth another attempt on a call that is safe to repeat: the server (or a proxy in
+#: front of it) is briefly unable to serve, and did not do the call.
+RETRY_STATUSES = frozenset({502, 503, 504})
+#: How much of an error answer's body goes into an exception message.
+_BODY_LIMIT = 500
+#: How much of a lower layer's error text goes into an exception message.
+_CAUSE_LIMIT = 200
+#: What a key is replaced with wherever text from outside (answers, errors) is quoted.
+MASK = "********"
+#: Endpoints any api-key holder may call; every other endpoint is a control endpoint.
+_NORMAL_PATHS = frozenset(
+    {"/generate", "/server_info", "/get_server_info", "/model_info", "/get_model_info"}
+)
+#: Endpoints SGLang serves without a key; none is sent to them.
+# sglang: auth.py (/health*, /ready*, /metrics* are open)
+_OPEN_PREFIXES = ("/health", "/ready", "/metrics")
+#: The longest pause between two attempts of a retried call.
+_MAX_BACKOFF = 5.0
+#: Server-argument fields that hold a secret (``/server_info`` publishes them in clear).
+# sglang: common.py build_server_info (server_args.resolved_dict()), arg_groups/fields/serving.py
+_SECRET_FIELD = re.compile(r"(api_key|password|secret|watermark_key)$")
+#: Command-line flags whose value is a secret, as ``launch_command`` quotes them.
+_SECRET_FLAG = re.compile(
+    r"(--(?:admin-api-key|api-key|ssl-keyfile-password|watermark-key)(?:=|\s+))(\S+)"
+)
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """One failed attempt, translated, and whether a safe-to-repeat call may try again."""
+
+    error: EngineError
+    retryable: bool
+
+
+def _seconds_param(value: float) -> str:
+    """A duration for a query string: millisecond precision, never exponent notation."""
+    return repr(round(float(value), 3))
+
+
+def scrub(text: str, keys: Iterable[Secret | None]) -> str:
+    """``text`` with every occurrence of the given keys masked."""
+    for key in keys:
+        if key is not None:
+            text = text.replace(key.reveal(), MASK)
+    return text
+
+
+def _caused_by(exc: BaseException, kind: type[BaseException]) -> bool:
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, kind):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
+class HTTPTransport:
+    """Sends one SGLang server's calls: the client, the keys, the retries, the error boundary."""
+
+    def __init__(
+        self,
+        url: str,
+        label: str,
+        *,
+        admin_key: Secret | None,
+        api_key: Secret | None,
+        connect_timeout: float,
+        retries: int,
+        retry_backoff: float,
+        transport: httpx.AsyncBaseTransport | None,
+    ) -> None:
+        self._url = url
+        self._label = label
+        self._admin_key = admin_key
+        self._api_key = api_key
+        self._connect_timeout = connect_timeout
+        self._retries = retries
+        self._retry_backoff = retry_backoff
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        self._client_loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+
+    async def close(self) -> None:
+        """Close the HTTP client; later calls raise ``EngineDead``. Idempotent, never raises."""
+        self._closed = True
+        client, loop = self._client, self._client_loop
+        self._client = self._client_loop = None
+        if client is not None and loop is asyncio.get_running_loop():
+            await client.aclose()
+        # A client bound to another (finished) loop cannot be closed from this one; it is dropped.
+
+    def client_for_loop(self, op: str) -> httpx.AsyncClient:
+        if self._closed:
+            raise EngineDead(self._label, op, "the client is closed")
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._client_loop is not loop:
+            # Connections belong to the loop that opened them; a new loop gets a new client.
+            self._client = httpx.AsyncClient(
+                base_url=self._url,
+                transport=self._transport,
+                # No connection cap: control calls must never queue behind long generates
+                # (a pause waiting for a connection that a paused generate holds would hang).
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
+                follow_redirects=False,
+                trust_env=False,
+            )
+            self._client_loop = loop
+        return self._client
+
+    def key_for(self, control: bool) -> tuple[str, Secret] | None:
+        order = (
+            (("admin key", self._admin_key), ("api key", self._api_key))
+            if control
+            else (("api key", self._api_key), ("admin key", self._admin_key))
+        )
+        for name, key in order:
+            if key is not None:
+                return name, key
+        return None
+
+    def scrub(self, text: str) -> str:
+        return scrub(text, (self._admin_key, self._api_key))
+
+    def mask_keys(self, value: Any) -> Any:
+        """A copy of a JSON value with secret fields (``api_key``, ``admin_api_key``, passwords),
+        secret flags' values in command lines (``launch_command``) and our keys masked."""
+        if isinstance(value, dict):
+            return {
+                k: (
+                    MASK
+                    if v and isinstance(k, str) and _SECRET_FIELD.search(k)
+                    else self.mask_keys(v)
+                )
+                for k, v in value.items()
+            }
+        if isinstance(value, list):
+            return [self.mask_keys(v) for v in value]
+        if isinstance(value, str):
+            return _SECRET_FLAG.sub(lambda m: m.group(1) + MASK, self.scrub(value))
+        return value
+
+    async def request(
+        self,
+        op: str,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        read_timeout: float,
+        *,
+        retry: bool = True,
+        flush_wait: float | None = None,
+    ) -> httpx.Response:
+        """Send one call, retrying a safe-to-repeat one; a 2xx answer or a translated error.
+
+        ``body`` None sends no body (GETs and flush only: SGLang answers a bodiless POST with 400).
+        With a ``flush_wait`` > 0 the query carries ``timeout``: what is left of it on each
+        attempt; with 0 it carries none.
+        """
+        client = self.client_for_loop(op)
+        key = (
+            None
+            if path.startswith(_OPEN_PREFIXES)
+            else self.key_for(control=path not in _NORMAL_PATHS)
+        )
+        headers = {"Authorization": f"Bearer {key[1].reveal()}"} if key is not None else {}
+        attempts = 1 + self._retries if retry else 1
+        first = time.monotonic()
+        for attempt in range(1, attempts + 1):
+            params: dict[str, str] | None = None
+            timeout = read_timeout
+            if flush_wait is not None:
+                left = max(0.0, flush_wait - (time.monotonic() - first))
+                if flush_wait > 0:
+                    # A deferred flush; with no timeout (0) the query is left out altogether.
+                    params = {"timeout": _seconds_param(left)}
+                timeout = left + read_timeout
+            started = time.monotonic()
+            response: httpx.Response | None = None
+            failure: _Failure | None = None
+            try:
+                response = await client.request(
+                    method,
+                    path,
+                    json=body,
+                    params=params,
+                    headers=headers,
+                    timeout=httpx.Timeout(timeout, connect=self._connect_timeout),
+                )
+            except (httpx.HTTPError, httpx.InvalidURL, OSError) as exc:
+                failure = self.translate(exc, op, method, path, attempt)
+            if response is not None:
+                failure = self.check_status(op, method, path, response, key, repeatable=retry)
+            logger().debug(
+                "http.request",
+                engine=self._label,
+                op=op,
+                method=method,
+                path=path,
+                status=None if response is None else response.status_code,
+                duration_s=round(time.monotonic() - started, 6),
+                attempt=attempt,
+                error=None if failure is None else type(failure.error).__name__,
+            )
+            if failure is None:
+                assert response is not None
+                return response
+            if not (retry and failure.retryable and attempt < attempts):
+                raise failure.error
+            await asyncio.sleep(min(_MAX_BACKOFF, self._retry_backoff * 2 ** (attempt - 1)))
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def translate(
+        self, exc: BaseException, op: str, method: str, path: str, attempt: int
+    ) -> _Failure:
+        """The single boundary where httpx's (and the socket layer's) errors become ours.
+
+        Only the class name and a scrubbed, truncated text of the lower error are kept: the
+        result is raised outside the ``except`` block, so it carries no reference to the
+        request (and its headers).
+        """
+        where = f"{method} {path} (attempt {attempt})"
+        cause = self.scrub(str(exc))[:_CAUSE_LIMIT]
+        detail = f"{type(exc).__name__}: {cause}" if cause else type(exc).__name__
+        if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
+            # The request was never sent; trying again is safe for a repeatable call.
+            return _Failure(
+                EngineTimeout(self._label, op, f"{where}: could not connect in time ({detail})"),
+                retryable=True,
+            )
+        if isinstance(exc, httpx.TimeoutException):
+            return _Failure(
+                EngineTimeout(
+                    self._label, op, f"{where}: no answer in time; effect unknown ({detail})"
+                ),
+                retryable=False,
+            )
+        if isinstance(exc, httpx.ConnectError):
+            if _caused_by(exc, socket.gaierror):
+                return _Failure(
+                    EngineUnreachable(self._label, op, f"{where}: host not found ({detail})"),
+                    retryable=True,
+                )
+            return _Failure(
+                EngineDead(self._label, op, f"{where}: connection refused ({detail})"),
+                retryable=True,
+            )
+        if isinstance(exc, httpx.TransportError | OSError):
+            # A dropped connection is how a server that dies under a call looks to that call.
+            return _Failure(
+                EngineUnreachable(
+                    self._label, op, f"{where}: connection failed or dropped ({detail})"
+                ),
+                retryable=True,
+            )
+        return _Failure(
+            EngineError(self._label, op, f"{where}: unusable answer ({detail})"), retryable=False
+        )
+
+    def check_status(
+        self,
+        op: str,
+        method: str,
+        path: str,
+        response: httpx.Response,
+        key: tuple[str, Secret] | None,
+        *,
+        repeatable: bool,
+    ) -> _Failure | None:
+        status = response.status_code
+        if response.is_success:
+            return None
+        if status == 401:
+            said = (
+                f"the server refused the {key[0]} (401 Unauthorized)"
+                if key is not None
+                else "the server wants a key and none was given (401 Unauthorized)"
+            )
+            return _Failure(EngineRejected(self._label, op, said, 401), retryable=False)
+        message = f"{method} {path} answered {status}: {self.detail(response)}"
+        if status in RETRY_STATUSES and not repeatable:
+            # A gateway's 502/504 (or a 503 on the way) does not say the server did not do the
+            # call: it may have forwarded it and lost the answer. For a call that must not be
+            # repeated (a release twice kills), the effect is unknown, not refused.
+            return _Failure(
+                EngineUnreachable(self._label, op, f"{message}; effect unknown"), retryable=False
+            )
+        return _Failure(
+            EngineRejected(self._label, op, message, status), retryable=status in RETRY_STATUSES
+        )
+
+    def detail(self, response: httpx.Response) -> str:
+        """What an error answer says: its ``message`` if it is SGLang's JSON, else its text."""
+        try:
+            text = response.text
+        except (UnicodeDecodeError, LookupError):
+            text = repr(response.content[:_BODY_LIMIT])
+        try:
+            data = response.json()
+        except ValueError:
+            data = None
+        if isinstance(data, dict):
+            for field in ("message", "detail", "error"):
+                if isinstance(data.get(field), str):
+                    text = data[field]
+                    break
+        text = self.scrub(text.strip()) or "(empty body)"
+        return text if len(text) <= _BODY_LIMIT else f"{text[:_BODY_LIMIT]}..."
+
+    def json(self, op: str, path: str, response: httpx.Response) -> Any:
+        try:
+            return response.json()
+        except ValueError:
+            self.garbage(op, path, f"not JSON: {self.detail(response)}")
+
+    def garbage(self, op: str, path: str, why: str) -> NoReturn:
+        raise EngineError(self._label, op, f"garbage answer from {path}: {why}")
+
+    def expect_success(self, op: str, response: httpx.Response) -> None:
+        """An answer that must be ``{"success": bool, "message": str}``; false is a rejection."""
+        path = response.request.url.path
+        data = self.json(op, path, response)
+        if not isinstance(data, dict) or not isinstance(data.get("success"), bool):
+            self.garbage(
+                op, path, f"expected {{'success': bool, ...}}, got {self.detail(response)}"
+            )
+        if not data["success"]:
+            message = data.get("message")
+            text = self.scrub(message)[:_BODY_LIMIT] if isinstance(message, str) else ""
+            raise EngineRejected(
+                self._label,
+                op,
+                f"{path} answered success=false: {text or '(no message)'}",
+                response.status_code,
+            )
+
+    def expect_no_refusal(self, op: str, response: httpx.Response) -> None:
+        """A 2xx whose body the contract gives no use for (``null``, ``{"status": "ok"}``):
+        accepted unless it says the call failed. An empty body is accepted; a body that is not
+        JSON is garbage (something other than SGLang answered), and the effect is unknown."""
+        if not response.content.strip():
+            return
+        data = self.json(op, response.request.url.path, response)
+        if not isinstance(data, dict):
+            return
+        refused = data.get("success") is False or (
+            isinstance(data.get("status"), str) and data["status"].lower() in ("error", "failed")
+        )
+        if refused:
+            path = response.request.url.path
+            raise EngineRejected(
+                self._label, op, f"{path} answered: {self.detail(response)}", response.status_code
+            )
+
+
+__all__ = ["MASK", "RETRY_STATUSES", "HTTPTransport", "scrub"]
