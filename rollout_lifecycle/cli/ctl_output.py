@@ -1,0 +1,180 @@
+"""What ``ctl`` prints: tables for people, JSON with ``--json``, errors on stderr, and the
+library's events on stderr at ``-v`` / ``-vv``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from rollout_lifecycle.cli.ctl_state import ExitCode, Setup
+from rollout_lifecycle.core.events import LOGGER_NAME
+
+
+def report_error(
+    action: str, as_json: bool, code: ExitCode, message: str, setup: Setup | None
+) -> int:
+    print(f"rollout-lifecycle ctl {action}: {message}", file=sys.stderr)
+    if as_json:
+        report = {
+            "action": action,
+            "exit_code": int(code),
+            "ok": False,
+            "state_file": None if setup is None else str(setup.state_path),
+            "error": {"kind": code.name.lower(), "message": message},
+        }
+        emit(json.dumps(report, indent=2))
+    return int(code)
+
+
+def emit(text: str, end: str = "\n") -> None:
+    """Write ``text`` to stdout; a reader that went away (``ctl ... | head``) is not an error.
+
+    The run's exit code still says what the action did. stdout is pointed at /dev/null, so
+    that nothing fails again when the interpreter flushes it at exit.
+    """
+    try:
+        sys.stdout.write(text + end)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(c)) for c in column) for column in zip(headers, *rows, strict=True)]
+    lines = [headers, *rows]
+    return "\n".join(
+        "  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
+        for line in lines
+    )
+
+
+def _tags(tags: Sequence[str]) -> str:
+    return ",".join(tags) if tags else "-"
+
+
+def _yes(value: bool | None) -> str:
+    return "?" if value is None else "yes" if value else "no"
+
+
+def _paused(row: Mapping[str, Any]) -> str:
+    return str(row["pause_mode"] or "yes") if row["paused"] else "no"
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:.4g}"
+
+
+def render_drive(report: Mapping[str, Any]) -> str:
+    outcome = "ok" if report["ok"] else ExitCode(report["exit_code"]).name.lower()
+    lines = [f"{report['action']}: {report['previous_state']} -> {report['state']} ({outcome})"]
+    failed = report.get("outcomes") or {}
+    rows = []
+    for e in report["engines"]:
+        last = e["last_outcome"] or "-"
+        if e["id"] in failed:
+            last = f"{failed[e['id']]['outcome']}: {failed[e['id']]['detail']}"
+        rows.append(
+            [
+                e["id"],
+                e["url"] or "?",
+                _yes(e["alive"]),
+                _paused(e),
+                _tags(e["released"]),
+                _tags(e["uncertain"]),
+                e["last_op"] or "-",
+                last,
+            ]
+        )
+    headers = ["ENGINE", "URL", "ALIVE", "PAUSED", "RELEASED", "UNCERTAIN", "LAST OP", "OUTCOME"]
+    lines.append(_table(headers, rows))
+    if report["metrics"]:
+        lines.append("metrics:")
+        metrics = report["metrics"]
+        values = [
+            [f"  {k}", f"{v:.6f}" if k.endswith("_s") else _number(v)] for k, v in metrics.items()
+        ]
+        lines.append(_table(["  KEY", "VALUE"], values))
+    if not report["ledger_found"]:
+        lines.append("no state file before this run: the engines were taken to be serving")
+    written = "written" if report["ledger_written"] else "not written: no engine was checked"
+    lines.append(f"state file: {report['state_file']} ({written})")
+    return "\n".join(lines)
+
+
+def render_status(report: Mapping[str, Any]) -> str:
+    if report["ledger"]:
+        last = report["last_call"] or {}
+        head = (
+            f"recorded state: {report['recorded_state']} (last call {last.get('action', '?')} "
+            f"exit {last.get('exit_code', '?')} at {report['updated_at']})"
+        )
+    else:
+        head = "recorded state: none (no state file: engines are taken to be serving)"
+    rows = []
+    for e in report["engines"]:
+        rec = e["recorded"]
+        memory = e["memory"]
+        rows.append(
+            [
+                e["id"],
+                e["url"],
+                _yes(e["reachable"]),
+                "-" if e["ready_status"] is None else f"{_yes(e['ready'])} ({e['ready_status']})",
+                "-" if e["weight_version"] is None else str(e["weight_version"]),
+                "-" if rec is None else _paused(rec),
+                "-" if rec is None else _tags(rec["released"]),
+                "-" if e["agrees"] is None else _yes(e["agrees"]),
+                " ".join(f"{k}={_number(v)}" for k, v in memory.items()) if memory else "-",
+            ]
+        )
+    headers = [
+        "ENGINE",
+        "URL",
+        "REACHABLE",
+        "READY",
+        "WEIGHTS",
+        "REC PAUSED",
+        "REC RELEASED",
+        "AGREES",
+        "MEMORY",
+    ]
+    lines = [head, _table(headers, rows), f"state file: {report['state_file']}"]
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def events_to_stderr(verbosity: int) -> Iterator[None]:
+    """The library's events on stderr: none by default (the report says what happened),
+    phases and states with ``-v``, every engine call with ``-vv``."""
+    level = (
+        logging.CRITICAL + 1
+        if verbosity <= 0
+        else logging.INFO
+        if verbosity == 1
+        else logging.DEBUG
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    # ``transitions`` logs a refused transition as an error of its own; the report has it.
+    loggers = [logging.getLogger(LOGGER_NAME), logging.getLogger("transitions")]
+    saved = [(log.level, log.propagate) for log in loggers]
+    for log in loggers:
+        log.setLevel(level)
+        log.propagate = False
+        log.addHandler(handler)
+    try:
+        yield
+    finally:
+        for log, (old_level, old_propagate) in zip(loggers, saved, strict=True):
+            log.removeHandler(handler)
+            log.setLevel(old_level)
+            log.propagate = old_propagate

@@ -1,0 +1,411 @@
+"""What a ``ctl`` run sets up and keeps between runs: the exit codes, the engines and keys it
+was given, and the state file (the server's ledger) with its lock, read and written atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from enum import IntEnum
+from pathlib import Path
+from typing import Any, TypeVar
+
+from rollout_lifecycle.backends.http import (
+    HTTPTimeouts,
+    SGLangHTTPEngine,
+    check_seconds,
+    url_identity,
+)
+from rollout_lifecycle.backends.secret import Secret
+from rollout_lifecycle.core.config import Deadlines, LifecycleConfig, PauseMode
+from rollout_lifecycle.core.exceptions import (
+    InvalidArgument,
+)
+from rollout_lifecycle.core.server import ServerSnapshot
+from rollout_lifecycle.core.states import ServerState
+
+T = TypeVar("T")
+
+
+#: The one group every ``ctl`` fleet forms; engine ids are ``sglang/<index in the ledger>``.
+GROUP = "sglang"
+
+
+#: The ``format`` field of a state file this version reads and writes.
+STATE_FORMAT = "rollout-lifecycle-ctl/1"
+
+
+class ExitCode(IntEnum):
+    """What a ``ctl`` run exits with; scripts can rely on these."""
+
+    OK = 0
+    #: Bad command line or input: unknown option, bad URL, unset key variable, unreadable file.
+    USAGE = 2
+    #: Refused by the lifecycle (illegal transition, a guard, stale weights): nothing was sent.
+    REFUSED = 3
+    #: A phase failed on some engine (rejected, timed out, ...); the ledger records what happened.
+    FAILED = 4
+    #: An engine could not be reached (``status``), or a phase failed only because engines were
+    #: dead or unreachable.
+    UNREACHABLE = 5
+    #: The state file is unusable: another engine set, corrupt, or (with no state file) an engine
+    #: that is not serving, so its memory state cannot be known.
+    STATE = 6
+    #: Another ``ctl`` run holds the state file's lock.
+    BUSY = 7
+    #: Interrupted (Ctrl-C) after the phase in flight settled; the ledger was written.
+    INTERRUPTED = 130
+    #: Terminated (SIGTERM) after the phase in flight settled; the ledger was written.
+    TERMINATED = 143
+
+
+#: The ``ctl`` actions and what each does.
+ACTIONS: dict[str, str] = {
+    "status": (
+        "show every engine as observed (only /server_info, /model_info and /ready, never "
+        "/health) next to the recorded ledger"
+    ),
+    "pause": (
+        "pause generation on every engine, then pass the flush barrier unless --pause-mode is "
+        "in_place (RolloutServer.pause: serving -> drained); nothing is released"
+    ),
+    "drain": (
+        "pause every engine and pass the flush barrier, so every engine is idle (serving -> "
+        "drained); nothing is released; refuses --pause-mode in_place"
+    ),
+    "offload": (
+        "pause, flush, then release weights, KV cache and CUDA graphs on every engine "
+        "(RolloutServer.offload: serving or drained -> released)"
+    ),
+    "onload-weights": (
+        "resume the weights (released -> weights_restored); the KV cache stays released and "
+        "generation paused"
+    ),
+    "onload-kv": (
+        "resume the KV cache and CUDA graphs, then continue generation (weights_restored -> "
+        "serving)"
+    ),
+    "resume": "continue generation (drained or kv_restored -> serving)",
+    "reset": (
+        "leave failed for the state the recorded engine records imply (RolloutServer.reset); "
+        "engines a stopped run left with their pause state unknown are continued first. "
+        "--restarted URL records an engine as restarted (serving, all memory resident)"
+    ),
+}
+
+
+PAUSING_ACTIONS = ("pause", "drain", "offload")
+
+
+#: ``--deadline`` phase names -> ``Deadlines`` fields.
+DEADLINES = {
+    "pause": "pause",
+    "flush": "flush",
+    "release": "release",
+    "resume": "resume",
+    "continue": "continue_",
+    "probe": "probe",
+}
+
+
+class CtlError(Exception):
+    """A ``ctl`` run stops with ``code`` and ``message`` (no key is ever in it)."""
+
+    def __init__(self, code: ExitCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Setup:
+    action: str
+    urls: tuple[str, ...]
+    admin_key: Secret | None
+    api_key: Secret | None
+    config: LifecycleConfig
+    timeouts: HTTPTimeouts
+    state_path: Path
+    lock_timeout: float
+    json: bool
+    #: ``reset --restarted``: engines restarted since the ledger was written.
+    restarted: tuple[str, ...] = ()
+
+
+def make_setup(args: argparse.Namespace) -> Setup:
+    urls = _engine_urls(args.engine, args.engines_file)
+    keys: dict[str, Secret | None] = {}
+    for kind, var in (("admin", args.admin_key_env), ("api", args.api_key_env)):
+        keys[kind] = None
+        if var is not None:
+            try:
+                keys[kind] = Secret.from_env(var)
+            except InvalidArgument as exc:
+                raise CtlError(ExitCode.USAGE, f"--{kind}-key-env: {exc}") from None
+    values: dict[str, float] = {}
+    for item in args.deadline:
+        phase, sep, raw = item.partition("=")
+        if not sep or phase not in DEADLINES:
+            valid = ", ".join(DEADLINES)
+            raise CtlError(
+                ExitCode.USAGE, f"--deadline wants PHASE=SECONDS with PHASE one of {valid}"
+            )
+        try:
+            values[DEADLINES[phase]] = float(raw)
+        except ValueError:
+            raise CtlError(ExitCode.USAGE, f"--deadline {phase}: {raw!r} is not a number") from None
+    mode = PauseMode(args.pause_mode)
+    if args.action == "drain" and mode is PauseMode.IN_PLACE:
+        raise CtlError(
+            ExitCode.USAGE,
+            "drain passes the flush barrier, which in_place (requests keep their KV cache) "
+            "skips; use retract or abort, or 'pause' to pause in place",
+        )
+    try:
+        deadlines = Deadlines(**values)
+        config = LifecycleConfig(pause_mode=mode, deadlines=deadlines)
+        connect = check_seconds("--connect-timeout", args.connect_timeout, positive=True)
+        lock_timeout = check_seconds("--lock-timeout", args.lock_timeout, positive=False)
+        # Each HTTP call gives up when its phase's deadline does, so an engine that does not
+        # answer is named as timed out, not waited on beyond the deadline.
+        timeouts = HTTPTimeouts(
+            connect=connect,
+            control=max(deadlines.pause, deadlines.continue_),
+            memory=max(deadlines.release, deadlines.resume),
+            probe=deadlines.probe,
+            flush_margin=deadlines.probe,
+        )
+    except InvalidArgument as exc:
+        raise CtlError(ExitCode.USAGE, str(exc)) from None
+    state = Path(args.state_file) if args.state_file else default_state_path(urls)
+    restarted: list[str] = []
+    given = {url_identity(u): u for u in urls}
+    for raw in getattr(args, "restarted", []):
+        try:
+            key = url_identity(raw)
+        except InvalidArgument as exc:
+            raise CtlError(ExitCode.USAGE, f"--restarted: {exc}") from None
+        if key not in given:
+            raise CtlError(ExitCode.USAGE, f"--restarted {raw} is not one of the engines")
+        restarted.append(given[key])
+    return Setup(
+        restarted=tuple(restarted),
+        action=args.action,
+        urls=urls,
+        admin_key=keys["admin"],
+        api_key=keys["api"],
+        config=config,
+        timeouts=timeouts,
+        state_path=state,
+        lock_timeout=lock_timeout,
+        json=bool(args.json),
+    )
+
+
+def _engine_urls(given: Sequence[str], engines_file: str | None) -> tuple[str, ...]:
+    raw = list(given)
+    if engines_file is not None:
+        try:
+            lines = Path(engines_file).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CtlError(
+                ExitCode.USAGE, f"cannot read --engines-file {engines_file}: {exc}"
+            ) from None
+        raw += [u for u in (line.partition("#")[0].strip() for line in lines) if u]
+    if not raw:
+        raise CtlError(ExitCode.USAGE, "no engines: give --engine URL or --engines-file PATH")
+    urls: list[str] = []
+    seen: dict[str, str] = {}
+    for url in raw:
+        try:
+            normal = SGLangHTTPEngine(url).url  # validates; opens nothing
+        except InvalidArgument as exc:
+            raise CtlError(ExitCode.USAGE, str(exc)) from None
+        key = url_identity(normal)
+        if key in seen:
+            same = "is given twice" if seen[key] == normal else f"is {seen[key]} again"
+            raise CtlError(ExitCode.USAGE, f"engine {normal} {same} (one server: {key})")
+        seen[key] = normal
+        urls.append(normal)
+    return tuple(urls)
+
+
+def default_state_path(urls: Sequence[str]) -> Path:
+    """The state file of an engine set: ``$XDG_STATE_HOME/rollout-lifecycle/ctl-<hash>.json``
+    (``~/.local/state`` when XDG_STATE_HOME is unset or not absolute); any order and any
+    spelling of the same servers (``url_identity``), one file."""
+    base = os.environ.get("XDG_STATE_HOME", "")
+    root = Path(base) if os.path.isabs(base) else Path.home() / ".local" / "state"
+    digest = hashlib.sha256("\n".join(sorted(map(url_identity, urls))).encode()).hexdigest()[:16]
+    return root / "rollout-lifecycle" / f"ctl-{digest}.json"
+
+
+def read_ledger(path: Path, urls: Sequence[str]) -> tuple[list[str], dict[str, Any] | None]:
+    """The engines in ledger order and the state file's content (None when there is none)."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return list(urls), None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CtlError(ExitCode.STATE, f"cannot read state file {path}: {exc}") from None
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise CtlError(ExitCode.STATE, f"state file {path} is not JSON: {exc}") from None
+    if not isinstance(data, dict) or data.get("format") != STATE_FORMAT:
+        raise CtlError(
+            ExitCode.STATE, f"{path} is not a state file of this version (format {STATE_FORMAT})"
+        )
+    recorded = data.get("engines")
+    if not isinstance(recorded, list) or not all(isinstance(u, str) for u in recorded):
+        raise CtlError(ExitCode.STATE, f"state file {path} has no engine list")
+    try:
+        keys = [url_identity(u) for u in recorded]
+    except InvalidArgument as exc:
+        raise CtlError(ExitCode.STATE, f"state file {path} records a bad URL: {exc}") from None
+    given = {url_identity(u): u for u in urls}
+    if sorted(keys) != sorted(given):
+        missing = sorted(u for u, k in zip(recorded, keys, strict=True) if k not in given)
+        extra = sorted(u for k, u in given.items() if k not in keys)
+        raise CtlError(
+            ExitCode.STATE,
+            f"state file {path} records other engines (recorded but not given: "
+            f"{missing or 'none'}; given but not recorded: {extra or 'none'}); give the engines "
+            f"it records, or another "
+            f"--state-file",
+        )
+    # the ledger's order, under the spelling given this run
+    return [given[k] for k in keys], data
+
+
+def write_ledger(
+    path: Path, urls: Sequence[str], snapshot: ServerSnapshot, last_call: Mapping[str, Any]
+) -> None:
+    """Write the state file atomically: a temporary file in its directory, then a rename."""
+    data = {
+        "format": STATE_FORMAT,
+        "engines": list(urls),
+        "updated_at": utc_now(),
+        "last_call": dict(last_call),
+        "server": snapshot.to_dict(),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(json.dumps(data, indent=2) + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # make the rename itself durable
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+
+
+@contextlib.contextmanager
+def locked(path: Path, timeout: float) -> Iterator[None]:
+    """Hold ``<state file>.lock`` for the run, so two runs never drive one fleet at once."""
+    lock = path.with_name(path.name + ".lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise CtlError(ExitCode.STATE, f"cannot open lock file {lock}: {exc}") from None
+    try:
+        give_up = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= give_up:
+                    raise CtlError(
+                        ExitCode.BUSY,
+                        f"another rollout-lifecycle ctl run holds {lock} (waited {timeout:g}s)",
+                    ) from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def make_backends(setup: Setup, urls: Sequence[str], *, retries: int = 3) -> list[SGLangHTTPEngine]:
+    return [
+        SGLangHTTPEngine(
+            url,
+            admin_key=setup.admin_key,
+            api_key=setup.api_key,
+            timeouts=setup.timeouts,
+            retries=retries,
+        )
+        for url in urls
+    ]
+
+
+async def close_backends(backends: Sequence[SGLangHTTPEngine]) -> None:
+    await asyncio.gather(*(b.close() for b in backends))
+
+
+def record_restarted(ledger: dict[str, Any], urls: Sequence[str], restarted: Sequence[str]) -> None:
+    """Record each ``restarted`` engine in ``ledger`` as a new server: alive, serving, every tag
+    resident; the server state becomes ``failed``, for ``reset`` to settle."""
+    server = ledger.get("server")
+    if not isinstance(server, dict) or not isinstance(server.get("groups"), list):
+        return  # ServerSnapshot.from_dict refuses it
+    ids = {f"{GROUP}/{urls.index(u)}" for u in restarted}
+    for group in server["groups"]:
+        for engine in group.get("engines", []) if isinstance(group, dict) else []:
+            if isinstance(engine, dict) and engine.get("id") in ids:
+                engine.update(
+                    alive=True,
+                    paused=False,
+                    pause_mode=None,
+                    flushed=False,
+                    released=[],
+                    uncertain=[],
+                    stale=False,
+                    pause_unknown=False,
+                    session_unknown=False,
+                    last_op="restarted",
+                    last_outcome=None,
+                )
+    server["state"] = ServerState.FAILED.value
+
+
+def journal_entry(snapshot: ServerSnapshot) -> ServerSnapshot:
+    """What the state file records while a call is in flight: ``failed`` (a run stopped now
+    leaves engines mid-call) unless the records imply the server's state exactly."""
+    if snapshot.in_flight() or snapshot.state is ServerState.PAUSING:
+        return dataclasses.replace(snapshot, state=ServerState.FAILED)
+    return snapshot
+
+
+def error_of(exc: BaseException) -> dict[str, str]:
+    return {"kind": type(exc).__name__, "message": str(exc)}
+
+
+def url_of(engine_id: str, urls: Sequence[str]) -> str | None:
+    index = engine_id.rpartition("/")[2]
+    return urls[int(index)] if index.isdigit() and int(index) < len(urls) else None
