@@ -21,14 +21,12 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import json
 import shlex
 import socket
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -36,6 +34,16 @@ import ray
 
 from rollout_lifecycle.backends.actor import EngineActorBody, start_engine_actor
 from rollout_lifecycle.backends.weights import FromDisk
+from rollout_lifecycle.cli.demo_report import (
+    OUTPUTS,
+    SLOW_FLUSH_S,
+    DemoReport,
+    StartedEngine,
+    Step,
+    merge_metrics,
+    read_history_file,
+    timeline_history,
+)
 from rollout_lifecycle.core.config import LifecycleConfig, PauseMode
 from rollout_lifecycle.core.exceptions import (
     IllegalTransition,
@@ -45,13 +53,15 @@ from rollout_lifecycle.core.exceptions import (
 )
 from rollout_lifecycle.core.group import EngineGroup
 from rollout_lifecycle.core.server import RolloutServer
-from rollout_lifecycle.core.states import ServerState, mermaid
-from rollout_lifecycle.testing import cycle_order_violations, local_ray
+from rollout_lifecycle.core.states import ServerState
+from rollout_lifecycle.testing import local_ray
 from rollout_lifecycle.testing.faults import FaultyEngine
-from rollout_lifecycle.testing.simulated import DEFAULT_MEMORY_BYTES, SimulatedEngine
+from rollout_lifecycle.testing.simulated import SimulatedEngine
 
 #: What ``--inject-fault`` can do to one engine (engine 0 of group 0, in step 2 or the last).
 FAULTS: tuple[str, ...] = ("none", "slow-flush", "flush-reject", "engine-death")
+
+
 FAULT_HELP = {
     "slow-flush": "its flush answers 0.4 s late: every engine waits at the idle barrier",
     "flush-reject": "its flush is refused (5xx): nothing is released anywhere, the server "
@@ -59,26 +69,28 @@ FAULT_HELP = {
     "engine-death": "it dies in the release: the server fails with what was released recorded; "
     "recover() replaces it, brings the replacement to 'released' and the step goes on",
 }
-#: The delay of the ``slow-flush`` fault.
-SLOW_FLUSH_S = 0.4
+
+
 #: Engines per group and groups when none are given: simulated, and real servers (each holds
 #: a whole SGLang server's memory, ~3 GB for a tiny model on a CPU).
 DEFAULT_LAYOUT = {"simulated": (2, 2), "real": (1, 2)}
+
+
 #: Requests per step when none are given, and their new tokens (real: long enough to be
 #: decoding when the offload comes).
 DEFAULT_REQUESTS = {"simulated": 16, "real": 6}
+
+
 _REAL_NEW_TOKENS = 96
+
+
 #: Seconds the demo lets real requests decode before the offload.
 _REAL_WARMUP_S = 1.0
-#: The files ``--out`` receives.
-OUTPUTS = {
-    "trace": "trace.json",
-    "gantt": "timeline.png",
-    "diagram": "lifecycle.mmd",
-    "metrics": "metrics.json",
-}
-_GIB = 1 << 30
+
+
 _TOKEN_LATENCY = 0.004
+
+
 _OP_LATENCY: dict[str, float | tuple[float, float]] = {
     "pause_generation": (0.001, 0.01),
     "flush_cache": (0.001, 0.01),
@@ -86,10 +98,6 @@ _OP_LATENCY: dict[str, float | tuple[float, float]] = {
     "resume_memory_occupation": (0.01, 0.05),
     "continue_generation": (0.001, 0.005),
 }
-_TAGS = ("weights", "kv_cache", "cuda_graph")
-
-
-# -- engines ---------------------------------------------------------------------------------
 
 
 class DemoEngineBody(EngineActorBody):
@@ -109,36 +117,6 @@ DemoEngine: Any = ray.remote(DemoEngineBody)
 
 def _faulty_simulated(**options: Any) -> FaultyEngine:
     return FaultyEngine(SimulatedEngine(**options))
-
-
-@dataclass(eq=False)
-class _Engine:
-    """One engine the demo started: the slot it fills and, once replaced, its history."""
-
-    slot: str
-    label: str
-    handle: Any
-    #: The step it joined in (0: from the start).
-    joined: int
-    standin: Any = None
-    history: list[dict[str, Any]] | None = None
-    #: The real SGLang server behind it, when the demo launched one.
-    launched: Any = None
-
-
-@dataclass
-class _Step:
-    """What one step did: metrics of its calls, the answers it got, what happened."""
-
-    number: int
-    metrics: dict[str, float] = field(default_factory=dict)
-    done: int = 0
-    retracted: int = 0
-    aborted: int = 0
-    notes: list[str] = field(default_factory=list)
-
-
-# -- the command line ------------------------------------------------------------------------
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -277,10 +255,7 @@ def run(
     return code
 
 
-# -- the demo --------------------------------------------------------------------------------
-
-
-class _Demo:
+class _Demo(DemoReport):
     def __init__(self, args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
         self.args = args
         self.out = out
@@ -288,9 +263,9 @@ class _Demo:
         self.dir = Path(args.out)
         self.mode = PauseMode(args.pause_mode)
         self.fault_step = min(2, args.steps)
-        self.engines: list[_Engine] = []
-        self.live: dict[str, _Engine] = {}
-        self.steps: list[_Step] = []
+        self.engines: list[StartedEngine] = []
+        self.live: dict[str, StartedEngine] = {}
+        self.steps: list[Step] = []
         #: Each step's time window, for checking the engines' histories step by step.
         self.windows: list[tuple[int, float, float]] = []
         self.problems: list[str] = []
@@ -375,7 +350,7 @@ class _Demo:
 
     async def run_step(self, server: RolloutServer, number: int) -> None:
         args = self.args
-        step = _Step(number)
+        step = Step(number)
         self.steps.append(step)
         start = time.monotonic()
         if number == self.fault_step:
@@ -414,7 +389,7 @@ class _Demo:
         self.count_answers(step, requests, answers)
 
     def count_answers(
-        self, step: _Step, requests: Sequence[dict[str, Any]], answers: Sequence[dict[str, Any]]
+        self, step: Step, requests: Sequence[dict[str, Any]], answers: Sequence[dict[str, Any]]
     ) -> None:
         lost_engine = any(e.joined == step.number for e in self.engines)
         for request, answer in zip(requests, answers, strict=True):
@@ -436,7 +411,7 @@ class _Demo:
             )
 
     async def call(
-        self, step: _Step, name: str, body: Callable[[], Awaitable[dict[str, float]]]
+        self, step: Step, name: str, body: Callable[[], Awaitable[dict[str, float]]]
     ) -> None:
         """Run one lifecycle call; if a phase fails, heal the server and run it once more."""
         server = self.server
@@ -454,7 +429,7 @@ class _Demo:
             before = server.state.value
             metrics = await body()
             step.notes.append(f"{name} run again")
-        _merge(step.metrics, metrics)
+        merge_metrics(step.metrics, metrics)
         phases = [
             f"{key.rsplit('/', 1)[1][:-2]} {value * 1e3:.1f}ms"
             for key, value in metrics.items()
@@ -466,7 +441,7 @@ class _Demo:
             + (", ".join(phases) or "(nothing to do)")
         )
 
-    def add_failed_call(self, step: _Step, name: str) -> None:
+    def add_failed_call(self, step: Step, name: str) -> None:
         """A call that raised returns no metrics: count its phases from the timeline."""
         server = self.server
         assert server is not None
@@ -475,9 +450,11 @@ class _Demo:
         if calls:
             index = calls[-1].call_index
             phases = [s for s in spans if s.kind == "phase" and s.call_index == index]
-            _merge(step.metrics, {f"lifecycle/{s.call}/{s.name}_s": s.duration for s in phases})
+            merge_metrics(
+                step.metrics, {f"lifecycle/{s.call}/{s.name}_s": s.duration for s in phases}
+            )
 
-    async def heal(self, step: _Step) -> None:
+    async def heal(self, step: Step) -> None:
         """Leave ``failed``: replace broken engines with ``recover()``, else ``reset()``."""
         server = self.server
         assert server is not None
@@ -501,7 +478,7 @@ class _Demo:
             self.progress(f"reset           -> {server.state.value}")
             step.notes.append(f"reset() -> {server.state.value}")
             key = "lifecycle/reset/"
-        _merge(step.metrics, {k: v for k, v in server.metrics.items() if k.startswith(key)})
+        merge_metrics(step.metrics, {k: v for k, v in server.metrics.items() if k.startswith(key)})
 
     # -- engines -------------------------------------------------------------------------------
 
@@ -537,13 +514,13 @@ class _Demo:
                 ],
             )
             for (slot, label, _), standin in zip(slots, servers, strict=True):
-                engine = _Engine(slot, label, self.http_actor(standin.url), 0, standin)
+                engine = StartedEngine(slot, label, self.http_actor(standin.url), 0, standin)
                 self.engines.append(engine)
         else:
             for slot, label, seed in slots:
                 factory = functools.partial(_faulty_simulated, **self.options(label, seed))
                 handle = DemoEngine.options(num_cpus=0).remote(factory)
-                self.engines.append(_Engine(slot, label, handle, 0))
+                self.engines.append(StartedEngine(slot, label, handle, 0))
         self.live = {e.slot: e for e in self.engines}
         await asyncio.wait_for(
             asyncio.gather(*(e.handle.ping.remote() for e in self.engines)), timeout=60
@@ -567,7 +544,7 @@ class _Demo:
             for _, label, _ in slots
         ]
         for (slot, label, _), server in zip(slots, launched, strict=True):
-            self.engines.append(_Engine(slot, label, None, 0, launched=server))
+            self.engines.append(StartedEngine(slot, label, None, 0, launched=server))
         self.progress(
             f"starting {len(launched)} SGLang server(s): {shlex.join(launched[0].command)}"
         )
@@ -600,17 +577,17 @@ class _Demo:
                 **self.options(label, seed),
             )
             await asyncio.to_thread(standin.start)
-            engine = _Engine(slot, label, self.http_actor(standin.url), self.step, standin)
+            engine = StartedEngine(slot, label, self.http_actor(standin.url), self.step, standin)
         else:
             factory = functools.partial(_faulty_simulated, **self.options(label, seed))
             handle = DemoEngine.options(num_cpus=0).remote(factory)
-            engine = _Engine(slot, label, handle, self.step)
+            engine = StartedEngine(slot, label, handle, self.step)
         await asyncio.wait_for(engine.handle.ping.remote(), timeout=60)
         self.engines.append(engine)
         self.live[slot] = engine
         return engine.handle
 
-    async def arm_fault(self, step: _Step) -> None:
+    async def arm_fault(self, step: Step) -> None:
         fault = self.args.inject_fault
         if fault == "none":
             return
@@ -643,12 +620,12 @@ class _Demo:
 
         remove = server.on(ServerState.WEIGHTS_RESTORED, breach)
 
-    async def history_of(self, engine: _Engine) -> list[dict[str, Any]]:
+    async def history_of(self, engine: StartedEngine) -> list[dict[str, Any]]:
         if engine.history is not None:
             return engine.history
         if engine.launched is not None:
             assert self.server is not None
-            return _timeline_history(self.server, engine.slot)
+            return timeline_history(self.server, engine.slot)
         if engine.standin is None:
             found: list[dict[str, Any]] = await asyncio.wait_for(
                 engine.handle.history.remote(), timeout=30
@@ -659,7 +636,7 @@ class _Demo:
                 found = await asyncio.to_thread(engine.standin.history)
                 return found
         # A stand-in that died appended every op to its history file first.
-        return await asyncio.to_thread(_read_history_file, engine.standin.history_file)
+        return await asyncio.to_thread(read_history_file, engine.standin.history_file)
 
     async def stop_engines(self) -> None:
         for engine in self.engines:
@@ -674,234 +651,12 @@ class _Demo:
 
     # -- results -------------------------------------------------------------------------------
 
-    def table(self) -> None:
-        columns = [
-            ("pause", "offload/pause_s"),
-            ("flush", "offload/flush_s"),
-            ("release", "offload/release_s"),
-            ("weights", "onload_weights/weights_s"),
-            ("update", "update_weights/total_s"),
-            ("kv", "onload_kv/kv_s"),
-            ("continue", "onload_kv/continue_s"),
-        ]
-        self.say(
-            "phase timings in ms (a failed attempt included); resident GiB "
-            "(weights/kv_cache/cuda_graph) of all engines after the offload and the onload; "
-            "aborted: requests aborted (abort pause) or lost with a dead engine, then "
-            "resubmitted by the generation client"
-        )
-        header = " ".join(f"{name:>8}" for name, _ in columns)
-        self.say(
-            f"{'step':>4} {header} {'done':>5} {'retracted':>9} {'aborted':>7} "
-            f"{'offloaded':>11} {'onloaded':>11}  notes"
-        )
-        for step in self.steps:
-            cells = []
-            for _, key in columns:
-                value = step.metrics.get(f"lifecycle/{key}")
-                cells.append(f"{'-' if value is None else f'{value * 1e3:.1f}':>8}")
-            self.say(
-                f"{step.number:>4} {' '.join(cells)} {step.done:>5} {step.retracted:>9} "
-                f"{step.aborted:>7} {self.memory(step, 'offload'):>11} "
-                f"{self.memory(step, 'onload_kv'):>11}  {'; '.join(step.notes)}"
-            )
-
-    @staticmethod
-    def memory(step: _Step, call: str) -> str:
-        found = [step.metrics.get(f"lifecycle/{call}/{tag}_bytes_after") for tag in _TAGS]
-        if any(v is None for v in found):
-            return "-"
-        return "/".join(f"{(v or 0) / _GIB:g}" for v in found)
-
-    def write_outputs(self, server: RolloutServer) -> None:
-        paths = {name: self.dir / file for name, file in OUTPUTS.items()}
-        server.timeline.export_chrome_trace(paths["trace"])
-        paths["diagram"].write_text(mermaid(), encoding="utf-8")
-        paths["metrics"].write_text(
-            json.dumps(
-                {
-                    "steps": [{"step": s.number, "metrics": s.metrics} for s in self.steps],
-                    "slowest_engines": server.slowest_engines,
-                },
-                indent=2,
-            ),
-            encoding="utf-8",
-        )
-        written = [f"{paths['trace']} (open it in https://ui.perfetto.dev)"]
-        try:
-            server.timeline.plot_gantt(
-                paths["gantt"], title=f"rollout-lifecycle demo: {self.args.steps} step(s)"
-            )
-            written.append(str(paths["gantt"]))
-        except ImportError as exc:
-            self.say(f"demo: no {OUTPUTS['gantt']}: {exc}")
-        written += [str(paths["diagram"]), str(paths["metrics"])]
-        self.say("wrote " + ", ".join(written))
-
-    async def check(self, server: RolloutServer) -> None:
-        """The invariants, on the engines' own histories and what the server reports."""
-        histories = {e.label: await self.history_of(e) for e in self.engines}
-        self.problems += self.order_problems(histories)
-        expected = f"step-{self.args.steps}"
-        versions = {}
-        for engine in self.live.values():
-            with contextlib.suppress(Exception):
-                versions[engine.slot] = await asyncio.wait_for(
-                    engine.handle.weight_version.remote(), timeout=30
-                )
-        if len(self.steps) == self.args.steps and self.steps[-1].done == self.args.requests:
-            wrong = {k: v for k, v in versions.items() if v != expected}
-            if wrong or len(versions) != len(self.live):
-                self.problems.append(f"weight versions {versions}, expected all {expected!r}")
-            if server.state is not ServerState.SERVING:
-                self.problems.append(f"final state {server.state.value}, expected serving")
-        if not self.args.real:  # a CPU server without the memory saver frees nothing
-            self.problems += self.memory_problems()
-        self.problems += self.fault_problems(server)
-        ops = sum(len(h) for h in histories.values())
-        verdict = "INVARIANTS BROKEN" if self.problems else "all invariants held"
-        source = " (as the library's timeline recorded them)" if self.args.real else ""
-        self.say(
-            f"checked {ops} engine ops across {len(histories)} engines{source}: {verdict}; final "
-            f"state {server.state.value}, weight version {versions.get(self.engines[0].slot)}"
-        )
-
-    def order_problems(self, histories: Mapping[str, list[dict[str, Any]]]) -> list[str]:
-        """Barriers (invariants 1, 2 and 4) step by step, and no fatal call anywhere.
-
-        In each step, the engines present from its start are checked together; an engine that
-        joined in the step (a replacement) is checked on its own, and its continue must wait
-        for every engine's KV cache like the others'.
-        """
-        problems: list[str] = []
-        for number, start, end in self.windows:
-            members: dict[str, list[dict[str, Any]]] = {}
-            joined: dict[str, list[dict[str, Any]]] = {}
-            for engine in self.engines:
-                entries = [e for e in histories[engine.label] if start <= float(e["start"]) <= end]
-                if entries:
-                    (joined if engine.joined == number else members)[engine.label] = entries
-            found = cycle_order_violations(members)
-            for label, entries in joined.items():
-                found += cycle_order_violations({label: entries})
-                found += _join_barrier(label, entries, members)
-            problems += [f"step {number}: {p}" for p in found if ": fatal " not in p]
-        for label, history in histories.items():
-            # A stand-in killed by an injected 'die' logs its death as fatal: the fault's doing.
-            killed = any(e.get("op") == "fault" and e.get("kind") == "die" for e in history)
-            for entry in history:
-                if entry.get("outcome") != "fatal":
-                    continue
-                if not (killed and entry.get("op") == "server_died"):
-                    problems.append(f"{label}: fatal {entry.get('op')} ({entry.get('detail')})")
-        return problems
-
-    def memory_problems(self) -> list[str]:
-        """Every offload leaves the released tags at zero; every onload brings all back."""
-        problems = []
-        engines = len(self.live)
-        for step in self.steps:
-            for tag in _TAGS:
-                offloaded = step.metrics.get(f"lifecycle/offload/{tag}_bytes_after")
-                onloaded = step.metrics.get(f"lifecycle/onload_kv/{tag}_bytes_after")
-                where = f"step {step.number}: {tag}"
-                if offloaded is not None and offloaded != 0:
-                    problems.append(f"{where}: {offloaded:g} bytes resident after the offload")
-                full = engines * DEFAULT_MEMORY_BYTES[tag]
-                if onloaded is not None and onloaded != full:
-                    problems.append(f"{where}: {onloaded:g} bytes after the onload, not {full}")
-        return problems
-
-    def fault_problems(self, server: RolloutServer) -> list[str]:
-        """An injected fault must have happened, and been handled."""
-        fault = self.args.inject_fault
-        target = self.engines[0].slot
-        if fault == "none" or self.args.sabotage:
-            return []
-        if fault == "slow-flush":
-            took = server.timeline.spans("engine_call")
-            slow = [
-                s
-                for s in took
-                if s.engine == target and s.op == "flush_cache" and s.duration >= SLOW_FLUSH_S
-            ]
-            return [] if slow else [f"slow-flush: no flush of {target} took {SLOW_FLUSH_S}s"]
-        want = "flush" if fault == "flush-reject" else "release"
-        if not any(seen == f"{want}:{target}" for seen in self.fault_seen):
-            return [f"{fault}: no {want} failed on {target} alone (seen: {self.fault_seen})"]
-        if fault == "engine-death" and not any(e.joined for e in self.engines):
-            return [f"engine-death: {target} was never replaced"]
-        return []
-
-
-def _merge(into: dict[str, float], metrics: Mapping[str, float]) -> None:
-    """Add one call's metrics to a step's: times and retries add up, the slowest is the max."""
-    for key, value in metrics.items():
-        if key.endswith("_slowest_s"):
-            into[key] = max(into.get(key, value), value)
-        elif key.endswith(("_s", "_retries")):
-            into[key] = into.get(key, 0) + value
-        else:
-            into[key] = value
-
 
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
-
-
-#: The memory tags each resume phase of the timeline resumes.
-_PHASE_TAGS = {"weights": ["weights"], "kv": ["kv_cache", "cuda_graph"]}
-
-
-def _timeline_history(server: RolloutServer, engine: str) -> list[dict[str, Any]]:
-    """One engine's calls as the server's timeline recorded them, in the form of an engine
-    history (for engines that keep none: real SGLang servers)."""
-    return [
-        {
-            "op": span.op,
-            "start": span.start,
-            "end": span.end,
-            "outcome": span.outcome,
-            "tags": _PHASE_TAGS.get(span.phase or "", []),
-            "engine": engine,
-        }
-        for span in server.timeline.spans("engine_call")
-        if span.engine == engine
-    ]
-
-
-def _read_history_file(name: str) -> list[dict[str, Any]]:
-    path = Path(name)
-    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
-    return [json.loads(line) for line in lines if line.strip()]
-
-
-def _join_barrier(
-    label: str, entries: Sequence[Mapping[str, Any]], members: Mapping[str, Sequence[Any]]
-) -> list[str]:
-    """A replacement's first continue after it joined waits for every engine's KV restore,
-    and no engine continues before the replacement has its KV cache back."""
-    joined = float(entries[0]["start"])
-    everyone = [e for h in (entries, *members.values()) for e in h if float(e["start"]) >= joined]
-    kv = [
-        e
-        for e in everyone
-        if e.get("op") == "resume_memory_occupation" and "kv_cache" in (e.get("tags") or ())
-    ]
-    resumed = [e for e in everyone if e.get("op") == "continue_generation"]
-    if not kv or not resumed:
-        return []
-    last = max(kv, key=lambda e: float(e["end"]))
-    first = min(resumed, key=lambda e: float(e["start"]))
-    if float(first["start"]) < float(last["end"]):
-        return [
-            f"{label} joined: continue_generation started on {first.get('engine')} before "
-            f"resume_kv ended on {last.get('engine')}"
-        ]
-    return []
 
 
 __all__ = ["FAULTS", "OUTPUTS", "DemoEngine", "DemoEngineBody", "add_parser", "run"]
