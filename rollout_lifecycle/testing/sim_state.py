@@ -1,0 +1,430 @@
+"""The simulated engine's state: its options, memory per tag, requests and history, and what
+it reports of itself to tests (``state()``, ``stats()``, ``memory()``, ``history()``).
+The base of ``SimulatedEngine``; the constants and request record the other layers share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import random
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_lifecycle.core.config import (
+    ALL_TAGS,
+    PauseMode,
+    Tag,
+    check_flag,
+    check_int,
+    check_seconds,
+)
+from rollout_lifecycle.core.exceptions import InvalidArgument
+
+GIB = 1 << 30
+
+#: Resident bytes per tag when ``memory_bytes`` does not say otherwise.
+DEFAULT_MEMORY_BYTES: Mapping[str, int] = {
+    Tag.WEIGHTS.value: 16 * GIB,
+    Tag.KV_CACHE.value: 40 * GIB,
+    Tag.CUDA_GRAPH.value: 2 * GIB,
+}
+
+#: The operations whose duration ``op_latency`` can set (and that ``history()`` records).
+LIFECYCLE_OPS: tuple[str, ...] = (
+    "pause_generation",
+    "continue_generation",
+    "flush_cache",
+    "release_memory_occupation",
+    "resume_memory_occupation",
+    "begin_weight_update",
+    "end_weight_update",
+    "update_weights_from_disk",
+    "update_weights_from_tensor",
+    "update_weights_from_distributed",
+    "init_weights_update_group",
+    "destroy_weights_update_group",
+    "update_weight_version",
+    "weight_version",
+    "server_info",
+    "ready",
+    "health",
+    "abort_request",
+)
+
+SIM_VERSION = "0.5.23"
+
+#: The weight version a server starts with when ``--weight-version`` is not given.
+# sglang: arg_groups/fields/serving.py (weight_version defaults to "default")
+DEFAULT_WEIGHT_VERSION = "default"
+
+# The real server's answers, verbatim, where a client may read them.
+# sglang: http_server.py flush_cache (``ret.message or "Flush cache failed.\n"``)
+FLUSH_FAILED = "Flush cache failed.\n"
+# sglang: flush_wrapper.py SchedulerFlushWrapper.check_pending / handle
+FLUSH_TIMED_OUT = "Timed out waiting for idle state."
+# sglang: scheduler_components/weight_updater.py flush_cache_after_weight_update
+WEIGHTS_WRITTEN_FLUSH_FAILED = (
+    "Weights were updated, but the cache was not flushed because requests are still running "
+    "or queued. Retract or finish them, then call /flush_cache."
+)
+SELECTORS: tuple[str, ...] = ("target", "draft", "all")
+
+VOCAB = 32000
+KNOWN_TAGS = frozenset(t.value for t in ALL_TAGS)
+# SGLang resumes in this order within one call, whatever order the tags were given in.
+RESUME_ORDER: tuple[str, ...] = (Tag.CUDA_GRAPH.value, Tag.WEIGHTS.value, Tag.KV_CACHE.value)
+# A forward pass touches these; cuda_graph being released only costs speed, not correctness.
+FORWARD_TAGS: tuple[str, ...] = (Tag.WEIGHTS.value, Tag.KV_CACHE.value)
+# Whatever released weights hold after a resume without a CPU backup decodes to this token.
+GARBAGE_TOKEN = 0
+# KV cache bytes per token slot, for the token capacity /server_info reports.
+KV_BYTES_PER_TOKEN = 128 * 1024
+
+
+@dataclass(eq=False)
+class SimRequest:
+    rid: str
+    prompt: list[int]
+    max_new_tokens: int
+    future: asyncio.Future[dict[str, Any]]
+    internal: bool = False
+    output: list[int] = field(default_factory=list)
+    num_retractions: int = 0
+    # (version before a change, output tokens generated under it), one per change seen while
+    # the request was live in the scheduler. sglang: utils/weight_versions.py WeightVersionEvent
+    version_events: list[tuple[str, int]] = field(default_factory=list)
+    cached_tokens: int = 0
+    on_garbage: bool = False
+
+    def __post_init__(self) -> None:
+        self.key = sum((i + 1) * t for i, t in enumerate(self.prompt)) % VOCAB
+
+
+#: History entries per tuple of older entries (see ``SimulatedEngine._record``).
+HISTORY_CHUNK = 16
+
+
+#: The most requests ``max_running`` may let run at once.
+MAX_RUNNING = 1_000_000
+
+
+def seconds_of(value: object) -> float | None:
+    """``value`` as seconds if it is a finite number >= 0, else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) and value >= 0 else None
+
+
+def requested_tags(tags: Sequence[Tag | str] | None) -> tuple[object, ...] | str | None:
+    """The tags a call asked for, as its history records them (tag names, not ``Tag``s)."""
+    if tags is None or isinstance(tags, str):
+        return tags
+    return tuple(t.value if isinstance(t, Tag) else t for t in tags)
+
+
+def _check_seconds(name: str, value: object) -> float:
+    return check_seconds(name, value, positive=False)
+
+
+def detokenize(tokens: Sequence[int]) -> str:
+    return "".join(chr(ord("a") + t % 26) for t in tokens)
+
+
+def version_spans(
+    events: Sequence[tuple[str, int]], current: str, count: int
+) -> list[dict[str, Any]]:
+    """``meta_info["weight_versions"]`` of a request that finished with ``count`` tokens.
+
+    sglang: utils/weight_versions.py compute_weight_version_spans (scheduler side) followed by
+    add_weight_versions_to_meta_info (tokenizer side, which hides spans past the output).
+    """
+    spans: list[dict[str, Any]] = []
+    for version, raw_end in [*events, (current, count)]:
+        end = min(raw_end, count)
+        if spans and end <= spans[-1]["end"]:
+            continue
+        if spans and version == spans[-1]["version"]:
+            spans[-1]["end"] = end
+            continue
+        start = spans[-1]["end"] if spans else 0
+        spans.append({"version": version, "start": start, "end": end})
+    visible = [s for s in spans if s["start"] < count or s["start"] == 0]
+    return [{**s, "end": min(s["end"], count)} for s in visible]
+
+
+class SimState:
+    """The state of one simulated SGLang server and what it reports; ``SimulatedEngine``'s
+    innermost base."""
+
+    def __init__(
+        self,
+        label: str = "sim",
+        *,
+        token_latency: float = 0.005,
+        op_latency: Mapping[str, float | tuple[float, float]] | None = None,
+        seed: int | None = None,
+        memory_bytes: Mapping[str, int] | None = None,
+        weight_version: str = DEFAULT_WEIGHT_VERSION,
+        weights_cpu_backup: bool = False,
+        dp_dummy_batches: bool = False,
+        health_timeout: float = 20.0,
+        max_running: int = 1024,
+        gpu_memory_bytes: int | None = None,
+        check_model_paths: bool = False,
+    ) -> None:
+        if not isinstance(label, str) or not label:
+            raise InvalidArgument(f"label must be a non-empty string, got {label!r}")
+        self._label = label
+        self._token_latency = _check_seconds("token_latency", token_latency)
+        self._health_timeout = _check_seconds("health_timeout", health_timeout)
+        self._op_latency = self._validate_op_latency(op_latency)
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise InvalidArgument(f"seed must be an int or None, got {seed!r}")
+        self._rng = random.Random(seed)
+        self._capacity = self._validate_memory(memory_bytes)
+        if not isinstance(weight_version, str):
+            raise InvalidArgument(f"weight_version must be a string, got {weight_version!r}")
+        check_int("max_running", max_running, minimum=1, maximum=MAX_RUNNING)
+        if gpu_memory_bytes is not None and (
+            not isinstance(gpu_memory_bytes, int)
+            or isinstance(gpu_memory_bytes, bool)
+            or gpu_memory_bytes < 0
+        ):
+            raise InvalidArgument(
+                f"gpu_memory_bytes must be an int >= 0 or None, got {gpu_memory_bytes!r}"
+            )
+        self._gpu_memory_bytes = gpu_memory_bytes
+        self._external_bytes = 0
+        self._max_running = max_running
+        self._weights_cpu_backup = check_flag("weights_cpu_backup", weights_cpu_backup)
+        self._dp_dummy_batches = check_flag("dp_dummy_batches", dp_dummy_batches)
+        self._check_model_paths = check_flag("check_model_paths", check_model_paths)
+        # The front end hands the scheduler one flush at a time, in arrival order.
+        # sglang: communicator.py FanOutCommunicator.queueing_call (flush_cache_communicator)
+        self._flush_queue: asyncio.Lock | None = None
+
+        self._initial_version = weight_version
+        # The scheduler's version (stamped on output tokens) and the tokenizer's (what
+        # /model_info reports) are kept apart: a weight update whose trailing flush fails moves
+        # the first and not the second.
+        # sglang: weight_updater.py update_weights_from_* (record_weight_version_after_update
+        # before flush_cache_after_weight_update); tokenizer_control_mixin.py
+        # _update_weight_version_if_provided only on success.
+        self._weight_version = weight_version
+        self._served_version = weight_version
+        self._weights_valid = True
+        self._released: set[str] = set()
+        self._paused = False
+        self._pause_mode: PauseMode | None = None
+        self._running: list[SimRequest] = []
+        self._waiting: deque[SimRequest] = deque()
+        # Requests that arrived while paused wait in the tokenizer front end, not in the
+        # scheduler: no scheduler abort and no idleness check sees them.
+        # sglang: tokenizer_manager.py generate_request (is_pause_cond.wait_for before sending)
+        self._front: list[SimRequest] = []
+        self._in_flight: dict[str, SimRequest] = {}
+        self._prefix_cache: set[tuple[int, ...]] = set()
+        self._session_open = False
+        self._session_selector: str | None = None
+        self._groups: dict[str, dict[str, Any]] = {}
+        self._flush_pending = False
+        self._healthy = True
+        self._dead = False
+        self._death_reason: str | None = None
+        self._closed = False
+        # The newest history entries, and older finished ones as tuples of their items, in
+        # tuples of ``HISTORY_CHUNK`` (see ``_record``).
+        self._history: list[dict[str, Any]] = []
+        self._archive: list[tuple[tuple[tuple[str, Any], ...], ...]] = []
+        self._counts: dict[str, int] = dict.fromkeys(
+            (
+                "submitted",
+                "completed",
+                "aborted",
+                "retractions",
+                "prefills",
+                "prefix_hits",
+                "steps",
+                "dummy_steps",
+                "tokens",
+                "garbage_tokens",
+                "flushes",
+                "weight_updates",
+                "health_checks",
+            ),
+            0,
+        )
+        self._health_seq = 0
+        self._scheduler: asyncio.Task[None] | None = None
+        self._changed: asyncio.Event | None = None
+
+    # ----------------------------------------------------------------------------- validation
+
+    @staticmethod
+    def _validate_op_latency(
+        op_latency: Mapping[str, float | tuple[float, float]] | None,
+    ) -> dict[str, float | tuple[float, float]]:
+        if op_latency is None:
+            return {}
+        if not isinstance(op_latency, Mapping):
+            raise InvalidArgument(f"op_latency must be a mapping, got {op_latency!r}")
+        out: dict[str, float | tuple[float, float]] = {}
+        for op, value in op_latency.items():
+            if op not in LIFECYCLE_OPS:
+                raise InvalidArgument(
+                    f"unknown op {op!r} in op_latency; valid: {', '.join(LIFECYCLE_OPS)}"
+                )
+            if isinstance(value, tuple):
+                if len(value) != 2:
+                    raise InvalidArgument(
+                        f"op_latency[{op!r}] must be seconds or a (low, high) pair, got {value!r}"
+                    )
+                low = _check_seconds(f"op_latency[{op!r}] low", value[0])
+                high = _check_seconds(f"op_latency[{op!r}] high", value[1])
+                if low > high:
+                    raise InvalidArgument(f"op_latency[{op!r}] range has low > high: {value!r}")
+                out[op] = (low, high)
+            else:
+                out[op] = _check_seconds(f"op_latency[{op!r}]", value)
+        return out
+
+    @staticmethod
+    def _validate_memory(memory_bytes: Mapping[str, int] | None) -> dict[str, int]:
+        capacity = dict(DEFAULT_MEMORY_BYTES)
+        if memory_bytes is None:
+            return capacity
+        if not isinstance(memory_bytes, Mapping):
+            raise InvalidArgument(f"memory_bytes must be a mapping, got {memory_bytes!r}")
+        for tag, nbytes in memory_bytes.items():
+            name = tag.value if isinstance(tag, Tag) else tag
+            if name not in KNOWN_TAGS:
+                raise InvalidArgument(
+                    f"unknown memory tag {tag!r} in memory_bytes; valid: "
+                    f"{', '.join(sorted(KNOWN_TAGS))}"
+                )
+            if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+                raise InvalidArgument(f"memory_bytes[{name!r}] must be an int >= 0, got {nbytes!r}")
+            capacity[name] = nbytes
+        return capacity
+
+    # ----------------------------------------------------------------------------- properties
+
+    @property
+    def label(self) -> str:
+        """The engine's name in errors and history."""
+        return self._label
+
+    @property
+    def dead(self) -> bool:
+        """True once a fatal misuse has killed the engine."""
+        return self._dead
+
+    @property
+    def paused(self) -> bool:
+        """Whether generation is paused (introspection; the server shows it only as /ready 503)."""
+        return self._paused
+
+    @property
+    def pause_mode(self) -> str | None:
+        """The mode of the current pause, or None (introspection)."""
+        return self._pause_value()
+
+    @property
+    def released_tags(self) -> list[str]:
+        """The memory tags released now, in tag order (introspection; SGLang tracks none)."""
+        return [t.value for t in ALL_TAGS if t.value in self._released]
+
+    @property
+    def weights_valid(self) -> bool:
+        """False while the weights hold garbage (resumed without a CPU backup, not rewritten)."""
+        return self._weights_valid
+
+    @property
+    def flush_pending(self) -> bool:
+        """Whether a flush with a timeout is deferred, waiting for idleness (introspection)."""
+        return self._flush_pending
+
+    @property
+    def weight_update_session_open(self) -> bool:
+        """Whether a begin/end weight-update session is open (introspection)."""
+        return self._session_open
+
+    @property
+    def death_reason(self) -> str | None:
+        """What killed the engine, or None while it lives."""
+        return self._death_reason
+
+    # ----------------------------------------------------------------------------- introspection
+
+    def _pause_value(self) -> str | None:
+        return None if self._pause_mode is None else self._pause_mode.value
+
+    def _resident_bytes(self) -> int:
+        return sum(self.memory().values())
+
+    def memory(self) -> dict[str, int]:
+        """Resident bytes per tag; a dead engine's process holds none."""
+        return {
+            t.value: 0 if self._dead or t.value in self._released else self._capacity[t.value]
+            for t in ALL_TAGS
+        }
+
+    def set_external_memory(self, nbytes: int) -> None:
+        """Say how many bytes other processes (the trainer) hold on this engine's GPU."""
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise InvalidArgument(f"external memory must be an int >= 0, got {nbytes!r}")
+        self._external_bytes = nbytes
+
+    def history(self) -> list[dict[str, Any]]:
+        """Every lifecycle call that has returned (or raised), in order of start; a copy."""
+        return [
+            {k: list(v) if isinstance(v, tuple) else v for k, v in entry.items()}
+            for entry in itertools.chain(
+                (dict(items) for chunk in self._archive for items in chunk), self._history
+            )
+            if entry["end"] is not None
+        ]
+
+    def take_history(self) -> list[dict[str, Any]]:
+        """``history()``, and forget what it returns; calls still running stay for a later take.
+
+        A long run that checks its engines round by round takes each round's calls as it goes,
+        so the engine's memory, and the work of keeping it, stays flat instead of growing with
+        the run.
+        """
+        taken = self.history()
+        self._archive.clear()
+        self._history = [entry for entry in self._history if entry["end"] is None]
+        return taken
+
+    def state(self) -> dict[str, Any]:
+        """What SGLang keeps to itself (its ``/server_info`` shows none of it), for tests:
+        label, dead, paused and the pause mode, released tags, whether the weights are valid,
+        a deferred flush, an open weight-update session, the lifecycle calls in flight."""
+        return {
+            "label": self._label,
+            "dead": self._dead,
+            "paused": self.paused,
+            "pause_mode": self.pause_mode,
+            "released_tags": self.released_tags,
+            "weights_valid": self.weights_valid,
+            "flush_pending": self.flush_pending,
+            "weight_update_session_open": self.weight_update_session_open,
+            # lifecycle calls that have started and not returned (their latency included)
+            "in_flight": [e["op"] for e in self._history if e["end"] is None],
+        }
+
+    def stats(self) -> dict[str, int]:
+        """Counters of the work done so far and the current queues."""
+        return {
+            **self._counts,
+            "prefix_cache_size": len(self._prefix_cache),
+            "running": len(self._running),
+            "waiting": len(self._waiting),
+            "held": len(self._front),
+            "in_flight": len(self._in_flight),
+        }
