@@ -130,15 +130,25 @@ class ActorSeam:
 _LOCAL, _HOSTED, _ACTOR = LocalSeam(), HostedSeam(), ActorSeam()
 
 
+#: The seam of each handle type seen (one dict lookup per call instead of three isinstance).
+_BY_TYPE: dict[type, EngineSeam] = {}
+
+
 def seam_for(handle: Any) -> EngineSeam:
     """The seam of ``handle``'s kind; ``InvalidArgument`` for a handle of no known kind."""
+    found = _BY_TYPE.get(type(handle))
+    if found is not None:
+        return found
     if isinstance(handle, EngineHost):
-        return _LOCAL
-    if isinstance(handle, HostedEngine):
-        return _HOSTED
-    if isinstance(handle, ActorHandle):
-        return _ACTOR
-    raise InvalidArgument(f"{type(handle).__name__} is not an engine handle")
+        found = _LOCAL
+    elif isinstance(handle, HostedEngine):
+        found = _HOSTED
+    elif isinstance(handle, ActorHandle):
+        found = _ACTOR
+    else:
+        raise InvalidArgument(f"{type(handle).__name__} is not an engine handle")
+    _BY_TYPE[type(handle)] = found
+    return found
 
 
 def as_handle(engine: Any, group: str, index: int) -> Any:
@@ -156,7 +166,8 @@ def as_handle(engine: Any, group: str, index: int) -> Any:
 
 def send(handle: Any, op: Op | str, args: tuple[Any, ...] = ()) -> Awaitable[Any]:
     """Issue ``op(*args)`` to ``handle``; do not wait."""
-    return seam_for(handle).send(handle, op, args)
+    name = op._value_ if type(op) is Op else op  # the plain name: attribute lookups cache it
+    return seam_for(handle).send(handle, name, args)
 
 
 def identity(handle: Any) -> Hashable:

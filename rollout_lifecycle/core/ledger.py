@@ -169,7 +169,8 @@ class EngineRecord:
         unknown, a weight-update session may be open. A process that dies with the call in
         flight leaves this record, which refuses the call that could kill the engine; the
         outcome (``apply``) replaces it."""
-        op = Op(op)  # an operation the ledger does not know is an error, never ignored
+        if type(op) is not Op:
+            op = Op(op)  # an operation the ledger does not know is an error, never ignored
         if op in MEMORY_OPS:
             self._undo = (frozenset(t for t in tags if t not in self.uncertain),)
             self.uncertain.update(tags)
@@ -198,8 +199,9 @@ class EngineRecord:
         self, op: Op, tags: Sequence[Tag], mode: PauseMode | None, out: EngineOutcome
     ) -> None:
         """Record what a settled call means for this engine."""
-        op = Op(op)  # an operation the ledger does not know is an error, never ignored
-        self.last_op = op.value
+        if type(op) is not Op:
+            op = Op(op)  # an operation the ledger does not know is an error, never ignored
+        self.last_op = op._value_
         self.last_outcome = out
         if out.outcome is Outcome.DEAD:
             self._undo = None

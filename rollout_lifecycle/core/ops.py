@@ -42,6 +42,10 @@ class Op(str, Enum):
     def __str__(self) -> str:
         return self.value
 
+    #: Hashed as its wire name, in C (``Enum`` hashes in Python): ledger tables are looked up
+    #: once per engine per phase, and an ``Op`` and its name are one key.
+    __hash__ = str.__hash__
+
 
 #: Operations that change which memory tags an engine holds.
 MEMORY_OPS = frozenset({Op.RELEASE, Op.RESUME})

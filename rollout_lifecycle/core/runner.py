@@ -154,9 +154,11 @@ def issue(plan: Plan, before_send: Callable[[], None] | None = None) -> Calls:
                 raise
     calls = Calls()
     refs, starts, args = calls.refs, calls.starts, plan.args
+    name = op._value_  # the plain (interned) method name: attribute lookups cache it
     for record in chosen:
+        handle = record.handle
         starts.append(time.monotonic())
-        refs.append(seam.send(record.handle, op, args))
+        refs.append(seam.seam_for(handle).send(handle, name, args))
     calls.records = chosen
     calls.ops = [op] * len(chosen)
     calls.tags = [plan.tags] * len(chosen)
@@ -293,7 +295,7 @@ class PhaseRunner:
                 retries = (retries or 0) + (max(attempts - 1, 0) if type(attempts) is int else 0)
             if slowest is None or out.duration_s > slowest[1]:
                 slowest = (record.id, out.duration_s)
-            spans += (record.id, record.group, op.value, began, end, out.outcome.value)
+            spans += (record.id, record.group, op._value_, began, end, out.outcome._value_)
             record.apply(op, tags, mode, out)
             outcomes[record.id] = out
             if debug:
