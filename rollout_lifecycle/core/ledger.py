@@ -12,7 +12,7 @@ Nothing here sends a call.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Protocol
 
@@ -210,7 +210,16 @@ class EngineRecord:
         if out.outcome in _EFFECT_UNKNOWN:
             self._undo = None
             # No answer, a dropped connection or garbage: the call may or may not have landed.
-            _UNANSWERED.get(op, _nothing)(self, tags, mode)
+            if op in MEMORY_OPS:
+                self.uncertain.update(tags)  # neither a release nor a resume of them is safe now
+            elif op in PAUSE_OPS:
+                # Count the engine as paused, so that it is continued (harmless if it never
+                # paused) and never taken for serving; a flush alone never makes it releasable.
+                self.paused, self.flushed, self.pause_unknown = True, False, True
+                if op is Op.PAUSE:
+                    self.pause_mode = mode
+            elif op in SESSION_OPS:
+                self.session_unknown = True
             return
         if not out.ok:
             self.undo_intent(op)
@@ -222,7 +231,22 @@ class EngineRecord:
         if op in MEMORY_OPS or op is Op.BEGIN_UPDATE:
             self.undo_intent(op)  # the answer replaces the intent
         self._undo = None
-        _ANSWERED.get(op, _nothing)(self, tags, mode)
+        # (identity checks on the enum: an operation not listed changes nothing, and a name
+        # that is not an operation never got this far)
+        if op is Op.PAUSE:
+            self.paused, self.pause_mode, self.flushed = True, mode, False
+            self.pause_unknown = False
+        elif op is Op.FLUSH:
+            self.flushed = True
+        elif op is Op.RELEASE:
+            self.released.update(tags)
+        elif op is Op.RESUME:
+            self.released.difference_update(tags)
+        elif op is Op.CONTINUE:
+            self.paused, self.pause_mode, self.flushed = False, None, False
+            self.pause_unknown = False
+        elif op is Op.END_UPDATE:
+            self.session_unknown = False
 
     def renew(self, handle: Any) -> None:
         """A new engine takes this slot: alive, serving, all memory resident, stale until it
@@ -283,80 +307,6 @@ class EngineRecord:
         self.pause_unknown = snapshot.pause_unknown
         self.session_unknown = snapshot.session_unknown
         self._undo = None
-
-
-# -- effects of calls, by operation --------------------------------------------------------------
-
-_Effect = Callable[[EngineRecord, Sequence[Tag], PauseMode | None], None]
-
-
-def _nothing(record: EngineRecord, tags: Sequence[Tag], mode: PauseMode | None) -> None:
-    return
-
-
-def _paused(record: EngineRecord, tags: Sequence[Tag], mode: PauseMode | None) -> None:
-    record.paused, record.pause_mode, record.flushed = True, mode, False
-    record.pause_unknown = False
-
-
-def _flushed(record: EngineRecord, tags: Sequence[Tag], mode: PauseMode | None) -> None:
-    record.flushed = True
-
-
-def _released(record: EngineRecord, tags: Sequence[Tag], mode: PauseMode | None) -> None:
-    record.released.update(tags)
-
-
-def _resumed(record: EngineRecord, tags: Sequence[Tag], mode: PauseMode | None) -> None:
-    record.released.difference_update(tags)
-
-
-def _continued(record: EngineRecord, tags: Sequence[Tag], mode: PauseMode | None) -> None:
-    record.paused, record.pause_mode, record.flushed = False, None, False
-    record.pause_unknown = False
-
-
-def _session_closed(record: EngineRecord, tags: Sequence[Tag], mode: PauseMode | None) -> None:
-    record.session_unknown = False
-
-
-def _tags_unknown(record: EngineRecord, tags: Sequence[Tag], mode: PauseMode | None) -> None:
-    record.uncertain.update(tags)  # neither a release nor a resume of them is safe now
-
-
-def _pause_unknown(record: EngineRecord, tags: Sequence[Tag], mode: PauseMode | None) -> None:
-    # Count the engine as paused, so that it is continued (harmless if it never paused) and
-    # never taken for serving; a flush alone never makes it releasable.
-    record.paused, record.flushed, record.pause_unknown = True, False, True
-
-
-def _pause_sent_unknown(record: EngineRecord, tags: Sequence[Tag], mode: PauseMode | None) -> None:
-    _pause_unknown(record, tags, mode)
-    record.pause_mode = mode
-
-
-def _session_unknown(record: EngineRecord, tags: Sequence[Tag], mode: PauseMode | None) -> None:
-    record.session_unknown = True
-
-
-#: What a call that succeeded means for the record (operations absent change nothing).
-_ANSWERED: Mapping[Op, _Effect] = {
-    Op.PAUSE: _paused,
-    Op.FLUSH: _flushed,
-    Op.RELEASE: _released,
-    Op.RESUME: _resumed,
-    Op.CONTINUE: _continued,
-    Op.END_UPDATE: _session_closed,
-}
-#: What a call that may or may not have landed means for the record.
-_UNANSWERED: Mapping[Op, _Effect] = {
-    Op.RELEASE: _tags_unknown,
-    Op.RESUME: _tags_unknown,
-    Op.PAUSE: _pause_sent_unknown,
-    Op.CONTINUE: _pause_unknown,
-    Op.BEGIN_UPDATE: _session_unknown,
-    Op.END_UPDATE: _session_unknown,
-}
 
 
 # -- the memory target of each server state ------------------------------------------------------

@@ -248,7 +248,7 @@ class Phases(Client):
             for record in plan.targets:
                 if not result.outcomes[record.id].ok:
                     raise PhaseFailed("check_versions", result.outcomes, FAILED)
-                found = result.values.get(record.id)
+                found = result.value(record.id)
                 if found == expected:
                     stale.pop(record.id, None)
                     record.stale = False

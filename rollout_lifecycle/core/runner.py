@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_lifecycle.backends import seam
+from rollout_lifecycle.backends.seam import Landed
 from rollout_lifecycle.core.config import DeadEnginePolicy, PauseMode, Tag
 from rollout_lifecycle.core.events import logger
 from rollout_lifecycle.core.exceptions import PhaseFailed
@@ -30,6 +31,7 @@ from rollout_lifecycle.core.outcome import EngineOutcome, Outcome
 from rollout_lifecycle.core.states import ServerState
 
 _Guard = Callable[[EngineRecord], None]
+_FAILED = EngineOutcome(Outcome.NOT_ATTEMPTED)
 
 
 def guard(op: Op, tags: tuple[Tag, ...] = ()) -> _Guard:
@@ -155,10 +157,15 @@ def issue(plan: Plan, before_send: Callable[[], None] | None = None) -> Calls:
     calls = Calls()
     refs, starts, args = calls.refs, calls.starts, plan.args
     name = op._value_  # the plain (interned) method name: attribute lookups cache it
+    kind: type | None = None
+    send: Callable[[Any, str, tuple[Any, ...]], Awaitable[Any]] | None = None
     for record in chosen:
         handle = record.handle
+        if type(handle) is not kind:  # (a plan's handles are nearly always of one kind)
+            kind, send = type(handle), seam.seam_for(handle).send
+        assert send is not None
         starts.append(time.monotonic())
-        refs.append(seam.seam_for(handle).send(handle, name, args))
+        refs.append(send(handle, name, args))
     calls.records = chosen
     calls.ops = [op] * len(chosen)
     calls.tags = [plan.tags] * len(chosen)
@@ -180,8 +187,18 @@ class PhaseResult:
     slowest: tuple[str, float] | None = None
     #: For a phase that flushes, the flush attempts beyond the first.
     retries: int | None = None
-    #: Each call's result (None where it failed), by engine id.
-    values: dict[str, Any] = field(default_factory=dict)
+    #: The calls and what became of each (for ``value``).
+    calls: Calls = field(default_factory=Calls)
+    landed: Landed | None = None
+
+    def value(self, engine: str) -> Any:
+        """What ``engine``'s call returned (None if it failed or was not in the phase)."""
+        if self.landed is None or not self.outcomes.get(engine, _FAILED).ok:
+            return None
+        for i, record in enumerate(self.calls.records):
+            if record.id == engine:
+                return self.landed.values[i]
+        return None
 
 
 #: Receives every settled phase (the server's metrics and timeline).
@@ -264,8 +281,8 @@ class PhaseRunner:
         # One wait for the whole phase: per-call futures cost more than the rest of the
         # bookkeeping at thousands of engines.
         landed = await seam.wait(calls.refs, deadline)
-        result = PhaseResult(phase, {}, start, 0.0)
-        outcomes, spans, values = result.outcomes, result.spans, result.values
+        result = PhaseResult(phase, {}, start, 0.0, calls=calls, landed=landed)
+        outcomes, spans = result.outcomes, result.spans
         slowest: tuple[str, float] | None = None
         retries: int | None = None
         columns = (calls.records, calls.ops, calls.tags, calls.modes, calls.starts)
@@ -285,11 +302,9 @@ class PhaseRunner:
                 end = landed_at
                 took = end - began
                 exc = landed.errors[i]
-                if exc is None:
-                    out = EngineOutcome(Outcome.OK, "", took)
-                    values[record.id] = landed.values[i]
-                else:
-                    out = seam.classify(exc, took)
+                out = (
+                    EngineOutcome(Outcome.OK, "", took) if exc is None else seam.classify(exc, took)
+                )
             if op is Op.FLUSH:
                 attempts = landed.values[i] if out.outcome is Outcome.OK else None
                 retries = (retries or 0) + (max(attempts - 1, 0) if type(attempts) is int else 0)
