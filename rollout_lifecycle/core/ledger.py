@@ -24,6 +24,13 @@ from rollout_lifecycle.core.states import ServerState
 
 S = ServerState
 
+#: The operations as module globals: the ledger and the runner compare them once per engine
+#: per phase, and a global is read several times faster than an ``Op`` member.
+_PAUSE, _CONTINUE, _FLUSH = Op.PAUSE, Op.CONTINUE, Op.FLUSH
+_RELEASE, _RESUME, _SET_VERSION = Op.RELEASE, Op.RESUME, Op.SET_VERSION
+_BEGIN_UPDATE, _END_UPDATE = Op.BEGIN_UPDATE, Op.END_UPDATE
+_DEAD = Outcome.DEAD
+
 #: Outcomes after which an engine may or may not have carried out the call.
 _EFFECT_UNKNOWN = frozenset({Outcome.TIMED_OUT, Outcome.UNREACHABLE, Outcome.ERROR})
 
@@ -120,7 +127,7 @@ class EngineRecord:
 
     def check_release(self, tags: Sequence[Tag]) -> None:
         """Release only a paused, flushed (idle) engine, and never a tag twice."""
-        op = Op.RELEASE
+        op = _RELEASE
         self.check_alive(op)
         if self.uncertain:
             raise self._refuse(op, f"tags {_tag_list(self.uncertain)} are in an unknown state")
@@ -138,7 +145,7 @@ class EngineRecord:
 
     def check_resume(self, tags: Sequence[Tag]) -> None:
         """Resume only tags that are released."""
-        op = Op.RESUME
+        op = _RESUME
         self.check_alive(op)
         if self.uncertain:
             raise self._refuse(op, f"tags {_tag_list(self.uncertain)} are in an unknown state")
@@ -148,7 +155,7 @@ class EngineRecord:
 
     def check_continue(self) -> None:
         """Continue generation only on fully resident memory."""
-        op = Op.CONTINUE
+        op = _CONTINUE
         self.check_alive(op)
         held = sorted(t.value for t in self.released | self.uncertain)
         if held:
@@ -156,7 +163,7 @@ class EngineRecord:
 
     def check_write_weights(self) -> None:
         """Write weights only when they are resident."""
-        op = Op.SET_VERSION
+        op = _SET_VERSION
         self.check_alive(op)
         if Tag.WEIGHTS in self.released or Tag.WEIGHTS in self.uncertain:
             raise self._refuse(op, "weights are released; writing them is an illegal access")
@@ -177,7 +184,7 @@ class EngineRecord:
         elif op in PAUSE_OPS:
             self._undo = (self.paused, self.pause_mode, self.flushed, self.pause_unknown)
             self.paused, self.flushed, self.pause_unknown = True, False, True
-            if op is Op.PAUSE:
+            if op is _PAUSE:
                 self.pause_mode = mode
         elif op in SESSION_OPS:
             self._undo = (self.session_unknown,)
@@ -203,7 +210,7 @@ class EngineRecord:
             op = Op(op)  # an operation the ledger does not know is an error, never ignored
         self.last_op = op._value_
         self.last_outcome = out
-        if out.outcome is Outcome.DEAD:
+        if out.outcome is _DEAD:
             self._undo = None
             self.alive = False
             return
@@ -216,36 +223,36 @@ class EngineRecord:
                 # Count the engine as paused, so that it is continued (harmless if it never
                 # paused) and never taken for serving; a flush alone never makes it releasable.
                 self.paused, self.flushed, self.pause_unknown = True, False, True
-                if op is Op.PAUSE:
+                if op is _PAUSE:
                     self.pause_mode = mode
             elif op in SESSION_OPS:
                 self.session_unknown = True
             return
         if not out.ok:
             self.undo_intent(op)
-            if op is Op.END_UPDATE:
+            if op is _END_UPDATE:
                 # SGLang answers 400 when no session is open: then none is. Any other refusal
                 # leaves the session it should have closed open.
                 self.session_unknown = out.status != 400
             return
-        if op in MEMORY_OPS or op is Op.BEGIN_UPDATE:
+        if op in MEMORY_OPS or op is _BEGIN_UPDATE:
             self.undo_intent(op)  # the answer replaces the intent
         self._undo = None
         # (identity checks on the enum: an operation not listed changes nothing, and a name
         # that is not an operation never got this far)
-        if op is Op.PAUSE:
+        if op is _PAUSE:
             self.paused, self.pause_mode, self.flushed = True, mode, False
             self.pause_unknown = False
-        elif op is Op.FLUSH:
+        elif op is _FLUSH:
             self.flushed = True
-        elif op is Op.RELEASE:
+        elif op is _RELEASE:
             self.released.update(tags)
-        elif op is Op.RESUME:
+        elif op is _RESUME:
             self.released.difference_update(tags)
-        elif op is Op.CONTINUE:
+        elif op is _CONTINUE:
             self.paused, self.pause_mode, self.flushed = False, None, False
             self.pause_unknown = False
-        elif op is Op.END_UPDATE:
+        elif op is _END_UPDATE:
             self.session_unknown = False
 
     def renew(self, handle: Any) -> None:
