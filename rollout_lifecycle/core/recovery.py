@@ -30,8 +30,13 @@ S = ServerState
 #: Makes a replacement engine for an engine id (``"group/index"``); may be async.
 EngineFactory = Callable[[str], Any]
 
-#: The states ``recover()`` can bring a fleet to.
-_TARGETS = (S.SERVING, S.DRAINED, S.RELEASED, S.WEIGHTS_RESTORED)
+#: The states ``recover()`` can bring a fleet to (``kv_restored`` only as the current state: the
+#: records of a fleet in it settle as ``drained``).
+_TARGETS = (S.SERVING, S.DRAINED, S.RELEASED, S.WEIGHTS_RESTORED, S.KV_RESTORED)
+#: The targets in which the groups that offload are paused and flushed.
+_DRAINED = (S.DRAINED, S.RELEASED, S.WEIGHTS_RESTORED, S.KV_RESTORED)
+#: The targets in which only the groups that keep their memory serve.
+_KEEPERS_SERVE = (S.RELEASED, S.WEIGHTS_RESTORED, S.KV_RESTORED)
 
 
 class Recovery(Client):
@@ -124,7 +129,7 @@ class Recovery(Client):
             outcomes.update(
                 (await self._runner.run("recover_resume", plan, deadlines.resume)).outcomes
             )
-        drains = goal in (S.DRAINED, S.RELEASED, S.WEIGHTS_RESTORED)
+        drains = goal in _DRAINED
         in_place = self._config.pause_mode is PauseMode.IN_PLACE
         short = [
             r
@@ -142,7 +147,7 @@ class Recovery(Client):
         ]
         if short:
             outcomes.update(await self._bring_up(short, goal, fresh=False))
-        if goal in (S.RELEASED, S.WEIGHTS_RESTORED):
+        if goal in _KEEPERS_SERVE:
             # groups that keep their memory serve here (a failed release may have left the
             # ones ``pause()`` paused)
             outcomes.update(await self._phases.continue_keepers())

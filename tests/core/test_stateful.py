@@ -1360,6 +1360,37 @@ async def test_a_stale_replacement_does_not_serve() -> None:
         await close_all(*actor, *fresh)
 
 
+async def test_recover_in_kv_restored_replaces_a_dead_group() -> None:
+    # Found by the long profile: stopped in kv_restored (the continue refused a stale engine),
+    # a group whose engines all died left no way back: onload is refused on the dead group and
+    # recover() refused kv_restored.
+    server, actor, reward = small_fleet(keeps_memory=1)
+    fresh, factory = recording_factory()
+    try:
+        await server.offload()
+        actor[0].arm("server_info", "die")
+        await server.probe()
+        await server.recover(factory)  # a stale replacement in released
+        with pytest.raises(StaleWeights):
+            await server.onload()
+        assert server.state is S.KV_RESTORED
+        reward[0].arm("server_info", "die")
+        await server.probe()
+        with pytest.raises(IllegalEngineOp, match="reward"):
+            await server.onload()
+        await server.recover(factory)
+        assert server.state is S.KV_RESTORED
+        engines = server.snapshot().engines()
+        assert engines["reward/0"].alive and engines["reward/0"].paused  # stale: it waits
+        assert engines["actor/0"].paused and not engines["actor/0"].released
+        await server.update_weights(make_push("noop"), "v1")
+        await server.onload()
+        assert server.state is S.SERVING
+        assert not any(inner_paused(e) for e in [actor[1], *fresh])
+    finally:
+        await close_all(*actor, *reward, *fresh)
+
+
 async def test_a_replacement_whose_pause_was_refused_is_paused_by_the_next_recover() -> None:
     server, actor, _ = small_fleet()
     actor[0].arm("server_info", "die")
