@@ -9,14 +9,14 @@ import argparse
 import asyncio
 import contextlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rollout_lifecycle.core.server import RolloutServer
 from rollout_lifecycle.core.states import ServerState, mermaid
-from rollout_lifecycle.testing import cycle_order_violations
+from rollout_lifecycle.testing import barrier_violations, fatal_calls
 from rollout_lifecycle.testing.simulated import DEFAULT_MEMORY_BYTES
 
 #: The delay of the ``slow-flush`` fault.
@@ -101,31 +101,6 @@ def read_history_file(name: str) -> list[dict[str, Any]]:
     path = Path(name)
     lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
     return [json.loads(line) for line in lines if line.strip()]
-
-
-def join_barrier(
-    label: str, entries: Sequence[Mapping[str, Any]], members: Mapping[str, Sequence[Any]]
-) -> list[str]:
-    """A replacement's first continue after it joined waits for every engine's KV restore,
-    and no engine continues before the replacement has its KV cache back."""
-    joined = float(entries[0]["start"])
-    everyone = [e for h in (entries, *members.values()) for e in h if float(e["start"]) >= joined]
-    kv = [
-        e
-        for e in everyone
-        if e.get("op") == "resume_memory_occupation" and "kv_cache" in (e.get("tags") or ())
-    ]
-    resumed = [e for e in everyone if e.get("op") == "continue_generation"]
-    if not kv or not resumed:
-        return []
-    last = max(kv, key=lambda e: float(e["end"]))
-    first = min(resumed, key=lambda e: float(e["start"]))
-    if float(first["start"]) < float(last["end"]):
-        return [
-            f"{label} joined: continue_generation started on {first.get('engine')} before "
-            f"resume_kv ended on {last.get('engine')}"
-        ]
-    return []
 
 
 class DemoReport:
@@ -254,19 +229,29 @@ class DemoReport:
                 entries = [e for e in histories[engine.label] if start <= float(e["start"]) <= end]
                 if entries:
                     (joined if engine.joined == number else members)[engine.label] = entries
-            found = cycle_order_violations(members)
+            found = barrier_violations(members)
             for label, entries in joined.items():
-                found += cycle_order_violations({label: entries})
-                found += join_barrier(label, entries, members)
-            problems += [f"step {number}: {p}" for p in found if ": fatal " not in p]
+                found += barrier_violations({label: entries})
+                # From the moment it joined, its KV restore and everyone's hold the continue.
+                joined_at = float(entries[0]["start"])
+                since = {
+                    k: [e for e in h if float(e["start"]) >= joined_at]
+                    for k, h in {**members, label: entries}.items()
+                }
+                kv_first = ("resume_kv", "continue")
+                found += [
+                    f"{label} joined: {p}"
+                    for p in barrier_violations(since, scopes=[joined_at], phases=kv_first)
+                ]
+            problems += [f"step {number}: {p}" for p in found]
         for label, history in histories.items():
             # A stand-in killed by an injected 'die' logs its death as fatal: the fault's doing.
             killed = any(e.get("op") == "fault" and e.get("kind") == "die" for e in history)
-            for entry in history:
-                if entry.get("outcome") != "fatal":
-                    continue
-                if not (killed and entry.get("op") == "server_died"):
-                    problems.append(f"{label}: fatal {entry.get('op')} ({entry.get('detail')})")
+            problems += [
+                p
+                for p in fatal_calls({label: history})
+                if not (killed and p.startswith(f"{label}: fatal server_died "))
+            ]
         return problems
 
     def memory_problems(self) -> list[str]:

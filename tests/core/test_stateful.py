@@ -9,20 +9,16 @@ policy are drawn per example.
 
 How each invariant of docs/design.md is checked:
 
-1. **Barrier** (from the ``FaultyEngine`` op logs of every engine the server ever held). The
-   server runs one phase at a time and issues all of a phase's calls before it waits for them, so
-   the logged lifecycle calls, sorted by start, fall into *runs*: maximal sequences of calls of
-   the same kind (``pause_generation``, ``flush_cache``, ``release_memory_occupation``,
-   ``resume_weights`` / ``resume_kv`` for resumes that do / do not name ``weights``,
-   ``continue_generation``, the weight-update calls), never spanning two rule steps. Each phase
-   lies inside one run (a straggler belongs to the run it started in), so for two adjacent runs
-   ``A`` then ``B`` of a barrier pair, every call of ``A`` must have returned before the first
-   call of ``B`` started. Barrier pairs: pause -> flush, flush -> release, release ->
-   resume_weights, resume_weights -> resume_kv, resume_kv -> continue. (A call of ``A`` that had
-   not returned when ``B`` began is a call of the previous phase still in flight.) Probes
-   (``server_info``, ``weight_version``) are not lifecycle phases and are left out, and so are
-   the calls of an engine that ``recover`` had already retired (closed), or that an injected
-   fault had killed, when ``B`` began.
+1. **Barrier** (from the ``FaultyEngine`` op logs of every engine the server ever held), by
+   ``rollout_lifecycle.testing.barrier_violations`` with each rule step as a window and
+   ``ordered=False``: sorted by start, the lifecycle calls fall into runs of one phase (pause,
+   flush, release, resume_weights / resume_kv for resumes that do / do not name ``weights``,
+   continue), never spanning two steps; for two adjacent runs of a barrier pair (pause ->
+   flush -> release -> resume_weights -> resume_kv -> continue), every call of the first must
+   have returned before the second began. The in-order rule is off: a step may run two public
+   calls at once, and ``recover`` brings replacements up and heals other engines in one call.
+   The calls of an engine that ``recover`` had already retired (closed), or that an injected
+   fault had killed, when the later run began hold no barrier.
 2-5. **Never release a busy engine, never double release or resume what is not released,
    generation only on resident memory, weights written only when resident**: no simulated engine
    is dead unless a ``die`` fault was injected into it (the simulated engine dies exactly where
@@ -66,7 +62,6 @@ one reproduction each.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import io
 import itertools
@@ -109,6 +104,7 @@ from rollout_lifecycle import (
     Tag,
     WeightUpdate,
 )
+from rollout_lifecycle.testing import barrier_violations
 from rollout_lifecycle.testing.faults import FAULT_KINDS, FaultyEngine
 
 S = ServerState
@@ -211,75 +207,6 @@ CALLS: tuple[str, ...] = (
 
 # -- invariant 1: barriers from the op logs ----------------------------------------------------
 
-BARRIER_PAIRS = frozenset(
-    {
-        ("pause_generation", "flush_cache"),
-        ("flush_cache", "release_memory_occupation"),
-        ("release_memory_occupation", "resume_weights"),
-        ("resume_weights", "resume_kv"),
-        ("resume_kv", "continue_generation"),
-    }
-)
-#: Calls that are not lifecycle phases (probes, reads).
-NOT_PHASES = frozenset({"server_info", "weight_version", "abort_request"})
-
-
-def call_kind(entry: dict[str, Any]) -> str:
-    """The phase kind of one logged call (resumes split by whether they bring weights back)."""
-    op: str = entry["op"]
-    if op == "resume_memory_occupation":
-        return "resume_weights" if "weights" in (entry["tags"] or ()) else "resume_kv"
-    return op
-
-
-def barrier_violations(
-    logs: dict[str, list[dict[str, Any]]],
-    window_starts: list[float],
-    closed_at: dict[str, float | None] | None = None,
-) -> list[str]:
-    """Invariant 1 over every engine's ``FaultyEngine.calls`` (see the module docstring).
-
-    ``closed_at`` says when an engine was retired (closed); its calls still in flight then are
-    no longer calls of one of the server's engines.
-    """
-    closed = closed_at or {}
-    entries = sorted(
-        (
-            (e["start"], name, e)
-            for name, calls in logs.items()
-            for e in calls
-            if e["op"] not in NOT_PHASES
-        ),
-        key=lambda t: t[0],
-    )
-    runs: list[tuple[str, int, list[tuple[str, dict[str, Any]]]]] = []
-    for start, name, entry in entries:
-        kind = call_kind(entry)
-        window = bisect.bisect_right(window_starts, start)
-        if runs and runs[-1][0] == kind and runs[-1][1] == window:
-            runs[-1][2].append((name, entry))
-        else:
-            runs.append((kind, window, [(name, entry)]))
-    problems: list[str] = []
-    for (kind_a, _, run_a), (kind_b, _, run_b) in itertools.pairwise(runs):
-        if (kind_a, kind_b) not in BARRIER_PAIRS:
-            continue
-        first_name, first = min(run_b, key=lambda t: t[1]["start"])
-        for name, entry in run_a:
-            end = entry["end"]
-            gone = closed.get(name)
-            if gone is not None and gone <= first["start"]:
-                continue
-            if end is None or end > first["start"]:
-                shown = "still in flight" if end is None else f"returned at {end:.6f}"
-                problems.append(
-                    f"barrier {kind_a} -> {kind_b}: {kind_b} started on {first_name} at "
-                    f"{first['start']:.6f} while {kind_a} on {name} (started "
-                    f"{entry['start']:.6f}, {entry['outcome']}, injected={entry['injected']}) "
-                    f"was {shown}"
-                )
-    return problems
-
 
 def gone_at(engine: FaultyEngine) -> float | None:
     """When an engine stopped being one of the server's: retired by ``recover`` or killed by
@@ -380,6 +307,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.engines: dict[str, FaultyEngine] = {}
         self.slot_of: dict[str, str] = {}
         self.requests: list[Request] = []
+        #: When each rule step began: a step's calls are one window of the barrier check.
         self.window_starts: list[float] = []
         self.made = itertools.count()
         #: The last weight write did not complete: groups kept serving stay paused until one
@@ -628,7 +556,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     def barriers_hold(self) -> None:
         logs = {label: e.calls for label, e in self.engines.items()}
         closed = {label: gone_at(e) for label, e in self.engines.items()}
-        problems = barrier_violations(logs, self.window_starts, closed)
+        problems = barrier_violations(logs, scopes=self.window_starts, ordered=False, gone=closed)
         assert not problems, "invariant 1 (barrier) violated:\n" + "\n".join(problems)
 
     @invariant()
@@ -1307,7 +1235,7 @@ async def test_recover_holds_the_barrier_across_replacements() -> None:
             await server.recover(factory)
         await asyncio.sleep(0.6)
         logs = {e.label: e.calls for e in [*actor, *fresh]}
-        assert barrier_violations(logs, []) == []
+        assert barrier_violations(logs, scopes=None) == []
     finally:
         await close_all(*actor, *fresh)
 

@@ -41,6 +41,7 @@ from rollout_lifecycle.core.group import EngineGroup
 from rollout_lifecycle.core.server import RolloutServer
 from rollout_lifecycle.core.timeline import Timeline
 from rollout_lifecycle.testing import (
+    barrier_violations,
     cycle_order_violations,
     cycle_phase_of,
     cycle_rounds,
@@ -384,6 +385,15 @@ CASES: list[Case] = [
     *rows("title", lambda v: Timeline().plot_gantt("/tmp/never.png", title=v), [1, b"t"]),
     # -- testing helpers ------------------------------------------------------------------------
     *rows("histories", lambda v: cycle_order_violations(v), [None, [], {"a": None}, {"a": [1]}]),
+    *rows("histories", lambda v: barrier_violations(v), [None, {"a": "x"}, {"a": [None]}]),
+    *rows(
+        "scopes",
+        lambda v: barrier_violations({}, scopes=v),
+        ["round", 1.5, [2.0, 1.0], [float("nan")], ["0"]],
+    ),
+    *rows("gone", lambda v: barrier_violations({}, gone=v), [[1.0], {"a": "soon"}]),
+    *rows("ordered", lambda v: barrier_violations({}, ordered=v), [None, "yes", 1]),
+    *rows("phases", lambda v: barrier_violations({}, phases=v), ["pause", [], ["drain"], 3]),
     *rows("history", lambda v: cycle_rounds(v), [None, "x", [1]]),
     *rows("history", lambda v: released_ops(v), [None, 1]),
     *rows("entry", lambda v: cycle_phase_of(v), [None, "op"]),
