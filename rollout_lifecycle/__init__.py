@@ -10,6 +10,7 @@ from rollout_lifecycle.backends.actor import EngineActor, EngineActorBody, start
 from rollout_lifecycle.backends.engine import EngineBackend, EngineHost
 from rollout_lifecycle.backends.http import HTTPTimeouts, SGLangHTTPEngine, sglang_http_factory
 from rollout_lifecycle.backends.launch import LaunchedSGLangEngine, launched_sglang_factory
+from rollout_lifecycle.backends.router import LaunchedRouter, RouterWorker, SGLangRouter
 from rollout_lifecycle.backends.secret import Secret
 from rollout_lifecycle.backends.weights import (
     FromDisk,
@@ -39,6 +40,7 @@ from rollout_lifecycle.core.exceptions import (
     InvalidArgument,
     LifecycleError,
     PhaseFailed,
+    RouterError,
     StaleWeights,
 )
 from rollout_lifecycle.core.generation import (
@@ -99,6 +101,7 @@ __all__ = [
     "IllegalEngineOp",
     "IllegalTransition",
     "InvalidArgument",
+    "LaunchedRouter",
     "LaunchedSGLangEngine",
     "LifecycleConfig",
     "LifecycleError",
@@ -108,7 +111,10 @@ __all__ = [
     "PauseMode",
     "PhaseFailed",
     "RolloutServer",
+    "RouterError",
+    "RouterWorker",
     "SGLangHTTPEngine",
+    "SGLangRouter",
     "Secret",
     "ServerSnapshot",
     "ServerState",

@@ -127,6 +127,12 @@ class EngineHost:
         """The backend's label."""
         return self._backend.label
 
+    async def worker_url(self) -> str | None:
+        """The URL a router sends this engine's traffic to (an HTTP backend's base URL); None
+        for an engine with none (a simulated one)."""
+        url = getattr(self._backend, "url", None)
+        return url if isinstance(url, str) else None
+
     async def pause_generation(self, mode: str) -> None:
         """Pause generation in ``mode``."""
         await self._backend.pause_generation(_member(PauseMode, mode, "pause mode"))

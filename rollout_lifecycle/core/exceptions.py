@@ -104,6 +104,19 @@ class StaleWeights(LifecycleError):
         )
 
 
+class RouterError(LifecycleError):
+    """The router in front of the fleet refused a worker change or could not be reached. Raised
+    before an engine is paused (nothing was sent: the state is unchanged) or after engines were
+    continued (they serve; ``RolloutServer.sync_router()`` puts the router right)."""
+
+    def __init__(self, router: str, message: str, status: int | None = None) -> None:
+        self._init: tuple[Any, ...] = (router, message, status)
+        self.router = router
+        self.message = message
+        self.status = status
+        super().__init__(f"router {router}: {message}")
+
+
 class EngineError(LifecycleError):
     """An engine could not carry out a call."""
 

@@ -24,6 +24,7 @@ from rollout_lifecycle.core.exceptions import (
     IllegalTransition,
     InvalidArgument,
     LifecycleError,
+    RouterError,
     StaleWeights,
 )
 from rollout_lifecycle.core.hooks import Hooks
@@ -120,8 +121,10 @@ class Machine:
         for trigger in self.plan(call):
             try:
                 await self.advance(trigger, args)
-            except HookFailed:
-                if self.state is S.PAUSING:  # a hook stopped the drain: what it paused goes on
+            except (HookFailed, RouterError):
+                # A hook stopped the drain (what it paused goes on), or the router could not
+                # take the engines out before the pause (nothing was sent): back to serving.
+                if self.state is S.PAUSING:
                     await self.fire("abandon")
                 raise
 
@@ -143,8 +146,10 @@ class Machine:
             found[0].phases = phases
         try:
             await self.fire(trigger, args)
-        except (IllegalEngineOp, InvalidArgument, HookFailed, StaleWeights):
-            raise  # refused before any engine was touched, or the user's code: no failure
+        except (IllegalEngineOp, InvalidArgument, HookFailed, StaleWeights, RouterError):
+            # refused before any engine was touched (a router error comes before the pause
+            # that opens every phase it can stop), or the user's code: no failure
+            raise
         except BaseException as exc:
             if previous is not S.FAILED and not isinstance(exc, asyncio.CancelledError):
                 await self.fire("fail")

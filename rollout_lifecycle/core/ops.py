@@ -33,6 +33,7 @@ class Op(str, Enum):
     INIT_UPDATE_GROUP = "init_weights_update_group"
     DESTROY_UPDATE_GROUP = "destroy_weights_update_group"
     LABEL = "label"
+    WORKER_URL = "worker_url"
     HISTORY = "history"
     MEMORY = "memory"
     STATE = "state"

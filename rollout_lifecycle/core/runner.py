@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from rollout_lifecycle.backends import seam
 from rollout_lifecycle.backends.seam import Landed
@@ -210,6 +210,14 @@ class PhaseResult:
 Observer = Callable[[PhaseResult], None]
 
 
+class Gate(Protocol):
+    """Runs before a phase is issued (and may refuse it: nothing is sent) and after it settles."""
+
+    async def before(self, plan: Plan) -> None: ...
+
+    async def after(self, plan: Plan, result: PhaseResult) -> None: ...
+
+
 class PhaseRunner:
     """Runs phases over a server's engines: issue, barrier, stragglers, ledger, observers."""
 
@@ -227,14 +235,23 @@ class PhaseRunner:
         self._observers = list(observers)
         #: Calls that missed their phase's deadline and may still land, by engine id.
         self.stragglers: dict[str, asyncio.Future[Any]] = {}
+        #: Runs around every phase with engines (``core/router_sync.RouterSync``), if bound.
+        self.gate: Gate | None = None
 
     def issue(self, plan: Plan) -> Calls:
         """``issue(plan)`` with this server's journal."""
         return issue(plan, self._journal)
 
     async def run(self, phase: str, plan: Plan, deadline: float) -> PhaseResult:
-        """Issue ``plan`` and settle it as ``phase``."""
-        return await self.settle(phase, self.issue(plan), deadline)
+        """Issue ``plan`` and settle it as ``phase`` (between the gate's ``before`` and
+        ``after``, when one is bound: a router in front of the fleet)."""
+        gate = self.gate
+        if gate is None or not plan.targets:
+            return await self.settle(phase, self.issue(plan), deadline)
+        await gate.before(plan)
+        result = await self.settle(phase, self.issue(plan), deadline)
+        await gate.after(plan, result)
+        return result
 
     async def require(self, phase: str, plan: Plan, deadline: float) -> PhaseResult:
         """``run``, raising ``PhaseFailed`` unless the phase succeeded (``succeeded``)."""

@@ -31,6 +31,7 @@ from rollout_lifecycle.core.ops import Op
 from rollout_lifecycle.core.outcome import EngineOutcome
 from rollout_lifecycle.core.phases import Parts, Phases, Versions
 from rollout_lifecycle.core.recovery import EngineFactory, Recovery
+from rollout_lifecycle.core.router_sync import RouterSync, WorkerRouter
 from rollout_lifecycle.core.runner import PhaseRunner, Plan
 from rollout_lifecycle.core.scope import Serializer
 from rollout_lifecycle.core.sessions import WeightPush, WeightUpdate, WeightWriter
@@ -67,6 +68,7 @@ class RolloutServer:
         *,
         name: str = "rollout",
         journal: Journal | None = None,
+        router: WorkerRouter | None = None,
     ) -> None:
         _check_groups(groups)
         if config is None:
@@ -94,6 +96,10 @@ class RolloutServer:
             journal=self._write_journal if journal is not None else None,
             observers=[recorder.phase],
         )
+        self._router = (
+            None if router is None else RouterSync(router, fleet, name, config.deadlines.probe)
+        )
+        runner.gate = self._router
         self._versions = Versions()
         parts = Parts(
             name, fleet, runner, config, hooks, self._versions, self._write_journal, self._state
@@ -265,6 +271,21 @@ class RolloutServer:
         """
         plan = Plan.over(self._groups, Op.SERVER_INFO)
         return (await self._runner.run("probe", plan, self._config.deadlines.probe)).outcomes
+
+    async def sync_router(self) -> dict[str, list[str]]:
+        """Bring the router (``router=``) in step with the engines that serve now: register
+        those that serve, take out this fleet's other workers. Returns the worker URLs added
+        and removed; ``RouterError`` when the router refuses or cannot be reached."""
+        sync = self._router
+        if sync is None:
+            raise InvalidArgument(f"server {self._name!r} has no router")
+        done: dict[str, list[str]] = {}
+
+        async def body() -> None:
+            done.update(await sync.sync())
+
+        await self._serializer.run("sync_router", body)
+        return done
 
     # -- hooks --------------------------------------------------------------------------------
 

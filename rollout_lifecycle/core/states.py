@@ -35,7 +35,8 @@ S = ServerState
 #: resident (invariant 5 of docs/design.md).
 TRANSITIONS: tuple[dict[str, Any], ...] = (
     {"trigger": "pause", "source": S.SERVING, "dest": S.PAUSING},
-    # A hook refused the drain before anything was left paused: back to serving.
+    # A hook refused the drain before anything was left paused, or the router could not take
+    # the engines out before the pause: back to serving.
     {"trigger": "abandon", "source": S.PAUSING, "dest": S.SERVING},
     {"trigger": "drain", "source": S.PAUSING, "dest": S.DRAINED},
     {"trigger": "release", "source": S.DRAINED, "dest": S.RELEASED},

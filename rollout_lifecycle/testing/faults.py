@@ -149,6 +149,12 @@ class FaultyEngine:
         return self._inner
 
     @property
+    def url(self) -> str | None:
+        """The wrapped backend's server URL, if it has one (a router's worker URL)."""
+        url = getattr(self._inner, "url", None)
+        return url if isinstance(url, str) else None
+
+    @property
     def in_flight(self) -> int:
         """Lifecycle calls that have started and not returned (sleeping ``slow`` ones included)."""
         return self._in_flight

@@ -1,0 +1,155 @@
+"""Keeps a router's worker set equal to the engines that may serve.
+
+A ``RolloutServer`` given a router (``SGLangRouter``) binds this to its phase runner: before any
+pause is sent, the engines about to pause are taken out of the router, and the pause is not sent
+unless that worked (``RouterError``: nothing was sent, the state is unchanged); after every phase
+that may have changed which engines serve (a continue, a pause, a probe, any engine call that
+did not succeed), the router is brought in step with the ledger: an engine is registered only
+when it is alive, unpaused, holds all its memory and has the expected weights (a replacement
+only once a weight update reached it), and the workers of engines that died, were retired or
+stopped serving are taken out.
+
+Why take workers out rather than tune the router's health checks: the router probes ``/health``,
+which on SGLang generates, so a paused engine never answers it; with health checks relaxed
+enough to ride out an offload, the router would still send new requests to paused and released
+workers, and would take long to notice a real death. Taken out, a worker gets no request while
+it is paused, released or being written; the cost is that a request arriving while no worker is
+registered gets the router's error at once, and the client retries it (as it retries an abort).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Hashable, Sequence
+from typing import Any, Protocol
+
+from rollout_lifecycle.backends import seam
+from rollout_lifecycle.backends.http import url_identity
+from rollout_lifecycle.core.events import logger
+from rollout_lifecycle.core.exceptions import InvalidArgument, RouterError
+from rollout_lifecycle.core.ledger import EngineRecord, Fleet
+from rollout_lifecycle.core.ops import Op
+from rollout_lifecycle.core.runner import PhaseResult, Plan
+
+_PAUSE, _CONTINUE = Op.PAUSE, Op.CONTINUE
+
+
+class WorkerRouter(Protocol):
+    """What the server needs of a router (``SGLangRouter`` is one)."""
+
+    @property
+    def url(self) -> str: ...
+
+    async def workers(self) -> Sequence[Any]:
+        """The listed workers (each with ``url``)."""
+        ...
+
+    async def add(self, url: str) -> None: ...
+
+    async def remove(self, url: str) -> None: ...
+
+
+async def _answer(call: Awaitable[Any]) -> Any:
+    return await call
+
+
+def serves(record: EngineRecord) -> bool:
+    """Whether an engine may take the router's traffic now."""
+    return (
+        record.alive
+        and not record.paused
+        and not record.pause_unknown
+        and not record.stale
+        and not (record.released or record.uncertain)
+    )
+
+
+class RouterSync:
+    """The router binding of one server (see the module docstring)."""
+
+    def __init__(self, router: WorkerRouter, fleet: Fleet, name: str, deadline: float) -> None:
+        for attr in ("workers", "add", "remove"):
+            if not callable(getattr(router, attr, None)):
+                raise InvalidArgument(f"router must have async {attr}(), got {router!r}")
+        self.router = router
+        self._fleet = fleet
+        self._deadline = deadline
+        self._log = logger().bind(server=name, router=str(getattr(router, "url", router)))
+        #: Each engine's worker URL, by handle identity (None: the engine has none).
+        self._urls: dict[Hashable, str | None] = {}
+        #: Every worker URL of an engine this server held: the workers it may take out.
+        self._managed: set[str] = set()
+        self._lock: asyncio.Lock | None = None
+
+    async def url_of(self, record: EngineRecord) -> str | None:
+        """The worker URL of ``record``'s engine (asked once per engine)."""
+        key = seam.identity(record.handle)
+        if key not in self._urls:
+            try:
+                found = await asyncio.wait_for(
+                    _answer(seam.send(record.handle, Op.WORKER_URL, ())), self._deadline
+                )
+            except Exception:  # (any engine or Ray error: a dead engine has no URL to give)
+                return None  # unknown for now: asked again next time
+            self._urls[key] = found if isinstance(found, str) else None
+            if isinstance(found, str):
+                self._managed.add(url_identity(found))
+        return self._urls[key]
+
+    async def before(self, plan: Plan) -> None:
+        """Take the engines ``plan`` is about to pause out of the router (``RouterError``)."""
+        if plan.op is not _PAUSE:
+            return
+        urls = [u for u in [await self.url_of(r) for r in plan.targets] if u is not None]
+        try:
+            async with self._locked():
+                await asyncio.gather(*(self.router.remove(u) for u in urls))
+        except RouterError:
+            # Nothing is paused: put back what was taken out, if the router lets us.
+            with contextlib.suppress(RouterError):
+                await self.sync()
+            raise
+
+    async def after(self, plan: Plan, result: PhaseResult) -> None:
+        """Bring the router in step after a phase that may have changed who serves."""
+        if (
+            plan.op is _CONTINUE
+            or plan.op is _PAUSE
+            or plan.op is Op.SERVER_INFO
+            or not all(o.ok for o in result.outcomes.values())
+        ):
+            try:
+                await self.sync()
+            except RouterError as exc:
+                # The engines are as the phase left them; sync_router() puts the router right.
+                self._log.warning("router.out_of_step", error=str(exc))
+
+    async def sync(self) -> dict[str, list[str]]:
+        """Register every engine that serves and take out every other worker of this fleet;
+        the URLs added and removed. ``RouterError`` if the router refuses or is unreachable."""
+        records = self._fleet.records()
+        urls = {r.id: await self.url_of(r) for r in records}
+        want = {url_identity(u): u for r in records if (u := urls[r.id]) is not None and serves(r)}
+        async with self._locked():
+            listed: dict[str, str] = {}
+            for worker in await self.router.workers():
+                with contextlib.suppress(InvalidArgument):
+                    listed[url_identity(str(worker.url))] = str(worker.url)
+            extra = [listed[k] for k in listed.keys() & self._managed if k not in want]
+            missing = [u for k, u in want.items() if k not in listed]
+            await asyncio.gather(*(self.router.remove(u) for u in extra))
+            await asyncio.gather(*(self.router.add(u) for u in missing))
+        if extra or missing:
+            self._log.info("router.synced", added=missing, removed=extra)
+        return {"added": missing, "removed": extra}
+
+    @contextlib.asynccontextmanager
+    async def _locked(self) -> Any:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            yield
+
+
+__all__ = ["RouterSync", "WorkerRouter", "serves"]

@@ -1,0 +1,262 @@
+"""A fleet behind a real sglang-router (0.3.2): the router's worker set follows the engines that
+serve through offload cycles, weight updates, engine death and recovery, and bad router input
+gets a clear error with the lifecycle state left exact.
+
+Engines are stand-in SGLang servers (subprocesses) driven in process; every test launches its
+own router (``LaunchedRouter``) with the router's default health checks on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import socket
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from rollout_lifecycle import (
+    EngineGroup,
+    LaunchedRouter,
+    LifecycleConfig,
+    PauseMode,
+    RolloutServer,
+    RouterError,
+    ServerState,
+    SGLangHTTPEngine,
+    SGLangRouter,
+)
+from rollout_lifecycle.backends.http import url_identity
+from rollout_lifecycle.testing.standin import StandInServer
+
+S = ServerState
+#: Traffic: each request asks for this many tokens (a stand-in makes one per TOKEN_S).
+TOKENS, TOKEN_S = 12, 0.004
+
+
+@pytest.fixture(scope="module")
+def standins() -> Iterator[list[StandInServer]]:
+    started = StandInServer.start_many(3, token_latency=TOKEN_S, seed=11)
+    yield started
+    for server in started:
+        server.stop()
+
+
+@contextlib.asynccontextmanager
+async def router_for(**options: Any) -> AsyncIterator[LaunchedRouter]:
+    launched = LaunchedRouter(**options)
+    try:
+        yield await launched.wait_ready()
+    finally:
+        launched.stop()
+
+
+def fleet(urls: list[str], keeper: str | None = None, **config: Any) -> list[EngineGroup]:
+    groups = [EngineGroup("actor", [SGLangHTTPEngine(u) for u in urls])]
+    if keeper is not None:
+        groups.append(EngineGroup("reward", [SGLangHTTPEngine(keeper)], needs_offload=False))
+    return groups
+
+
+async def listed(router: SGLangRouter) -> set[str]:
+    return {url_identity(w.url) for w in await router.workers() if w.healthy}
+
+
+def ids(*urls: str) -> set[str]:
+    return {url_identity(u) for u in urls}
+
+
+async def stats(url: str) -> dict[str, int]:
+    async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+        answer = await client.get(f"{url}/_standin/stats")
+        answer.raise_for_status()
+        result: dict[str, int] = answer.json()
+        return result
+
+
+async def one_cycle(server: RolloutServer) -> None:
+    await server.offload()
+    await server.onload_weights()
+    await server.onload_kv()
+
+
+async def test_the_router_lists_exactly_the_engines_that_serve(
+    standins: list[StandInServer],
+) -> None:
+    a, b, keeper = (s.url for s in standins)
+    async with router_for() as launched:
+        router = launched.client()
+        server = RolloutServer(fleet([a, b], keeper), router=router)
+        assert await listed(router) == set()
+        done = await server.sync_router()
+        assert ids(*done["added"]) == ids(a, b, keeper) and done["removed"] == []
+        assert await listed(router) == ids(a, b, keeper)
+        await server.offload()
+        assert await listed(router) == ids(keeper)  # the memory-keeping group serves on
+        await server.onload_weights()
+        assert await listed(router) == ids(keeper)
+        await server.update_weights(lambda update: None)  # the keeper is paused around it
+        assert await listed(router) == ids(keeper)
+        await server.onload_kv()
+        assert await listed(router) == ids(a, b, keeper)
+        await server.pause()
+        assert await listed(router) == set()
+        await server.resume()
+        assert await listed(router) == ids(a, b, keeper)
+        assert await server.sync_router() == {"added": [], "removed": []}
+        await router.close()
+
+
+class Traffic:
+    """Requests sent through the router until stopped: a refused request (no worker listed, or
+    a worker taken out under it) is retried, an aborted one resubmitted; none may be lost."""
+
+    def __init__(self, url: str, senders: int) -> None:
+        self.url, self.senders = url, senders
+        self.sent = self.completed = self.retried = self.resubmitted = 0
+        self.stop = asyncio.Event()
+        self.lost: list[str] = []
+
+    async def run(self) -> None:
+        async with httpx.AsyncClient(base_url=self.url, timeout=60, trust_env=False) as client:
+            await asyncio.gather(*(self._sender(client, i) for i in range(self.senders)))
+
+    async def _sender(self, client: httpx.AsyncClient, index: int) -> None:
+        for n in itertools.count():
+            if self.stop.is_set():
+                return
+            self.sent += 1
+            body = {"input_ids": [index, n % 50, 7], "sampling_params": {"max_new_tokens": TOKENS}}
+            for _attempt in range(2000):  # bounded: ~40 s of retries at most
+                try:
+                    answer = await client.post("/generate", json=body)
+                except httpx.HTTPError:
+                    answer = None
+                if answer is None or answer.status_code != 200:
+                    self.retried += 1
+                    await asyncio.sleep(0.02)
+                    continue
+                finish = answer.json()["meta_info"]["finish_reason"]["type"]
+                if finish == "abort":
+                    self.resubmitted += 1
+                    continue
+                assert finish == "length", answer.text
+                self.completed += 1
+                break
+            else:
+                self.lost.append(f"sender {index} request {n}")
+
+
+@pytest.mark.parametrize("mode", [PauseMode.RETRACT, PauseMode.ABORT])
+async def test_traffic_through_the_router_loses_nothing_over_20_cycles(
+    standins: list[StandInServer], mode: PauseMode
+) -> None:
+    a, b, _ = (s.url for s in standins)
+    async with router_for() as launched:
+        router = launched.client()
+        server = RolloutServer(fleet([a, b]), LifecycleConfig(pause_mode=mode), router=router)
+        await server.sync_router()
+        traffic = Traffic(launched.url, senders=4)
+        task = asyncio.ensure_future(traffic.run())
+        reached_released: list[str] = []
+        try:
+            for _ in range(20):
+                await asyncio.sleep(0.05)
+                await server.offload()
+                before = {u: (await stats(u))["submitted"] for u in (a, b)}
+                await asyncio.sleep(0.05)  # traffic keeps arriving at the router meanwhile
+                after = {u: (await stats(u))["submitted"] for u in (a, b)}
+                reached_released += [u for u in (a, b) if after[u] != before[u]]
+                await server.onload_weights()
+                await server.onload_kv()
+                assert server.state is S.SERVING
+        finally:
+            traffic.stop.set()
+            await asyncio.wait_for(task, 60)
+            await router.close()
+        assert traffic.lost == [] and traffic.completed == traffic.sent
+        assert reached_released == [], "requests reached workers with their memory released"
+        assert traffic.sent > 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+async def test_recover_swaps_a_dead_worker_for_its_replacement_once_it_has_weights(
+    standins: list[StandInServer],
+) -> None:
+    doomed = StandInServer(token_latency=TOKEN_S).start()
+    a = standins[0].url
+    made: list[StandInServer] = []
+
+    def factory(engine_id: str) -> SGLangHTTPEngine:
+        made.append(StandInServer(token_latency=TOKEN_S).start())
+        return SGLangHTTPEngine(made[-1].url)
+
+    try:
+        async with router_for() as launched:
+            router = launched.client()
+            server = RolloutServer(fleet([a, doomed.url]), router=router)
+            await server.sync_router()
+            before = await listed(router)
+            doomed.stop(timeout=0)  # the engine's process dies
+            await server.probe()  # found dead: taken out of the router at once
+            assert await listed(router) == ids(a)
+            await server.recover(factory)
+            assert await listed(router) == ids(a)  # the replacement lacks the weights
+            await server.pause()
+            await server.update_weights(lambda update: None, version="v2")
+            await server.resume()
+            after = await listed(router)
+            assert before == ids(a, doomed.url) and after == ids(a, made[0].url)
+            async with httpx.AsyncClient(base_url=launched.url, timeout=30) as client:
+                for i in range(6):  # round robin: the replacement takes its share
+                    body = {"input_ids": [i, 1], "sampling_params": {"max_new_tokens": 2}}
+                    (await client.post("/generate", json=body)).raise_for_status()
+            assert (await stats(made[0].url))["submitted"] >= 2
+            await router.close()
+    finally:
+        doomed.stop(timeout=0)
+        for server_ in made:
+            server_.stop()
+
+
+async def test_an_unreachable_router_refuses_before_any_engine_is_paused(
+    standins: list[StandInServer],
+) -> None:
+    a = standins[0].url
+    nowhere = SGLangRouter(f"http://127.0.0.1:{free_port()}", timeout=2.0)
+    server = RolloutServer(fleet([a]), router=nowhere)
+    with pytest.raises(RouterError, match=r"router http://127\.0\.0\.1:\d+: .*unreachable"):
+        await server.sync_router()
+    with pytest.raises(RouterError, match="unreachable"):
+        await server.offload()
+    assert server.state is S.SERVING
+    assert not standins[0].state()["paused"]
+
+
+async def test_a_wrong_key_is_named_and_a_worker_the_router_lost_is_put_back(
+    standins: list[StandInServer],
+) -> None:
+    a, b, _ = (s.url for s in standins)
+    async with router_for(api_key="right-key-5c1e") as launched:
+        wrong = SGLangRouter(launched.url, api_key="wrong-key-77aa")
+        with pytest.raises(RouterError, match="401, the router refused the control-plane key"):
+            await RolloutServer(fleet([a, b]), router=wrong).sync_router()
+        router = launched.client()
+        server = RolloutServer(fleet([a, b]), router=router)
+        await server.sync_router()
+        await router.remove(b)  # the router drops a worker by itself
+        assert await listed(router) == ids(a)
+        done = await server.sync_router()
+        assert ids(*done["added"]) == ids(b) and await listed(router) == ids(a, b)
+        await one_cycle(server)
+        assert await listed(router) == ids(a, b)
+        await router.close()
