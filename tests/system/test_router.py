@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import socket
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import pytest
+import ray
+from system.router_traffic import Traffic, ids, listed, stats
 
 from rollout_lifecycle import (
     EngineGroup,
@@ -28,13 +29,14 @@ from rollout_lifecycle import (
     ServerState,
     SGLangHTTPEngine,
     SGLangRouter,
+    sglang_http_factory,
+    start_engine_actor,
 )
-from rollout_lifecycle.backends.http import url_identity
 from rollout_lifecycle.testing.standin import StandInServer
 
 S = ServerState
-#: Traffic: each request asks for this many tokens (a stand-in makes one per TOKEN_S).
-TOKENS, TOKEN_S = 12, 0.004
+#: A stand-in makes one token per TOKEN_S.
+TOKEN_S = 0.004
 
 
 @pytest.fixture(scope="module")
@@ -59,22 +61,6 @@ def fleet(urls: list[str], keeper: str | None = None, **config: Any) -> list[Eng
     if keeper is not None:
         groups.append(EngineGroup("reward", [SGLangHTTPEngine(keeper)], needs_offload=False))
     return groups
-
-
-async def listed(router: SGLangRouter) -> set[str]:
-    return {url_identity(w.url) for w in await router.workers() if w.healthy}
-
-
-def ids(*urls: str) -> set[str]:
-    return {url_identity(u) for u in urls}
-
-
-async def stats(url: str) -> dict[str, int]:
-    async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
-        answer = await client.get(f"{url}/_standin/stats")
-        answer.raise_for_status()
-        result: dict[str, int] = answer.json()
-        return result
 
 
 async def one_cycle(server: RolloutServer) -> None:
@@ -108,46 +94,6 @@ async def test_the_router_lists_exactly_the_engines_that_serve(
         assert await listed(router) == ids(a, b, keeper)
         assert await server.sync_router() == {"added": [], "removed": []}
         await router.close()
-
-
-class Traffic:
-    """Requests sent through the router until stopped: a refused request (no worker listed, or
-    a worker taken out under it) is retried, an aborted one resubmitted; none may be lost."""
-
-    def __init__(self, url: str, senders: int) -> None:
-        self.url, self.senders = url, senders
-        self.sent = self.completed = self.retried = self.resubmitted = 0
-        self.stop = asyncio.Event()
-        self.lost: list[str] = []
-
-    async def run(self) -> None:
-        async with httpx.AsyncClient(base_url=self.url, timeout=60, trust_env=False) as client:
-            await asyncio.gather(*(self._sender(client, i) for i in range(self.senders)))
-
-    async def _sender(self, client: httpx.AsyncClient, index: int) -> None:
-        for n in itertools.count():
-            if self.stop.is_set():
-                return
-            self.sent += 1
-            body = {"input_ids": [index, n % 50, 7], "sampling_params": {"max_new_tokens": TOKENS}}
-            for _attempt in range(2000):  # bounded: ~40 s of retries at most
-                try:
-                    answer = await client.post("/generate", json=body)
-                except httpx.HTTPError:
-                    answer = None
-                if answer is None or answer.status_code != 200:
-                    self.retried += 1
-                    await asyncio.sleep(0.02)
-                    continue
-                finish = answer.json()["meta_info"]["finish_reason"]["type"]
-                if finish == "abort":
-                    self.resubmitted += 1
-                    continue
-                assert finish == "length", answer.text
-                self.completed += 1
-                break
-            else:
-                self.lost.append(f"sender {index} request {n}")
 
 
 @pytest.mark.parametrize("mode", [PauseMode.RETRACT, PauseMode.ABORT])
@@ -189,24 +135,36 @@ def free_port() -> int:
         return port
 
 
+@pytest.mark.parametrize("death", ["process exits", "ray.kill"])
 async def test_recover_swaps_a_dead_worker_for_its_replacement_once_it_has_weights(
-    standins: list[StandInServer],
+    ray_cluster: None, standins: list[StandInServer], death: str
 ) -> None:
     doomed = StandInServer(token_latency=TOKEN_S).start()
     a = standins[0].url
     made: list[StandInServer] = []
+    actors: list[Any] = []
 
-    def factory(engine_id: str) -> SGLangHTTPEngine:
+    def engine(url: str) -> Any:
+        if death == "process exits":  # in process: the engine dies with its server
+            return SGLangHTTPEngine(url)
+        actors.append(start_engine_actor(sglang_http_factory(url)))  # its server outlives it
+        return actors[-1]
+
+    def factory(engine_id: str) -> Any:
         made.append(StandInServer(token_latency=TOKEN_S).start())
-        return SGLangHTTPEngine(made[-1].url)
+        return engine(made[-1].url)
 
     try:
         async with router_for() as launched:
             router = launched.client()
-            server = RolloutServer(fleet([a, doomed.url]), router=router)
+            groups = [EngineGroup("actor", [engine(a), engine(doomed.url)])]
+            server = RolloutServer(groups, router=router)
             await server.sync_router()
             before = await listed(router)
-            doomed.stop(timeout=0)  # the engine's process dies
+            if death == "process exits":
+                doomed.stop(timeout=0)
+            else:
+                ray.kill(actors[1])
             await server.probe()  # found dead: taken out of the router at once
             assert await listed(router) == ids(a)
             await server.recover(factory)
@@ -221,8 +179,11 @@ async def test_recover_swaps_a_dead_worker_for_its_replacement_once_it_has_weigh
                     body = {"input_ids": [i, 1], "sampling_params": {"max_new_tokens": 2}}
                     (await client.post("/generate", json=body)).raise_for_status()
             assert (await stats(made[0].url))["submitted"] >= 2
+            assert (await stats(a))["submitted"] >= 2
             await router.close()
     finally:
+        for actor in actors:
+            ray.kill(actor)
         doomed.stop(timeout=0)
         for server_ in made:
             server_.stop()
