@@ -62,6 +62,7 @@ from rollout_lifecycle.core.exceptions import (
     InvalidArgument,
     LifecycleError,
     PhaseFailed,
+    RouterError,
     StaleWeights,
 )
 from rollout_lifecycle.core.group import EngineGroup
@@ -92,10 +93,16 @@ exact or uncertain, never wrong: the next run refuses what could kill an engine.
 continues engines whose pause state is unknown; an engine with uncertain tags must be restarted
 (SGLang cannot report its tags), and 'reset --restarted URL' records it as serving.
 
+Router: --router URL keeps an sglang-router's workers equal to the engines that serve (taken
+out before a pause, which is not sent unless the router confirmed it; put back once they serve
+again; the whole set put right at the end of every run); --router-key-env VAR names its
+control-plane key.
+
 exit codes:
   0   ok
   2   usage: bad command line or input (option, URL, key variable, engines file)
-  3   refused: an illegal transition, a guard or stale weights; no engine was changed
+  3   refused: an illegal transition, a guard, stale weights or the router; no engine was
+      changed
   4   failed: a phase failed on some engine; the state file records what happened
   5   unreachable: an engine could not be reached (or a phase failed only on that)
   6   state: the state file is for other engines or corrupt, or there is none and an
@@ -135,6 +142,14 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     common.add_argument("--admin-key-env", metavar="VAR", help="env var holding the admin key")
     common.add_argument("--api-key-env", metavar="VAR", help="env var holding the API key")
+    common.add_argument(
+        "--router",
+        metavar="URL",
+        help="an sglang-router in front of the engines: its workers follow the engines that serve",
+    )
+    common.add_argument(
+        "--router-key-env", metavar="VAR", help="env var holding the router's control-plane key"
+    )
     common.add_argument(
         "--pause-mode",
         choices=[m.value for m in PauseMode],
@@ -386,7 +401,11 @@ async def _drive(setup: Setup) -> tuple[ExitCode, dict[str, Any]]:
             write_ledger(setup.state_path, urls, journal_entry(snapshot), last)
 
     server = RolloutServer(
-        [EngineGroup(GROUP, backends)], setup.config, name="ctl", journal=journal
+        [EngineGroup(GROUP, backends)],
+        setup.config,
+        name="ctl",
+        journal=journal,
+        router=setup.router,
     )
     try:
         if ledger is not None:
@@ -410,9 +429,15 @@ async def _drive(setup: Setup) -> tuple[ExitCode, dict[str, Any]]:
         before = server.state
         metrics: dict[str, float] = {}
         code, error, outcomes = ExitCode.OK, None, None
+        routed: dict[str, list[str]] | None = None
         try:
             metrics = await _CALLS[setup.action](server)
-        except (IllegalTransition, IllegalEngineOp, StaleWeights) as exc:
+            if setup.router is not None:  # (a router someone else changed is put right too)
+                try:
+                    routed = await server.sync_router()
+                except RouterError as exc:  # the call was made: the engines changed
+                    code, error = ExitCode.FAILED, error_of(exc)
+        except (IllegalTransition, IllegalEngineOp, StaleWeights, RouterError) as exc:
             code, error = ExitCode.REFUSED, error_of(exc)
         except InvalidArgument as exc:
             code, error = ExitCode.USAGE, error_of(exc)
@@ -467,9 +492,13 @@ async def _drive(setup: Setup) -> tuple[ExitCode, dict[str, Any]]:
         }
         if outcomes is not None:
             report["outcomes"] = outcomes
+        if setup.router is not None:
+            report["router"] = {"url": setup.router.url, "synced": routed}
         return code, report
     finally:
         await close_backends(backends)
+        if setup.router is not None:
+            await setup.router.close()
 
 
 __all__ = ["ACTIONS", "STATE_FORMAT", "ExitCode", "add_parsers", "default_state_path", "run"]

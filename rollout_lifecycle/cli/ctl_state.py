@@ -27,6 +27,7 @@ from rollout_lifecycle.backends.http import (
     check_seconds,
     url_identity,
 )
+from rollout_lifecycle.backends.router import SGLangRouter
 from rollout_lifecycle.backends.secret import Secret
 from rollout_lifecycle.core.config import Deadlines, LifecycleConfig, PauseMode
 from rollout_lifecycle.core.exceptions import (
@@ -141,12 +142,18 @@ class Setup:
     json: bool
     #: ``reset --restarted``: engines restarted since the ledger was written.
     restarted: tuple[str, ...] = ()
+    #: ``--router``: the sglang-router whose workers follow the engines that serve.
+    router: SGLangRouter | None = None
 
 
 def make_setup(args: argparse.Namespace) -> Setup:
     urls = _engine_urls(args.engine, args.engines_file)
     keys: dict[str, Secret | None] = {}
-    for kind, var in (("admin", args.admin_key_env), ("api", args.api_key_env)):
+    for kind, var in (
+        ("admin", args.admin_key_env),
+        ("api", args.api_key_env),
+        ("router", args.router_key_env),
+    ):
         keys[kind] = None
         if var is not None:
             try:
@@ -188,6 +195,19 @@ def make_setup(args: argparse.Namespace) -> Setup:
         )
     except InvalidArgument as exc:
         raise CtlError(ExitCode.USAGE, str(exc)) from None
+    router = None
+    if args.router is not None:
+        try:
+            router = SGLangRouter(
+                args.router,
+                api_key=keys["router"],
+                worker_api_key=keys["api"],
+                timeout=max(connect, deadlines.probe),
+            )
+        except InvalidArgument as exc:
+            raise CtlError(ExitCode.USAGE, f"--router: {exc}") from None
+    elif args.router_key_env is not None:
+        raise CtlError(ExitCode.USAGE, "--router-key-env needs --router URL")
     state = Path(args.state_file) if args.state_file else default_state_path(urls)
     restarted: list[str] = []
     given = {url_identity(u): u for u in urls}
@@ -200,6 +220,7 @@ def make_setup(args: argparse.Namespace) -> Setup:
             raise CtlError(ExitCode.USAGE, f"--restarted {raw} is not one of the engines")
         restarted.append(given[key])
     return Setup(
+        router=router,
         restarted=tuple(restarted),
         action=args.action,
         urls=urls,

@@ -44,6 +44,7 @@ from rollout_lifecycle.cli.demo_report import (
     read_history_file,
     timeline_history,
 )
+from rollout_lifecycle.cli.demo_router import DemoRouting
 from rollout_lifecycle.core.config import LifecycleConfig, PauseMode
 from rollout_lifecycle.core.exceptions import (
     IllegalTransition,
@@ -156,6 +157,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     demo.add_argument(
         "--inject-fault", choices=FAULTS, default="none", help="a fault the library must handle"
     )
+    demo.add_argument(
+        "--router",
+        metavar="URL",
+        help="send the traffic through this sglang-router, whose workers the server keeps equal "
+        "to the engines that serve ('launch': start one on loopback); needs --http or real "
+        "servers, and the router extra",
+    )
     real = demo.add_argument_group(
         "real SGLang servers",
         "run the steps on real SGLang servers the demo launches and stops (no fault injection)",
@@ -231,6 +239,10 @@ def _real_options(args: argparse.Namespace) -> None:
         args.sglang_env_map = env
         args.sglang_argv = [a for chunk in args.sglang_args for a in shlex.split(chunk)]
     args.real = real
+    if args.router is not None and not (real or args.http):
+        raise SystemExit(
+            "rollout-lifecycle: --router needs engines with URLs: --http, or real servers"
+        )
     kind = "real" if real else "simulated"
     groups, engines = DEFAULT_LAYOUT[kind]
     args.groups = groups if args.groups is None else args.groups
@@ -255,7 +267,7 @@ def run(
     return code
 
 
-class _Demo(DemoReport):
+class _Demo(DemoReport, DemoRouting):
     def __init__(self, args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
         self.args = args
         self.out = out
@@ -276,6 +288,7 @@ class _Demo(DemoReport):
         self.started = time.monotonic()
         self.server: RolloutServer | None = None
         self.histories_dir: tempfile.TemporaryDirectory[str] | None = None
+        self.no_router_yet()
 
     # -- output --------------------------------------------------------------------------------
 
@@ -315,6 +328,7 @@ class _Demo(DemoReport):
         try:
             try:
                 await self.start_engines()
+                router = await self.start_router()
                 server = self.server = RolloutServer(
                     self.make_groups(),
                     LifecycleConfig(
@@ -323,7 +337,9 @@ class _Demo(DemoReport):
                         timeline_calls=8 * args.steps + 16,
                     ),
                     name="demo",
+                    router=router,
                 )
+                await self.register_workers(server)
                 for number in range(1, args.steps + 1):
                     self.step = number
                     await self.run_step(server, number)
@@ -332,10 +348,13 @@ class _Demo(DemoReport):
                 self.problems.append(f"step {self.step}: {type(exc).__name__}: {exc}")
                 self.progress(f"stopped: {type(exc).__name__}: {exc}")
             if self.server is not None:
+                with contextlib.suppress(LifecycleError):  # (an unreachable router: reported)
+                    await self.check_router()
                 self.table()
                 self.write_outputs(self.server)
                 await self.check(self.server)
         finally:
+            await self.stop_router()
             await self.stop_engines()
         broken = bool(self.problems)
         for problem in self.problems:
@@ -365,7 +384,7 @@ class _Demo(DemoReport):
         if args.real:  # a real model may stop early at its end-of-text token
             for request in requests:
                 request["sampling_params"]["ignore_eos"] = True
-        batch = asyncio.ensure_future(server.generate_batch(requests))
+        batch = asyncio.ensure_future(self.send(server, requests))
         try:
             # Decoding has started: the offload meets requests in flight.
             await asyncio.sleep(_REAL_WARMUP_S if args.real else 0.05)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import http.server
 import json
@@ -22,12 +23,14 @@ from rollout_lifecycle import (
     EngineGroup,
     IllegalTransition,
     InvalidArgument,
+    LaunchedRouter,
     RolloutServer,
     ServerSnapshot,
     ServerState,
     SimulatedEngine,
     mermaid,
 )
+from rollout_lifecycle.backends.http import url_identity
 from rollout_lifecycle.cli import main
 from rollout_lifecycle.cli.ctl import STATE_FORMAT, ExitCode, default_state_path
 from rollout_lifecycle.testing import StandInServer, cycle_order_violations
@@ -558,3 +561,46 @@ def test_ctl_refuses_an_sglang_older_than_0_5_22_and_sends_nothing(
     assert "0.5.21" in err and "older than 0.5.22" in err
     assert _OldSGLang.posts == []
     assert not state.exists()
+
+
+def test_ctl_keeps_a_router_in_step_and_refuses_when_the_router_does(
+    servers: list[StandInServer], ctl: Ctl, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    router_key = "ctl-router-key-91b7"
+    launched = LaunchedRouter(api_key=router_key)
+    asyncio.run(launched.wait_ready())
+    client = launched.client()
+
+    def listed() -> set[str]:
+        async def ask() -> set[str]:
+            try:
+                return {url_identity(w.url) for w in await client.workers() if w.healthy}
+            finally:
+                await client.close()
+
+        return asyncio.run(ask())
+
+    everyone = {url_identity(s.url) for s in servers}
+    via = ["--router", launched.url, "--router-key-env", "CTL_ROUTER_KEY"]
+    try:
+        monkeypatch.setenv("CTL_ROUTER_KEY", router_key)
+        code, report = ctl.json("resume", *via)  # already serving: registers the fleet
+        assert code == 0 and {url_identity(u) for u in report["router"]["synced"]["added"]} == (
+            everyone
+        )
+        assert listed() == everyone
+        code, report = ctl.json("offload", *via)
+        assert code == 0 and report["state"] == "released" and listed() == set()
+        code, report = ctl.json("onload-weights", *via)
+        assert code == 0 and report["state"] == "weights_restored" and listed() == set()
+        code, report = ctl.json("onload-kv", *via)
+        assert code == 0 and report["state"] == "serving" and listed() == everyone
+        monkeypatch.setenv("CTL_ROUTER_KEY", "not-the-router-key")
+        code, report = ctl.json("offload", *via)
+        assert code == 3 and report["state"] == "serving", report
+        assert "401, the router refused the control-plane key" in report["error"]["message"]
+        assert listed() == everyone
+        assert [ready(s) for s in servers] == [200] * len(servers)  # nothing was paused
+        assert router_key not in ctl.seen
+    finally:
+        launched.stop()

@@ -165,3 +165,23 @@ def test_the_demo_with_a_fault_as_a_command(tmp_path: Path) -> None:
     assert "all invariants held" in done.stdout
     assert re.search(r"demo finished in \d+\.\ds", done.stdout)
     assert_outputs(tmp_path)
+
+
+def test_the_demo_through_a_router_survives_an_engine_death(
+    ray_cluster: None, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code, out, err = demo(
+        capsys, *SMALL, "--http", "--router", "launch", "--inject-fault", "engine-death",
+        "--pause-mode", "abort", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert code == 0, out + err
+    assert re.search(r"router http://127\.0\.0\.1:\d+: registered 2 worker\(s\)", out), out
+    assert "recover() replaced group0/0" in out
+    # The dead engine's worker is gone and its replacement serves in its place.
+    assert "router: 2 worker(s) listed at the end, for 2 engine(s) serving" in out
+    assert "all invariants held; final state serving, weight version step-2" in out
+
+
+def test_the_demo_refuses_a_router_without_engine_urls() -> None:
+    with pytest.raises(SystemExit, match="--router needs engines with URLs"):
+        main(["demo", "--router", "launch"])
