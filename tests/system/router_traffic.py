@@ -38,8 +38,14 @@ class Traffic:
         self.sent = self.completed = self.retried = self.resubmitted = 0
         self.stop = asyncio.Event()
         self.lost: list[str] = []
+        self.in_flight = 0
+        self._sending = asyncio.Event()  # set while a request is on its way
         #: When each refused attempt happened (the router had no worker to give it).
         self.refused_at: list[float] = []
+
+    async def busy(self, deadline: float = 30.0) -> None:
+        """Wait (up to ``deadline`` seconds) until a request is on its way through the router."""
+        await asyncio.wait_for(self._sending.wait(), deadline)
 
     async def run(self) -> None:
         async with httpx.AsyncClient(base_url=self.url, timeout=60, trust_env=False) as client:
@@ -53,10 +59,16 @@ class Traffic:
             params = {"max_new_tokens": self.tokens, **self.params}
             body = {"input_ids": [index + 3, n % 50 + 3, 7], "sampling_params": params}
             for _attempt in range(2000):  # bounded: ~40 s of retries at most
+                self.in_flight += 1
+                self._sending.set()
                 try:
                     answer = await client.post("/generate", json=body)
                 except httpx.HTTPError:
                     answer = None
+                finally:
+                    self.in_flight -= 1
+                    if not self.in_flight:
+                        self._sending.clear()
                 if answer is None or answer.status_code != 200:
                     self.retried += 1
                     self.refused_at.append(asyncio.get_running_loop().time())

@@ -27,6 +27,7 @@ from rollout_lifecycle.backends.hosted import (
 from rollout_lifecycle.backends.http import HTTPTimeouts, SGLangHTTPEngine
 from rollout_lifecycle.backends.http import check_seconds as http_check_seconds
 from rollout_lifecycle.backends.launch import LaunchedSGLangEngine
+from rollout_lifecycle.backends.router import SGLangRouter
 from rollout_lifecycle.backends.weights import FromDisk, FromDistributed, FromTensor
 from rollout_lifecycle.core.config import (
     MAX_SECONDS,
@@ -372,6 +373,11 @@ CASES: list[Case] = [
     *rows("index", lambda v: run(_multi_call(v)), [*INTS, 1]),
     *rows("op", lambda v: run(_multi_call(0, v)), [None, "_hosts", []]),
     *rows("count", lambda v: simulated_engine_actors(v), [*INTS, 0]),
+    # -- the router -----------------------------------------------------------------------------
+    *rows("url", lambda v: SGLangRouter(v), [None, 1, "", "ftp://x", "http://h:99999"]),
+    *rows("timeout", lambda v: SGLangRouter("http://127.0.0.1:1", timeout=v), SECONDS),
+    *rows("settle", lambda v: SGLangRouter("http://127.0.0.1:1", settle=v), SECONDS),
+    *rows("router", lambda v: RolloutServer([EngineGroup("a", [sim()])], router=v), [1, "r"]),
     # -- timeline -------------------------------------------------------------------------------
     *rows("max_calls", lambda v: Timeline(v), [*INTS, 10**7]),
     *rows("name", lambda v: Timeline(name=v), STRINGS),

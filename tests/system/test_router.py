@@ -84,8 +84,13 @@ async def test_the_router_lists_exactly_the_engines_that_serve(
         assert await listed(router) == ids(keeper)  # the memory-keeping group serves on
         await server.onload_weights()
         assert await listed(router) == ids(keeper)
-        await server.update_weights(lambda update: None)  # the keeper is paused around it
-        assert await listed(router) == ids(keeper)
+        during: list[set[str]] = []
+
+        async def push(update: object) -> None:  # the keeper is paused around the write
+            during.append(await listed(router))
+
+        await server.update_weights(push)
+        assert during == [set()] and await listed(router) == ids(keeper)
         await server.onload_kv()
         assert await listed(router) == ids(a, b, keeper)
         await server.pause()
@@ -110,7 +115,7 @@ async def test_traffic_through_the_router_loses_nothing_over_20_cycles(
         reached_released: list[str] = []
         try:
             for _ in range(20):
-                await asyncio.sleep(0.05)
+                await traffic.busy()  # every offload meets traffic on its way
                 await server.offload()
                 before = {u: (await stats(u))["submitted"] for u in (a, b)}
                 await asyncio.sleep(0.05)  # traffic keeps arriving at the router meanwhile
@@ -125,7 +130,11 @@ async def test_traffic_through_the_router_loses_nothing_over_20_cycles(
             await router.close()
         assert traffic.lost == [] and traffic.completed == traffic.sent
         assert reached_released == [], "requests reached workers with their memory released"
-        assert traffic.sent > 20
+        print(
+            f"[{mode.value}] 20 cycles over stand-ins: sent={traffic.sent} "
+            f"completed={traffic.completed} refused_and_retried={traffic.retried} "
+            f"aborted_and_resubmitted={traffic.resubmitted} lost={len(traffic.lost)}"
+        )
 
 
 def free_port() -> int:
