@@ -29,6 +29,7 @@ from collections.abc import (
     Callable,
     Collection,
     Iterable,
+    Iterator,
     Mapping,
     Sequence,
 )
@@ -1393,6 +1394,18 @@ class StandInServer:
             raise InvalidArgument(f"n must be a positive int, got {n!r}")
         label = options.pop("label", "fake-sglang")
         return cls.start_all(cls(label=f"{label}-{i}", **options) for i in range(n))
+
+    @classmethod
+    @contextlib.contextmanager
+    def running(cls, n: int, **options: Any) -> Iterator[list[StandInServer]]:
+        """``start_many`` as a context manager: the servers are stopped when it exits (a
+        module fixture is ``with StandInServer.running(3) as servers: yield servers``)."""
+        servers = cls.start_many(n, **options)
+        try:
+            yield servers
+        finally:
+            for server in servers:
+                server.stop()
 
     @classmethod
     async def start_many_async(cls, n: int, **options: Any) -> list[StandInServer]:

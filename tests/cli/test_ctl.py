@@ -43,10 +43,8 @@ ALL = ["weights", "kv_cache", "cuda_graph"]
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[list[StandInServer]]:
-    started = StandInServer.start_many(3, admin_key=ADMIN_KEY, token_latency=0.002, seed=3)
-    yield started
-    for server in started:
-        server.stop()
+    with StandInServer.running(3, admin_key=ADMIN_KEY, token_latency=0.002, seed=3) as servers:
+        yield servers
 
 
 @pytest.fixture(autouse=True)

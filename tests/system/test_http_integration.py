@@ -43,10 +43,8 @@ LATENCY = {
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[list[StandInServer]]:
-    started = StandInServer.start_many(4, admin_key=ADMIN_KEY, token_latency=0.004, seed=5)
-    yield started
-    for server in started:
-        server.stop()
+    with StandInServer.running(4, admin_key=ADMIN_KEY, token_latency=0.004, seed=5) as servers:
+        yield servers
 
 
 async def history_of(url: str) -> list[dict[str, Any]]:

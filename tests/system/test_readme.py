@@ -65,10 +65,8 @@ ADMIN_KEY = "readme-admin-key"
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[list[StandInServer]]:
-    servers = StandInServer.start_many(3, admin_key=ADMIN_KEY, token_latency=0.002)
-    yield servers
-    for server in servers:
-        server.stop()
+    with StandInServer.running(3, admin_key=ADMIN_KEY, token_latency=0.002) as servers:
+        yield servers
 
 
 def command_path(tmp_path: Path) -> str:

@@ -41,10 +41,8 @@ TOKEN_S = 0.004
 
 @pytest.fixture(scope="module")
 def standins() -> Iterator[list[StandInServer]]:
-    started = StandInServer.start_many(3, token_latency=TOKEN_S, seed=11)
-    yield started
-    for server in started:
-        server.stop()
+    with StandInServer.running(3, token_latency=TOKEN_S, seed=11) as servers:
+        yield servers
 
 
 @contextlib.asynccontextmanager
