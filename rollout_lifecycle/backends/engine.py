@@ -10,7 +10,6 @@ in-process fleets, what an ``EngineGroup`` calls directly.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -159,7 +158,8 @@ class EngineHost:
         # scheduler.py Scheduler.flush_cache (is_fully_idle(ignore_waiting=self._engine_paused))
         deadline = check_seconds("flush deadline", deadline, positive=False)  # 0: one attempt
         retry_interval = check_seconds("flush retry_interval", retry_interval, positive=False)
-        start = time.monotonic()
+        clock = asyncio.get_running_loop().time  # the clock the retry sleeps run on
+        start = clock()
         attempts = 0
         while True:
             attempts += 1
@@ -169,7 +169,7 @@ class EngineHost:
             except EngineRejected as exc:
                 if exc.status != 400:
                     raise  # only 400 means "not idle yet"; a 401 or 503 will not pass by waiting
-                remaining = deadline - (time.monotonic() - start)
+                remaining = deadline - (clock() - start)
                 if remaining <= 0:
                     raise EngineTimeout(
                         self._backend.label,

@@ -6,7 +6,6 @@ Requests wait while their engines are paused; aborted or lost work is resubmitte
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -264,7 +263,8 @@ class GenerationClient:
         return result
 
     async def _run(self, work: Request) -> dict[str, Any]:
-        deadline = time.monotonic() + self._request_timeout
+        # Deadlines on the loop's clock, the one its waits time out on.
+        deadline = asyncio.get_running_loop().time() + self._request_timeout
         while True:
             record = await self._router.acquire(work, deadline)
             engine, handle = record.id, record.handle
@@ -315,7 +315,9 @@ class GenerationClient:
         ref = seam.send(handle, Op.GENERATE, (body,))
         future: asyncio.Future[Any] = asyncio.ensure_future(ref)
         try:
-            done, _ = await asyncio.wait({future}, timeout=max(0.0, deadline - time.monotonic()))
+            done, _ = await asyncio.wait(
+                {future}, timeout=max(0.0, deadline - asyncio.get_running_loop().time())
+            )
         except asyncio.CancelledError:
             self._abort_attempt(handle, body["rid"])
             seam.cancel(ref, future)

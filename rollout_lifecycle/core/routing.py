@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -79,7 +78,8 @@ class Router:
 
     async def acquire(self, work: Request, deadline: float) -> EngineRecord:
         """A serving engine for ``work``; waits (holds) while there is none."""
-        start = time.monotonic()
+        clock = asyncio.get_running_loop().time  # the clock of ``deadline`` and of the waits
+        start = clock()
         held = False
         try:
             while True:
@@ -88,7 +88,7 @@ class Router:
                 if record is not None:
                     return record
                 self._check_alive(work)
-                now = time.monotonic()
+                now = clock()
                 waited = now - start
                 if now >= deadline:
                     limit, bound = "request_timeout", self._request_timeout

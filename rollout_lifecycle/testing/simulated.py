@@ -109,9 +109,10 @@ class SimulatedEngine(SimWeights):
                 return
             self._flush_pending = True
             try:
-                deadline = time.monotonic() + timeout
+                clock = asyncio.get_running_loop().time  # the clock the wait times out on
+                deadline = clock() + timeout
                 while not self._is_idle(ignore_waiting=False):
-                    remaining = deadline - time.monotonic()
+                    remaining = deadline - clock()
                     if remaining <= 0:
                         raise EngineRejected(self._label, op, FLUSH_TIMED_OUT, 400)
                     await self._wait_changed(remaining)
