@@ -363,6 +363,9 @@ def may_serve(state: ServerState, needs_offload: bool) -> bool:
     return state is not S.FAILED and not needs_offload
 
 
+#: The states in which the groups that keep their memory serve while the others are offloaded.
+KEEPERS_SERVE = frozenset((S.RELEASED, S.WEIGHTS_RESTORED, S.KV_RESTORED))
+
 #: The states ``settled_state`` tells apart by the tags the offloaded engines hold released.
 _RELEASE_STATES = (S.RELEASED, S.WEIGHTS_RESTORED)
 
@@ -490,6 +493,7 @@ class Fleet:
 
 
 __all__ = [
+    "KEEPERS_SERVE",
     "EngineRecord",
     "EngineSnapshot",
     "Fleet",

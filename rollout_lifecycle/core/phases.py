@@ -161,9 +161,7 @@ class Phases(Client):
         await self._runner.require("release", plan, self._config.deadlines.release)
         # Groups that keep their memory serve while the others are offloaded, also when
         # ``pause()`` paused them before this release.
-        outcomes = await self.continue_keepers()
-        if not self._runner.succeeded(outcomes):
-            raise PhaseFailed("continue_keepers", outcomes, FAILED)
+        await self.serve_keepers()
 
     async def restore_weights(self, args: PhaseArgs) -> None:
         """Resume the released weight tags."""
@@ -196,9 +194,15 @@ class Phases(Client):
         plan.check()
         await self.check_versions(plan.targets)
         await self._hooks.before("continue")
-        await self.await_stragglers("continue", plan.targets)
+        # (a call still in flight on a target holds the continue back: PhaseRunner.run)
         plan = Plan.over(self._fleet.groups, Op.CONTINUE)  # (after the hooks)
         await self._runner.require("continue", plan, self._config.deadlines.continue_)
+
+    async def serve_keepers(self) -> None:
+        """``continue_keepers``, raising ``PhaseFailed`` if a continue it sent failed."""
+        outcomes = await self.continue_keepers()
+        if not self._runner.succeeded(outcomes):
+            raise PhaseFailed("continue_keepers", outcomes, FAILED)
 
     async def continue_keepers(self) -> dict[str, EngineOutcome]:
         """Continue the paused engines of the groups that keep their memory, except those
@@ -208,24 +212,10 @@ class Phases(Client):
             return {}
         # a continue must not be overtaken by a pause still in flight
         landed = await self._runner.landed(keepers, self._config.deadlines.pause)
-        lacking = await self.lacking_weights(keepers)
+        lacking = await self.lacking_weights(landed)
         plan = Plan(Op.CONTINUE, tuple(r for r in landed if r.id not in lacking))
         deadline = self._config.deadlines.continue_
         return (await self._runner.run("continue_keepers", plan, deadline)).outcomes
-
-    async def await_stragglers(self, phase: str, targets: Sequence[EngineRecord]) -> None:
-        """Let calls that missed an earlier deadline on ``targets`` land (bounded by the pause
-        deadline) before a continue is sent: a late pause would overtake it and leave the engine
-        paused behind a ledger that says serving. Fails the phase, sending nothing, for an
-        engine whose call is still in flight."""
-        landed = {r.id for r in await self._runner.landed(targets, self._config.deadlines.pause)}
-        busy = {
-            r.id: EngineOutcome(Outcome.NOT_ATTEMPTED, "an earlier call is still in flight")
-            for r in targets
-            if r.id not in landed
-        }
-        if busy:
-            raise PhaseFailed(phase, busy, FAILED)
 
     async def check_versions(self, targets: Sequence[EngineRecord]) -> None:
         """Refuse to continue engines without the expected weights (``StaleWeights``).

@@ -17,7 +17,7 @@ from rollout_lifecycle.core.config import PauseMode, Tag
 from rollout_lifecycle.core.events import logger
 from rollout_lifecycle.core.exceptions import IllegalTransition, InvalidArgument, PhaseFailed
 from rollout_lifecycle.core.group import EngineGroup
-from rollout_lifecycle.core.ledger import EngineRecord, Fleet, target
+from rollout_lifecycle.core.ledger import KEEPERS_SERVE, EngineRecord, Fleet, target
 from rollout_lifecycle.core.machine import Machine
 from rollout_lifecycle.core.ops import Op
 from rollout_lifecycle.core.outcome import EngineOutcome
@@ -36,7 +36,6 @@ _TARGETS = (S.SERVING, S.DRAINED, S.RELEASED, S.WEIGHTS_RESTORED, S.KV_RESTORED)
 #: The targets in which the groups that offload are paused and flushed.
 _DRAINED = (S.DRAINED, S.RELEASED, S.WEIGHTS_RESTORED, S.KV_RESTORED)
 #: The targets in which only the groups that keep their memory serve.
-_KEEPERS_SERVE = (S.RELEASED, S.WEIGHTS_RESTORED, S.KV_RESTORED)
 
 
 class Recovery(Client):
@@ -147,7 +146,7 @@ class Recovery(Client):
         ]
         if short:
             outcomes.update(await self._bring_up(short, goal, fresh=False))
-        if goal in _KEEPERS_SERVE:
+        if goal in KEEPERS_SERVE:
             # groups that keep their memory serve here (a failed release may have left the
             # ones ``pause()`` paused)
             outcomes.update(await self._phases.continue_keepers())

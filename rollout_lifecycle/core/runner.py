@@ -37,6 +37,18 @@ _Guard = Callable[[EngineRecord], None]
 _CONTINUE, _FLUSH, _RELEASE, _RESUME = Op.CONTINUE, Op.FLUSH, Op.RELEASE, Op.RESUME
 _OK = Outcome.OK
 _FAILED = EngineOutcome(Outcome.NOT_ATTEMPTED)
+#: A late call of one of these lands as an undo of a call of the other sent after it.
+_INVERSE = {Op.PAUSE: Op.CONTINUE, Op.CONTINUE: Op.PAUSE}
+
+
+@dataclass(slots=True)
+class _Late:
+    """What a straggler is: its operation, and whether a later call of the same operation has
+    landed on its engine since (after which its own landing changes nothing but an undo of the
+    inverse operation)."""
+
+    op: Op
+    superseded: bool = False
 
 
 def guard(op: Op, tags: tuple[Tag, ...] = ()) -> _Guard:
@@ -235,6 +247,7 @@ class PhaseRunner:
         self._observers = list(observers)
         #: Calls that missed their phase's deadline and may still land, by engine id.
         self.stragglers: dict[str, asyncio.Future[Any]] = {}
+        self._late: dict[str, _Late] = {}
         #: Runs around every phase with engines (``core/router_sync.RouterSync``), if bound.
         self.gate: Gate | None = None
 
@@ -244,7 +257,21 @@ class PhaseRunner:
 
     async def run(self, phase: str, plan: Plan, deadline: float) -> PhaseResult:
         """Issue ``plan`` and settle it as ``phase`` (between the gate's ``before`` and
-        ``after``, when one is bound: a router in front of the fleet)."""
+        ``after``, when one is bound: a router in front of the fleet).
+
+        A call of an earlier phase still in flight on a target (a straggler) first gets up to
+        ``deadline`` to land when it could still matter: a late pause after a continue leaves
+        an engine paused behind a ledger that says serving, and a flush or a weight write sent
+        before a late pause has landed reaches an engine that may still generate. It does not
+        matter to a call of its own operation (a pause sent again), nor, once a later call of its
+        operation has landed on the engine, to anything but the inverse (a continue after a
+        pause). If one that matters has still not landed, nothing is sent to any target and
+        every target's outcome is ``not_attempted``.
+        """
+        if self.stragglers:
+            busy = await self._still_in_flight(plan, deadline)
+            if busy:
+                return self._not_sent(phase, plan, busy)
         gate = self.gate
         if gate is None or not plan.targets:
             return await self.settle(phase, self.issue(plan), deadline)
@@ -281,6 +308,35 @@ class PhaseRunner:
         if late:
             await asyncio.wait(late, timeout=timeout)
         return [r for r in records if r.id not in self.stragglers]
+
+    async def _still_in_flight(self, plan: Plan, deadline: float) -> set[str]:
+        """The targets of ``plan`` with a straggler that matters to it still in flight after
+        up to ``deadline``."""
+        op, late = plan.op, self._late
+        waiting = [
+            r
+            for r in plan.targets
+            if r.id in late
+            and late[r.id].op is not op
+            and (not late[r.id].superseded or _INVERSE.get(late[r.id].op) is op)
+        ]
+        if not waiting:
+            return set()
+        return {r.id for r in waiting} - {r.id for r in await self.landed(waiting, deadline)}
+
+    def _not_sent(self, phase: str, plan: Plan, busy: set[str]) -> PhaseResult:
+        """The result of a phase held back by calls still in flight on ``busy``."""
+        why = {
+            True: EngineOutcome(Outcome.NOT_ATTEMPTED, "an earlier call is still in flight"),
+            False: EngineOutcome(
+                Outcome.NOT_ATTEMPTED, "not sent: another engine's earlier call is in flight"
+            ),
+        }
+        outcomes = {r.id: why[r.id in busy] for r in plan.targets}
+        logger().warning("phase.not_sent", server=self._name, phase=phase, in_flight=sorted(busy))
+        result = PhaseResult(phase, outcomes, time.monotonic(), 0.0)
+        self.observe(result)
+        return result
 
     def observe(self, result: PhaseResult) -> None:
         """Hand ``result`` to every observer (also for time spent outside engine calls)."""
@@ -319,12 +375,17 @@ class PhaseRunner:
                 # The call may still land; keep it, so that nothing is sent to this engine
                 # before it has (see ``landed``).
                 self.stragglers[record.id] = future
+                self._late[record.id] = _Late(op)
                 future.add_done_callback(functools.partial(self._forget_straggler, record.id))
             else:
                 end = landed_at
                 took = end - began
                 exc = landed.errors[i]
                 out = EngineOutcome(_OK, "", took) if exc is None else seam.classify(exc, took)
+                if exc is None and self._late:
+                    late = self._late.get(record.id)
+                    if late is not None and late.op is op:
+                        late.superseded = True
             if op is _FLUSH:
                 attempts = landed.values[i] if out.outcome is _OK else None
                 retries = (retries or 0) + (max(attempts - 1, 0) if type(attempts) is int else 0)
@@ -363,6 +424,7 @@ class PhaseRunner:
     def _forget_straggler(self, engine: str, future: asyncio.Future[Any]) -> None:
         if self.stragglers.get(engine) is future:
             del self.stragglers[engine]
+            del self._late[engine]
 
 
 def _debug_enabled(log: Any) -> bool:

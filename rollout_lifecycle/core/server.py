@@ -20,11 +20,12 @@ from rollout_lifecycle.core.exceptions import (
     IllegalTransition,
     InvalidArgument,
     LifecycleError,
+    PhaseFailed,
 )
 from rollout_lifecycle.core.generation import GenerationClient
 from rollout_lifecycle.core.group import EngineGroup
 from rollout_lifecycle.core.hooks import HOOK_EVENTS, HOOK_PHASES, Hook, Hooks, LifecycleEvent
-from rollout_lifecycle.core.ledger import Fleet
+from rollout_lifecycle.core.ledger import KEEPERS_SERVE, Fleet
 from rollout_lifecycle.core.machine import NO_ARGS, Machine, PhaseArgs
 from rollout_lifecycle.core.observe import Recorder
 from rollout_lifecycle.core.ops import Op
@@ -370,8 +371,12 @@ class RolloutServer:
     async def reset(self) -> ServerState:
         """Leave ``failed`` for the state the engines' records imply, after inspection.
 
-        Raises ``IllegalTransition`` when the records are not consistent with any state (for
-        example engines holding different tags, or a tag in an unknown state).
+        Where that state has the groups that keep their memory serve (``released``,
+        ``weights_restored``, ``kv_restored``), their paused engines that report the expected
+        weights are continued, as the release would have; a continue that fails raises
+        ``PhaseFailed`` and the server is ``failed`` again. Raises ``IllegalTransition`` when the
+        records are not consistent with any state (for example engines holding different tags,
+        or a tag in an unknown state).
         """
 
         async def body() -> None:
@@ -379,6 +384,13 @@ class RolloutServer:
             if self._fleet.settled_state() is None:
                 raise IllegalTransition("reset", self.state.value, [S.FAILED.value])
             await self._machine.perform("reset")
+            if self.state in KEEPERS_SERVE:
+                # an offload that failed after its release may have left them paused
+                try:
+                    await self._phases.serve_keepers()
+                except PhaseFailed:
+                    await self._machine.fail()
+                    raise
 
         await self._serializer.run("reset", body)
         return self.state

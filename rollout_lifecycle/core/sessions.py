@@ -39,6 +39,10 @@ class WeightUpdate:
 WeightPush = Callable[[WeightUpdate], Any]
 
 
+#: Outcomes of a begin that cannot have opened a session: refused, or never sent.
+_NOT_OPENED = (Outcome.REJECTED, Outcome.REFUSED, Outcome.NOT_ATTEMPTED)
+
+
 class WeightWriter(Client):
     """The weight-write phase of one server."""
 
@@ -78,9 +82,7 @@ class WeightWriter(Client):
             # Close the sessions that did (or may have) opened, or every later update would be
             # refused with "a weight update session is open".
             opened = [
-                r
-                for r in begin.targets
-                if r.alive and outcomes[r.id].outcome not in (Outcome.REJECTED, Outcome.REFUSED)
+                r for r in begin.targets if r.alive and outcomes[r.id].outcome not in _NOT_OPENED
             ]
             await self.close_sessions("end_weight_update", opened)
             raise PhaseFailed("begin_weight_update", outcomes, FAILED)
@@ -119,7 +121,6 @@ class WeightWriter(Client):
             resumed += [r for r in self._fleet.paused_keepers() if r.id not in chosen]
         if resumed:
             await self._phases.check_versions(resumed)
-            await self._phases.await_stragglers("continue_after_update", resumed)
             plan = Plan(Op.CONTINUE, tuple(resumed))
             deadline = self._config.deadlines.continue_
             await self._runner.require("continue_after_update", plan, deadline)

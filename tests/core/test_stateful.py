@@ -1367,6 +1367,82 @@ async def test_a_completed_retry_of_a_weight_write_resumes_the_memory_keeping_gr
         await close_all(*actor, *reward)
 
 
+@pytest.mark.parametrize(
+    ("op", "kind"),
+    [("weight_version", "slow"), ("weight_version", "reject"), ("continue_generation", "reject")],
+)
+async def test_reset_after_an_offload_that_did_not_continue_the_keepers_lets_them_serve(
+    op: str, kind: str
+) -> None:
+    # Found by the soak: an offload from 'drained' released the offloaded groups, then could
+    # not continue the memory-keeping group (its version check or its continue failed);
+    # reset() settled in 'released' with that group still paused after a complete write, and
+    # nothing continued it for the rest of the offload.
+    server, actor, reward = small_fleet(keeps_memory=1)
+    try:
+        await server.pause()
+        await server.update_weights(make_push("noop"), "v1")
+        reward[0].arm(op, kind, seconds=0.8 if kind == "slow" else 0.0)
+        with pytest.raises(PhaseFailed):
+            await server.offload()
+        assert server.state is S.FAILED and inner_paused(reward[0])
+        await asyncio.sleep(0.9)  # a late answer lands
+        reward[0].disarm()
+        assert await server.reset() is S.RELEASED
+        assert not inner_paused(reward[0])
+        assert not server.snapshot().engines()["reward/0"].paused
+        await server.onload()
+        assert server.state is S.SERVING
+    finally:
+        await close_all(*actor, *reward)
+
+
+async def test_reset_leaves_a_keeper_without_the_expected_weights_paused() -> None:
+    server, actor, reward = small_fleet(keeps_memory=1)
+    try:
+        await server.pause()
+        reward[0].arm("update_weight_version", "reject")
+        with pytest.raises(PhaseFailed):
+            await server.update_weights(make_push("noop"), "v2")  # reward/0 keeps 'default'
+        reward[0].disarm()
+        assert await server.reset() is S.DRAINED
+        await server.offload()
+        assert server.state is S.RELEASED
+        assert inner_paused(reward[0])  # it lacks 'v2': it waits for a complete write
+        await server.onload_weights()
+        await server.update_weights(make_push("noop"), "v2")
+        assert not inner_paused(reward[0])
+    finally:
+        await close_all(*actor, *reward)
+
+
+async def test_nothing_is_sent_to_an_engine_while_its_late_pause_is_in_flight() -> None:
+    # Found by the soak: a weight write whose pause of the memory-keeping group missed its
+    # deadline failed; after reset() the next write sent begin, end and flush to that engine
+    # (and flushed the others) while its pause was still in flight.
+    server, actor, reward = small_fleet(keeps_memory=1)
+    try:
+        await server.offload()
+        await server.onload_weights()
+        reward[0].arm("pause_generation", "slow", seconds=2.0)
+        with pytest.raises(PhaseFailed, match="pause_for_update"):
+            await server.update_weights(make_push("noop"), "v1")
+        assert await server.reset() is S.WEIGHTS_RESTORED
+        sent = {e.label: len(e.calls) for e in [*actor, *reward]}
+        with pytest.raises(PhaseFailed, match="still in flight"):
+            await server.update_weights(make_push("noop"), "v1")
+        assert {e.label: len(e.calls) for e in [*actor, *reward]} == sent, "sent while in flight"
+        await asyncio.sleep(2.0)  # the late pause lands
+        await server.reset()
+        await server.update_weights(make_push("noop"), "v1")
+        await server.onload_kv()
+        assert server.state is S.SERVING and not any(map(inner_paused, [*actor, *reward]))
+        logs = {e.label: e.calls for e in [*actor, *reward]}
+        assert barrier_violations(logs, scopes=None) == []
+    finally:
+        await close_all(*actor, *reward)
+
+
 async def failed_recover_with_a_slow_pause(
     server: RolloutServer, actor: list[FaultyEngine], seconds: float
 ) -> list[FaultyEngine]:
