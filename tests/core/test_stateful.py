@@ -51,10 +51,22 @@ Expected API errors (``IllegalTransition``, ``IllegalEngineOp``, ``PhaseFailed``
 ``HookFailed``, ``StaleWeights``, ``CancelledError`` for a cancelled caller) are fine; anything
 else fails, and so does any call that does not return within ``CALL_BOUND``.
 
-Profiles, applied to ``TestLifecycleProperties`` only: ``rollout-lifecycle-ci`` (the default: 15
-examples of up to 20 steps, no shrinking, so a failure is reported at once with a blob to replay
-it) and ``rollout-lifecycle-long`` (``ROLLOUT_LIFECYCLE_LONG_PROPERTY_TESTS=1``: 500 examples of
-up to 40 steps, not shrunk either: timing decides some outcomes, so replays may differ).
+Profiles, applied to ``TestLifecycleProperties`` only, chosen by
+``ROLLOUT_LIFECYCLE_PROPERTY_PROFILE``: ``ci`` (the default: 15 examples of up to 20 steps, no
+shrinking, so a failure is reported at once with a blob to replay it), ``long`` (also
+``ROLLOUT_LIFECYCLE_LONG_PROPERTY_TESTS=1``: 500 examples of up to 40 steps, not shrunk either:
+timing decides some outcomes, so replays may differ) and ``soak`` (what ``python -m
+benchmarks.soak`` runs: ``ROLLOUT_LIFECYCLE_PROPERTY_EXAMPLES`` examples of up to 40 steps, no
+example database, on the virtual clock).
+
+Clocks (``ROLLOUT_LIFECYCLE_PROPERTY_CLOCK``): ``real`` (the default but under ``soak``) runs the
+machine's event loop on the wall clock; ``virtual`` on a ``looptime`` loop, which skips ahead
+whenever every task waits, so deadlines, slow faults and decoding cost no wall time. Their order
+is kept: a slow fault still lands after its deadline. The engines' op logs and the step windows
+stay on ``time.monotonic()``, the real order of events, which the barrier and contract checks
+read. With ``ROLLOUT_LIFECYCLE_PROPERTY_REPORT=path`` each example appends one JSON line there:
+its steps, calls, faults, requests and their outcomes, the process's memory, and whether it
+passed.
 The plain tests in this file check ``FaultyEngine`` itself and pin the bugs the machine found,
 one reproduction each.
 """
@@ -65,14 +77,20 @@ import asyncio
 import contextlib
 import io
 import itertools
+import json
 import os
+import resource
+import sys
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+import looptime
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
+from hypothesis.errors import StopTest
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
@@ -112,6 +130,16 @@ S = ServerState
 # -- profiles --------------------------------------------------------------------------------
 
 LONG = os.environ.get("ROLLOUT_LIFECYCLE_LONG_PROPERTY_TESTS") == "1"
+PROFILE_NAME = os.environ.get("ROLLOUT_LIFECYCLE_PROPERTY_PROFILE", "long" if LONG else "ci")
+if PROFILE_NAME not in ("ci", "long", "soak"):
+    raise ValueError(f"ROLLOUT_LIFECYCLE_PROPERTY_PROFILE={PROFILE_NAME!r}: ci, long or soak")
+CLOCK = os.environ.get(
+    "ROLLOUT_LIFECYCLE_PROPERTY_CLOCK", "virtual" if PROFILE_NAME == "soak" else "real"
+)
+if CLOCK not in ("real", "virtual"):
+    raise ValueError(f"ROLLOUT_LIFECYCLE_PROPERTY_CLOCK={CLOCK!r}: real or virtual")
+#: Where each example appends its JSON line (``python -m benchmarks.soak`` reads them).
+REPORT = os.environ.get("ROLLOUT_LIFECYCLE_PROPERTY_REPORT")
 # CI: bounded, and no shrinking: a failure is reported at once with its full sequence and a
 # blob to replay it (shrinking a slow stateful failure takes minutes; the long profile shrinks).
 settings.register_profile(
@@ -134,7 +162,17 @@ settings.register_profile(
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-PROFILE = settings.get_profile("rollout-lifecycle-long" if LONG else "rollout-lifecycle-ci")
+settings.register_profile(
+    "rollout-lifecycle-soak",
+    max_examples=int(os.environ.get("ROLLOUT_LIFECYCLE_PROPERTY_EXAMPLES", "2500")),
+    stateful_step_count=40,
+    deadline=None,
+    database=None,  # every example new: a soak measures, it does not replay
+    phases=[Phase.generate],
+    print_blob=True,
+    suppress_health_check=list(HealthCheck),
+)
+PROFILE = settings.get_profile(f"rollout-lifecycle-{PROFILE_NAME}")
 
 # -- the fleet -------------------------------------------------------------------------------
 
@@ -299,7 +337,12 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.loop = asyncio.new_event_loop()
+        self.loop = looptime.new_event_loop() if CLOCK == "virtual" else asyncio.new_event_loop()
+        self.began = time.monotonic()
+        #: Invariant checks so far: one before the first step, then one after each step.
+        self.checks = 0
+        #: What the example did, for the report: calls by outcome, faults armed, recoveries.
+        self.tally: Counter[str] = Counter()
         self.server: RolloutServer | None = None
         self.mode = PauseMode.RETRACT
         self.policy = DeadEnginePolicy.FAIL
@@ -309,6 +352,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.requests: list[Request] = []
         #: When each rule step began: a step's calls are one window of the barrier check.
         self.window_starts: list[float] = []
+        #: What each window ran (``run``'s ``what``), to name the call a violation is in.
+        self.window_names: list[str] = []
         self.made = itertools.count()
         #: The last weight write did not complete: groups kept serving stay paused until one
         #: does ("only a complete write continues what it paused").
@@ -337,6 +382,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     def run(self, awaitable: Awaitable[Any], what: str, bound: float = CALL_BOUND) -> Any:
         """Run ``awaitable`` on the machine's loop in a new window; a hang is a failure."""
         self.window_starts.append(time.monotonic())
+        self.window_names.append(what)
 
         async def bounded() -> Any:
             # Not wait_for: cancelling a hung call would wait for it again, for good.
@@ -384,7 +430,11 @@ class LifecycleMachine(RuleBasedStateMachine):
         try:
             self.run(awaitable, what)
         except EXPECTED:
+            self.tally["calls_refused"] += 1
             return False
+        self.tally["calls_ok"] += 1
+        if what == "recover()":
+            self.tally["recoveries"] += 1
         return True
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -459,6 +509,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     def inject(self, fault: Fault) -> None:
         if fault is not None:
             slot, op, kind, count, seconds = fault
+            self.tally[f"faults_{kind}"] += 1
             self.current(slot).arm(
                 op, kind, count=count, seconds=seconds if kind == "slow" else 0.0
             )
@@ -552,12 +603,23 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     # -- invariants ------------------------------------------------------------------------------
 
+    @invariant(check_during_init=True)
+    def count_steps(self) -> None:
+        """Not a check: counts the checks, so the report knows how many steps ran."""
+        self.checks += 1
+
     @invariant()
     def barriers_hold(self) -> None:
         logs = {label: e.calls for label, e in self.engines.items()}
         closed = {label: gone_at(e) for label, e in self.engines.items()}
         problems = barrier_violations(logs, scopes=self.window_starts, ordered=False, gone=closed)
-        assert not problems, "invariant 1 (barrier) violated:\n" + "\n".join(problems)
+        windows = zip(self.window_starts[-6:], self.window_names[-6:], strict=True)
+        assert not problems, (
+            "invariant 1 (barrier) violated:\n"
+            + "\n".join(problems)
+            + "\nlast windows: "
+            + "; ".join(f"{name} from {start:.6f}" for start, name in windows)
+        )
 
     @invariant()
     def no_engine_killed_by_the_library(self) -> None:
@@ -590,11 +652,55 @@ class LifecycleMachine(RuleBasedStateMachine):
     # -- invariant 6 at the end ------------------------------------------------------------------
 
     def teardown(self) -> None:
+        # Hypothesis calls this in a ``finally``: what a rule or an invariant raised (a failure,
+        # or Hypothesis's own StopTest when an example runs out of data) is still in flight.
+        error = sys.exc_info()[0]
         try:
             if self.server is not None:
                 self.bring_back_and_drain()
+        except BaseException as exc:
+            error = error or type(exc)
+            raise
         finally:
-            self.close()
+            try:
+                self.close()
+            finally:
+                if REPORT:
+                    self.report(error)
+
+    def report(self, error: type[BaseException] | None) -> None:
+        """Append this example's line to ``REPORT``: ``passed`` unless a rule, an invariant or
+        the teardown failed (an example Hypothesis stopped for want of data is ``stopped``)."""
+        stopped = error is not None and issubclass(error, StopTest)
+        outcomes: Counter[str] = Counter()
+        for request in self.requests:
+            task = request.task
+            if not task.done() or task.cancelled():
+                outcomes["unfinished"] += 1
+            elif task.exception() is not None:
+                outcomes[type(task.exception()).__name__] += 1
+            else:
+                outcomes[task.result()["meta_info"]["finish_reason"]["type"]] += 1
+        with open("/proc/self/statm") as statm:
+            rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        line = {
+            # the first check precedes every step; the fleet's build is a step of its own
+            "steps": max(self.checks - 2, 0),
+            "passed": error is None or stopped,
+            "stopped": stopped,
+            "error": None if error is None or stopped else error.__name__,
+            "mode": self.mode.value,
+            "policy": self.policy.value,
+            "engines": len(self.engines),
+            "requests": len(self.requests),
+            "outcomes": dict(outcomes),
+            **self.tally,
+            "wall_s": round(time.monotonic() - self.began, 4),
+            "rss_mb": round(rss / 2**20, 1),
+            "maxrss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        }
+        with open(REPORT, "a") as out:
+            out.write(json.dumps(line) + "\n")
 
     def bring_back_and_drain(self) -> None:
         server = self.server
@@ -1500,5 +1606,7 @@ async def test_recover_finishes_the_drain_of_a_replacement_it_could_not_bring_up
 # -- the property test (last: the ordinary tests above run first) --------------------------------
 
 # The long profile runs for as long as it takes (no per-test timeout); the CI one is bounded.
-TestLifecycleProperties = pytest.mark.timeout(0 if LONG else 300)(LifecycleMachine.TestCase)
+TestLifecycleProperties = pytest.mark.timeout(0 if PROFILE_NAME != "ci" else 300)(
+    LifecycleMachine.TestCase
+)
 TestLifecycleProperties.settings = PROFILE
