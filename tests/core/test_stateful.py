@@ -26,8 +26,9 @@ How each invariant of docs/design.md is checked:
    history is replayed in the order the calls took effect: a release needs the engine paused and
    flushed since its last pause and the tags held; a resume needs the tags released; a continue
    needs no tag released; a weight write needs the weights resident.
-6. **Nothing lost** (at teardown): faults are disarmed, stragglers land, the server is brought
-   back to ``serving`` (``recover`` with fresh engines, ``reset``, ``onload``); then every
+6. **Nothing lost** (at teardown): faults are disarmed and failing hooks removed, stragglers
+   land, the server is brought back to ``serving`` (``recover`` with fresh engines, ``reset``,
+   ``onload``); then every
    generate request ever submitted completes within a bound: ``length`` with all its tokens, or
    ``abort`` with its partial output (only in ``abort`` mode, or on an engine that did not
    survive: its death was injected, or ``recover`` retired it), or ``EngineDead`` (only on an
@@ -339,6 +340,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         super().__init__()
         self.loop = looptime.new_event_loop() if CLOCK == "virtual" else asyncio.new_event_loop()
         self.began = time.monotonic()
+        #: Removers of the failing hooks registered (each removes itself once it has raised).
+        self.failing_hooks: list[Callable[[], None]] = []
         #: Invariant checks so far: one before the first step, then one after each step.
         self.checks = 0
         #: What the example did, for the report: calls by outcome, faults armed, recoveries.
@@ -596,6 +599,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             raise RuntimeError(f"hook on {event} failed")
 
         remove = self.server.on(event, hook)
+        self.failing_hooks.append(remove)
 
     @rule(seconds=st.sampled_from([0.01, 0.1, 0.4, 1.0]))
     def let_time_pass(self, seconds: float) -> None:
@@ -707,6 +711,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert server is not None
         for engine in self.engines.values():
             engine.disarm()
+        for remove in self.failing_hooks:  # faults too: a caller would fix its hooks
+            remove()
         # Let every straggler land (bounded).
         self.run(self.quiesce(), "waiting for stragglers")
         errors: list[str] = []
