@@ -49,6 +49,21 @@ class Recovery(Client):
         self._phases = phases
         self._machine = machine
 
+    async def reset(self) -> None:
+        """Leave ``failed`` for the state the records imply; let the keepers serve there."""
+        machine = self._machine
+        machine.plan("reset")
+        if self._fleet.settled_state() is None:
+            raise IllegalTransition("reset", machine.state.value, [S.FAILED.value])
+        await machine.perform("reset")
+        if machine.state in KEEPERS_SERVE:
+            # an offload that failed after its release may have left them paused
+            try:
+                await self._phases.serve_keepers()
+            except PhaseFailed:
+                await machine.fail()
+                raise
+
     async def recover(self, factory: EngineFactory) -> dict[str, EngineOutcome]:
         """Replace the broken engines, heal the rest; the outcome of every step."""
         fleet, machine = self._fleet, self._machine

@@ -17,15 +17,13 @@ from rollout_lifecycle.backends import seam
 from rollout_lifecycle.core.config import LifecycleConfig, PauseMode
 from rollout_lifecycle.core.exceptions import (
     IllegalEngineOp,
-    IllegalTransition,
     InvalidArgument,
     LifecycleError,
-    PhaseFailed,
 )
 from rollout_lifecycle.core.generation import GenerationClient
 from rollout_lifecycle.core.group import EngineGroup
 from rollout_lifecycle.core.hooks import HOOK_EVENTS, HOOK_PHASES, Hook, Hooks, LifecycleEvent
-from rollout_lifecycle.core.ledger import KEEPERS_SERVE, Fleet
+from rollout_lifecycle.core.ledger import Fleet
 from rollout_lifecycle.core.machine import NO_ARGS, Machine, PhaseArgs
 from rollout_lifecycle.core.observe import Recorder
 from rollout_lifecycle.core.ops import Op
@@ -379,20 +377,7 @@ class RolloutServer:
         or a tag in an unknown state).
         """
 
-        async def body() -> None:
-            self._machine.plan("reset")
-            if self._fleet.settled_state() is None:
-                raise IllegalTransition("reset", self.state.value, [S.FAILED.value])
-            await self._machine.perform("reset")
-            if self.state in KEEPERS_SERVE:
-                # an offload that failed after its release may have left them paused
-                try:
-                    await self._phases.serve_keepers()
-                except PhaseFailed:
-                    await self._machine.fail()
-                    raise
-
-        await self._serializer.run("reset", body)
+        await self._serializer.run("reset", self._recovery.reset)
         return self.state
 
     async def recover(self, factory: EngineFactory) -> dict[str, EngineOutcome]:
