@@ -93,7 +93,10 @@ class Recovery(Client):
         for old in retired:
             await seam.retire(old, self._config.deadlines.probe)
         outcomes = await self._bring_up([r for r, _ in replacements], goal)
-        outcomes.update(await self._heal(goal, skip))
+        if self._runner.succeeded(outcomes):
+            # (a bring-up that failed may leave a pause in flight, which would hold no barrier
+            # over the heal's flushes: a later recover() finishes both)
+            outcomes.update(await self._heal(goal, skip))
         if not self._runner.succeeded(outcomes):
             if state is not S.FAILED:
                 await machine.fail()

@@ -1555,6 +1555,40 @@ async def test_nothing_is_sent_to_an_engine_while_its_late_pause_is_in_flight() 
         await close_all(*actor, *reward)
 
 
+async def test_a_recover_whose_bring_up_failed_heals_nothing_while_a_pause_is_in_flight() -> None:
+    # Found by the soak: a replacement's bring-up pause missed its deadline, and the same
+    # recover() went on to heal an earlier replacement (pause, flush, release) while that pause
+    # was still in flight: a flush before every pause of the call had answered. (Four engines,
+    # two left released: 'released' is the goal of that recover().)
+    server, actor, _ = small_fleet(offloaded=4)
+    first, probe_lost = recording_factory(("server_info", "drop_after"))
+    second, slow_pause = recording_factory(("pause_generation", "slow"), seconds=1.0)
+    try:
+        await server.offload()
+        actor[0].arm("server_info", "die")
+        await server.probe()
+        with pytest.raises(PhaseFailed):
+            await server.recover(probe_lost)  # its bring-up stops at the probe: it serves
+        actor[1].arm("server_info", "die")
+        await server.probe()
+        with pytest.raises(PhaseFailed):
+            await server.recover(slow_pause)
+        logs = {e.label: e.calls for e in [*actor, *first, *second]}
+        assert barrier_violations(logs, scopes=None) == []
+        await asyncio.sleep(1.1)  # the late pause lands
+        # Two engines released, two not: the tie settles on the most restored state.
+        await server.recover(slow_pause)
+        assert server.state is S.SERVING
+        await server.pause()  # the replacements wait paused for the weights
+        await server.update_weights(make_push("noop"), "v1")
+        await server.resume()
+        assert not any(map(inner_paused, [*actor[2:], *first, *second]))
+        logs = {e.label: e.calls for e in [*actor, *first, *second]}
+        assert barrier_violations(logs, scopes=None) == []
+    finally:
+        await close_all(*actor, *first, *second)
+
+
 async def failed_recover_with_a_slow_pause(
     server: RolloutServer, actor: list[FaultyEngine], seconds: float
 ) -> list[FaultyEngine]:
