@@ -23,7 +23,7 @@ measurement. Typical runs::
     python -m benchmarks.soak                       # the full soak (see benchmarks/README.md)
     python -m benchmarks.soak --small               # CI's size: a minute or two
     python -m benchmarks.soak --only property --steps 20000
-    python -m benchmarks.soak --only real --real-cycles 10 --real-requests 400
+    python -m benchmarks.soak --only real --real-cycles 10 --real-requests 640
 """
 
 from __future__ import annotations
@@ -91,8 +91,11 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--death-every", type=int, help="kill and recover an engine every N cycles (default 5)"
     )
-    parser.add_argument("--real-requests", type=int, default=400, help="requests, real servers")
+    parser.add_argument("--real-requests", type=int, default=640, help="requests, real servers")
     parser.add_argument("--real-cycles", type=int, default=10, help="cycles, real servers")
+    parser.add_argument(
+        "--real-death-every", type=int, default=5, help="stop and replace a real server every N"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="also write every report as JSON here")
     args = parser.parse_args(argv)
@@ -113,9 +116,11 @@ def run_real(args: argparse.Namespace) -> TrafficReport:
             requests=args.real_requests,
             cycles=args.real_cycles,
             legs=2,
-            death_every=0,
+            death_every=args.real_death_every,
             seed=args.seed,
-            knobs=Knobs(concurrency=32, tokens=(4, 16), trainer_step_s=0.2, min_decode_s=0.5),
+            # long enough answers, and twice the concurrency per cycle, that offloads find
+            # requests still decoding on a CPU (each leg's min_in_flight_at_offload says)
+            knobs=Knobs(concurrency=32, tokens=(16, 64), trainer_step_s=0.2, min_decode_s=0.3),
         )
     )
 

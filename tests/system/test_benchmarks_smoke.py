@@ -4,6 +4,7 @@ keep the lifecycle invariants. Invariants are asserted, never times."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import time
 from collections.abc import Callable
@@ -11,7 +12,16 @@ from typing import Any
 
 import pytest
 
-from benchmarks import drain, growth, memory_plan, order, overhead
+from benchmarks import (
+    drain,
+    growth,
+    memory_plan,
+    order,
+    overhead,
+    soak,
+    soak_property,
+    soak_traffic,
+)
 from benchmarks._common import CYCLE_CALLS
 
 GB = memory_plan.GB
@@ -143,3 +153,57 @@ async def test_order_times_every_order_without_violations(ray_cluster: None) -> 
         assert len(result.times[name]) == len(result.cpu[name]) == 1
         assert result.violations[name] == [] and result.incomplete[name] == 0
     assert "by server, server order" in order.report(result)
+
+
+# -- the soak (benchmarks/soak.py) at tiny sizes ----------------------------------------------
+
+
+def test_the_traffic_soak_in_process_loses_nothing_through_deaths_and_both_modes() -> None:
+    result = soak_traffic.run_soak_in_process(
+        requests=400, cycles=4, legs=2, engines=4, death_every=1, seed=3
+    )
+    assert [leg["mode"] for leg in result.per_leg] == ["retract", "abort"]
+    assert result.cycles == 4 and result.submitted == 400
+    assert result.completed == 400 and result.lost == 0 and result.unsent == 0
+    assert result.violations == 0 and result.errors == []
+    assert result.deaths == result.recoveries == 4
+    assert result.aborted_under_retract == 0 and result.aborted > 0  # the abort leg aborts
+    assert len(result.rss_mb) == 4
+
+
+def test_the_property_soak_counts_steps_and_reports_every_example() -> None:
+    result = soak_property.soak_property(steps=150, batch_examples=8, workers=1, progress=False)
+    assert result.steps >= 150 and result.violations == 0
+    assert all(b.returncode == 0 for b in result.batches)
+    totals = result.totals()
+    assert totals["examples"] == len(result.rows) >= 1
+    assert totals["steps"] == result.steps == sum(r["steps"] for r in result.rows)
+
+
+def test_the_soak_fails_on_a_loss_or_a_violation(capsys: pytest.CaptureFixture[str]) -> None:
+    clean = soak_traffic.TrafficReport(
+        "in-process", 1, 1, 10, 10, 0, 0, 0, 0, 0, 0, 1.0, [(0, 90.0)]
+    )
+    assert soak.report(None, [clean]) == []
+    lost = dataclasses.replace(clean, completed=9, lost=1)
+    assert soak.report(None, [lost]) != []
+    broken = soak_property.PropertyReport(
+        [soak_property.Batch(0, 1, 1, 1.0, [_example(passed=False)], "invariant 1 violated")]
+    )
+    assert broken.violations == 1 and soak.report(broken, []) != []
+    assert "invariant 1 violated" in capsys.readouterr().out
+    stopped = soak_property.PropertyReport([soak_property.Batch(0, 1, 0, 1.0, [_example()])])
+    assert stopped.violations == 0 and soak.report(stopped, []) == []
+
+
+def _example(passed: bool = True) -> dict[str, Any]:
+    """A report line as the property machine writes it."""
+    return {
+        "steps": 3,
+        "passed": passed,
+        "stopped": False,
+        "error": None if passed else "AssertionError",
+        "outcomes": {"length": 1},
+        "requests": 1,
+        "maxrss_mb": 100.0,
+    }
