@@ -133,7 +133,7 @@ class Phases(Client):
         # A pause that missed its deadline may still land and would overtake a continue sent
         # before it: such calls get until the deadline, and an engine whose pause is still in
         # flight is left paused (as recorded) for recover() to continue once it has landed.
-        targets = await self._runner.landed(self._fleet.continuable(), deadline)
+        targets = await self._runner.landed(self._fleet.continuable(), deadline, Op.CONTINUE)
         plan = Plan(Op.CONTINUE, tuple(targets))
         result = await self._runner.run("continue_after_failure", plan, deadline)
         self._last_outcomes = result.outcomes
@@ -211,7 +211,7 @@ class Phases(Client):
         if not keepers:
             return {}
         # a continue must not be overtaken by a pause still in flight
-        landed = await self._runner.landed(keepers, self._config.deadlines.pause)
+        landed = await self._runner.landed(keepers, self._config.deadlines.pause, Op.CONTINUE)
         lacking = await self.lacking_weights(landed)
         plan = Plan(Op.CONTINUE, tuple(r for r in landed if r.id not in lacking))
         deadline = self._config.deadlines.continue_

@@ -171,7 +171,7 @@ class Recovery(Client):
         if goal is S.SERVING:
             # (a replacement without the weights stays paused: it waits for an update)
             stuck = [r for r in healthy if r.paused and not (r.released | r.uncertain or r.stale)]
-            stuck = await self._runner.landed(stuck, deadlines.pause)
+            stuck = await self._runner.landed(stuck, deadlines.pause, Op.CONTINUE)
             plan = Plan(Op.CONTINUE, tuple(stuck))
             result = await self._runner.run("recover_continue", plan, deadlines.continue_)
             outcomes.update(result.outcomes)
@@ -210,7 +210,8 @@ class Recovery(Client):
             for r in up
             if (_goal_paused(self._fleet, r, goal) or r.stale) and (not r.paused or r.pause_unknown)
         ]
-        await self._runner.landed(to_pause, deadlines.pause)  # a pause in flight lands first
+        # a continue still in flight lands first (it would undo the pause)
+        await self._runner.landed(to_pause, deadlines.pause, Op.PAUSE)
         plan = Plan(Op.PAUSE, tuple(to_pause), (mode.value,), mode=mode)
         newly = await step("recover_pause", plan, deadlines.pause)
         if newly is None:

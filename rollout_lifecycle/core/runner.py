@@ -39,6 +39,10 @@ _OK = Outcome.OK
 _FAILED = EngineOutcome(Outcome.NOT_ATTEMPTED)
 #: A late call of one of these lands as an undo of a call of the other sent after it.
 _INVERSE = {Op.PAUSE: Op.CONTINUE, Op.CONTINUE: Op.PAUSE}
+#: Calls that only read the engine: landing late, they change nothing a later call relies on.
+_READS = frozenset(
+    {Op.WEIGHT_VERSION, Op.SERVER_INFO, Op.MEMORY, Op.STATE, Op.STATS, Op.HISTORY, Op.LABEL}
+)
 
 
 @dataclass(slots=True)
@@ -301,28 +305,33 @@ class PhaseRunner:
                 return False
         return succeeded == reached
 
-    async def landed(self, records: Sequence[EngineRecord], timeout: float) -> list[EngineRecord]:
-        """Give calls that missed an earlier deadline on ``records`` up to ``timeout`` to land;
-        the records with no such call still in flight."""
-        late = [self.stragglers[r.id] for r in records if r.id in self.stragglers]
+    def matters(self, engine: str, op: Op) -> bool:
+        """Whether a call still in flight on ``engine`` would matter to a call of ``op`` sent now
+        (the rule ``run`` applies): not a read, nor a call of ``op`` itself, and, once a later
+        call of its own operation has landed, only if ``op`` is its inverse."""
+        late = self._late.get(engine)
+        if late is None or late.op in _READS or late.op is op:
+            return False
+        return not late.superseded or _INVERSE.get(late.op) is op
+
+    async def landed(
+        self, records: Sequence[EngineRecord], timeout: float, op: Op
+    ) -> list[EngineRecord]:
+        """Give the calls still in flight on ``records`` that would matter to a call of ``op``
+        up to ``timeout`` to land; the records with none left."""
+        late = [self.stragglers[r.id] for r in records if self.matters(r.id, op)]
         if late:
             await asyncio.wait(late, timeout=timeout)
-        return [r for r in records if r.id not in self.stragglers]
+        return [r for r in records if not self.matters(r.id, op)]
 
     async def _still_in_flight(self, plan: Plan, deadline: float) -> set[str]:
-        """The targets of ``plan`` with a straggler that matters to it still in flight after
-        up to ``deadline``."""
-        op, late = plan.op, self._late
-        waiting = [
-            r
-            for r in plan.targets
-            if r.id in late
-            and late[r.id].op is not op
-            and (not late[r.id].superseded or _INVERSE.get(late[r.id].op) is op)
-        ]
+        """The targets of ``plan`` with a call in flight that matters to it after up to
+        ``deadline``."""
+        waiting = [r for r in plan.targets if self.matters(r.id, plan.op)]
         if not waiting:
             return set()
-        return {r.id for r in waiting} - {r.id for r in await self.landed(waiting, deadline)}
+        ready = await self.landed(waiting, deadline, plan.op)
+        return {r.id for r in waiting} - {r.id for r in ready}
 
     def _not_sent(self, phase: str, plan: Plan, busy: set[str]) -> PhaseResult:
         """The result of a phase held back by calls still in flight on ``busy``."""

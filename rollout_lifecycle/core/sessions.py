@@ -138,7 +138,7 @@ class WeightWriter(Client):
         deadline = self._config.deadlines.weight_update
         for record in records:
             record.session_unknown = True
-        ready = await self._runner.landed(records, deadline)
+        ready = await self._runner.landed(records, deadline, Op.END_UPDATE)
         return (await self._runner.run(phase, Plan(Op.END_UPDATE, tuple(ready)), deadline)).outcomes
 
     async def _call_push(self, push: WeightPush, update: WeightUpdate) -> None:

@@ -1509,6 +1509,31 @@ async def test_reset_after_an_offload_that_did_not_continue_the_keepers_lets_the
         await close_all(*actor, *reward)
 
 
+@pytest.mark.parametrize("call", ["reset", "recover"])
+async def test_a_version_check_still_in_flight_does_not_keep_a_keeper_paused(call: str) -> None:
+    # Found by the soak: the offload's version check of the memory-keeping group timed out;
+    # recover() (and reset()) then skipped that engine as "a call still in flight" and left it
+    # paused in 'released'. A late read changes nothing: only a late pause would undo the
+    # continue.
+    server, actor, reward = small_fleet(keeps_memory=1)
+    try:
+        await server.pause()
+        await server.update_weights(make_push("noop"), "v1")
+        reward[0].arm("weight_version", "slow", seconds=0.8)
+        with pytest.raises(PhaseFailed, match="check_versions"):
+            await server.offload()
+        if call == "reset":
+            await server.reset()
+        else:
+            await server.recover(lambda engine_id: FaultyEngine(sim(f"{engine_id}-new")))
+        assert server.state is S.RELEASED
+        assert not inner_paused(reward[0])
+        assert not server.snapshot().engines()["reward/0"].paused
+    finally:
+        await asyncio.sleep(0.8)  # the late answer lands before the engines close
+        await close_all(*actor, *reward)
+
+
 async def test_reset_leaves_a_keeper_without_the_expected_weights_paused() -> None:
     server, actor, reward = small_fleet(keeps_memory=1)
     try:
