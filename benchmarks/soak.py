@@ -187,6 +187,12 @@ def report(prop: PropertyReport | None, traffic: Sequence[TrafficReport]) -> lis
         print("\nrequests through the generation client while the fleet cycles")
         print(table(list(rows[0]), [list(r.values()) for r in rows]))
     for t in traffic:
+        curve = t.rss_mb[:: max(1, len(t.rss_mb) // 10)]
+        if t.rss_mb and curve[-1] != t.rss_mb[-1]:
+            curve.append(t.rss_mb[-1])
+        print(
+            f"  {t.fleet} driver RSS MiB by cycle: " + ", ".join(f"{c}: {m:.0f}" for c, m in curve)
+        )
         for leg in t.per_leg:
             print(f"  {t.fleet} leg: {leg}")
         for note in t.notes:
@@ -205,9 +211,14 @@ def report(prop: PropertyReport | None, traffic: Sequence[TrafficReport]) -> lis
 
 
 def dump(path: Path, prop: PropertyReport | None, traffic: Sequence[TrafficReport]) -> None:
-    data: dict[str, Any] = {"traffic": [t.row() | {"per_leg": t.per_leg} for t in traffic]}
+    data: dict[str, Any] = {
+        "traffic": [t.row() | {"per_leg": t.per_leg, "rss_mb": t.rss_mb} for t in traffic]
+    }
     if prop is not None:
-        data["property"] = prop.row() | {"totals": dict(prop.totals())}
+        data["property"] = prop.row() | {
+            "totals": dict(prop.totals()),
+            "batch_peak_rss_mb": [b.peak_rss_mb for b in prop.batches],
+        }
     path.write_text(json.dumps(data, indent=2, default=str))
     print(f"reports written to {path}")
 
