@@ -37,22 +37,10 @@ _Guard = Callable[[EngineRecord], None]
 _CONTINUE, _FLUSH, _RELEASE, _RESUME = Op.CONTINUE, Op.FLUSH, Op.RELEASE, Op.RESUME
 _OK = Outcome.OK
 _FAILED = EngineOutcome(Outcome.NOT_ATTEMPTED)
-#: A late call of one of these lands as an undo of a call of the other sent after it.
-_INVERSE = {Op.PAUSE: Op.CONTINUE, Op.CONTINUE: Op.PAUSE}
 #: Calls that only read the engine: landing late, they change nothing a later call relies on.
 _READS = frozenset(
     {Op.WEIGHT_VERSION, Op.SERVER_INFO, Op.MEMORY, Op.STATE, Op.STATS, Op.HISTORY, Op.LABEL}
 )
-
-
-@dataclass(slots=True)
-class _Late:
-    """What a straggler is: its operation, and whether a later call of the same operation has
-    landed on its engine since (after which its own landing changes nothing but an undo of the
-    inverse operation)."""
-
-    op: Op
-    superseded: bool = False
 
 
 def guard(op: Op, tags: tuple[Tag, ...] = ()) -> _Guard:
@@ -251,7 +239,8 @@ class PhaseRunner:
         self._observers = list(observers)
         #: Calls that missed their phase's deadline and may still land, by engine id.
         self.stragglers: dict[str, asyncio.Future[Any]] = {}
-        self._late: dict[str, _Late] = {}
+        #: The operation of each straggler.
+        self._late: dict[str, Op] = {}
         #: Runs around every phase with engines (``core/router_sync.RouterSync``), if bound.
         self.gate: Gate | None = None
 
@@ -264,13 +253,11 @@ class PhaseRunner:
         ``after``, when one is bound: a router in front of the fleet).
 
         A call of an earlier phase still in flight on a target (a straggler) first gets up to
-        ``deadline`` to land when it could still matter: a late pause after a continue leaves
-        an engine paused behind a ledger that says serving, and a flush or a weight write sent
-        before a late pause has landed reaches an engine that may still generate. It does not
-        matter to a call of its own operation (a pause sent again), nor, once a later call of its
-        operation has landed on the engine, to anything but the inverse (a continue after a
-        pause). If one that matters has still not landed, nothing is sent to any target and
-        every target's outcome is ``not_attempted``.
+        ``deadline`` to land when it could still matter (``matters``): a late pause after a
+        continue leaves an engine paused behind a ledger that says serving; one after a flush
+        leaves the release to follow on an engine not flushed since its last pause. If one that
+        matters has still not landed, nothing is sent to any target and every target's outcome
+        is ``not_attempted``.
         """
         if self.stragglers:
             busy = await self._still_in_flight(plan, deadline)
@@ -307,12 +294,10 @@ class PhaseRunner:
 
     def matters(self, engine: str, op: Op) -> bool:
         """Whether a call still in flight on ``engine`` would matter to a call of ``op`` sent now
-        (the rule ``run`` applies): not a read, nor a call of ``op`` itself, and, once a later
-        call of its own operation has landed, only if ``op`` is its inverse."""
+        (the rule ``run`` applies): every one does but a read, or a call of ``op`` itself (a
+        pause sent again)."""
         late = self._late.get(engine)
-        if late is None or late.op in _READS or late.op is op:
-            return False
-        return not late.superseded or _INVERSE.get(late.op) is op
+        return late is not None and late not in _READS and late is not op
 
     async def landed(
         self, records: Sequence[EngineRecord], timeout: float, op: Op
@@ -384,17 +369,13 @@ class PhaseRunner:
                 # The call may still land; keep it, so that nothing is sent to this engine
                 # before it has (see ``landed``).
                 self.stragglers[record.id] = future
-                self._late[record.id] = _Late(op)
+                self._late[record.id] = op
                 future.add_done_callback(functools.partial(self._forget_straggler, record.id))
             else:
                 end = landed_at
                 took = end - began
                 exc = landed.errors[i]
                 out = EngineOutcome(_OK, "", took) if exc is None else seam.classify(exc, took)
-                if exc is None and self._late:
-                    late = self._late.get(record.id)
-                    if late is not None and late.op is op:
-                        late.superseded = True
             if op is _FLUSH:
                 attempts = landed.values[i] if out.outcome is _OK else None
                 retries = (retries or 0) + (max(attempts - 1, 0) if type(attempts) is int else 0)

@@ -1177,13 +1177,21 @@ async def test_no_continue_is_sent_while_a_late_pause_is_still_in_flight() -> No
     try:
         with pytest.raises(PhaseFailed):
             await server.recover(factory)  # the replacement's pause misses its deadline
-        await server.recover(factory)  # pauses it again; the first pause is still in flight
+        # It is paused again (a pause may follow a pause), but its flush waits for the late
+        # pause, which is still in flight at the flush's deadline: nothing else is sent.
+        with pytest.raises(PhaseFailed, match="still in flight"):
+            await server.recover(factory)
+        await asyncio.sleep(1.0)  # the late pause lands
+        await server.recover(factory)
         assert server.state is S.DRAINED
         await server.update_weights(make_push("noop"), "v1")
-        with pytest.raises(PhaseFailed, match="still in flight"):
-            await server.resume()
-        await asyncio.sleep(1.0)  # the late pause lands
+        await server.resume()
+        assert server.state is S.SERVING and not inner_paused(made[0])
         assert server.snapshot().engines()["reward/0"].paused == inner_paused(made[0])
+        calls = made[0].calls
+        first = next(c for c in calls if c["op"] == "pause_generation")
+        after = [c["op"] for c in calls if first["start"] < c["start"] < first["end"]]
+        assert set(after) <= {"pause_generation"}, f"sent while the late pause flew: {after}"
     finally:
         await close_all(*actor, *reward, *made)
 
