@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import platform
 import statistics
@@ -135,6 +136,20 @@ def machine() -> str:
         f"{model}, {os.cpu_count()} cores{memory}, {platform.system()} {platform.release()}, "
         f"Python {sys.version.split()[0]}, Ray {ray.__version__}"
     )
+
+
+def cpu_sglang_setup() -> tuple[list[str], dict[str, str]]:
+    """The real-server test tier's CPU flags and device-shim environment for SGLang servers
+    (``tests/real/servers.py``, read by path: the tests are not a package)."""
+    path = Path(__file__).resolve().parent.parent / "tests" / "real" / "servers.py"
+    spec = importlib.util.spec_from_file_location("_real_servers", path)
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"the CPU setup needs {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    env: dict[str, str] = module.RealSGLang(python="", model="").child_env()
+    return list(module.CPU_FLAGS), env
 
 
 class Profile:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import shlex
 import socket
@@ -43,7 +42,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks._common import machine, median, table
+from benchmarks._common import cpu_sglang_setup, machine, median, table
 from rollout_lifecycle import (
     EngineGroup,
     FromDisk,
@@ -226,19 +225,6 @@ def _free_port() -> int:
         return port
 
 
-def _cpu_setup() -> tuple[list[str], dict[str, str]]:
-    """The test tier's CPU flags and shim environment (``tests/real/servers.py``)."""
-    path = ROOT / "tests" / "real" / "servers.py"
-    spec = importlib.util.spec_from_file_location("_real_servers", path)
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"--cpu needs {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    env: dict[str, str] = module.RealSGLang(python="", model="").child_env()
-    return list(module.CPU_FLAGS), env
-
-
 async def _main(args: argparse.Namespace) -> Result:
     backends: list[Any]
     launched: list[LaunchedSGLangEngine] = []
@@ -249,7 +235,7 @@ async def _main(args: argparse.Namespace) -> Result:
         extra = [a for chunk in args.sglang_args for a in shlex.split(chunk)]
         env = dict(item.split("=", 1) for item in args.sglang_env)
         if args.cpu:
-            flags, shim = _cpu_setup()
+            flags, shim = cpu_sglang_setup()
             extra, env = [*flags, *extra], {**shim, **env}
         launched = [
             launched_sglang_factory(

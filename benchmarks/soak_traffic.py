@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import os
 import random
 import socket
-import sys
 import threading
 import time
 from collections import Counter
@@ -36,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from benchmarks._common import cpu_sglang_setup
 from rollout_lifecycle import (
     EngineGroup,
     EngineHost,
@@ -946,7 +945,14 @@ async def soak_in_process(
     token) and every bound then cost no real time.
     """
     fleet = SimFleet(token_latency=token_latency, seed=seed)
-    soak = Soak(
+    sizes = (requests, cycles, legs, engines, death_every, seed)
+    return await _soak(fleet, sizes, knobs or Knobs()).run()
+
+
+def _soak(fleet: Fleet, sizes: tuple[int, int, int, int, int, int], knobs: Knobs) -> Soak:
+    """A ``Soak`` of ``fleet`` with (requests, cycles, legs, engines, death_every, seed)."""
+    requests, cycles, legs, engines, death_every, seed = sizes
+    return Soak(
         fleet,
         requests=requests,
         cycles=cycles,
@@ -954,9 +960,8 @@ async def soak_in_process(
         engines=engines,
         death_every=death_every,
         seed=seed,
-        knobs=knobs or Knobs(),
+        knobs=knobs,
     )
-    return await soak.run()
 
 
 def run_soak_in_process(
@@ -1016,16 +1021,8 @@ def soak_on_ray(
 
     async def main() -> TrafficReport:
         fleet = RayFleet(token_latency=token_latency, seed=seed)
-        soak = Soak(
-            fleet,
-            requests=requests,
-            cycles=cycles,
-            legs=legs,
-            engines=engines,
-            death_every=death_every,
-            seed=seed,
-            knobs=knobs or Knobs(concurrency=512),
-        )
+        sizes = (requests, cycles, legs, engines, death_every, seed)
+        soak = _soak(fleet, sizes, knobs or Knobs(concurrency=512))
         try:
             return await soak.run()
         finally:
@@ -1047,15 +1044,7 @@ def cpu_sglang_launch(
         raise RuntimeError(f"no SGLang environment under {SGLANG_CACHE}: run bash ci/sglang-env")
     python = python or str(venv / "bin" / "python")
     model = model or str(tiny)
-    path = ROOT / "tests" / "real" / "servers.py"
-    spec = importlib.util.spec_from_file_location("_soak_real_servers", path)
-    if spec is None or spec.loader is None:
-        raise RuntimeError(f"the CPU setup needs {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    env: dict[str, str] = module.RealSGLang(python="", model="").child_env()
-    flags = list(module.CPU_FLAGS)
+    flags, env = cpu_sglang_setup()
     chosen_python, chosen_model = python, model
 
     def launch() -> LaunchedSGLangEngine:
