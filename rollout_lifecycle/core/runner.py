@@ -295,9 +295,9 @@ class PhaseRunner:
     def matters(self, engine: str, op: Op) -> bool:
         """Whether a call still in flight on ``engine`` would matter to a call of ``op`` sent now
         (the rule ``run`` applies): every one does but a read, or a call of ``op`` itself (a
-        pause sent again)."""
+        pause sent again); and to a read, none does."""
         late = self._late.get(engine)
-        return late is not None and late not in _READS and late is not op
+        return late is not None and late not in _READS and late is not op and op not in _READS
 
     async def landed(
         self, records: Sequence[EngineRecord], timeout: float, op: Op
@@ -367,9 +367,17 @@ class PhaseRunner:
                     Outcome.TIMED_OUT, f"no answer within {deadline:g}s", end - began
                 )
                 # The call may still land; keep it, so that nothing is sent to this engine
-                # before it has (see ``landed``).
+                # before it has (see ``landed``). One still flying from before (a read, or a
+                # repeat of this call) is waited for with it, and a call that is not a read
+                # keeps deciding what must wait.
+                earlier = self.stragglers.get(record.id)
+                late_op = op
+                if earlier is not None:
+                    future = asyncio.gather(earlier, future, return_exceptions=True)
+                    if op in _READS:
+                        late_op = self._late[record.id]
                 self.stragglers[record.id] = future
-                self._late[record.id] = op
+                self._late[record.id] = late_op
                 future.add_done_callback(functools.partial(self._forget_straggler, record.id))
             else:
                 end = landed_at

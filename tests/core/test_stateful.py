@@ -1622,6 +1622,28 @@ async def test_a_recover_whose_bring_up_failed_heals_nothing_while_a_pause_is_in
         await close_all(*actor, *first, *second)
 
 
+async def test_a_late_read_does_not_hide_a_late_pause_of_the_same_engine() -> None:
+    # A pause missed its deadline, then a probe of the same engine did too: the probe's
+    # straggler must not take the place of the pause's, or the continue that recover() sends
+    # goes out before the pause has landed and leaves the engine paused behind the ledger.
+    server, actor, _ = small_fleet()
+    try:
+        actor[0].arm("pause_generation", "slow", seconds=1.0)
+        with pytest.raises(PhaseFailed):
+            await server.pause()
+        actor[0].arm("server_info", "slow", seconds=1.0)
+        await server.probe()  # (a read goes out while the pause flies)
+        with contextlib.suppress(PhaseFailed, IllegalTransition):
+            await server.recover(lambda engine_id: FaultyEngine(sim(f"{engine_id}-new")))
+        await asyncio.sleep(1.1)  # everything lands
+        assert server.snapshot().engines()["actor/0"].paused == inner_paused(actor[0])
+        await leave_failed(server)
+        await server.onload()
+        assert server.state is S.SERVING and not any(map(inner_paused, actor))
+    finally:
+        await close_all(*actor)
+
+
 async def failed_recover_with_a_slow_pause(
     server: RolloutServer, actor: list[FaultyEngine], seconds: float
 ) -> list[FaultyEngine]:
