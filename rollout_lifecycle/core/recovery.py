@@ -92,11 +92,17 @@ class Recovery(Client):
         self._journal()
         for old in retired:
             await seam.retire(old, self._config.deadlines.probe)
-        outcomes = await self._bring_up([r for r, _ in replacements], goal)
-        if self._runner.succeeded(outcomes):
-            # (a bring-up that failed may leave a pause in flight, which would hold no barrier
-            # over the heal's flushes: a later recover() finishes both)
-            outcomes.update(await self._heal(goal, skip))
+        try:
+            outcomes = await self._bring_up([r for r, _ in replacements], goal)
+            if self._runner.succeeded(outcomes):
+                # (a bring-up that failed may leave a pause in flight, which would hold no
+                # barrier over the heal's flushes: a later recover() finishes both)
+                outcomes.update(await self._heal(goal, skip))
+        except Exception:
+            # replacements in place but not brought up: the records imply no state
+            if replacements and machine.state is not S.FAILED:
+                await machine.fail()
+            raise
         if not self._runner.succeeded(outcomes):
             if state is not S.FAILED:
                 await machine.fail()

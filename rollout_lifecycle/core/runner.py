@@ -119,7 +119,7 @@ class Calls:
     gives ``PendingCall`` views, for the paths that are not per-engine-per-phase.
     """
 
-    __slots__ = ("modes", "ops", "records", "refs", "starts", "tags")
+    __slots__ = ("handles", "modes", "ops", "records", "refs", "starts", "tags")
 
     def __init__(self) -> None:
         self.records: list[EngineRecord] = []
@@ -128,6 +128,8 @@ class Calls:
         self.modes: list[PauseMode | None] = []
         self.refs: list[Awaitable[Any]] = []
         self.starts: list[float] = []
+        #: The handle each call went to (a record may get a replacement while it flies).
+        self.handles: list[Any] = []
 
     @classmethod
     def join(cls, parts: Iterable[Calls]) -> Calls:
@@ -164,7 +166,7 @@ def issue(plan: Plan, before_send: Callable[[], None] | None = None) -> Calls:
                     record.undo_intent(op)
                 raise
     calls = Calls()
-    refs, starts, args = calls.refs, calls.starts, plan.args
+    refs, starts, handles, args = calls.refs, calls.starts, calls.handles, plan.args
     name = op._value_  # the plain (interned) method name: attribute lookups cache it
     kind: type | None = None
     send: Callable[[Any, str, tuple[Any, ...]], Awaitable[Any]] | None = None
@@ -174,6 +176,7 @@ def issue(plan: Plan, before_send: Callable[[], None] | None = None) -> Calls:
             kind, send = type(handle), seam.seam_for(handle).send
         assert send is not None
         starts.append(time.monotonic())
+        handles.append(handle)
         refs.append(send(handle, name, args))
     calls.records = chosen
     calls.ops = [op] * len(chosen)
@@ -357,8 +360,11 @@ class PhaseRunner:
         outcomes, spans = result.outcomes, result.spans
         slowest: tuple[str, float] | None = None
         retries: int | None = None
-        columns = (calls.records, calls.ops, calls.tags, calls.modes, calls.starts)
-        for i, (record, op, tags, mode, began) in enumerate(zip(*columns, strict=True)):
+        columns = (calls.records, calls.ops, calls.tags, calls.modes, calls.starts, calls.handles)
+        for i, (record, op, tags, mode, began, sent_to) in enumerate(zip(*columns, strict=True)):
+            # ``recover()`` may have given the record a replacement while the call flew: what
+            # became of the call is the retired engine's, not the replacement's
+            current = record.handle is sent_to
             landed_at = landed.ends[i]
             if landed_at is None:
                 end = time.monotonic()
@@ -370,15 +376,16 @@ class PhaseRunner:
                 # before it has (see ``landed``). One still flying from before (a read, or a
                 # repeat of this call) is waited for with it, and a call that is not a read
                 # keeps deciding what must wait.
-                earlier = self.stragglers.get(record.id)
-                late_op = op
-                if earlier is not None:
-                    future = asyncio.gather(earlier, future, return_exceptions=True)
-                    if op in _READS:
-                        late_op = self._late[record.id]
-                self.stragglers[record.id] = future
-                self._late[record.id] = late_op
-                future.add_done_callback(functools.partial(self._forget_straggler, record.id))
+                if current:
+                    earlier = self.stragglers.get(record.id)
+                    late_op = op
+                    if earlier is not None:
+                        future = asyncio.gather(earlier, future, return_exceptions=True)
+                        if op in _READS:
+                            late_op = self._late[record.id]
+                    self.stragglers[record.id] = future
+                    self._late[record.id] = late_op
+                    future.add_done_callback(functools.partial(self._forget_straggler, record.id))
             else:
                 end = landed_at
                 took = end - began
@@ -390,7 +397,8 @@ class PhaseRunner:
             if slowest is None or out.duration_s > slowest[1]:
                 slowest = (record.id, out.duration_s)
             spans += (record.id, record.group, op._value_, began, end, out.outcome._value_)
-            record.apply(op, tags, mode, out)
+            if current:
+                record.apply(op, tags, mode, out)
             outcomes[record.id] = out
             if debug:
                 log.debug(

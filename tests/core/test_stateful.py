@@ -1644,6 +1644,30 @@ async def test_a_late_read_does_not_hide_a_late_pause_of_the_same_engine() -> No
         await close_all(*actor)
 
 
+async def test_a_probe_that_outlives_the_engine_it_probed_says_nothing_of_its_replacement() -> None:
+    # Found by the soak: a probe was in flight when recover() replaced and retired the engine
+    # it probed; its "dead" answer was written into the record that now held the replacement,
+    # and the bring-up then refused to probe a "dead" engine, leaving the replacements serving
+    # stale in 'released' instead of failing.
+    server, actor, _ = small_fleet()
+    fresh, factory = recording_factory()
+    try:
+        actor[0].arm("release_memory_occupation", "drop_after")
+        with pytest.raises(PhaseFailed):
+            await server.offload()  # actor/0's tags are uncertain: recover() replaces it
+        actor[0].arm("server_info", "slow", seconds=0.1)
+        await asyncio.gather(server.probe(), server.recover(factory))
+        engine = server.snapshot().engines()["actor/0"]
+        assert engine.alive and server.engines()["actor/0"].backend is fresh[0]
+        assert server.state is S.RELEASED and inner_paused(fresh[0])
+        await server.onload_weights()
+        await server.update_weights(make_push("noop"), "v1")
+        await server.onload_kv()
+        assert server.state is S.SERVING and not inner_paused(fresh[0])
+    finally:
+        await close_all(*actor, *fresh)
+
+
 async def failed_recover_with_a_slow_pause(
     server: RolloutServer, actor: list[FaultyEngine], seconds: float
 ) -> list[FaultyEngine]:
