@@ -12,7 +12,8 @@ from contract.helpers import Target, finish_type, in_flight
 FLUSHED = "Cache flushed."
 FAILED = "Flush cache failed."
 TIMED_OUT = "Timed out waiting for idle state."
-#: Long enough to outlive a short flush timeout on any machine; short enough for a CPU server.
+#: Long enough that a request is still decoding when the next call lands (a pause, a flush without
+#: timeout) on any machine; short enough for a CPU server.
 LONG = 200
 SHORT_TIMEOUT = 0.5
 #: Outlives SHORT_TIMEOUT by seconds even on an idle machine (a real CPU server decodes 200 tokens
@@ -71,36 +72,36 @@ async def test_flush_without_timeout_after_a_retract_pause_succeeds(target: Targ
     """While paused the scheduler's flush ignores its waiting queue, where retracted requests
     sit: the flush succeeds, and the requests finish after continue."""
     async with target.client() as client:
-        tasks = await in_flight(client, 2, 60)
+        tasks = await in_flight(client, 2, LONG)
         assert (await client.post("/pause_generation", json={"mode": "retract"})).status_code == 200
         assert_flushed(await client.post("/flush_cache"))
         assert (await client.post("/continue_generation", json={})).status_code == 200
-        await finish_all(tasks, 60)
+        await finish_all(tasks, LONG)
 
 
 async def test_flush_with_timeout_after_a_retract_pause_times_out(target: Target) -> None:
     """A deferred flush re-checks idleness counting the waiting queue, which retracted
     requests never leave while paused: 400 after the timeout, every time."""
     async with target.client() as client:
-        tasks = await in_flight(client, 2, 60)
+        tasks = await in_flight(client, 2, LONG)
         assert (await client.post("/pause_generation", json={"mode": "retract"})).status_code == 200
         start = time.monotonic()
         assert_refused(await client.post("/flush_cache", params={"timeout": 1}), TIMED_OUT)
         assert time.monotonic() - start >= 1.0
         assert (await client.post("/continue_generation", json={})).status_code == 200
-        await finish_all(tasks, 60)
+        await finish_all(tasks, LONG)
 
 
 async def test_flush_during_an_in_place_pause_with_requests_is_refused(target: Target) -> None:
     async with target.client() as client:
-        tasks = await in_flight(client, 2, 60)
+        tasks = await in_flight(client, 2, LONG)
         assert (
             await client.post("/pause_generation", json={"mode": "in_place"})
         ).status_code == 200
         assert_refused(await client.post("/flush_cache"), FAILED)
         assert_refused(await client.post("/flush_cache", params={"timeout": 1}), TIMED_OUT)
         assert (await client.post("/continue_generation", json={})).status_code == 200
-        await finish_all(tasks, 60)
+        await finish_all(tasks, LONG)
 
 
 async def test_flush_during_an_idle_pause_succeeds_with_and_without_timeout(
@@ -118,7 +119,7 @@ async def test_flushes_sent_together_are_answered_one_after_the_other(target: Ta
     """The front end sends one flush at a time to the scheduler, so a second flush never meets
     a deferred one: both time out after a retract pause, the second a whole timeout later."""
     async with target.client() as client:
-        tasks = await in_flight(client, 2, 60)
+        tasks = await in_flight(client, 2, LONG)
         assert (await client.post("/pause_generation", json={"mode": "retract"})).status_code == 200
         start = time.monotonic()
         answers = await asyncio.gather(
@@ -129,7 +130,7 @@ async def test_flushes_sent_together_are_answered_one_after_the_other(target: Ta
             assert_refused(answer, TIMED_OUT)
         assert elapsed >= 2.0
         assert (await client.post("/continue_generation", json={})).status_code == 200
-        await finish_all(tasks, 60)
+        await finish_all(tasks, LONG)
 
 
 async def test_flushes_sent_together_to_an_idle_server_all_succeed(target: Target) -> None:
