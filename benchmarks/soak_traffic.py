@@ -192,13 +192,26 @@ def _split(total: int, parts: int) -> list[int]:
     return [total // parts + (k < total % parts) for k in range(parts)]
 
 
-def _check_sizes(requests: int, cycles: int, legs: int, engines: int, death_every: int) -> None:
-    if legs < 1 or cycles < legs or requests < 1 or engines < 2 or death_every < 0:
-        raise ValueError(
-            f"need legs >= 1, cycles >= legs, requests >= 1, engines >= 2 and death_every >= 0; "
-            f"got legs={legs}, cycles={cycles}, requests={requests}, engines={engines}, "
-            f"death_every={death_every}"
-        )
+@dataclass(frozen=True)
+class Sizes:
+    """How big one soak is: requests and cycles over its legs, engines per fleet, a death every
+    ``death_every``-th cycle (0: none), and the seed of its random choices."""
+
+    requests: int
+    cycles: int
+    legs: int
+    engines: int
+    death_every: int
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        legs, cycles, requests, engines = self.legs, self.cycles, self.requests, self.engines
+        if legs < 1 or cycles < legs or requests < 1 or engines < 2 or self.death_every < 0:
+            raise ValueError(
+                f"need legs >= 1, cycles >= legs, requests >= 1, engines >= 2 and death_every "
+                f">= 0; got legs={legs}, cycles={cycles}, requests={requests}, "
+                f"engines={engines}, death_every={self.death_every}"
+            )
 
 
 # ------------------------------------------------------------------------------------ fleets
@@ -657,30 +670,13 @@ class _Stop:
 class Soak:
     """One soak: its legs one after another on one fleet, and the report they add up to."""
 
-    def __init__(
-        self,
-        fleet: Fleet,
-        *,
-        requests: int,
-        cycles: int,
-        legs: int,
-        engines: int,
-        death_every: int,
-        seed: int,
-        knobs: Knobs,
-    ) -> None:
-        _check_sizes(requests, cycles, legs, engines, death_every)
+    def __init__(self, fleet: Fleet, sizes: Sizes, knobs: Knobs) -> None:
         self.fleet = fleet
-        self.requests = requests
-        self.cycles = cycles
-        self.legs = legs
-        self.engines = engines
-        self.death_every = death_every
-        self.seed = seed
+        self.sizes = sizes
         self.knobs = knobs
         self.report = TrafficReport(
             fleet=fleet.name,
-            legs=legs,
+            legs=sizes.legs,
             cycles=0,
             submitted=0,
             completed=0,
@@ -705,9 +701,10 @@ class Soak:
         began = time.perf_counter()
         stop = _Stop(self.knobs.wall_limit_s)
         try:
-            requests = _split(self.requests, self.legs)
-            cycles = _split(self.cycles, self.legs)
-            for leg in range(self.legs):
+            sizes = self.sizes
+            requests = _split(sizes.requests, sizes.legs)
+            cycles = _split(sizes.cycles, sizes.legs)
+            for leg in range(sizes.legs):
                 if stop.expired:
                     self.report.unsent += sum(requests[leg:])
                     continue
@@ -765,10 +762,10 @@ class Soak:
         self, leg: int, mode: PauseMode, requests: int, cycles: int, stop: _Stop
     ) -> None:
         began = time.perf_counter()
-        sizes = _split(self.engines, len(GROUPS))
+        per_group = _split(self.sizes.engines, len(GROUPS))
         aborted_before = await self.fleet.aborted()
         try:
-            groups = await self.fleet.build(leg, sizes)
+            groups = await self.fleet.build(leg, per_group)
         except Exception as exc:
             self.report.errors.append(f"leg {leg}: no fleet: {type(exc).__name__}: {exc}"[:1000])
             self.report.unsent += requests
@@ -780,8 +777,8 @@ class Soak:
             total=requests,
             workers=self.knobs.concurrency,
             tokens=self.knobs.tokens,
-            rng=random.Random(self.seed * 1000 + leg),
-            by_group=min(sizes) >= 2,
+            rng=random.Random(self.sizes.seed * 1000 + leg),
+            by_group=min(per_group) >= 2,
         )
         state = {"deaths": 0, "recoveries": 0, "min_in_flight": -1, "cycles": 0}
         body = asyncio.ensure_future(self._cycles(server, traffic, requests, cycles, state))
@@ -892,7 +889,8 @@ class Soak:
             await bounded(f"cycle {n}: onload_kv", server.onload_kv(), call)
             state["cycles"] += 1
             self.report.rss_mb.append((n, round(rss_mb(), 1)))
-            if self.death_every and n % self.death_every == 0:
+            every = self.sizes.death_every
+            if every and n % every == 0:
                 await self._death(server, state, n)
 
     async def _death(self, server: RolloutServer, state: dict[str, int], n: int) -> None:
@@ -910,7 +908,7 @@ class Soak:
         if not busy:
             self.report.notes.append(f"cycle {n}: no engine had requests when one was killed")
             busy = sorted(engines)
-        victim = random.Random(self.seed * 7919 + n).choice(sorted(busy))
+        victim = random.Random(self.sizes.seed * 7919 + n).choice(sorted(busy))
         await bounded(f"cycle {n}: kill {victim}", self.fleet.kill(engines[victim]), call)
         state["deaths"] += 1
         # Decoding goes on: the client sees the attempts on the dead engine fail and resubmits
@@ -944,24 +942,9 @@ async def soak_in_process(
     Meant for a virtual-time loop (``run_soak_in_process``): decoding (``token_latency`` per
     token) and every bound then cost no real time.
     """
+    sizes = Sizes(requests, cycles, legs, engines, death_every, seed)
     fleet = SimFleet(token_latency=token_latency, seed=seed)
-    sizes = (requests, cycles, legs, engines, death_every, seed)
-    return await _soak(fleet, sizes, knobs or Knobs()).run()
-
-
-def _soak(fleet: Fleet, sizes: tuple[int, int, int, int, int, int], knobs: Knobs) -> Soak:
-    """A ``Soak`` of ``fleet`` with (requests, cycles, legs, engines, death_every, seed)."""
-    requests, cycles, legs, engines, death_every, seed = sizes
-    return Soak(
-        fleet,
-        requests=requests,
-        cycles=cycles,
-        legs=legs,
-        engines=engines,
-        death_every=death_every,
-        seed=seed,
-        knobs=knobs,
-    )
+    return await Soak(fleet, sizes, knobs or Knobs()).run()
 
 
 def run_soak_in_process(
@@ -1018,11 +1001,11 @@ def soak_on_ray(
     unless one runs). At most 8 engines: each is an actor process."""
     if engines > 8:
         raise ValueError(f"at most 8 engine actors on this machine, got {engines}")
+    sizes = Sizes(requests, cycles, legs, engines, death_every, seed)
 
     async def main() -> TrafficReport:
         fleet = RayFleet(token_latency=token_latency, seed=seed)
-        sizes = (requests, cycles, legs, engines, death_every, seed)
-        soak = _soak(fleet, sizes, knobs or Knobs(concurrency=512))
+        soak = Soak(fleet, sizes, knobs or Knobs(concurrency=512))
         try:
             return await soak.run()
         finally:
@@ -1098,14 +1081,7 @@ async def soak_real(
         call_timeout_s=900.0,
     )
     soak = Soak(
-        fleet,
-        requests=requests,
-        cycles=cycles,
-        legs=legs,
-        engines=len(urls) or servers,
-        death_every=death_every,
-        seed=seed,
-        knobs=knobs,
+        fleet, Sizes(requests, cycles, legs, len(urls) or servers, death_every, seed), knobs
     )
     try:
         began = time.perf_counter()
@@ -1131,6 +1107,7 @@ __all__ = [
     "RayFleet",
     "RealFleet",
     "SimFleet",
+    "Sizes",
     "Soak",
     "SoakStalled",
     "Traffic",
