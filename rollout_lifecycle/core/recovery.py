@@ -35,7 +35,6 @@ EngineFactory = Callable[[str], Any]
 _TARGETS = (S.SERVING, S.DRAINED, S.RELEASED, S.WEIGHTS_RESTORED, S.KV_RESTORED)
 #: The targets in which the groups that offload are paused and flushed.
 _DRAINED = (S.DRAINED, S.RELEASED, S.WEIGHTS_RESTORED, S.KV_RESTORED)
-#: The targets in which only the groups that keep their memory serve.
 
 
 class Recovery(Client):

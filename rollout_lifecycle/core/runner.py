@@ -323,13 +323,11 @@ class PhaseRunner:
 
     def _not_sent(self, phase: str, plan: Plan, busy: set[str]) -> PhaseResult:
         """The result of a phase held back by calls still in flight on ``busy``."""
-        why = {
-            True: EngineOutcome(Outcome.NOT_ATTEMPTED, "an earlier call is still in flight"),
-            False: EngineOutcome(
-                Outcome.NOT_ATTEMPTED, "not sent: another engine's earlier call is in flight"
-            ),
-        }
-        outcomes = {r.id: why[r.id in busy] for r in plan.targets}
+        held = EngineOutcome(Outcome.NOT_ATTEMPTED, "an earlier call is still in flight")
+        spared = EngineOutcome(
+            Outcome.NOT_ATTEMPTED, "not sent: another engine's earlier call is in flight"
+        )
+        outcomes = {r.id: held if r.id in busy else spared for r in plan.targets}
         logger().warning("phase.not_sent", server=self._name, phase=phase, in_flight=sorted(busy))
         result = PhaseResult(phase, outcomes, time.monotonic(), 0.0)
         self.observe(result)

@@ -1117,6 +1117,12 @@ def inner_paused(engine: FaultyEngine) -> bool:
     return paused
 
 
+def assert_keeper_serves(server: RolloutServer, keeper: FaultyEngine) -> None:
+    """The memory-keeping engine ``reward/0`` serves: neither it nor its record is paused."""
+    assert not inner_paused(keeper)
+    assert not server.snapshot().engines()["reward/0"].paused
+
+
 def recording_factory(
     arm: tuple[str, str] | None = None, *, seconds: float = 0.0, every: bool = False
 ) -> tuple[list[FaultyEngine], Callable[[str], FaultyEngine]]:
@@ -1144,8 +1150,7 @@ async def test_offload_after_pause_keeps_the_memory_keeping_group_serving() -> N
     await server.offload()
     assert server.state is S.RELEASED
     try:
-        assert not server.snapshot().engines()["reward/0"].paused
-        assert not inner_paused(reward[0])
+        assert_keeper_serves(server, reward[0])
     finally:
         await close_all(*actor, *reward)
 
@@ -1161,8 +1166,7 @@ async def test_recover_after_a_failed_release_from_pause_lets_the_memory_keeping
     try:
         await server.recover(lambda engine_id: FaultyEngine(sim(f"{engine_id}-new")))
         assert server.state is S.RELEASED
-        assert not inner_paused(reward[0])
-        assert not server.snapshot().engines()["reward/0"].paused
+        assert_keeper_serves(server, reward[0])
     finally:
         await close_all(*actor, *reward)
 
@@ -1509,8 +1513,7 @@ async def test_reset_after_an_offload_that_did_not_continue_the_keepers_lets_the
         await asyncio.sleep(0.9)  # a late answer lands
         reward[0].disarm()
         assert await server.reset() is S.RELEASED
-        assert not inner_paused(reward[0])
-        assert not server.snapshot().engines()["reward/0"].paused
+        assert_keeper_serves(server, reward[0])
         await server.onload()
         assert server.state is S.SERVING
     finally:
@@ -1535,8 +1538,7 @@ async def test_a_version_check_still_in_flight_does_not_keep_a_keeper_paused(cal
         else:
             await server.recover(lambda engine_id: FaultyEngine(sim(f"{engine_id}-new")))
         assert server.state is S.RELEASED
-        assert not inner_paused(reward[0])
-        assert not server.snapshot().engines()["reward/0"].paused
+        assert_keeper_serves(server, reward[0])
     finally:
         await asyncio.sleep(0.8)  # the late answer lands before the engines close
         await close_all(*actor, *reward)
