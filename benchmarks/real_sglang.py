@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import json
 import shlex
-import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -50,6 +49,7 @@ from rollout_lifecycle import (
     LifecycleConfig,
     RolloutServer,
     SGLangHTTPEngine,
+    free_port,
     launched_sglang_factory,
 )
 
@@ -218,13 +218,6 @@ def report(result: Result) -> str:
     return f"{head}\n{table(headers, rows)}"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 async def _main(args: argparse.Namespace) -> Result:
     backends: list[Any]
     launched: list[LaunchedSGLangEngine] = []
@@ -240,7 +233,7 @@ async def _main(args: argparse.Namespace) -> Result:
         launched = [
             launched_sglang_factory(
                 args.model,
-                port=_free_port(),
+                port=free_port(),
                 python=args.sglang_python,
                 memory_saver=args.memory_saver,
                 env=env,

@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import os
 import random
-import socket
 import threading
 import time
 from collections import Counter
@@ -46,6 +45,7 @@ from rollout_lifecycle import (
     SGLangHTTPEngine,
     SimulatedEngine,
     WeightUpdate,
+    free_port,
     launched_sglang_factory,
 )
 from rollout_lifecycle.testing import (
@@ -1033,7 +1033,7 @@ def cpu_sglang_launch(
     def launch() -> LaunchedSGLangEngine:
         factory = launched_sglang_factory(
             chosen_model,
-            port=_free_port(),
+            port=free_port(),
             python=chosen_python,
             memory_saver=False,
             env=env,
@@ -1042,13 +1042,6 @@ def cpu_sglang_launch(
         return factory()
 
     return launch, model
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 async def soak_real(

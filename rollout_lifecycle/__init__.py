@@ -10,6 +10,7 @@ from rollout_lifecycle.backends.actor import EngineActor, EngineActorBody, start
 from rollout_lifecycle.backends.engine import EngineBackend, EngineHost
 from rollout_lifecycle.backends.http import HTTPTimeouts, SGLangHTTPEngine, sglang_http_factory
 from rollout_lifecycle.backends.launch import LaunchedSGLangEngine, launched_sglang_factory
+from rollout_lifecycle.backends.ports import free_port
 from rollout_lifecycle.backends.router import LaunchedRouter, RouterWorker, SGLangRouter
 from rollout_lifecycle.backends.secret import Secret
 from rollout_lifecycle.backends.weights import (
@@ -128,6 +129,7 @@ __all__ = [
     "WeightPushFailed",
     "WeightUpdate",
     "__version__",
+    "free_port",
     "launched_sglang_factory",
     "mermaid",
     "sglang_http_factory",

@@ -24,7 +24,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ from typing import Any
 import httpx
 
 from rollout_lifecycle.backends.http import url_identity
+from rollout_lifecycle.backends.ports import free_port
 from rollout_lifecycle.backends.secret import Secret, as_secret
 from rollout_lifecycle.core.config import check_seconds
 from rollout_lifecycle.core.exceptions import InvalidArgument, RouterError
@@ -182,13 +182,6 @@ class SGLangRouter:
                 await client.aclose()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 class LaunchedRouter:
     """An sglang-router started as a child process on loopback (tests, the demo).
 
@@ -210,14 +203,14 @@ class LaunchedRouter:
     ) -> None:
         self._key = as_secret(api_key, what="api_key")
         self._startup = check_seconds("startup_timeout", startup_timeout)
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [
             _router_command(),
             "launch",
             "--host", "127.0.0.1",
             "--port", str(self.port),
-            "--prometheus-port", str(_free_port()),
+            "--prometheus-port", str(free_port()),
             "--policy", policy,
             "--log-level", "warn",
             *(["--worker-urls", *worker_urls] if worker_urls else []),

@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import functools
 import shlex
-import socket
 import sys
 import tempfile
 import time
@@ -33,6 +32,7 @@ from typing import Any, TextIO
 import ray
 
 from rollout_lifecycle.backends.actor import EngineActorBody, start_engine_actor
+from rollout_lifecycle.backends.ports import free_port
 from rollout_lifecycle.backends.weights import FromDisk
 from rollout_lifecycle.cli.demo_report import (
     OUTPUTS,
@@ -553,7 +553,7 @@ class _Demo(DemoReport, DemoRouting):
         launched = [
             launched_sglang_factory(
                 args.model,
-                port=_free_port(),
+                port=free_port(),
                 python=args.sglang_python,
                 memory_saver=False,
                 env=args.sglang_env_map,
@@ -669,13 +669,6 @@ class _Demo(DemoReport, DemoRouting):
             self.histories_dir.cleanup()
 
     # -- results -------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 __all__ = ["FAULTS", "OUTPUTS", "DemoEngine", "DemoEngineBody", "add_parser", "run"]

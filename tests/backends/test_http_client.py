@@ -11,7 +11,6 @@ import json
 import os
 import pickle
 import signal
-import socket
 import sys
 import textwrap
 import time
@@ -36,6 +35,7 @@ from rollout_lifecycle import (
     PauseMode,
     SimulatedEngine,
     Tag,
+    free_port,
 )
 from rollout_lifecycle.backends.http import (
     HTTPTimeouts,
@@ -957,13 +957,6 @@ SERVER_SCRIPT = textwrap.dedent(
     server.serve_forever()
     """
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def launched(port: int, mode: str, **kwargs: Any) -> LaunchedSGLangEngine:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections import deque
@@ -22,6 +21,8 @@ from typing import IO
 
 import httpx
 import pytest
+
+from rollout_lifecycle import free_port
 
 #: Where ``ci/sglang-env`` keeps the environment and the model.
 CACHE = Path(
@@ -87,13 +88,6 @@ def require_real_sglang() -> RealSGLang:
             pytest.fail(f"real SGLang environment missing under CI: {HOW_TO_GET_IT}")
         pytest.skip(HOW_TO_GET_IT)
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass

@@ -34,7 +34,7 @@ from real.lifecycle_checks import (
     phase_names,
     phase_overlaps,
 )
-from real.servers import CPU_FLAGS, RealServer, RealSGLang, free_port
+from real.servers import CPU_FLAGS, RealServer, RealSGLang
 
 from rollout_lifecycle import (
     ALL_TAGS,
@@ -45,6 +45,7 @@ from rollout_lifecycle import (
     RolloutServer,
     ServerState,
     SGLangHTTPEngine,
+    free_port,
     launched_sglang_factory,
     sglang_http_factory,
     start_engine_actor,

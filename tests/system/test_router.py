@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -29,6 +28,7 @@ from rollout_lifecycle import (
     ServerState,
     SGLangHTTPEngine,
     SGLangRouter,
+    free_port,
     sglang_http_factory,
     start_engine_actor,
 )
@@ -133,13 +133,6 @@ async def test_traffic_through_the_router_loses_nothing_over_20_cycles(
             f"completed={traffic.completed} refused_and_retried={traffic.retried} "
             f"aborted_and_resubmitted={traffic.resubmitted} lost={len(traffic.lost)}"
         )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @pytest.mark.parametrize("death", ["process exits", "ray.kill"])
