@@ -31,17 +31,25 @@ class InvalidArgument(LifecycleError, ValueError):
 
 
 class IllegalTransition(LifecycleError):
-    """The requested lifecycle call is not allowed from the server's current state."""
+    """The requested lifecycle call is not allowed from the server's current state, or not
+    from where it was made (user code running inside a transition in progress).
 
-    def __init__(self, call: str, state: str, allowed: Iterable[str]) -> None:
-        self._init = (call, state, tuple(allowed))
+    The message names the states the call is allowed from (``allowed``) or, when ``reason`` is
+    given, says why instead.
+    """
+
+    def __init__(
+        self, call: str, state: str, allowed: Iterable[str], reason: str | None = None
+    ) -> None:
+        self._init = (call, state, tuple(allowed), reason)
         self.call = call
         self.state = state
         self.allowed = tuple(allowed)
-        super().__init__(
-            f"{call}() is not allowed in state {state!r}; "
-            f"it is allowed from: {', '.join(repr(s) for s in self.allowed)}"
-        )
+        self.reason = reason
+        why = reason
+        if why is None:
+            why = f"it is allowed from: {', '.join(repr(s) for s in self.allowed)}"
+        super().__init__(f"{call}() is not allowed in state {state!r}; {why}")
 
 
 class IllegalEngineOp(LifecycleError):
@@ -77,16 +85,29 @@ class PhaseFailed(LifecycleError):
 
 
 class HookFailed(LifecycleError):
-    """A user hook raised; the server stays in the last state it completed."""
+    """A user hook raised; the server is left in the last state it completed (``state``), or
+    back in ``serving`` when the hook refused a drain."""
 
     def __init__(self, event: str, hook: str, state: str, reason: str = "raised") -> None:
         self._init = (event, hook, state, reason)
         self.event = event
         self.hook = hook
+        #: The state the call left the server in.
         self.state = state
         #: What went wrong: ``raised`` (the cause is ``__cause__``) or why it was stopped.
         self.reason = reason
-        super().__init__(f"hook {hook} for event {event!r} {reason} (server stays {state!r})")
+        super().__init__(self._message())
+
+    def left_in(self, state: str) -> None:
+        """The call settled with the server in ``state`` (a drain the hook refused went back
+        to ``serving``): ``state``, the message and the pickled fields say so."""
+        self.state = state
+        self._init = (self.event, self.hook, state, self.reason)
+        self.args = (self._message(),)
+
+    def _message(self) -> str:
+        where = f"server left in {self.state!r}"
+        return f"hook {self.hook} for event {self.event!r} {self.reason} ({where})"
 
 
 class StaleWeights(LifecycleError):

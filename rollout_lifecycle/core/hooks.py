@@ -4,6 +4,17 @@
 code the lifecycle calls (a hook, the weight push, a ``recover()`` factory) inside the operation
 in progress: bounded by a deadline, cancelled with its operation, and with whatever it raises
 turned into ``HookFailed`` so that a user's bug never leaves a phase half done.
+
+User code may call the server. Where it runs decides what such a call does. A ``before_<phase>``
+hook and the weight push run inside a transition in progress, and a ``recover()`` factory runs
+before its replacements are swapped in: from there a lifecycle call (``offload``,
+``onload_weights``, ``update_weights``, ``onload_kv``, ``onload``, ``pause``, ``resume``,
+``reset``, ``recover``) is refused at once with ``IllegalTransition`` naming the call and the
+code, since it would fire a transition inside the one in progress (or act on engines about to
+be replaced). The hooks that run once a transition has completed (``after_<phase>`` and the
+state hooks, ``failed`` included) may make any call: it runs inline, as part of the operation.
+``state``, ``snapshot()``, ``probe()`` and ``sync_router()`` fire no transition and are allowed
+everywhere.
 """
 
 from __future__ import annotations
@@ -118,13 +129,18 @@ class Hooks:
         deadline it is cancelled and given ``grace`` seconds to stop (the probe deadline by
         default; ``None`` waits for it: a weight push must not write after its session
         closed). A sync callable runs on the loop and cannot be bounded: it must not block.
+
+        ``event`` is the hook's event, ``update_weights`` for the weight push or ``recover``
+        for a factory. A lifecycle call the code makes while it runs inside a transition in
+        progress (a ``before_`` hook, the push) or inside ``recover()`` (a factory) is refused
+        with ``IllegalTransition`` (``Scope.refuse``); from any other hook it runs inline.
         """
         if grace is not None and grace < 0:
             grace = self._deadlines.probe
         found = current(self._server)
         op = found[0] if found is not None else Operation(event)
-        scope = Scope()
         name = getattr(fn, "__qualname__", repr(fn))
+        scope = Scope(refuse=_refuse(event, name, op), state=self._state().value)
         task: asyncio.Future[Any] | None = None
         stopped = ""
         token = CURRENT.set((self._server, op, scope))
@@ -180,6 +196,25 @@ class Hooks:
                     for nested in scope.calls.values():
                         cancel(nested)
                 await asyncio.wait(list(scope.calls))
+
+
+#: What the user code run under an event that is not a hook's is, in a refusal's message.
+_USER_CODE = {"update_weights": "the weight push", "recover": "the recover() factory"}
+
+
+def _refuse(event: str, name: str, op: Operation) -> str | None:
+    """Why a lifecycle call from user code ``name`` run for ``event`` in ``op`` is refused, or
+    None when it is allowed (a hook that runs once its transition has completed)."""
+    hook = event in HOOK_EVENTS
+    if op.transition is not None:
+        where = f"inside the transition {op.transition!r} in progress"
+    elif not hook:
+        where = f"in the middle of {op.call}()"
+    else:
+        return None
+    what = f"hook {name} for event {event!r}" if hook else f"{_USER_CODE.get(event, event)} {name}"
+    hint = "; an after_ or state hook can make it" if hook else ""
+    return f"it was called from {what}, which runs {where} and cannot fire a transition{hint}"
 
 
 async def _captured(result: Awaitable[T]) -> tuple[BaseException | None, T | None]:

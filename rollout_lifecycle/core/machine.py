@@ -6,6 +6,13 @@ row. ``perform`` runs a public call by its plan in ``CALLS``: it refuses a state
 legal in, then fires the plan's transitions in order. ``advance`` fires one: the phase runs
 before the state changes, a failure moves to ``failed`` (refusals and user-code errors do not),
 then the ``after_`` hooks of its phases and the hooks of the state entered run.
+
+``fire`` is the one place a trigger runs. While it runs, the operation records the transition
+in progress (``Operation.transition``): the ``before_`` hooks and the weight push run inside
+it, and a lifecycle call they make is refused (``core/scope``), so a transition never fires
+another from inside its phase. The hooks that run after it (``after_``, state hooks) may call
+the server. An error of ``transitions`` never leaves this module: a trigger that is not legal
+in the current state raises ``IllegalTransition``, and ``fail`` from ``failed`` is a no-op.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from transitions.core import MachineError
 from transitions.extensions.asyncio import AsyncMachine
 
 from rollout_lifecycle.core.events import logger
@@ -29,7 +37,7 @@ from rollout_lifecycle.core.exceptions import (
 )
 from rollout_lifecycle.core.hooks import Hooks
 from rollout_lifecycle.core.ledger import Fleet, GroupRecords
-from rollout_lifecycle.core.scope import current
+from rollout_lifecycle.core.scope import Operation, current
 from rollout_lifecycle.core.states import CALLS, PHASED, TRANSITIONS, ServerState, sources_of
 
 if TYPE_CHECKING:
@@ -121,11 +129,13 @@ class Machine:
         for trigger in self.plan(call):
             try:
                 await self.advance(trigger, args)
-            except (HookFailed, RouterError):
+            except (HookFailed, RouterError) as exc:
                 # A hook stopped the drain (what it paused goes on), or the router could not
                 # take the engines out before the pause (nothing was sent): back to serving.
                 if self.state is S.PAUSING:
                     await self.fire("abandon")
+                if isinstance(exc, HookFailed):
+                    exc.left_in(self.state.value)  # the state the call leaves, not 'pausing'
                 raise
 
     async def advance(self, trigger: str, args: PhaseArgs = NO_ARGS) -> None:
@@ -137,8 +147,7 @@ class Machine:
             raise asyncio.CancelledError(f"cancelled before {trigger}")
         if found is not None and previous not in sources_of(trigger):
             # a hook (or a call it made) moved the server on: refused, never a raw machine error
-            allowed = [s.value for s in sources_of(trigger)]
-            raise IllegalTransition(f"{found[0].call} ({trigger})", previous.value, allowed)
+            raise self._illegal(found[0], trigger)
         log = logger().bind(server=self._name, transition=trigger)
         log.debug("transition.start", state=previous.value)
         phases: list[str] = []
@@ -146,12 +155,19 @@ class Machine:
             found[0].phases = phases
         try:
             await self.fire(trigger, args)
-        except (IllegalEngineOp, InvalidArgument, HookFailed, StaleWeights, RouterError):
+        except (
+            IllegalTransition,
+            IllegalEngineOp,
+            InvalidArgument,
+            HookFailed,
+            StaleWeights,
+            RouterError,
+        ):
             # refused before any engine was touched (a router error comes before the pause
             # that opens every phase it can stop), or the user's code: no failure
             raise
         except BaseException as exc:
-            if previous is not S.FAILED and not isinstance(exc, asyncio.CancelledError):
+            if self.state is not S.FAILED and not isinstance(exc, asyncio.CancelledError):
                 await self.fire("fail")
                 self._journal()
                 log.warning("transition.failed", state=previous.value, error=str(exc))
@@ -166,17 +182,42 @@ class Machine:
             await self._hooks.emit(state.value, state, previous)
 
     async def fail(self) -> None:
-        """Enter ``failed`` (no hooks run: the caller reports the failure)."""
-        await self.fire("fail")
+        """Enter ``failed`` (no hooks run: the caller reports the failure); a no-op when the
+        server is ``failed`` already."""
+        if self.state is not S.FAILED:
+            await self.fire("fail")
 
     async def fire(self, trigger: str, args: PhaseArgs = NO_ARGS) -> None:
-        """Run ``trigger`` on the machine. ``transitions`` answers False when the transition
+        """Run ``trigger`` on the machine, recording it as the operation's transition in
+        progress while its phase runs (a lifecycle call from a ``before_`` hook or the weight
+        push is refused: ``core/scope``).
+
+        A trigger not legal in the current state raises ``IllegalTransition`` (never the
+        ``MachineError`` of ``transitions``). ``transitions`` answers False when the transition
         did not happen: the conditions of ``reset`` did not hold (the caller checks the state),
         or a CancelledError reached a phase and ``transitions`` swallowed it, which leaves calls
         unsettled: that must fail the transition, never pass for success."""
-        done = await getattr(self._model, trigger)(args=args)
+        found = current(self._server)
+        op = found[0] if found is not None else None
+        outer = None if op is None else op.transition
+        if op is not None:
+            op.transition = trigger
+        try:
+            done = await getattr(self._model, trigger)(args=args)
+        except MachineError:
+            raise self._illegal(op, trigger) from None
+        finally:
+            if op is not None:
+                op.transition = outer
         if not done and trigger != "reset":
             raise LifecycleError(f"transition {trigger!r} was interrupted inside a phase")
+
+    def _illegal(self, op: Operation | None, trigger: str) -> IllegalTransition:
+        """The refusal of ``trigger``, not legal in the current state, for ``op``'s call."""
+        allowed = [s.value for s in sources_of(trigger)]
+        reason = f"its transition {trigger!r} is allowed from: {', '.join(map(repr, allowed))}"
+        call = trigger if op is None else op.call
+        return IllegalTransition(call, self.state.value, allowed, reason)
 
 
 def _before(phase: Phase) -> Callable[[Any], Awaitable[None]]:

@@ -4,8 +4,12 @@ Every public lifecycle call becomes an ``Operation`` and runs under the server's
 (``Serializer.run``). User code the operation runs (hooks, the weight push, a ``recover()``
 factory) runs in a ``Scope``: a call to the server made from inside it is part of the operation
 and runs inline; one made by a task the user code left behind waits for the lock like any
-other. A cancelled caller never abandons a phase in flight: the operation is asked to stop at
-its next phase boundary, and ``CancelledError`` reaches the caller once the records are exact.
+other. User code that runs in the middle of a step (a ``before_<phase>`` hook or the weight
+push, inside a transition in progress, and a ``recover()`` factory) cannot fire a transition of
+its own: a lifecycle call from it (``LIFECYCLE_CALLS``) is refused at once with
+``IllegalTransition``, before anything is sent. A cancelled caller never abandons a phase in
+flight: the operation is asked to stop at its next phase boundary, and ``CancelledError``
+reaches the caller once the records are exact.
 """
 
 from __future__ import annotations
@@ -17,7 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rollout_lifecycle.core.events import logger
-from rollout_lifecycle.core.exceptions import HookFailed
+from rollout_lifecycle.core.exceptions import HookFailed, IllegalTransition
+from rollout_lifecycle.core.states import CALLS
+
+#: The public calls that fire transitions. Any of them made from user code that runs in the
+#: middle of a step (``Scope.refuse``) is refused; the read-only ones (``state``,
+#: ``snapshot()``, ``probe()``) and ``sync_router()`` fire none and are allowed anywhere.
+LIFECYCLE_CALLS: frozenset[str] = frozenset({*CALLS, "recover"})
 
 
 @dataclass(eq=False)
@@ -30,6 +40,9 @@ class Operation:
     #: Phases whose ``before_`` hooks ran in the transition in progress (their ``after_``
     #: hooks run once it completes).
     phases: list[str] = field(default_factory=list)
+    #: The trigger of the transition in progress (``Machine.fire``), while its phase runs: the
+    #: ``before_`` hooks and the weight push run inside it.
+    transition: str | None = None
     #: The user code (hooks, weight push, factory) this operation is waiting for: cancelling
     #: the operation cancels it.
     running: set[asyncio.Future[Any]] = field(default_factory=set)
@@ -43,9 +56,16 @@ class Scope:
     the operation holds the lock, one at a time per scope); once the user code has returned
     or was stopped, a call from a task it left behind is a call of its own, serialized behind
     the operation. Calls still running inline when the user code returns finish before the
-    operation goes on.
+    operation goes on. When ``refuse`` is set, the user code runs in the middle of a step and
+    a lifecycle call made while it runs is refused instead (``refusal``).
     """
 
+    #: Why a lifecycle call from this user code is refused (it runs inside a transition in
+    #: progress, or in ``recover()`` before the replacements are swapped in); None when such
+    #: a call runs inline.
+    refuse: str | None = None
+    #: The server's state when the user code started (it does not change while it runs).
+    state: str = ""
     closed: bool = False
     #: The task running async user code: it has returned once the task is done (even before
     #: the operation has resumed to notice).
@@ -57,6 +77,12 @@ class Scope:
     def open(self) -> bool:
         """Whether the user code is still running."""
         return not self.closed and (self.task is None or not self.task.done())
+
+    def refusal(self, call: str) -> IllegalTransition | None:
+        """The error refusing ``call`` made while the user code runs; None when it may run."""
+        if self.refuse is None or call not in LIFECYCLE_CALLS:
+            return None
+        return IllegalTransition(call, self.state, (), reason=self.refuse)
 
 
 #: (server, operation, scope of the user code running, if any) of the current task.
@@ -111,10 +137,17 @@ class Serializer:
         self.lock = asyncio.Lock()
 
     async def run(self, call: str, body: Callable[[], Awaitable[None]]) -> dict[str, float]:
-        """Run ``body`` as the public call ``call``; its metrics."""
+        """Run ``body`` as the public call ``call``; its metrics.
+
+        A lifecycle call made from user code that runs in the middle of a step (``Scope.refuse``)
+        raises ``IllegalTransition`` here, before anything runs or is sent.
+        """
         found = current(self._owner)
         scope = found[1] if found is not None else None
         if found is not None and scope is not None and scope.open:
+            refused = scope.refusal(call)
+            if refused is not None:
+                raise refused
             # Made from a hook, weight push or factory while it runs: part of the operation
             # that called it, which holds the lock. Cancelling the nested call stops it at its
             # next phase boundary, like any call.
@@ -187,4 +220,12 @@ class Serializer:
             return dict(op.metrics)
 
 
-__all__ = ["CURRENT", "CallObserver", "HookCancelled", "Operation", "Scope", "Serializer"]
+__all__ = [
+    "CURRENT",
+    "LIFECYCLE_CALLS",
+    "CallObserver",
+    "HookCancelled",
+    "Operation",
+    "Scope",
+    "Serializer",
+]
