@@ -14,7 +14,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from enum import IntEnum
@@ -29,7 +29,13 @@ from rollout_lifecycle.backends.http import (
 )
 from rollout_lifecycle.backends.router import SGLangRouter
 from rollout_lifecycle.backends.secret import Secret
-from rollout_lifecycle.core.config import Deadlines, LifecycleConfig, PauseMode
+from rollout_lifecycle.core.config import (
+    Deadlines,
+    LifecycleConfig,
+    PauseMode,
+    parse_tags,
+    short_repr,
+)
 from rollout_lifecycle.core.exceptions import (
     InvalidArgument,
 )
@@ -273,28 +279,46 @@ def default_state_path(urls: Sequence[str]) -> Path:
 
 
 def read_ledger(path: Path, urls: Sequence[str]) -> tuple[list[str], dict[str, Any] | None]:
-    """The engines in ledger order and the state file's content (None when there is none)."""
+    """The engines in ledger order and the state file's content (None when there is none).
+
+    Anything but a whole, well-typed state file of this version and of these engines is
+    refused with ``CtlError(STATE)``, one line naming the file and what is wrong: bytes that
+    are not UTF-8 or not JSON, JSON nested deeper than any ledger (``MAX_DEPTH``), a field
+    missing or of another type (``_ledger_problem``), a ledger of other engines. So every
+    reader after this one (``adopt``, ``status``, ``--restarted``) gets a ledger of the shape
+    ``write_ledger`` writes.
+    """
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except FileNotFoundError:
         return list(urls), None
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         raise CtlError(ExitCode.STATE, f"cannot read state file {path}: {exc}") from None
     try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CtlError(ExitCode.STATE, f"state file {path} is not UTF-8 text: {exc}") from None
+    try:
         data = json.loads(text)
+    except RecursionError:
+        raise CtlError(
+            ExitCode.STATE, f"state file {path} is not a ledger: its JSON nests too deeply to read"
+        ) from None
     except ValueError as exc:
         raise CtlError(ExitCode.STATE, f"state file {path} is not JSON: {exc}") from None
-    if not isinstance(data, dict) or data.get("format") != STATE_FORMAT:
-        raise CtlError(
-            ExitCode.STATE, f"{path} is not a state file of this version (format {STATE_FORMAT})"
-        )
-    recorded = data.get("engines")
-    if not isinstance(recorded, list) or not all(isinstance(u, str) for u in recorded):
-        raise CtlError(ExitCode.STATE, f"state file {path} has no engine list")
+    problem = _ledger_problem(data)
+    if problem is not None:
+        raise CtlError(ExitCode.STATE, f"state file {path} {_cut(problem)}")
+    recorded: list[str] = data["engines"]
     try:
         keys = [url_identity(u) for u in recorded]
     except InvalidArgument as exc:
-        raise CtlError(ExitCode.STATE, f"state file {path} records a bad URL: {exc}") from None
+        raise CtlError(
+            ExitCode.STATE, f"state file {path} records a bad URL: {_cut(str(exc))}"
+        ) from None
+    twice = sorted({u for u, k in zip(recorded, keys, strict=True) if keys.count(k) > 1})
+    if twice:
+        raise CtlError(ExitCode.STATE, f"state file {path} records one server twice: {twice}")
     given = {url_identity(u): u for u in urls}
     if sorted(keys) != sorted(given):
         missing = sorted(u for u, k in zip(recorded, keys, strict=True) if k not in given)
@@ -308,6 +332,115 @@ def read_ledger(path: Path, urls: Sequence[str]) -> tuple[list[str], dict[str, A
         )
     # the ledger's order, under the spelling given this run
     return [given[k] for k in keys], data
+
+
+#: How deeply a state file may nest. ``write_ledger`` writes seven levels (the file, ``server``,
+#: ``groups``, a group, its ``engines``, an engine, its tag lists); bounding them keeps every
+#: later reading, printing and re-encoding of a state file from recursing without end.
+MAX_DEPTH = 32
+
+#: The fields of ``last_call`` ``write_ledger`` writes: what each must be, and its description.
+_LAST_CALL: dict[str, tuple[Callable[[object], bool], str]] = {
+    "action": (lambda v: isinstance(v, str), "a string"),
+    "at": (lambda v: isinstance(v, str), "a string"),
+    "exit_code": (
+        lambda v: v is None or (type(v) is int and 0 <= v <= 255),
+        "an exit code (an int in 0..255) or null",
+    ),
+    "error": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "in_flight": (lambda v: isinstance(v, bool), "true or false"),
+}
+
+
+def _ledger_problem(data: object) -> str | None:
+    """What makes ``data`` (a state file's JSON) something other than a ledger of this version,
+    as the end of a sentence about the file; None for a ledger.
+
+    A ledger is an object of the current ``format`` with a non-empty list of URL strings as
+    ``engines``; ``updated_at`` a string and ``last_call`` an object of typed fields when
+    present; ``server`` a snapshot ``ServerSnapshot.from_dict`` reads whose groups and engines
+    are lists, every engine's ``released`` and ``uncertain`` a list of distinct memory tags and
+    its ``pause_mode`` a pause mode or null. No string may hold a lone surrogate (which no
+    UTF-8 text holds) and nothing may nest deeper than ``MAX_DEPTH``. Unknown fields are
+    ignored.
+    """
+    shape = _shape_problem(data)
+    if shape is not None:
+        return shape
+    if not isinstance(data, dict) or data.get("format") != STATE_FORMAT:
+        return f"is not a ledger of this version (format {STATE_FORMAT})"
+    engines = data.get("engines")
+    if not isinstance(engines, list) or not engines or not all(isinstance(u, str) for u in engines):
+        return f"has no engine list (engines: {short_repr(engines)})"
+    for key, kind, wanted in (("updated_at", str, "a string"), ("last_call", dict, "an object")):
+        if key in data and not isinstance(data[key], kind):
+            return f"has {key} {short_repr(data[key])}, not {wanted}"
+    last = data.get("last_call", {})
+    for key, (fits, wanted) in _LAST_CALL.items():
+        if key in last and not fits(last[key]):
+            return f"has last_call.{key} {short_repr(last[key])}, not {wanted}"
+    server = data.get("server")
+    if not isinstance(server, dict):
+        return f"has server {short_repr(server)}, not an object"
+    groups = server.get("groups")
+    if not isinstance(groups, list):
+        return f"has server.groups {short_repr(groups)}, not a list"
+    for g, group in enumerate(groups):
+        if not isinstance(group, dict):
+            return f"has server.groups[{g}] {short_repr(group)}, not an object"
+        engines = group.get("engines")
+        if not isinstance(engines, list) or not all(isinstance(e, dict) for e in engines):
+            return f"has server.groups[{g}].engines {short_repr(engines)}, not a list of objects"
+    try:
+        ServerSnapshot.from_dict(server)  # every field there, of its type
+    except InvalidArgument as exc:
+        return f"is unusable: {exc}"
+    for g, group in enumerate(groups):
+        for e, engine in enumerate(group["engines"]):
+            where = f"server.groups[{g}].engines[{e}]"
+            for key in ("released", "uncertain"):
+                tags = engine.get(key, [])
+                if not isinstance(tags, list):
+                    return f"has {where}.{key} {short_repr(tags)}, not a list of tags"
+                try:
+                    if tags:
+                        parse_tags(tags, what=f"{where}.{key}")
+                except InvalidArgument as exc:
+                    return f"is unusable: {exc}"
+            mode = engine.get("pause_mode")
+            if mode is not None and mode not in [m.value for m in PauseMode]:
+                return f"has {where}.pause_mode {short_repr(mode)}, not a pause mode or null"
+    return None
+
+
+def _shape_problem(data: object) -> str | None:
+    """A string that is not text (a lone surrogate), or nesting deeper than ``MAX_DEPTH``;
+    walked without recursion."""
+    pending: list[tuple[object, int]] = [(data, 1)]
+    while pending:
+        value, depth = pending.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return f"holds a string that is not text (a lone surrogate): {short_repr(value)}"
+            continue
+        if isinstance(value, dict):
+            items: list[object] = [*value, *value.values()]
+        elif isinstance(value, list):
+            items = value
+        else:
+            continue
+        if depth > MAX_DEPTH:
+            return f"nests deeper than {MAX_DEPTH} levels, which no ledger does"
+        pending.extend((item, depth + 1) for item in items)
+    return None
+
+
+def _cut(text: str, limit: int = 300) -> str:
+    """``text`` on one line, cut to ``limit`` characters (a state file's values can be long)."""
+    line = " ".join(text.splitlines())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def write_ledger(
@@ -389,6 +522,18 @@ async def close_backends(backends: Sequence[SGLangHTTPEngine]) -> None:
     await asyncio.gather(*(b.close() for b in backends))
 
 
+def _engine_records(ledger: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+    """The engine records of a ledger (what is not one is passed over: the snapshot's own
+    check refuses it later)."""
+    server = ledger.get("server")
+    groups = server.get("groups") if isinstance(server, dict) else None
+    for group in groups if isinstance(groups, list) else []:
+        engines = group.get("engines") if isinstance(group, dict) else None
+        for engine in engines if isinstance(engines, list) else []:
+            if isinstance(engine, dict) and isinstance(engine.get("id"), str):
+                yield engine
+
+
 def record_restarted(ledger: dict[str, Any], urls: Sequence[str], restarted: Sequence[str]) -> None:
     """Record each ``restarted`` engine in ``ledger`` as a new server: alive, serving, every tag
     resident; the server state becomes ``failed``, for ``reset`` to settle."""
@@ -396,22 +541,21 @@ def record_restarted(ledger: dict[str, Any], urls: Sequence[str], restarted: Seq
     if not isinstance(server, dict) or not isinstance(server.get("groups"), list):
         return  # ServerSnapshot.from_dict refuses it
     ids = {f"{GROUP}/{urls.index(u)}" for u in restarted}
-    for group in server["groups"]:
-        for engine in group.get("engines", []) if isinstance(group, dict) else []:
-            if isinstance(engine, dict) and engine.get("id") in ids:
-                engine.update(
-                    alive=True,
-                    paused=False,
-                    pause_mode=None,
-                    flushed=False,
-                    released=[],
-                    uncertain=[],
-                    stale=False,
-                    pause_unknown=False,
-                    session_unknown=False,
-                    last_op="restarted",
-                    last_outcome=None,
-                )
+    for engine in _engine_records(ledger):
+        if engine["id"] in ids:
+            engine.update(
+                alive=True,
+                paused=False,
+                pause_mode=None,
+                flushed=False,
+                released=[],
+                uncertain=[],
+                stale=False,
+                pause_unknown=False,
+                session_unknown=False,
+                last_op="restarted",
+                last_outcome=None,
+            )
     server["state"] = ServerState.FAILED.value
 
 

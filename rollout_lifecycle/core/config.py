@@ -68,7 +68,7 @@ def check_seconds(
     if not ok:
         raise InvalidArgument(
             f"{what} must be a finite number of seconds {low} and <= {maximum:g}, got "
-            f"{_shown(value)}"
+            f"{short_repr(value)}"
         )
     return float(value)
 
@@ -76,7 +76,7 @@ def check_seconds(
 def check_flag(what: str, value: object) -> bool:
     """``value`` if it is a real bool (not a string such as ``"no"``, not 0/1), else refuse it."""
     if not isinstance(value, bool):
-        raise InvalidArgument(f"{what} must be True or False, got {_shown(value)}")
+        raise InvalidArgument(f"{what} must be True or False, got {short_repr(value)}")
     return value
 
 
@@ -89,11 +89,34 @@ def check_int(what: str, value: object, *, minimum: int = 0, maximum: int | None
         or (maximum is not None and value > maximum)
     ):
         bound = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
-        raise InvalidArgument(f"{what} must be an int {bound}, got {_shown(value)}")
+        raise InvalidArgument(f"{what} must be an int {bound}, got {short_repr(value)}")
     return value
 
 
-def _shown(value: object, limit: int = 80) -> str:
+def check_name(what: str, value: object, *, trimmed: bool = False) -> str:
+    """``value`` if it is a name fit for a log line: a string that is not blank and holds only
+    printable characters (``str.isprintable``: no newline, tab or other control character, no
+    format or line-separator character, no space but ' '); with ``trimmed``, also none at
+    either end. Else ``InvalidArgument`` naming ``what`` and the value.
+
+    Names and versions land in log lines, event and metrics keys, state files and SGLang's
+    requests (``/update_weight_version``): a newline in one forges a line there.
+    """
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidArgument(f"{what} must be a non-blank string, got {short_repr(value)}")
+    if not value.isprintable():
+        bad = next(c for c in value if not c.isprintable())
+        raise InvalidArgument(
+            f"{what} must hold printable characters only (no {bad!r}), got {short_repr(value)}"
+        )
+    if trimmed and value != value.strip():
+        raise InvalidArgument(
+            f"{what} must not start or end with whitespace, got {short_repr(value)}"
+        )
+    return value
+
+
+def short_repr(value: object, limit: int = 80) -> str:
     """``repr(value)``, cut short for an error message (an int of 10**5000 digits cannot even
     be printed)."""
     try:
@@ -110,7 +133,7 @@ def parse_tags(tags: Iterable[str | Tag], *, what: str = "tags") -> tuple[Tag, .
     if isinstance(tags, str | Tag):
         raise InvalidArgument(f"{what} must be a sequence of tag names, got the string {tags!r}")
     if isinstance(tags, bytes | Mapping) or not isinstance(tags, Iterable):
-        raise InvalidArgument(f"{what} must be a sequence of tag names, got {_shown(tags)}")
+        raise InvalidArgument(f"{what} must be a sequence of tag names, got {short_repr(tags)}")
     out: list[Tag] = []
     for raw in tags:
         try:

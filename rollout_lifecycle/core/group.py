@@ -13,7 +13,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from rollout_lifecycle.backends import seam
-from rollout_lifecycle.core.config import PauseMode, Tag, parse_tags
+from rollout_lifecycle.core.config import PauseMode, Tag, check_name, parse_tags
 from rollout_lifecycle.core.exceptions import InvalidArgument
 from rollout_lifecycle.core.ledger import EngineRecord, EngineSnapshot
 from rollout_lifecycle.core.ops import Op, as_op
@@ -29,10 +29,10 @@ class EngineGroup:
     """
 
     def __init__(self, name: str, engines: Sequence[Any], needs_offload: bool = True) -> None:
-        if not isinstance(name, str) or not name or "/" in name or name != name.strip():
+        check_name("group name", name, trimmed=True)
+        if "/" in name:
             raise InvalidArgument(
-                f"group name must be a non-empty string without '/' or surrounding spaces, "
-                f"got {name!r}"
+                f"group name must not hold '/' (engine ids are name/index), got {name!r}"
             )
         if not isinstance(needs_offload, bool):
             raise InvalidArgument(f"needs_offload must be a bool, got {needs_offload!r}")

@@ -14,10 +14,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
+from rollout_lifecycle.core.config import short_repr
 from rollout_lifecycle.core.exceptions import EngineError, InvalidArgument, LifecycleError
 
 #: The keys of a prompt: a request has exactly one.
 PROMPT_KEYS = ("input_ids", "text")
+#: The largest token id and ``max_new_tokens`` a request may give: the largest int32. No
+#: vocabulary or context length comes near it (SGLang 0.5.23 itself takes ``1 << 30`` for "no
+#: limit" in ``Scheduler.init_req_max_new_tokens`` and caps every request at the model's context
+#: length), so a larger int is a mistake, refused before anything is sent rather than handed to
+#: the engine's parsing and tensors.
+MAX_REQUEST_INT = 2**31 - 1
 
 
 class GenerationError(LifecycleError):
@@ -144,13 +151,24 @@ class Request:
         prompt_text: str | None = None
         if given == ["input_ids"]:
             ids = request["input_ids"]
-            if (
-                not isinstance(ids, list)
-                or not ids
-                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
-            ):
+            if not isinstance(ids, list) or not ids:
                 raise InvalidArgument(
-                    f"input_ids must be a non-empty list of token ids (ints >= 0), got {short(ids)}"
+                    f"input_ids must be a non-empty list of token ids, got {short(ids)}"
+                )
+            bad = next(
+                (
+                    i
+                    for i, t in enumerate(ids)
+                    if isinstance(t, bool)
+                    or not isinstance(t, int)
+                    or not 0 <= t <= MAX_REQUEST_INT
+                ),
+                None,
+            )
+            if bad is not None:
+                raise InvalidArgument(
+                    f"input_ids must be token ids (ints in 0..{MAX_REQUEST_INT}): input_ids[{bad}] "
+                    f"is {short(ids[bad])}"
                 )
             prompt_ids = list(ids)
         else:
@@ -165,10 +183,13 @@ class Request:
             raise InvalidArgument(f"sampling_params must be a dict, got {short(params)}")
         max_new = params.get("max_new_tokens")
         if max_new is not None and (
-            isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1
+            isinstance(max_new, bool)
+            or not isinstance(max_new, int)
+            or not 1 <= max_new <= MAX_REQUEST_INT
         ):
             raise InvalidArgument(
-                f"sampling_params.max_new_tokens must be a positive int, got {max_new!r}"
+                f"sampling_params.max_new_tokens must be a positive int of at most "
+                f"{MAX_REQUEST_INT}, got {short(max_new)}"
             )
         if request.get("stream") not in (None, False):
             raise InvalidArgument(
@@ -385,8 +406,8 @@ def _copy_span(span: WeightVersionSpan) -> WeightVersionSpan:
 
 
 def short(value: object, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    """``repr(value)`` cut to ``limit`` characters, for an error message."""
+    return short_repr(value, limit)
 
 
 __all__ = [

@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from rollout_lifecycle.backends import seam
-from rollout_lifecycle.core.config import LifecycleConfig, PauseMode
+from rollout_lifecycle.core.config import LifecycleConfig, PauseMode, check_name
 from rollout_lifecycle.core.exceptions import (
     IllegalEngineOp,
     InvalidArgument,
@@ -74,8 +74,7 @@ class RolloutServer:
             config = LifecycleConfig()
         if not isinstance(config, LifecycleConfig):
             raise InvalidArgument(f"config must be a LifecycleConfig, got {config!r}")
-        if not isinstance(name, str) or not name:
-            raise InvalidArgument(f"server name must be a non-empty string, got {name!r}")
+        check_name("server name", name)
         if journal is not None and not callable(journal):
             raise InvalidArgument(f"journal must be callable or None, got {journal!r}")
         self._journal = journal
@@ -340,8 +339,8 @@ class RolloutServer:
         """
         if not callable(push):
             raise InvalidArgument(f"push must be callable, got {push!r}")
-        if version is not None and (not isinstance(version, str) or not version.strip()):
-            raise InvalidArgument(f"version must be a non-empty string or None, got {version!r}")
+        if version is not None:
+            check_name("version", version)
         return await self._perform("update_weights", PhaseArgs(push=push, version=version))
 
     async def onload_kv(self) -> dict[str, float]:

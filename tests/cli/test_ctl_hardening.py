@@ -1,18 +1,28 @@
-"""``ctl`` stopped by a signal at every phase, and one server under two spellings.
+"""``ctl`` stopped by a signal at every phase, one server under two spellings, and state files
+that are not ledgers.
 
-Each case runs ``rollout-lifecycle ctl`` as a subprocess against stand-in servers whose target
-operation takes a while inside the engine, signals it once every engine is running that
+Each signal case runs ``rollout-lifecycle ctl`` as a subprocess against stand-in servers whose
+target operation takes a while inside the engine, signals it once every engine is running that
 operation, and checks what the state file says, what the next run refuses, and that the
 documented way out brings the fleet back to serving with every engine alive.
+
+A state file of any other content (bytes that are not UTF-8 or not JSON, JSON nested without
+end, any JSON value in any field) ends every action in exit 6 with one line naming the file,
+before any engine is touched: as a subprocess for the worst cases, in process for each field
+and for arbitrary values (hypothesis).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,8 +30,13 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
+from rollout_lifecycle import EngineGroup, RolloutServer, SGLangHTTPEngine
+from rollout_lifecycle.cli import main
 from rollout_lifecycle.cli.ctl import ExitCode, default_state_path
+from rollout_lifecycle.cli.ctl_state import GROUP, record_restarted, utc_now, write_ledger
 from rollout_lifecycle.testing import StandInServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -272,3 +287,211 @@ def test_localhost_and_127_0_0_1_are_one_engine(tmp_path: Path) -> None:
         assert server.alive()
     finally:
         server.stop()
+
+
+# -- state files that are not ledgers ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def standin() -> Iterator[StandInServer]:
+    """One stand-in that every malformed-state-file case leaves untouched and serving."""
+    with StandInServer.running(1, token_latency=0.002) as (server,):
+        yield server
+        assert server.alive() and httpx.get(f"{server.url}/ready", timeout=10).status_code == 200
+
+
+def good_ledger(url: str) -> dict[str, Any]:
+    """What ``ctl`` writes of one serving engine at ``url`` (``last_call`` as the journal writes
+    it mid-call, so that every one of its fields is there)."""
+    snapshot = RolloutServer([EngineGroup(GROUP, [SGLangHTTPEngine(url)])], name="ctl").snapshot()
+    last = {"action": "offload", "at": utc_now(), "exit_code": None, "error": None}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "ledger.json"
+        write_ledger(path, [url], snapshot, {**last, "in_flight": True})
+        data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+#: Stands for "the field removed" in ``changed``.
+DELETE = object()
+
+
+def changed(ledger: Any, at: tuple[str | int, ...], value: Any) -> Any:
+    """``ledger`` with the field at path ``at`` set to ``value`` (``DELETE``: removed)."""
+    if not at:
+        return value
+    out = copy.deepcopy(ledger)
+    parent = out
+    for step in at[:-1]:
+        parent = parent[step]
+    if value is DELETE:
+        del parent[at[-1]]
+    else:
+        parent[at[-1]] = value
+    return out
+
+
+def ctl_in_process(action: str, url: str, state: Path, *extra: str) -> tuple[int, str]:
+    """Run ``ctl`` in this process (``main(argv)``); its exit code and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["ctl", action, "--engine", url, "--state-file", str(state), *extra])
+    return code, err.getvalue()
+
+
+def assert_state_refusal(action: str, code: int, err: str, state: Path) -> None:
+    """Exit 6 with one line on stderr that names the file (no traceback)."""
+    assert code == ExitCode.STATE, err
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert err.startswith(f"rollout-lifecycle ctl {action}: ") and str(state) in err, err
+
+
+#: State files that crash a reader that trusts their shape: name -> content.
+WORST: dict[str, Any] = {
+    "nested 100,000 deep": lambda url: b"[" * 100_000 + b"]" * 100_000,
+    "last_call a string": lambda url: {**good_ledger(url), "last_call": "x"},
+    "not UTF-8": lambda url: b"\xff\xfe" + json.dumps(good_ledger(url)).encode(),
+    "a group's engines an int": lambda url: changed(
+        good_ledger(url), ("server", "groups", 0, "engines"), 5
+    ),
+}
+
+
+def _write(state: Path, content: Any) -> None:
+    state.write_bytes(content if isinstance(content, bytes) else json.dumps(content).encode())
+
+
+@pytest.mark.parametrize("case", list(WORST))
+def test_a_malformed_state_file_exits_6_in_one_line_and_never_a_traceback(
+    standin: StandInServer, tmp_path: Path, case: str
+) -> None:
+    state = tmp_path / "fleet.json"
+    _write(state, WORST[case](standin.url))
+    before = len(standin.history())
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for action in (["status"], ["offload"], ["reset", "--restarted", standin.url]):
+        argv = [sys.executable, "-m", "rollout_lifecycle.cli", "ctl", *action]
+        argv += ["--engine", standin.url, "--state-file", str(state)]
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+        assert "Traceback" not in done.stderr, done.stderr
+        assert_state_refusal(action[0], done.returncode, done.stderr, state)
+        assert done.stdout == ""
+    # refused before anything was sent, even a probe
+    assert len(standin.history()) == before
+
+
+#: One bad value per field: (path, value, what the message names).
+FIELDS: list[tuple[tuple[str | int, ...], Any, str]] = [
+    (("format",), "rollout-lifecycle-ctl/0", "format"),
+    (("engines",), "http://127.0.0.1:1", "engines"),
+    (("engines",), [], "engines"),
+    (("updated_at",), [1], "updated_at"),
+    (("updated_at",), "\udc80", "surrogate"),
+    (("last_call",), "x", "last_call"),
+    (("last_call",), None, "last_call"),
+    (("last_call", "action"), {"a": 1}, "last_call.action"),
+    (("last_call", "exit_code"), "0", "last_call.exit_code"),
+    (("last_call", "exit_code"), True, "last_call.exit_code"),
+    (("last_call", "exit_code"), 10**6, "last_call.exit_code"),
+    (("last_call", "error"), 1, "last_call.error"),
+    (("last_call", "in_flight"), "yes", "last_call.in_flight"),
+    (("server",), [], "server"),
+    (("server", "state"), ["serving"], "snapshot"),
+    (("server", "groups"), {"sglang": 1}, "server.groups"),
+    (("server", "groups", 0), "sglang", "server.groups[0]"),
+    (("server", "groups", 0, "engines"), 5, "server.groups[0].engines"),
+    (("server", "groups", 0, "engines", 0), [], "server.groups[0].engines"),
+    (("server", "groups", 0, "engines", 0, "alive"), 1, "'alive'"),
+    (("server", "groups", 0, "engines", 0, "id"), ["sglang/0"], "'id'"),
+    (("server", "groups", 0, "engines", 0, "released"), "weights", "released"),
+    (("server", "groups", 0, "engines", 0, "released"), ["weights", "weights"], "twice"),
+    (("server", "groups", 0, "engines", 0, "uncertain"), ["vram"], "'vram'"),
+    (("server", "groups", 0, "engines", 0, "pause_mode"), "paused", "pause_mode"),
+    (("server", "groups", 0, "engines", 0, "pause_mode"), ["retract"], "pause_mode"),
+]
+
+
+@pytest.mark.parametrize(
+    ("at", "value", "needle"),
+    [pytest.param(*f, id=f"{'.'.join(map(str, f[0]))}={f[1]!r}") for f in FIELDS],
+)
+def test_each_mistyped_field_exits_6_naming_it_for_every_action(
+    standin: StandInServer, tmp_path: Path, at: tuple[str | int, ...], value: Any, needle: str
+) -> None:
+    state = tmp_path / "fleet.json"
+    _write(state, changed(good_ledger(standin.url), at, value))
+    before = len(standin.history())
+    for action in ("status", "offload", "reset"):
+        code, err = ctl_in_process(action, standin.url, state)
+        assert_state_refusal(action, code, err, state)
+        assert needle in err, err
+    assert len(standin.history()) == before
+
+
+def test_record_restarted_passes_over_what_is_not_an_engine_record() -> None:
+    url = "http://127.0.0.1:1"
+    shapes: list[Any] = [5, "sglang/0", [[]], [{"id": ["sglang/0"]}], [{"id": {}}]]
+    for engines in shapes:
+        ledger: dict[str, Any] = {"server": {"groups": [{"engines": engines}, 1, None]}}
+        record_restarted(ledger, [url], [url])
+        assert ledger["server"]["state"] == "failed"
+
+
+#: Any JSON value (bounded in size; ints short enough for ``json.dumps``).
+JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(10**30), max_value=10**30)
+    | st.floats()
+    | st.text(max_size=12),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=10,
+)
+
+
+def _fields(value: Any, at: tuple[str | int, ...] = ()) -> Iterator[tuple[str | int, ...]]:
+    yield at
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _fields(item, (*at, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _fields(item, (*at, index))
+
+
+def _types_kept(good: Any, value: Any, at: tuple[str | int, ...]) -> bool:
+    """Whether ``value`` is of the JSON type the field holds in a ledger (null fields hold a
+    string or null, ``exit_code`` an int or null); a value of another type must be refused."""
+    if not at:
+        return False  # the whole file replaced by a small value: never a ledger
+    if good is None:
+        kinds: tuple[type, ...] = (int,) if at[-1] == "exit_code" else (str,)
+        return value is None or isinstance(value, kinds)
+    if isinstance(good, bool):
+        return isinstance(value, bool)
+    return isinstance(value, type(good))
+
+
+@given(data=st.data(), action=st.sampled_from(["status", "reset"]))
+@settings(max_examples=150, deadline=None)
+def test_any_json_value_in_any_field_exits_6_in_one_line_or_is_read_as_a_ledger(
+    standin: StandInServer, data: st.DataObject, action: str
+) -> None:
+    good = good_ledger(standin.url)
+    at = data.draw(st.sampled_from(list(_fields(good))), label="field")
+    value = data.draw(JSON | st.just(DELETE) if at else JSON, label="value")
+    good_value: Any = good
+    for step in at:
+        good_value = good_value[step]
+    with tempfile.TemporaryDirectory() as tmp:
+        state = Path(tmp) / "fleet.json"
+        _write(state, changed(good, at, value))
+        code, err = ctl_in_process(action, standin.url, state)  # raises nothing
+    assert code in set(ExitCode), err
+    event(f"exit {code}")
+    if code == ExitCode.STATE:
+        assert_state_refusal(action, code, err, state)
+    if value is not DELETE and not _types_kept(good_value, value, at):
+        assert code == ExitCode.STATE, (at, value, err)

@@ -112,3 +112,59 @@ async def test_an_engine_that_answers_garbage_fails_the_phase_and_is_named() -> 
     assert probe["actor/1"].outcome is Outcome.ERROR
     await bad.close()
     await good.close()
+
+
+#: Names and versions that would forge or garble a log line, a metrics key or a state file:
+#: control characters (C0, DEL, C1), a format character (a bidirectional override), a line
+#: separator, a lone surrogate.
+UNPRINTABLE = [
+    "a\nb",
+    "a\r\nX-Injected: 1",
+    "a\tb",
+    "a\x00b",
+    "\x1b[31mred",
+    "a\x7f",
+    "a\x85b",
+    "a\u2028b",
+    "a\u202eb",
+    "a\ud800",
+    "a\n",
+]
+
+
+async def _push(update: object) -> None:
+    return None
+
+
+@pytest.mark.parametrize("bad", UNPRINTABLE, ids=ascii)
+async def test_names_and_versions_with_control_characters_are_refused_naming_them(
+    bad: str,
+) -> None:
+    engines = fleet()
+    with pytest.raises(InvalidArgument) as err:
+        EngineGroup(bad, engines)
+    assert repr(bad) in str(err.value)
+    with pytest.raises(InvalidArgument) as err:
+        RolloutServer([EngineGroup("actor", engines)], name=bad)
+    assert repr(bad) in str(err.value)
+    server = RolloutServer([EngineGroup("actor", engines)])
+    await server.pause()
+    before = [len(e.history()) for e in engines]
+    with pytest.raises(InvalidArgument) as err:
+        await server.update_weights(_push, version=bad)
+    assert repr(bad) in str(err.value)
+    assert [len(e.history()) for e in engines] == before  # nothing was sent
+    assert server.state is ServerState.DRAINED
+
+
+async def test_printable_names_and_versions_still_pass() -> None:
+    engines = fleet()
+    server = RolloutServer([EngineGroup("actor critic", engines)], name="rollout (run 7)")
+    await server.pause()
+    await server.update_weights(_push, version="步骤-3 v1.2+local")
+    await server.update_weights(_push, version=" v2 ")  # (surrounding spaces: as before)
+    with pytest.raises(InvalidArgument, match="' a'"):
+        EngineGroup(" a", engines)  # a group name still has none
+    for blank in ("", "   "):
+        with pytest.raises(InvalidArgument, match=repr(blank)):
+            await server.update_weights(_push, version=blank)

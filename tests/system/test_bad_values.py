@@ -39,6 +39,7 @@ from rollout_lifecycle.core.config import (
 )
 from rollout_lifecycle.core.generation import GenerationClient
 from rollout_lifecycle.core.group import EngineGroup
+from rollout_lifecycle.core.requests import MAX_REQUEST_INT, Request
 from rollout_lifecycle.core.server import RolloutServer
 from rollout_lifecycle.core.timeline import Timeline
 from rollout_lifecycle.testing import (
@@ -335,6 +336,17 @@ CASES: list[Case] = [
         ],
     ),
     *rows("group", lambda v: run(_generate({"text": "a"}, v)), [1, "nope", True, ["actor"]]),
+    # (absurd ints: checked on the request alone, as generate() does before anything is sent)
+    *rows(
+        "max_new_tokens",
+        lambda v: Request.prepare({"text": "a", "sampling_params": {"max_new_tokens": v}}, None),
+        [1e18, MAX_REQUEST_INT + 1, 10**30, HUGE],
+    ),
+    *rows(
+        "token id",
+        lambda v: Request.prepare({"input_ids": [1, v]}, None),
+        [1.0, MAX_REQUEST_INT + 1, 10**30, HUGE],
+    ),
     *rows(
         "requests",
         lambda v: run(_generate_batch(v)),
@@ -472,3 +484,17 @@ def test_good_values_still_pass() -> None:
     FromTensor({"a": ["x"]})
     Timeline(0, name="t")
     HostedEngine(object(), 0)
+
+
+def test_request_ints_up_to_the_bound_pass_and_one_too_long_to_print_is_refused() -> None:
+    request = {"input_ids": [0, MAX_REQUEST_INT], "sampling_params": {"max_new_tokens": 1}}
+    assert Request.prepare(request, None).prompt_ids == [0, MAX_REQUEST_INT]
+    bound = {"text": "a", "sampling_params": {"max_new_tokens": MAX_REQUEST_INT}}
+    assert Request.prepare(bound, None).max_new == MAX_REQUEST_INT
+    # an int whose digits Python refuses to print (over 4300) is named by its size
+    for bad in (
+        {"input_ids": [10**5000]},
+        {"text": "a", "sampling_params": {"max_new_tokens": 10**5000}},
+    ):
+        with pytest.raises(InvalidArgument, match="5000 digits"):
+            Request.prepare(bad, None)
