@@ -15,6 +15,11 @@ The worker API of sglang-router 0.3.2 (checked against the router itself; the le
 
 Both changes are asynchronous, so ``add`` and ``remove`` wait (up to ``settle`` seconds) until
 the router lists the worker healthy, or no longer lists it.
+
+Each call opens its own connection and closes it before it returns (``add`` and ``remove`` keep
+one for their whole wait): a connection belongs to the event loop that opened it, and a trainer
+that runs each step in a fresh loop (``asyncio.run``) would otherwise leave one open socket
+behind per step, held by a client whose loop is gone.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,7 +86,6 @@ class SGLangRouter:
         self._worker_key = as_secret(worker_api_key, what="worker_api_key")
         self._timeout = check_seconds("timeout", timeout)
         self._settle = check_seconds("settle", settle)
-        self._clients: dict[int, httpx.AsyncClient] = {}
 
     def __repr__(self) -> str:
         return f"SGLangRouter({self._url!r})"
@@ -91,21 +95,21 @@ class SGLangRouter:
         """The router's base URL."""
         return self._url
 
-    def _client(self) -> httpx.AsyncClient:
-        loop = id(asyncio.get_running_loop())
-        client = self._clients.get(loop)
-        if client is None:
-            headers = {"Authorization": f"Bearer {self._key.reveal()}"} if self._key else {}
-            client = httpx.AsyncClient(
-                base_url=self._url, headers=headers, timeout=self._timeout, trust_env=False
-            )
-            self._clients[loop] = client
-        return client
+    @contextlib.asynccontextmanager
+    async def _session(self) -> AsyncIterator[httpx.AsyncClient]:
+        """A client for one call, closed when the call ends (see the module docstring)."""
+        headers = {"Authorization": f"Bearer {self._key.reveal()}"} if self._key else {}
+        async with httpx.AsyncClient(
+            base_url=self._url, headers=headers, timeout=self._timeout, trust_env=False
+        ) as client:
+            yield client
 
-    async def _call(self, method: str, path: str, body: object = None) -> Any:
+    async def _call(
+        self, client: httpx.AsyncClient, method: str, path: str, body: object = None
+    ) -> Any:
         what = f"{method} {self._url}{path}"
         try:
-            response = await self._client().request(method, path, json=body)
+            response = await client.request(method, path, json=body)
         except httpx.TimeoutException:
             raise RouterError(self._url, f"{what}: no answer within {self._timeout}s") from None
         except httpx.HTTPError as exc:
@@ -128,7 +132,11 @@ class SGLangRouter:
 
     async def workers(self) -> list[RouterWorker]:
         """The workers the router lists now."""
-        found = await self._call("GET", "/workers")
+        async with self._session() as client:
+            return await self._workers(client)
+
+    async def _workers(self, client: httpx.AsyncClient) -> list[RouterWorker]:
+        found = await self._call(client, "GET", "/workers")
         rows = found.get("workers") if isinstance(found, dict) else None
         if not isinstance(rows, list):
             raise RouterError(self._url, f"GET /workers answered {str(found)[:_BODY_LIMIT]!r}")
@@ -141,7 +149,11 @@ class SGLangRouter:
     async def find(self, url: str) -> RouterWorker | None:
         """The listed worker at ``url`` (``localhost`` and ``127.0.0.1`` are one host)."""
         key = url_identity(url)
-        for worker in await self.workers():
+        async with self._session() as client:
+            return await self._find(client, key)
+
+    async def _find(self, client: httpx.AsyncClient, key: str) -> RouterWorker | None:
+        for worker in await self._workers(client):
             with contextlib.suppress(InvalidArgument):
                 if url_identity(worker.url) == key:
                     return worker
@@ -150,36 +162,45 @@ class SGLangRouter:
     async def add(self, url: str) -> None:
         """Register the worker at ``url``, and wait until the router lists it healthy."""
         key = url_identity(url)
-        if await self.find(url) is None:
-            body: dict[str, Any] = {"url": url}
-            if self._worker_key is not None:
-                body["api_key"] = self._worker_key.reveal()
-            await self._call("POST", "/workers", body)
-        await self._wait(url, lambda w: w is not None and w.healthy, "listed healthy", key)
+        async with self._session() as client:
+            if await self._find(client, key) is None:
+                body: dict[str, Any] = {"url": url}
+                if self._worker_key is not None:
+                    body["api_key"] = self._worker_key.reveal()
+                await self._call(client, "POST", "/workers", body)
+            await self._wait(
+                client, url, key, lambda w: w is not None and w.healthy, "listed healthy"
+            )
 
     async def remove(self, url: str) -> None:
         """Take the worker at ``url`` out, and wait until the router no longer lists it."""
-        worker = await self.find(url)
-        if worker is None:
-            return
-        await self._call("DELETE", f"/workers/{worker.id}")
-        await self._wait(url, lambda w: w is None, "gone", url_identity(url))
+        key = url_identity(url)
+        async with self._session() as client:
+            worker = await self._find(client, key)
+            if worker is None:
+                return
+            await self._call(client, "DELETE", f"/workers/{worker.id}")
+            await self._wait(client, url, key, lambda w: w is None, "gone")
 
-    async def _wait(self, url: str, done: Any, what: str, key: str) -> None:
+    async def _wait(
+        self,
+        client: httpx.AsyncClient,
+        url: str,
+        key: str,
+        done: Callable[[RouterWorker | None], bool],
+        what: str,
+    ) -> None:
         deadline = time.monotonic() + self._settle
         while True:
-            if done(await self.find(url)):
+            if done(await self._find(client, key)):
                 return
             if time.monotonic() >= deadline:
                 raise RouterError(self._url, f"worker {url} not {what} within {self._settle}s")
             await asyncio.sleep(_POLL_S)
 
     async def close(self) -> None:
-        """Close this loop's connections."""
-        with contextlib.suppress(RuntimeError):
-            client = self._clients.pop(id(asyncio.get_running_loop()), None)
-            if client is not None:
-                await client.aclose()
+        """Nothing to close: no connection outlives the call that opened it. Safe to call any
+        number of times, from any event loop, for code that closes what it opened."""
 
 
 class LaunchedRouter:
@@ -232,20 +253,17 @@ class LaunchedRouter:
         """Wait until the router answers ``/workers`` (``RouterError`` if it exits first)."""
         deadline = time.monotonic() + self._startup
         client = self.client(timeout=2.0)
-        try:
-            while True:
-                if self._proc.poll() is not None:
-                    raise RouterError(
-                        self.url, f"the router exited with {self._proc.returncode}: {self.output()}"
-                    )
-                with contextlib.suppress(RouterError):
-                    await client.workers()
-                    return self
-                if time.monotonic() >= deadline:
-                    raise RouterError(self.url, f"not up within {self._startup}s: {self.output()}")
-                await asyncio.sleep(0.1)
-        finally:
-            await client.close()
+        while True:
+            if self._proc.poll() is not None:
+                raise RouterError(
+                    self.url, f"the router exited with {self._proc.returncode}: {self.output()}"
+                )
+            with contextlib.suppress(RouterError):
+                await client.workers()
+                return self
+            if time.monotonic() >= deadline:
+                raise RouterError(self.url, f"not up within {self._startup}s: {self.output()}")
+            await asyncio.sleep(0.1)
 
     def output(self) -> str:
         """The router's output so far (its last 2,000 characters)."""

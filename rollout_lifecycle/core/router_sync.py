@@ -9,6 +9,12 @@ when it is alive, unpaused, holds all its memory and has the expected weights (a
 only once a weight update reached it), and the workers of engines that died, were retired or
 stopped serving are taken out.
 
+The binding takes out only workers it owns, since other clients may share the router: the
+workers at the URLs of the engines in the fleet now, and a worker it registered itself for an
+engine that has since been retired (one it could not take out when the engine died), until it
+has taken that one out once. The URL of a retired engine is then free: a worker someone else
+registers there (a server restarted at that address, another team's engine) is never touched.
+
 Why take workers out rather than tune the router's health checks: the router probes ``/health``,
 which on SGLang generates, so a paused engine never answers it; with health checks relaxed
 enough to ride out an offload, the router would still send new requests to paused and released
@@ -78,9 +84,11 @@ class RouterSync:
         self._log = logger().bind(server=name, router=str(getattr(router, "url", router)))
         #: Each engine's worker URL, by handle identity (None: the engine has none).
         self._urls: dict[Hashable, str | None] = {}
-        #: Every worker URL of an engine this server held: the workers it may take out.
-        self._managed: set[str] = set()
-        self._lock: asyncio.Lock | None = None
+        #: The URLs (``url_identity``) at which this binding registered a worker that it has
+        #: not taken out since: after its engine is retired, the one worker there it may remove.
+        self._registered: set[str] = set()
+        #: One lock per event loop (a lock belongs to the loop it first waited on).
+        self._lock: tuple[asyncio.Lock, asyncio.AbstractEventLoop] | None = None
 
     async def url_of(self, record: EngineRecord) -> str | None:
         """The worker URL of ``record``'s engine (asked once per engine)."""
@@ -93,8 +101,6 @@ class RouterSync:
             except Exception:  # (any engine or Ray error: a dead engine has no URL to give)
                 return None  # unknown for now: asked again next time
             self._urls[key] = found if isinstance(found, str) else None
-            if isinstance(found, str):
-                self._managed.add(url_identity(found))
         return self._urls[key]
 
     async def before(self, plan: Plan) -> None:
@@ -104,7 +110,7 @@ class RouterSync:
         urls = [u for u in [await self.url_of(r) for r in plan.targets] if u is not None]
         try:
             async with self._locked():
-                await asyncio.gather(*(self.router.remove(u) for u in urls))
+                await asyncio.gather(*(self._remove(u) for u in urls))
         except RouterError:
             # Nothing is paused: put back what was taken out, if the router lets us.
             with contextlib.suppress(RouterError):
@@ -126,29 +132,44 @@ class RouterSync:
                 self._log.warning("router.out_of_step", error=str(exc))
 
     async def sync(self) -> dict[str, list[str]]:
-        """Register every engine that serves and take out every other worker of this fleet;
-        the URLs added and removed. ``RouterError`` if the router refuses or is unreachable."""
+        """Register every engine that serves and take out every other worker this binding owns
+        (see the module docstring); the URLs added and removed. ``RouterError`` if the router
+        refuses or is unreachable."""
         records = self._fleet.records()
         urls = {r.id: await self.url_of(r) for r in records}
+        fleet = {url_identity(u) for u in urls.values() if u is not None}
         want = {url_identity(u): u for r in records if (u := urls[r.id]) is not None and serves(r)}
         async with self._locked():
             listed: dict[str, str] = {}
             for worker in await self.router.workers():
                 with contextlib.suppress(InvalidArgument):
                     listed[url_identity(str(worker.url))] = str(worker.url)
-            extra = [listed[k] for k in listed.keys() & self._managed if k not in want]
+            owned = fleet | self._registered
+            extra = [listed[k] for k in listed.keys() & owned if k not in want]
             missing = [u for k, u in want.items() if k not in listed]
-            await asyncio.gather(*(self.router.remove(u) for u in extra))
-            await asyncio.gather(*(self.router.add(u) for u in missing))
+            await asyncio.gather(*(self._remove(u) for u in extra))
+            await asyncio.gather(*(self._add(u) for u in missing))
         if extra or missing:
             self._log.info("router.synced", added=missing, removed=extra)
         return {"added": missing, "removed": extra}
 
+    async def _add(self, url: str) -> None:
+        # Owned from the request on: a registration whose wait fails may still be done by the
+        # router later, and only this binding would ever take it out.
+        self._registered.add(url_identity(url))
+        await self.router.add(url)
+
+    async def _remove(self, url: str) -> None:
+        await self.router.remove(url)
+        # Taken out once: a worker at this URL from now on is not this binding's registration.
+        self._registered.discard(url_identity(url))
+
     @contextlib.asynccontextmanager
     async def _locked(self) -> Any:
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:
+        loop = asyncio.get_running_loop()
+        if self._lock is None or self._lock[1] is not loop:
+            self._lock = (asyncio.Lock(), loop)
+        async with self._lock[0]:
             yield
 
 
