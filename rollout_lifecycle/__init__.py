@@ -7,7 +7,7 @@ memory.
 """
 
 from rollout_lifecycle.backends.actor import EngineActor, EngineActorBody, start_engine_actor
-from rollout_lifecycle.backends.engine import EngineBackend, EngineHost
+from rollout_lifecycle.backends.engine import EngineBackend, EngineHost, incarnation_of
 from rollout_lifecycle.backends.http import HTTPTimeouts, SGLangHTTPEngine, sglang_http_factory
 from rollout_lifecycle.backends.launch import LaunchedSGLangEngine, launched_sglang_factory
 from rollout_lifecycle.backends.ports import free_port
@@ -33,6 +33,8 @@ from rollout_lifecycle.core.exceptions import (
     EngineDead,
     EngineError,
     EngineRejected,
+    EngineRestarted,
+    EngineStateConflict,
     EngineTimeout,
     EngineUnreachable,
     HookFailed,
@@ -87,7 +89,9 @@ __all__ = [
     "EngineHost",
     "EngineOutcome",
     "EngineRejected",
+    "EngineRestarted",
     "EngineSnapshot",
+    "EngineStateConflict",
     "EngineTimeout",
     "EngineUnreachable",
     "FromDisk",
@@ -130,6 +134,7 @@ __all__ = [
     "WeightUpdate",
     "__version__",
     "free_port",
+    "incarnation_of",
     "launched_sglang_factory",
     "mermaid",
     "sglang_http_factory",

@@ -10,7 +10,10 @@ in-process fleets, what an ``EngineGroup`` calls directly.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import contextvars
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from rollout_lifecycle.core.config import (
@@ -21,7 +24,19 @@ from rollout_lifecycle.core.config import (
     check_seconds,
     parse_tags,
 )
-from rollout_lifecycle.core.exceptions import EngineRejected, EngineTimeout, InvalidArgument
+from rollout_lifecycle.core.exceptions import (
+    EngineDead,
+    EngineError,
+    EngineRejected,
+    EngineRestarted,
+    EngineStateConflict,
+    EngineTimeout,
+    IllegalEngineOp,
+    InvalidArgument,
+)
+from rollout_lifecycle.core.identity import Expectation, disagreement
+from rollout_lifecycle.core.ops import CHECKED_OPS
+from rollout_lifecycle.core.outcome import Outcome
 
 
 @runtime_checkable
@@ -98,11 +113,70 @@ class EngineBackend(Protocol):
         ...
 
 
+#: While an engine host reads an engine to check it, what the reads are for: the operation about
+#: to be sent (``checked``), or ``"observe"``. A backend that keeps a history (the simulator)
+#: marks those reads with it, so a test can tell them from calls of their own.
+CHECKING: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "rollout_lifecycle_checking", default=None
+)
+
+
+def incarnation_of(info: Mapping[str, Any]) -> str | None:
+    """The incarnation an SGLang ``/server_info`` names: a digest of its ``startup_time`` (the
+    durations of this process's start-up phases, to the microsecond) and its ``random_seed``
+    (drawn at start-up unless the server was given one). Both stay the same for the life of a
+    process and differ between two starts, also at the same address. None when neither is
+    there (the engine cannot be told apart from a restarted one)."""
+    # sglang: http_server.py server_info ("startup_time": tokenizer_manager.startup_time, set
+    # once from the scheduler's start-up: observability/startup_time.py);
+    # arg_groups/serving_hook.py (random_seed=random.randint(0, 1 << 30) when not given)
+    parts = {key: info.get(key) for key in ("startup_time", "random_seed")}
+    if all(value is None for value in parts.values()):
+        return None
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+async def observe(backend: object, *, paused: bool, identify: bool) -> dict[str, Any]:
+    """What ``backend``'s engine says of itself: ``{"incarnation": str | None, "paused": bool |
+    None}``, each read only when asked for (``identify``, ``paused``).
+
+    A backend that offers ``observe()`` answers it itself (the HTTP client reads the routes
+    below at once; the simulator its own state). Otherwise: the incarnation from
+    ``server_info()`` (``incarnation_of``), which fails with ``EngineDead`` when nothing
+    answers; and, for a backend that offers ``ping()`` (healthy, paused or not) and ``ready()``
+    (healthy and not paused), whether it is paused: a healthy engine that is not ready is
+    paused. SGLang answers ``/ping`` and ``/ready`` so; an engine that is unhealthy or
+    starting, or a backend without them, cannot tell (None).
+    """
+    own = getattr(backend, "observe", None)
+    if own is not None:
+        found: dict[str, Any] = await own(paused=paused, identify=identify)
+        return found
+    return await read_engine(backend, paused=paused, identify=identify)
+
+
+async def read_engine(backend: object, *, paused: bool, identify: bool) -> dict[str, Any]:
+    """``observe`` from the backend's reads (``server_info``, ``ping``, ``ready``)."""
+    found: dict[str, Any] = {"incarnation": None, "paused": None}
+    if identify:
+        found["incarnation"] = incarnation_of(await backend.server_info())  # type: ignore[attr-defined]
+    ping, ready = getattr(backend, "ping", None), getattr(backend, "ready", None)
+    if paused and ping is not None and ready is not None:
+        healthy, serving = await asyncio.gather(ping(), ready())
+        found["paused"] = None if not healthy else not serving
+    return found
+
+
 def introspect(backend: object, name: str, default: Any) -> Any:
     """``backend.name()`` where the backend offers it (a simulated engine's test hooks), else
     ``default``: a real server has no such method and answers nothing."""
     method = getattr(backend, name, None)
     return default if method is None else method()
+
+
+#: The host methods ``checked`` carries (their wire names).
+_CHECKED = frozenset(op.value for op in CHECKED_OPS)
 
 
 class EngineHost:
@@ -131,6 +205,49 @@ class EngineHost:
         for an engine with none (a simulated one)."""
         url = getattr(self._backend, "url", None)
         return url if isinstance(url, str) else None
+
+    async def observe(
+        self, paused: bool = True, purpose: str = "observe", identify: bool = True
+    ) -> dict[str, Any]:
+        """Who the engine is and what it says of itself: ``{"incarnation": str | None,
+        "paused": bool | None}`` (``observe``); ``purpose`` marks the reads (``CHECKING``)."""
+        token = CHECKING.set(purpose)
+        try:
+            return await observe(self._backend, paused=paused, identify=identify)
+        finally:
+            CHECKING.reset(token)
+
+    async def checked(self, expect: Expectation, op: str, *args: Any) -> list[Any]:
+        """``op(*args)``, sent only once the engine has shown it is what its record expects
+        (``expect``: ``[incarnation, paused, identify]``, see ``EngineRecord.expect``; the
+        incarnation is read only with ``identify``); returns ``[incarnation, result]``.
+
+        Another process at the address raises ``EngineRestarted``; a pause state other than
+        the record's raises ``EngineStateConflict``; an engine that cannot be read raises
+        ``IllegalEngineOp`` (or ``EngineDead`` when nothing answers). In each case ``op`` was
+        not sent. The check and the call follow each other at once, so only a process that
+        restarts in between (a start takes SGLang tens of seconds) could slip through.
+        """
+        if op not in _CHECKED:
+            raise InvalidArgument(f"{op!r} is not an operation that is checked before it is sent")
+        label = self._backend.label
+        try:
+            identify = expect[2] if len(expect) > 2 else True
+            seen = await self.observe(expect[1] is not None, op, identify)
+        except EngineDead:
+            raise
+        except EngineError as exc:
+            raise IllegalEngineOp(
+                label, op, f"the engine could not be read before {op}, which was not sent: {exc}"
+            ) from None
+        found = disagreement(expect, seen)
+        if found is not None:
+            outcome, records, reported = found
+            if outcome is Outcome.RESTARTED:
+                raise EngineRestarted(label, op, expect[0], seen["incarnation"])
+            raise EngineStateConflict(label, op, records, reported)
+        result = await getattr(self, op)(*args)
+        return [seen["incarnation"], result]
 
     async def pause_generation(self, mode: str) -> None:
         """Pause generation in ``mode``."""

@@ -4,8 +4,11 @@ sessions and updates sent exactly once with every flag explicit, ``/server_info`
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable
 from typing import Any
 
+from rollout_lifecycle.backends.engine import incarnation_of
 from rollout_lifecycle.backends.http_transport import RETRY_STATUSES, HTTPTransport
 from rollout_lifecycle.backends.http_wire import (
     HTTPTimeouts,
@@ -274,6 +277,26 @@ class SGLangCalls:
         # sglang: common.py build_server_info (server_args.resolved_dict() + launch_command)
         return await self._info("server_info", "/server_info", "/get_server_info")
 
+    async def observe(self, *, paused: bool = True, identify: bool = True) -> dict[str, Any]:
+        """What the server says of itself (``EngineHost.observe``), its reads sent at once:
+        the incarnation ``/server_info`` names (``identify``), and whether it is paused
+        (``paused``: a server that answers ``/ping`` and not ``/ready`` is paused; one that
+        does not answer ``/ping`` cannot tell)."""
+        reads: list[Awaitable[Any]] = []
+        if identify:
+            reads.append(self.server_info())
+        if paused:
+            reads += [self.ping(), self.ready()]
+        answers = list(await asyncio.gather(*reads))
+        info = answers.pop(0) if identify else None
+        found: dict[str, Any] = {"incarnation": None, "paused": None}
+        if info is not None:
+            found["incarnation"] = incarnation_of(info)
+        if paused:
+            healthy, serving = answers
+            found["paused"] = None if not healthy else not serving
+        return found
+
     async def ready(self, timeout: float | None = None) -> bool:
         """One ``GET /ready``, not retried: True on 200 only.
 
@@ -285,10 +308,30 @@ class SGLangCalls:
         """
         # sglang: http_server.py ready() -> tokenizer_manager.py TokenizerManager.is_ready
         # (not self.is_pause and self.is_healthy())
+        return await self._answers("ready", "/ready", timeout)
+
+    async def ping(self, timeout: float | None = None) -> bool:
+        """One ``GET /ping``, not retried: True on 200 only.
+
+        SGLang answers 200 when the server is up and healthy, *paused or not*, and 503
+        otherwise, so a server that answers ``/ping`` and not ``/ready`` is paused. False also
+        when the server cannot answer, or has no ``/ping`` (404): then nothing can be told of
+        its pause from outside. Other answers raise.
+        """
+        # sglang: http_server.py sagemaker_health (/ping: 200 when is_healthy(); unlike /ready
+        # a paused server answers 200); auth.py decide_request_auth (a normal endpoint)
         try:
-            await self._wire.request(
-                "ready", "GET", "/ready", None, self._probe_wait(timeout), retry=False
-            )
+            return await self._answers("ping", "/ping", timeout)
+        except EngineRejected as exc:
+            if exc.status == 404:
+                return False
+            raise
+
+    async def _answers(self, op: str, path: str, timeout: float | None) -> bool:
+        """Whether one GET of ``path`` is answered 200; False for 502-504 and for a server that
+        cannot answer; other refusals raise."""
+        try:
+            await self._wire.request(op, "GET", path, None, self._probe_wait(timeout), retry=False)
         except (EngineDead, EngineUnreachable, EngineTimeout):
             return False
         except EngineRejected as exc:

@@ -35,8 +35,9 @@ _CAUSE_LIMIT = 200
 #: What a key is replaced with wherever text from outside (answers, errors) is quoted.
 MASK = "********"
 #: Endpoints any api-key holder may call; every other endpoint is a control endpoint.
+# sglang: auth.py decide_request_auth (a route without @auth_level is a normal endpoint)
 _NORMAL_PATHS = frozenset(
-    {"/generate", "/server_info", "/get_server_info", "/model_info", "/get_model_info"}
+    {"/generate", "/server_info", "/get_server_info", "/model_info", "/get_model_info", "/ping"}
 )
 #: Endpoints SGLang serves without a key; none is sent to them.
 # sglang: auth.py (/health*, /ready*, /metrics* are open)

@@ -28,6 +28,8 @@ from rollout_lifecycle.core.exceptions import (
     EngineDead,
     EngineError,
     EngineRejected,
+    EngineRestarted,
+    EngineStateConflict,
     EngineTimeout,
     EngineUnreachable,
     IllegalEngineOp,
@@ -248,6 +250,10 @@ def classify(exc: BaseException, duration_s: float = 0.0) -> EngineOutcome:
         return EngineOutcome(Outcome.UNREACHABLE, inner.message, duration_s)
     if isinstance(inner, IllegalEngineOp):
         return EngineOutcome(Outcome.REFUSED, inner.reason, duration_s)
+    if isinstance(inner, EngineRestarted):
+        return EngineOutcome(Outcome.RESTARTED, inner.message, duration_s)
+    if isinstance(inner, EngineStateConflict):
+        return EngineOutcome(Outcome.CONFLICT, inner.message, duration_s)
     if isinstance(inner, EngineError):
         return EngineOutcome(Outcome.ERROR, inner.message, duration_s)
     if isinstance(inner, asyncio.TimeoutError | TimeoutError):

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from rollout_lifecycle.backends.engine import incarnation_of
 from rollout_lifecycle.backends.http import (
     SGLangHTTPEngine,
 )
@@ -49,6 +50,8 @@ from rollout_lifecycle.cli.ctl_state import (
     make_setup,
     read_ledger,
     record_restarted,
+    recorded_incarnation,
+    unstale,
     url_of,
     utc_now,
     write_ledger,
@@ -301,6 +304,44 @@ async def _check_serving(setup: Setup, urls: Sequence[str]) -> None:
         )
 
 
+async def _restarted(
+    setup: Setup, urls: Sequence[str], ledger: dict[str, Any]
+) -> dict[str, str | None]:
+    """The incarnation each ``--restarted`` engine shows now, once each shows it is a new
+    process (not the one the state file records) that serves with all its memory resident."""
+    answers = await asyncio.gather(*(ready_status(u, setup.timeouts) for u in setup.restarted))
+    busy = [
+        f"{u} ({s or why})"
+        for u, (s, why) in zip(setup.restarted, answers, strict=True)
+        if s != 200
+    ]
+    if busy:
+        raise CtlError(
+            ExitCode.STATE,
+            f"--restarted: /ready of {', '.join(busy)} is not 200; a restarted server "
+            f"serves with all its memory resident",
+        )
+    backends = make_backends(setup, setup.restarted, retries=0)
+    try:
+        infos = await asyncio.gather(*(b.server_info() for b in backends), return_exceptions=True)
+    finally:
+        await close_backends(backends)
+    seen: dict[str, str | None] = {}
+    for url, info in zip(setup.restarted, infos, strict=True):
+        if isinstance(info, BaseException):
+            raise CtlError(ExitCode.UNREACHABLE, f"--restarted: {url}: {info}")
+        found = incarnation_of(info)
+        if found is not None and found == recorded_incarnation(ledger, urls, url):
+            raise CtlError(
+                ExitCode.STATE,
+                f"--restarted: {url} was not restarted: it is the process the state file "
+                f"records (incarnation {found}); a call in flight to it may have landed, so "
+                f"restart the server before recording it as new",
+            )
+        seen[url] = found
+    return seen
+
+
 async def _check_versions(backends: Sequence[SGLangHTTPEngine]) -> None:
     """The attach check on every engine before the call: an SGLang older than 0.5.22 (or one
     that reports no version) is refused and nothing is sent. An engine that cannot be asked is
@@ -374,24 +415,14 @@ _CALLS: dict[str, Callable[[RolloutServer], Awaitable[dict[str, float]]]] = {
 async def _drive(setup: Setup) -> tuple[ExitCode, dict[str, Any]]:
     """Adopt the ledger, make the action's call, write the ledger; the exit code and report."""
     urls, ledger = read_ledger(setup.state_path, setup.urls)
+    if ledger is not None:
+        unstale(ledger)
     if setup.restarted:
         if ledger is None:
             raise CtlError(
                 ExitCode.STATE, f"--restarted: there is no state file at {setup.state_path}"
             )
-        answers = await asyncio.gather(*(ready_status(u, setup.timeouts) for u in setup.restarted))
-        busy = [
-            f"{u} ({s or why})"
-            for u, (s, why) in zip(setup.restarted, answers, strict=True)
-            if s != 200
-        ]
-        if busy:
-            raise CtlError(
-                ExitCode.STATE,
-                f"--restarted: /ready of {', '.join(busy)} is not 200; a restarted server "
-                f"serves with all its memory resident",
-            )
-        record_restarted(ledger, urls, setup.restarted)
+        record_restarted(ledger, urls, await _restarted(setup, urls, ledger))
     backends = make_backends(setup, urls)
     recording: list[dict[str, Any]] = []
 

@@ -534,13 +534,33 @@ def _engine_records(ledger: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
                 yield engine
 
 
-def record_restarted(ledger: dict[str, Any], urls: Sequence[str], restarted: Sequence[str]) -> None:
-    """Record each ``restarted`` engine in ``ledger`` as a new server: alive, serving, every tag
-    resident; the server state becomes ``failed``, for ``reset`` to settle."""
+def recorded_incarnation(ledger: Mapping[str, Any], urls: Sequence[str], url: str) -> Any:
+    """The incarnation the ledger records for the engine at ``url`` (None if none)."""
+    engine_id = f"{GROUP}/{urls.index(url)}"
+    for engine in _engine_records(ledger):
+        if engine["id"] == engine_id:
+            return engine.get("incarnation")
+    return None
+
+
+def unstale(ledger: Mapping[str, Any]) -> None:
+    """Take no engine of ``ledger`` for one that lacks the fleet's weights: ``ctl`` pushes
+    none, so an engine restarted in its place serves the model it was started with, as every
+    engine of its fleet does (the library marks it stale until a push; here none comes)."""
+    for engine in _engine_records(ledger):
+        engine["stale"] = False
+
+
+def record_restarted(
+    ledger: dict[str, Any], urls: Sequence[str], restarted: Mapping[str, str | None]
+) -> None:
+    """Record each ``restarted`` engine (URL -> the incarnation it shows now) in ``ledger`` as
+    a new server: alive, serving, every tag resident; the server state becomes ``failed``, for
+    ``reset`` to settle."""
     server = ledger.get("server")
     if not isinstance(server, dict) or not isinstance(server.get("groups"), list):
         return  # ServerSnapshot.from_dict refuses it
-    ids = {f"{GROUP}/{urls.index(u)}" for u in restarted}
+    ids = {f"{GROUP}/{urls.index(u)}": seen for u, seen in restarted.items()}
     for engine in _engine_records(ledger):
         if engine["id"] in ids:
             engine.update(
@@ -555,6 +575,7 @@ def record_restarted(ledger: dict[str, Any], urls: Sequence[str], restarted: Seq
                 session_unknown=False,
                 last_op="restarted",
                 last_outcome=None,
+                incarnation=ids[engine["id"]],
             )
     server["state"] = ServerState.FAILED.value
 

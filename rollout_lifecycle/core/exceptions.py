@@ -168,3 +168,35 @@ class EngineUnreachable(EngineError):
 
 class EngineTimeout(EngineError):
     """The engine did not answer within the call's deadline; what it did is unknown."""
+
+
+class EngineRestarted(EngineError):
+    """The process at the engine's address is not the one the records describe (it restarted,
+    or another server took its address): nothing was sent. ``found`` is its incarnation."""
+
+    def __init__(self, engine: str, op: str, expected: str | None, found: str | None) -> None:
+        super().__init__(
+            engine,
+            op,
+            f"the engine restarted (incarnation {expected} is now {found}); nothing was sent, "
+            f"and its record now describes a fresh server",
+        )
+        self._init = (engine, op, expected, found)
+        self.expected = expected
+        self.found = found
+
+
+class EngineStateConflict(EngineError):
+    """The engine reports a state its records do not describe (another controller may drive
+    it): nothing was sent. The message names both views."""
+
+    def __init__(self, engine: str, op: str, records: str, reported: str) -> None:
+        super().__init__(
+            engine,
+            op,
+            f"the records hold it {records}, but the engine reports {reported}; another "
+            f"controller may be driving it, so nothing was sent",
+        )
+        self._init = (engine, op, records, reported)
+        self.records = records
+        self.reported = reported

@@ -267,7 +267,7 @@ class GenerationClient:
         deadline = asyncio.get_running_loop().time() + self._request_timeout
         while True:
             record = await self._router.acquire(work, deadline)
-            engine, handle = record.id, record.handle
+            engine, handle, incarnation = record.id, record.handle, record.incarnation
             body = work.body()
             work.engines.append(engine)
             self._router.outstanding[engine] = self._router.outstanding.get(engine, 0) + 1
@@ -283,7 +283,7 @@ class GenerationClient:
                         raise
                     raise inner from exc
                 if outcome.outcome is Outcome.DEAD:
-                    self._router.dead[engine] = handle
+                    self._router.saw_die(engine, handle, incarnation)
                     self._counts["engine_deaths"] += 1
                 work.avoid.add(engine)
                 self._resubmit(work, f"engine {engine} was lost ({outcome})")

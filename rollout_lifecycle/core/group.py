@@ -4,7 +4,10 @@ A group holds engine handles (Ray actor handles, ``HostedEngine``s or ``EngineHo
 backend is wrapped in an ``EngineHost``) and one ``EngineRecord`` per engine. Its methods only
 *issue* work, through the phase runner's ``issue``: each checks every targeted engine against
 the SGLang contract first (raising ``IllegalEngineOp`` before anything is sent), then returns one
-pending call per engine without waiting.
+pending call per engine without waiting. A call of ``CHECKED_OPS`` (pause, continue, release,
+resume, the begin of a weight-update session, the version) is sent as ``EngineHost.checked``:
+its engine first shows who it is and whether it is paused, and the call answers
+``[incarnation, result]``.
 """
 
 from __future__ import annotations

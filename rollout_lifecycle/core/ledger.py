@@ -16,9 +16,9 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Protocol
 
-from rollout_lifecycle.core.config import WEIGHT_TAGS, PauseMode, Tag, parse_tags
+from rollout_lifecycle.core.config import ALL_TAGS, WEIGHT_TAGS, PauseMode, Tag, parse_tags
 from rollout_lifecycle.core.exceptions import IllegalEngineOp, InvalidArgument
-from rollout_lifecycle.core.ops import MEMORY_OPS, PAUSE_OPS, SESSION_OPS, Op
+from rollout_lifecycle.core.ops import CHECKED_OPS, MEMORY_OPS, PAUSE_OPS, SESSION_OPS, Op
 from rollout_lifecycle.core.outcome import EngineOutcome, Outcome
 from rollout_lifecycle.core.states import ServerState
 
@@ -29,7 +29,7 @@ S = ServerState
 _PAUSE, _CONTINUE, _FLUSH = Op.PAUSE, Op.CONTINUE, Op.FLUSH
 _RELEASE, _RESUME, _SET_VERSION = Op.RELEASE, Op.RESUME, Op.SET_VERSION
 _BEGIN_UPDATE, _END_UPDATE = Op.BEGIN_UPDATE, Op.END_UPDATE
-_DEAD = Outcome.DEAD
+_DEAD, _RESTARTED, _CONFLICT = Outcome.DEAD, Outcome.RESTARTED, Outcome.CONFLICT
 
 #: Outcomes after which an engine may or may not have carried out the call.
 _EFFECT_UNKNOWN = frozenset({Outcome.TIMED_OUT, Outcome.UNREACHABLE, Outcome.ERROR})
@@ -58,6 +58,8 @@ class EngineSnapshot:
     pause_unknown: bool = False
     #: A weight-update session may be open (its begin or end did not complete).
     session_unknown: bool = False
+    #: The process the record describes (None: not seen yet).
+    incarnation: str | None = None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EngineSnapshot:
@@ -112,6 +114,9 @@ class EngineRecord:
     #: A begin or end of a weight-update session did not complete: a session may be open, and
     #: the next update closes it first.
     session_unknown: bool = False
+    #: The process this record describes (``core/identity``): recorded from the first answer
+    #: that names it, checked before every call in ``CHECKED_OPS``. None until then.
+    incarnation: str | None = None
     #: What ``intend`` changed for the call in flight, restored when it is refused outright.
     _undo: tuple[Any, ...] | None = field(default=None, repr=False)
 
@@ -168,6 +173,52 @@ class EngineRecord:
         if Tag.WEIGHTS in self.released or Tag.WEIGHTS in self.uncertain:
             raise self._refuse(op, "weights are released; writing them is an illegal access")
 
+    # -- identity ----------------------------------------------------------------------------
+
+    def expect(self, op: Op) -> list[Any]:
+        """What the engine must show before ``op`` (one of ``CHECKED_OPS``) is sent:
+        ``[incarnation, paused, identify]``.
+
+        Every call but a pause reads the engine's incarnation (``identify``): sent to another
+        process, a release, resume, continue or weight write could kill it or leave it with the
+        wrong weights. Each also wants the pause state the record holds, where it holds one (a
+        pause or continue that did not answer leaves it open): one another controller continued
+        would hit live requests or run on released memory. A pause is harmless to a new process
+        (the release after it reads the incarnation), so it reads only the pause state, and
+        only where the record says the engine serves: one another controller paused has likely
+        been released by it too. A repeated pause asks nothing. The first checked call of an
+        engine whose incarnation the record does not know yet reads it, whatever the call (the
+        record names its process from then on)."""
+        identify = op is not _PAUSE or self.incarnation is None
+        if self.pause_unknown or (op is _PAUSE and self.paused):
+            return [self.incarnation, None, identify]
+        return [self.incarnation, self.paused, identify]
+
+    def observed(self) -> list[Any]:
+        """What a probe compares the engine's report with: its incarnation, and the pause
+        state the record holds (unless a pause or continue did not answer)."""
+        return [self.incarnation, None if self.pause_unknown else self.paused]
+
+    def learn(self, verdict: Outcome, incarnation: str | None) -> None:
+        """Take in what the engine showed of itself against this record (``core/identity``):
+        after ``RESTARTED`` the record describes the new process (``restart``); after
+        ``CONFLICT`` (the engine is not paused as recorded: another controller may drive it)
+        nothing is known of it but that it answers: its pause state and every tag are
+        unknown, so no call that could kill it is sent (SGLang reports no released tags) and
+        ``recover()`` replaces it (a server restarted in its place is taken as fresh)."""
+        if verdict is _RESTARTED:
+            self.restart(incarnation)
+        elif verdict is _CONFLICT:
+            self.paused, self.flushed, self.pause_unknown = True, False, True
+            self.uncertain.update(ALL_TAGS)
+
+    def restart(self, incarnation: str | None) -> None:
+        """The process at this engine's address is a new one: the record describes a fresh
+        server (alive, serving, all memory resident, stale until it receives the fleet's
+        weights); what was uncertain of the old process is gone with it."""
+        self.renew(self.handle)
+        self.incarnation = incarnation
+
     # -- effects of calls ------------------------------------------------------------------------
 
     def intend(self, op: Op, tags: Sequence[Tag], mode: PauseMode | None) -> None:
@@ -203,9 +254,15 @@ class EngineRecord:
             (self.session_unknown,) = undo
 
     def apply(
-        self, op: Op, tags: Sequence[Tag], mode: PauseMode | None, out: EngineOutcome
+        self,
+        op: Op,
+        tags: Sequence[Tag],
+        mode: PauseMode | None,
+        out: EngineOutcome,
+        incarnation: str | None = None,
     ) -> None:
-        """Record what a settled call means for this engine."""
+        """Record what a settled call means for this engine; ``incarnation`` is the one the
+        engine showed (a checked call that passed, or the new process that refused it)."""
         if type(op) is not Op:
             op = Op(op)  # an operation the ledger does not know is an error, never ignored
         self.last_op = op._value_
@@ -214,6 +271,17 @@ class EngineRecord:
             self._undo = None
             self.alive = False
             return
+        checked = op in CHECKED_OPS
+        if out.outcome is _RESTARTED or out.outcome is _CONFLICT:
+            # (a probe's verdict is its caller's to learn, under the server's lock: a probe
+            # runs beside the calls that change the records)
+            if checked:
+                self.undo_intent(op)  # nothing was sent
+                self.learn(out.outcome, incarnation)
+                self.last_op, self.last_outcome = op._value_, out
+            return
+        if out.ok and incarnation is not None and (checked or self.incarnation is None):
+            self.incarnation = incarnation  # (a read names the process only the first time)
         if out.outcome in _EFFECT_UNKNOWN:
             self._undo = None
             # No answer, a dropped connection or garbage: the call may or may not have landed.
@@ -264,6 +332,7 @@ class EngineRecord:
         self.released.clear()
         self.uncertain.clear()
         self.last_op, self.last_outcome, self.stale = None, None, True
+        self.incarnation = None
         self._undo = None
 
     def snapshot(self) -> EngineSnapshot:
@@ -283,6 +352,7 @@ class EngineRecord:
             stale=self.stale,
             pause_unknown=self.pause_unknown,
             session_unknown=self.session_unknown,
+            incarnation=self.incarnation,
         )
 
     def load(self, snapshot: EngineSnapshot) -> None:
@@ -313,6 +383,7 @@ class EngineRecord:
         self.last_op, self.last_outcome, self.stale = snapshot.last_op, last, snapshot.stale
         self.pause_unknown = snapshot.pause_unknown
         self.session_unknown = snapshot.session_unknown
+        self.incarnation = snapshot.incarnation
         self._undo = None
 
 
@@ -434,6 +505,18 @@ class Fleet:
         """The groups none of whose engines is alive."""
         return [g for g in self._groups if not any(r.alive for r in g.records)]
 
+    def check_live(self, call: str) -> None:
+        """Refuse a lifecycle call when a group has no live engine: it would succeed on
+        nothing. ``recover()`` and ``reset()`` are how such a fleet comes back."""
+        if call in ("recover", "reset"):
+            return
+        for group in self.dead_groups():
+            raise IllegalEngineOp(
+                f"group {group.name!r}",
+                call,
+                f"all {len(group.records)} engines of the group are dead; recover() replaces them",
+            )
+
     def target(self, record: EngineRecord, state: ServerState) -> Target | None:
         """The memory state ``record`` should be in when the server is settled in ``state``."""
         return target(state, self._offloads[record.group], self._release_tags)
@@ -468,6 +551,46 @@ class Fleet:
         if not idle:
             return None  # (groups that keep their memory may be paused: a write that failed)
         return self._state_releasing(held)
+
+    def unsettled(self) -> list[str]:
+        """Why the live records imply no single state, in words, engine by engine (empty when
+        they imply one): what ``reset()`` names when it refuses."""
+        if self.settled_state() is not None:
+            return []
+        live = self.live()
+        out = [
+            f"{r.id} holds {_tag_list(r.uncertain)} in an unknown state"
+            for r in live
+            if r.uncertain
+        ]
+        out += [
+            f"{r.id} is a fresh server without the fleet's weights that is not paused (found "
+            f"restarted, or a replacement not brought up)"
+            for r in live
+            if r.stale and not r.paused
+        ]
+        offload = [r for r in live if self._offloads[r.group]]
+        if len({frozenset(r.released) for r in offload}) > 1:
+            held = ", ".join(f"{r.id} {_tag_list(r.released)}" for r in offload)
+            out.append(f"the engines that offload hold different tags released ({held})")
+        out += [
+            f"{r.id} keeps its memory but holds {_tag_list(r.released)} released"
+            for r in live
+            if not self._offloads[r.group] and r.released
+        ]
+        out += [
+            f"{r.id} is paused without a flush since its pause (a drain that did not complete)"
+            for r in offload
+            if r.paused and not r.flushed and r.pause_mode is not PauseMode.IN_PLACE
+        ]
+        return out or ["the engines' pause states disagree"]
+
+    def implies(self, state: ServerState) -> bool:
+        """Whether the records are those of a server settled in ``state``: the state they
+        imply (``settled_state``), or ``kv_restored`` where they settle as ``drained`` (both
+        hold every engine paused with all memory resident); ``failed`` takes any records."""
+        implied = self.settled_state()
+        return state in (S.FAILED, implied) or (state, implied) == (S.KV_RESTORED, S.DRAINED)
 
     def majority_state(self, skip: Collection[str]) -> ServerState | None:
         """After a phase failed part-way, the state most offloaded engines are in."""

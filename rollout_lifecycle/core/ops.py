@@ -25,6 +25,8 @@ class Op(str, Enum):
     SET_VERSION = "update_weight_version"
     WEIGHT_VERSION = "weight_version"
     SERVER_INFO = "server_info"
+    #: Who the engine is and what it says of itself: ``{"incarnation", "paused"}``.
+    OBSERVE = "observe"
     GENERATE = "generate"
     ABORT = "abort_request"
     UPDATE_FROM_DISK = "update_weights_from_disk"
@@ -59,6 +61,16 @@ SESSION_OPS = frozenset({Op.BEGIN_UPDATE, Op.END_UPDATE})
 INTENT_OPS = MEMORY_OPS | PAUSE_OPS | SESSION_OPS
 #: Operations that write or depend on resident weights.
 WEIGHT_OPS = frozenset({Op.BEGIN_UPDATE, Op.END_UPDATE, Op.SET_VERSION})
+#: Operations sent only once the engine has shown it is the process its record describes, and
+#: (where it can tell) in the pause state the record holds (``EngineHost.checked``): sent to
+#: another process, or behind another controller's back, they could kill it or lose work. (The
+#: end of a weight-update session is not: sent to a new process it is a harmless 400, and the
+#: version that follows it is checked.)
+CHECKED_OPS = frozenset(
+    {Op.PAUSE, Op.CONTINUE, Op.RELEASE, Op.RESUME, Op.BEGIN_UPDATE, Op.SET_VERSION}
+)
+#: The host method that carries a checked operation: ``checked(expect, op, *args)``.
+CHECKED = "checked"
 
 
 def as_op(name: str | Op) -> Op:
@@ -66,4 +78,14 @@ def as_op(name: str | Op) -> Op:
     return name if isinstance(name, Op) else Op(name)
 
 
-__all__ = ["INTENT_OPS", "MEMORY_OPS", "PAUSE_OPS", "SESSION_OPS", "WEIGHT_OPS", "Op", "as_op"]
+__all__ = [
+    "CHECKED",
+    "CHECKED_OPS",
+    "INTENT_OPS",
+    "MEMORY_OPS",
+    "PAUSE_OPS",
+    "SESSION_OPS",
+    "WEIGHT_OPS",
+    "Op",
+    "as_op",
+]

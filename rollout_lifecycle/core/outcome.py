@@ -27,11 +27,21 @@ class Outcome(str, Enum):
     REFUSED = "refused"
     #: The call was not sent (an earlier phase failed, or the engine was already dead).
     NOT_ATTEMPTED = "not_attempted"
+    #: The process at the engine's address is a new one (it restarted): the call was not sent,
+    #: and the engine's record now describes a fresh server.
+    RESTARTED = "restarted"
+    #: The engine reports a state its record does not describe (another controller may drive
+    #: it): the call was not sent.
+    CONFLICT = "conflict"
     #: Anything else (a bug in a backend, garbage in an answer).
     ERROR = "error"
 
     def __str__(self) -> str:
         return self.value
+
+
+#: What an engine showed of itself that its record does not describe (``core/identity``).
+DISAGREEMENTS = frozenset({Outcome.RESTARTED, Outcome.CONFLICT})
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,10 +17,10 @@ from rollout_lifecycle.core.config import PauseMode, Tag
 from rollout_lifecycle.core.events import logger
 from rollout_lifecycle.core.exceptions import IllegalTransition, InvalidArgument, PhaseFailed
 from rollout_lifecycle.core.group import EngineGroup
-from rollout_lifecycle.core.ledger import KEEPERS_SERVE, EngineRecord, Fleet, target
+from rollout_lifecycle.core.ledger import KEEPERS_SERVE, EngineRecord, EngineSnapshot, Fleet, target
 from rollout_lifecycle.core.machine import Machine
 from rollout_lifecycle.core.ops import Op
-from rollout_lifecycle.core.outcome import EngineOutcome
+from rollout_lifecycle.core.outcome import DISAGREEMENTS, EngineOutcome, Outcome
 from rollout_lifecycle.core.phases import Client, Parts, Phases
 from rollout_lifecycle.core.runner import Plan
 from rollout_lifecycle.core.states import ServerState
@@ -52,8 +52,15 @@ class Recovery(Client):
         """Leave ``failed`` for the state the records imply; let the keepers serve there."""
         machine = self._machine
         machine.plan("reset")
-        if self._fleet.settled_state() is None:
-            raise IllegalTransition("reset", machine.state.value, [S.FAILED.value])
+        unsettled = self._fleet.unsettled()
+        if unsettled:
+            raise IllegalTransition(
+                "reset",
+                machine.state.value,
+                [S.FAILED.value],
+                reason=f"the engines' records imply no single state to settle in: "
+                f"{'; '.join(unsettled)}; recover() brings them to one",
+            )
         await machine.perform("reset")
         if machine.state in KEEPERS_SERVE:
             # an offload that failed after its release may have left them paused
@@ -62,6 +69,28 @@ class Recovery(Client):
             except PhaseFailed:
                 await machine.fail()
                 raise
+
+    async def take_in(self, records: Sequence[EngineRecord]) -> dict[str, EngineOutcome]:
+        """Look at ``records`` again (a probe found them restarted or not paused as recorded)
+        and let each record learn what its engine shows now; fail the server if the records
+        then imply another state. Under the server's lock."""
+        plan = Plan(Op.OBSERVE, tuple(r for r in records if r.alive))
+        result = await self._runner.run("probe_again", plan, self._config.deadlines.probe)
+        for record in plan.targets:
+            out = result.outcomes[record.id]
+            if out.outcome in DISAGREEMENTS:
+                record.learn(out.outcome, result.restarted.get(record.id))
+                logger().warning(
+                    "engine.disagrees", server=self._name, engine=record.id, detail=out.detail
+                )
+        machine = self._machine
+        if plan.targets and not self._fleet.implies(machine.state):
+            await machine.fail()
+        self._journal()
+        gate = self._runner.gate
+        if gate is not None and plan.targets:
+            await gate.after(plan, result)  # the router follows the records learned
+        return result.outcomes
 
     async def recover(self, factory: EngineFactory) -> dict[str, EngineOutcome]:
         """Replace the broken engines, heal the rest; the outcome of every step."""
@@ -83,20 +112,30 @@ class Recovery(Client):
         self._check_replacements(replacements)
         log = logger().bind(server=self._name, call="recover")
         retired = []
+        #: What the records said of engines handed back at their own address (maybe the same
+        #: process: a restart is only known once the engine has shown its incarnation).
+        previous: dict[str, EngineSnapshot] = {}
         for record, engine in replacements:
+            saved = record.snapshot()
             old = self._groups[record.group].replace(record, engine)
             log.info("engine.replaced", engine=record.id, target=goal.value)
             if seam.identity(old) != seam.identity(record.handle):
-                retired.append(old)  # (a server restarted at the same URL is not stopped)
+                retired.append(old)
+            else:
+                previous[record.id] = saved  # (not stopped: it may be a server restarted there)
         self._journal()
         for old in retired:
             await seam.retire(old, self._config.deadlines.probe)
         try:
-            outcomes = await self._bring_up([r for r, _ in replacements], goal)
+            outcomes, fresh = await self._verify([r for r, _ in replacements], previous)
+            if self._runner.succeeded(outcomes):
+                outcomes.update(await self._bring_up(fresh, goal))
             if self._runner.succeeded(outcomes):
                 # (a bring-up that failed may leave a pause in flight, which would hold no
-                # barrier over the heal's flushes: a later recover() finishes both)
-                outcomes.update(await self._heal(goal, skip))
+                # barrier over the heal's flushes: a later recover() finishes both; an engine
+                # handed back as the same process is healed with the others)
+                back = {r.id for r, _ in replacements if r not in fresh}
+                outcomes.update(await self._heal(goal, skip - back))
         except Exception:
             # replacements in place but not brought up: the records imply no state
             if replacements and machine.state is not S.FAILED:
@@ -111,6 +150,52 @@ class Recovery(Client):
             if machine.state is S.FAILED:
                 raise IllegalTransition("recover", S.FAILED.value, [])  # records still disagree
         return outcomes
+
+    async def _verify(
+        self, records: Sequence[EngineRecord], previous: Mapping[str, EngineSnapshot]
+    ) -> tuple[dict[str, EngineOutcome], list[EngineRecord]]:
+        """Read every replacement before counting it (``recover_probe``, within
+        ``Deadlines.startup``): the outcomes, and the replacements that are fresh servers.
+
+        One handed back at its own address that shows the incarnation its record had is the
+        same process, not a fresh engine: it keeps its record (alive again), and if that record
+        holds tags in an unknown state nothing can settle them, so it is refused. One that
+        reports itself paused is not the fresh server a replacement must be (its memory cannot
+        be read): refused, its tags recorded as unknown, for the factory to replace again.
+        """
+        plan = Plan(Op.OBSERVE, tuple(records))
+        result = await self._runner.run("recover_probe", plan, self._config.deadlines.startup)
+        outcomes = dict(result.outcomes)
+        fresh: list[EngineRecord] = []
+        for record in records:
+            out = outcomes[record.id]
+            observed = result.answer(record.id)
+            seen = observed.get("incarnation") if isinstance(observed, Mapping) else None
+            saved = previous.get(record.id)
+            if saved is not None and saved.incarnation is not None and seen == saved.incarnation:
+                record.load(saved)  # the process the record described: it keeps its record
+                record.alive = True
+                outcomes[record.id] = EngineOutcome(Outcome.OK, "", out.duration_s)
+                if record.uncertain:
+                    outcomes[record.id] = EngineOutcome(
+                        Outcome.REFUSED,
+                        f"the factory handed back the process it was to replace (incarnation "
+                        f"{seen}, not restarted): its tags {list(saved.uncertain)} are still in "
+                        f"an unknown state; restart that server, or hand back another engine",
+                        out.duration_s,
+                    )
+            elif out.outcome is Outcome.CONFLICT:
+                record.learn(Outcome.CONFLICT, None)  # (its tags unknown: replaced again)
+                outcomes[record.id] = EngineOutcome(
+                    Outcome.CONFLICT,
+                    f"the replacement is not a fresh server ({out.detail}); what memory it "
+                    f"holds cannot be read, so it is not used",
+                    out.duration_s,
+                )
+            elif out.ok:
+                record.incarnation = seen
+                fresh.append(record)
+        return outcomes, fresh
 
     def _check_replacements(self, replacements: Sequence[tuple[EngineRecord, Any]]) -> None:
         """Refuse, before anything is retired, replacements that are engines of this server
@@ -168,7 +253,7 @@ class Recovery(Client):
             or (r.stale and (not r.paused or r.pause_unknown))
         ]
         if short:
-            outcomes.update(await self._bring_up(short, goal, fresh=False))
+            outcomes.update(await self._bring_up(short, goal))
         if goal in KEEPERS_SERVE:
             # groups that keep their memory serve here (a failed release may have left the
             # ones ``pause()`` paused)
@@ -183,12 +268,12 @@ class Recovery(Client):
         return outcomes
 
     async def _bring_up(
-        self, records: Sequence[EngineRecord], goal: ServerState, *, fresh: bool = True
+        self, records: Sequence[EngineRecord], goal: ServerState
     ) -> dict[str, EngineOutcome]:
-        """Bring engines to ``goal``'s memory state, phase by phase, each phase a barrier:
-        fresh ones (serving, all memory resident) are probed first; an engine whose last pause
-        or continue did not answer is paused again; a held tag is never released again. The
-        first phase that fails anywhere stops the bring-up (a later ``recover()`` finishes it).
+        """Bring engines to ``goal``'s memory state, phase by phase, each phase a barrier: an
+        engine not paused, or whose last pause or continue did not answer, is paused; a held
+        tag is never released again. The first phase that fails anywhere stops the bring-up (a
+        later ``recover()`` finishes it).
 
         A replacement without the fleet's weights (stale) is paused even where its group
         serves: it waits for a weight update instead of generating on its initial weights.
@@ -204,11 +289,6 @@ class Recovery(Client):
             return [r for r in plan.targets if got[r.id].ok]
 
         up = list(records)
-        if fresh:
-            probed = await step("recover_probe", Plan(Op.SERVER_INFO, tuple(up)), deadlines.startup)
-            if probed is None:
-                return outcomes
-            up = probed
         mode = self._config.pause_mode
         to_pause = [
             r

@@ -123,6 +123,7 @@ class RouterSync:
             plan.op is _CONTINUE
             or plan.op is _PAUSE
             or plan.op is Op.SERVER_INFO
+            or plan.op is Op.OBSERVE
             or not all(o.ok for o in result.outcomes.values())
         ):
             try:

@@ -41,8 +41,9 @@ class Router:
         self._recheck = recheck
         #: Requests of the client at each engine now, by engine id.
         self.outstanding: dict[str, int] = {}
-        #: Engine id -> the handle the client saw die in that slot (a replacement is not dead).
-        self.dead: dict[str, Any] = {}
+        #: Engine id -> the handle and incarnation the client saw die in that slot (a
+        #: replacement is not dead, nor is a new process restarted at the same address).
+        self.dead: dict[str, tuple[Any, str | None]] = {}
         #: Requests waiting for a serving engine now.
         self.holding = 0
         self._wake: asyncio.Event | None = None
@@ -59,7 +60,7 @@ class Router:
             and not record.uncertain
             # A replacement without the fleet's versioned weights generates nothing for us.
             and not (record.stale and self._server.expected_version is not None)
-            and self.dead.get(record.id) is not record.handle
+            and not self.seen_dead(record)
         )
 
     def pick(self, work: Request) -> EngineRecord | None:
@@ -119,10 +120,20 @@ class Router:
             if held:
                 self.holding -= 1
 
+    def saw_die(self, engine: str, handle: Any, incarnation: str | None) -> None:
+        """Remember that a request of this client lost an engine (the process ``handle`` and
+        ``incarnation`` name, in slot ``engine``) to its death."""
+        self.dead[engine] = (handle, incarnation)
+
+    def seen_dead(self, record: EngineRecord) -> bool:
+        """Whether this client saw the process ``record`` describes die under a request."""
+        seen = self.dead.get(record.id)
+        return seen is not None and seen[0] is record.handle and seen[1] == record.incarnation
+
     def _engine_dead(self, record: EngineRecord) -> bool:
         """Dead for good: recorded dead by the server, or seen dying by this client (the same
         handle; a replacement in its slot is another engine)."""
-        return not record.alive or self.dead.get(record.id) is record.handle
+        return not record.alive or self.seen_dead(record)
 
     def _check_alive(self, work: Request) -> None:
         """Fail ``work`` at once when every engine that could ever serve it is dead."""
@@ -157,7 +168,7 @@ class Router:
             for r in g.records:
                 if not r.alive:
                     notes.append(f"{r.id} dead")
-                elif self.dead.get(r.id) is r.handle:
+                elif self.seen_dead(r):
                     notes.append(f"{r.id} died under a request")
                 elif r.paused:
                     notes.append(f"{r.id} paused")

@@ -25,8 +25,9 @@ from rollout_lifecycle.backends.seam import Landed
 from rollout_lifecycle.core.config import DeadEnginePolicy, PauseMode, Tag
 from rollout_lifecycle.core.events import logger
 from rollout_lifecycle.core.exceptions import PhaseFailed
+from rollout_lifecycle.core.identity import disagreement
 from rollout_lifecycle.core.ledger import EngineRecord, GroupRecords
-from rollout_lifecycle.core.ops import INTENT_OPS, WEIGHT_OPS, Op
+from rollout_lifecycle.core.ops import CHECKED, CHECKED_OPS, INTENT_OPS, WEIGHT_OPS, Op
 from rollout_lifecycle.core.outcome import EngineOutcome, Outcome
 from rollout_lifecycle.core.states import ServerState
 
@@ -35,11 +36,21 @@ _Guard = Callable[[EngineRecord], None]
 #: The operations as module globals: the ledger and the runner compare them once per engine
 #: per phase, and a global is read several times faster than an ``Op`` member.
 _CONTINUE, _FLUSH, _RELEASE, _RESUME = Op.CONTINUE, Op.FLUSH, Op.RELEASE, Op.RESUME
-_OK = Outcome.OK
+_OBSERVE = Op.OBSERVE
+_OK, _RESTARTED, _UNREACHABLE = Outcome.OK, Outcome.RESTARTED, Outcome.UNREACHABLE
 _FAILED = EngineOutcome(Outcome.NOT_ATTEMPTED)
 #: Calls that only read the engine: landing late, they change nothing a later call relies on.
 _READS = frozenset(
-    {Op.WEIGHT_VERSION, Op.SERVER_INFO, Op.MEMORY, Op.STATE, Op.STATS, Op.HISTORY, Op.LABEL}
+    {
+        Op.WEIGHT_VERSION,
+        Op.SERVER_INFO,
+        Op.OBSERVE,
+        Op.MEMORY,
+        Op.STATE,
+        Op.STATS,
+        Op.HISTORY,
+        Op.LABEL,
+    }
 )
 
 
@@ -155,6 +166,9 @@ def issue(plan: Plan, before_send: Callable[[], None] | None = None) -> Calls:
     (the journal) runs before any is sent, and a ``before_send`` that raises sends nothing."""
     plan.check()
     op, chosen = plan.op, list(plan.targets)
+    # What each engine must show before a checked call: taken before the intent below changes
+    # the records (a continue's intent makes the pause state unknown).
+    expects = [r.expect(op) for r in chosen] if op in CHECKED_OPS else None
     if chosen and op in INTENT_OPS:
         for record in chosen:
             record.intend(op, plan.tags, plan.mode)
@@ -170,14 +184,17 @@ def issue(plan: Plan, before_send: Callable[[], None] | None = None) -> Calls:
     name = op._value_  # the plain (interned) method name: attribute lookups cache it
     kind: type | None = None
     send: Callable[[Any, str, tuple[Any, ...]], Awaitable[Any]] | None = None
-    for record in chosen:
+    for i, record in enumerate(chosen):
         handle = record.handle
         if type(handle) is not kind:  # (a plan's handles are nearly always of one kind)
             kind, send = type(handle), seam.seam_for(handle).send
         assert send is not None
         starts.append(time.monotonic())
         handles.append(handle)
-        refs.append(send(handle, name, args))
+        if expects is None:
+            refs.append(send(handle, name, args))
+        else:  # the engine shows who it is before the call is carried out (EngineHost.checked)
+            refs.append(send(handle, CHECKED, (expects[i], name, *args)))
     calls.records = chosen
     calls.ops = [op] * len(chosen)
     calls.tags = [plan.tags] * len(chosen)
@@ -202,14 +219,24 @@ class PhaseResult:
     #: The calls and what became of each (for ``value``).
     calls: Calls = field(default_factory=Calls)
     landed: Landed | None = None
+    #: The engines a call found restarted (another process at the address), with the
+    #: incarnation each showed.
+    restarted: dict[str, str | None] = field(default_factory=dict)
 
     def value(self, engine: str) -> Any:
         """What ``engine``'s call returned (None if it failed or was not in the phase)."""
-        if self.landed is None or not self.outcomes.get(engine, _FAILED).ok:
+        if not self.outcomes.get(engine, _FAILED).ok:
+            return None
+        return self.answer(engine)
+
+    def answer(self, engine: str) -> Any:
+        """What ``engine``'s call answered, whatever the phase made of it (a report that
+        disagrees with the record included); None if it raised or was not in the phase."""
+        if self.landed is None:
             return None
         for i, record in enumerate(self.calls.records):
             if record.id == engine:
-                return self.landed.values[i]
+                return self.landed.values[i] if self.landed.errors[i] is None else None
         return None
 
 
@@ -268,11 +295,45 @@ class PhaseRunner:
                 return self._not_sent(phase, plan, busy)
         gate = self.gate
         if gate is None or not plan.targets:
-            return await self.settle(phase, self.issue(plan), deadline)
+            result = await self.settle(phase, self.issue(plan), deadline)
+            await self._after_drops(plan, result, deadline)
+            return result
         await gate.before(plan)
         result = await self.settle(phase, self.issue(plan), deadline)
+        await self._after_drops(plan, result, deadline)
         await gate.after(plan, result)
         return result
+
+    async def _after_drops(self, plan: Plan, result: PhaseResult, deadline: float) -> None:
+        """Look again at the engines whose checked call lost its connection: a process that
+        restarted under the call leaves a new one at the address, and then the record describes
+        the new process (what was uncertain of the old one is gone with it); one that died is
+        found dead at once."""
+        if plan.op not in CHECKED_OPS:
+            return
+        dropped = tuple(
+            r
+            for r in plan.targets
+            if result.outcomes[r.id].outcome is _UNREACHABLE
+            and r.alive
+            and r.id not in self.stragglers
+        )
+        if not dropped:
+            return
+        look = await self.settle(
+            "observe_after_drop", self.issue(Plan(_OBSERVE, dropped)), deadline
+        )
+        for record in dropped:
+            out = look.outcomes[record.id]
+            if out.outcome is _RESTARTED:
+                record.learn(_RESTARTED, look.restarted[record.id])
+                before = result.outcomes[record.id]
+                result.outcomes[record.id] = EngineOutcome(
+                    _RESTARTED, f"{before.detail}; then {out.detail}", before.duration_s
+                )
+                result.restarted[record.id] = look.restarted[record.id]
+        if self._journal is not None and look.restarted:
+            self._journal()
 
     async def require(self, phase: str, plan: Plan, deadline: float) -> PhaseResult:
         """``run``, raising ``PhaseFailed`` unless the phase succeeded (``succeeded``)."""
@@ -363,6 +424,7 @@ class PhaseRunner:
             # ``recover()`` may have given the record a replacement while the call flew: what
             # became of the call is the retired engine's, not the replacement's
             current = record.handle is sent_to
+            seen: str | None = None  # the incarnation the engine showed
             landed_at = landed.ends[i]
             if landed_at is None:
                 end = time.monotonic()
@@ -388,7 +450,18 @@ class PhaseRunner:
                 end = landed_at
                 took = end - began
                 exc = landed.errors[i]
-                out = EngineOutcome(_OK, "", took) if exc is None else seam.classify(exc, took)
+                if exc is None:
+                    out = EngineOutcome(_OK, "", took)
+                    if op in CHECKED_OPS:
+                        seen, landed.values[i] = _checked_value(landed.values[i])
+                    elif op is _OBSERVE:
+                        out, seen = judge(record, landed.values[i], took)
+                else:
+                    out = seam.classify(exc, took)
+                    if out.outcome is _RESTARTED:
+                        seen = getattr(seam.unwrap(exc), "found", None)
+                if out.outcome is _RESTARTED:
+                    result.restarted[record.id] = seen
             if op is _FLUSH:
                 attempts = landed.values[i] if out.outcome is _OK else None
                 retries = (retries or 0) + (max(attempts - 1, 0) if type(attempts) is int else 0)
@@ -396,7 +469,7 @@ class PhaseRunner:
                 slowest = (record.id, out.duration_s)
             spans += (record.id, record.group, op._value_, began, end, out.outcome._value_)
             if current:
-                record.apply(op, tags, mode, out)
+                record.apply(op, tags, mode, out, seen)
             outcomes[record.id] = out
             if debug:
                 log.debug(
@@ -429,6 +502,29 @@ class PhaseRunner:
         if self.stragglers.get(engine) is future:
             del self.stragglers[engine]
             del self._late[engine]
+
+
+def _checked_value(value: Any) -> tuple[str | None, Any]:
+    """A checked call's answer (``[incarnation, result]``, ``EngineHost.checked``) split."""
+    if type(value) in (list, tuple) and len(value) == 2:
+        seen = value[0]
+        return (seen if isinstance(seen, str) else None), value[1]
+    return None, value
+
+
+def judge(record: EngineRecord, observed: Any, took: float = 0.0) -> tuple[EngineOutcome, Any]:
+    """What an engine's report of itself (``Op.OBSERVE``) says against its record: ``ok``, or
+    ``restarted`` / ``conflict`` naming both views (``core/identity.disagreement``); and the
+    incarnation it showed."""
+    if not isinstance(observed, Mapping):
+        return EngineOutcome(Outcome.ERROR, f"observe answered {observed!r}", took), None
+    seen = observed.get("incarnation")
+    found = disagreement(record.observed(), observed)
+    if found is None:
+        return EngineOutcome(_OK, "", took), seen
+    verdict, records, reported = found
+    detail = f"the records hold {records}, the engine reports {reported}"
+    return EngineOutcome(verdict, detail, took), seen
 
 
 def _debug_enabled(log: Any) -> bool:

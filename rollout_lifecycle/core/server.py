@@ -9,14 +9,13 @@ runner, once. See ``docs/design.md`` for the map of which module owns what.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Hashable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from rollout_lifecycle.backends import seam
 from rollout_lifecycle.core.config import LifecycleConfig, PauseMode, check_name
 from rollout_lifecycle.core.exceptions import (
-    IllegalEngineOp,
     InvalidArgument,
     LifecycleError,
 )
@@ -27,18 +26,19 @@ from rollout_lifecycle.core.ledger import Fleet
 from rollout_lifecycle.core.machine import NO_ARGS, Machine, PhaseArgs
 from rollout_lifecycle.core.observe import Recorder
 from rollout_lifecycle.core.ops import Op
-from rollout_lifecycle.core.outcome import EngineOutcome
+from rollout_lifecycle.core.outcome import DISAGREEMENTS, EngineOutcome
 from rollout_lifecycle.core.phases import Parts, Phases, Versions
 from rollout_lifecycle.core.recovery import EngineFactory, Recovery
 from rollout_lifecycle.core.router_sync import RouterSync, WorkerRouter
 from rollout_lifecycle.core.runner import PhaseRunner, Plan
-from rollout_lifecycle.core.scope import Serializer
+from rollout_lifecycle.core.scope import Serializer, current
 from rollout_lifecycle.core.sessions import WeightPush, WeightUpdate, WeightWriter
 from rollout_lifecycle.core.snapshots import GroupSnapshot, ServerSnapshot, adopt
 from rollout_lifecycle.core.states import ServerState
 from rollout_lifecycle.core.timeline import Timeline
 
 S = ServerState
+T = TypeVar("T")
 
 #: Receives the server's snapshot whenever its records change (see ``RolloutServer``).
 Journal = Callable[[ServerSnapshot], None]
@@ -121,7 +121,7 @@ class RolloutServer:
         )
         by_name = {g.name: g for g in self._groups}
         self._recovery = Recovery(parts, by_name, phases, machine)
-        self._serializer = Serializer(self, name, recorder, self._check_live)
+        self._serializer = Serializer(self, name, recorder, fleet.check_live)
 
     def __repr__(self) -> str:
         return f"RolloutServer({self._name!r}, state={self.state.value!r}, groups={self._groups!r})"
@@ -262,13 +262,21 @@ class RolloutServer:
         return self._generation
 
     async def probe(self) -> dict[str, EngineOutcome]:
-        """Probe every live engine's liveness without generating; dead ones are marked dead.
+        """Probe every live engine without generating: whether it answers, is still the process
+        its record describes, and is paused as recorded (dead ones are marked dead).
 
-        Not serialized with lifecycle calls: it changes no state but an engine's ``alive`` flag,
-        so it can run while a long transition is in flight.
+        Not serialized with lifecycle calls, so it can run beside a long one; an engine found
+        ``restarted`` or in ``conflict`` is looked at again under the lock once that call has
+        ended (``Recovery.take_in``): its record learns what the engine shows, and the server
+        becomes ``failed`` if the records then imply another state. Made from a hook, it
+        leaves that to the call's own checks.
         """
-        plan = Plan.over(self._groups, Op.SERVER_INFO)
-        return (await self._runner.run("probe", plan, self._config.deadlines.probe)).outcomes
+        plan = Plan.over(self._groups, Op.OBSERVE)
+        outcomes = (await self._runner.run("probe", plan, self._config.deadlines.probe)).outcomes
+        strange = [r for r in plan.targets if outcomes[r.id].outcome in DISAGREEMENTS]
+        if strange and current(self) is None:
+            outcomes.update(await self._run("probe", lambda: self._recovery.take_in(strange)))
+        return outcomes
 
     async def sync_router(self) -> dict[str, list[str]]:
         """Bring the router (``router=``) in step with the engines that serve now: register
@@ -277,13 +285,7 @@ class RolloutServer:
         sync = self._router
         if sync is None:
             raise InvalidArgument(f"server {self._name!r} has no router")
-        done: dict[str, list[str]] = {}
-
-        async def body() -> None:
-            done.update(await sync.sync())
-
-        await self._serializer.run("sync_router", body)
-        return done
+        return await self._run("sync_router", sync.sync)
 
     # -- hooks --------------------------------------------------------------------------------
 
@@ -297,8 +299,8 @@ class RolloutServer:
         hooks of the state entered. Hooks of one event run in registration order. A hook that
         raises stops the call with ``HookFailed`` and leaves the server in the last state it
         completed (a ``before_`` hook's phase sends nothing; a drain refused by a hook
-        continues what it paused and returns to ``serving``). Hooks may call the server.
-        """
+        continues what it paused and returns to ``serving``). Hooks may call the server (but
+        for lifecycle calls from a ``before_`` hook, which runs inside a transition)."""
         return self._hooks.on(event, hook)
 
     # -- public lifecycle ---------------------------------------------------------------------
@@ -389,13 +391,7 @@ class RolloutServer:
         """
         if not callable(factory):
             raise InvalidArgument(f"factory must be callable, got {factory!r}")
-        outcomes: dict[str, EngineOutcome] = {}
-
-        async def body() -> None:
-            outcomes.update(await self._recovery.recover(factory))
-
-        await self._serializer.run("recover", body)
-        return outcomes
+        return await self._run("recover", lambda: self._recovery.recover(factory))
 
     @asynccontextmanager
     async def paused(self) -> AsyncIterator[RolloutServer]:
@@ -424,17 +420,15 @@ class RolloutServer:
         """Run ``call``'s plan from the ``CALLS`` table under the lock."""
         return await self._serializer.run(call, lambda: self._machine.perform(call, args))
 
-    def _check_live(self, call: str) -> None:
-        """Refuse a lifecycle call when a group has no live engine: it would succeed on
-        nothing. ``recover()`` and ``reset()`` are how such a fleet comes back."""
-        if call in ("recover", "reset"):
-            return
-        for group in self._fleet.dead_groups():
-            raise IllegalEngineOp(
-                f"group {group.name!r}",
-                call,
-                f"all {len(group.records)} engines of the group are dead; recover() replaces them",
-            )
+    async def _run(self, call: str, work: Callable[[], Awaitable[T]]) -> T:
+        """Run ``work`` as the public call ``call``, under the lock; what it returned."""
+        done: list[T] = []
+
+        async def body() -> None:
+            done.append(await work())
+
+        await self._serializer.run(call, body)
+        return done[0]
 
 
 def _check_groups(groups: object) -> None:

@@ -112,7 +112,7 @@ def adopt(fleet: Fleet, snapshot: ServerSnapshot) -> ServerState:
         implied = fleet.settled_state()
         if state not in (S.FAILED, implied) and in_flight:
             state = S.FAILED
-        if state not in (S.FAILED, implied) and (state, implied) != (S.KV_RESTORED, S.DRAINED):
+        if not fleet.implies(state):
             shown = "no single state" if implied is None else repr(implied.value)
             raise InvalidArgument(
                 f"the snapshot's engine records imply {shown}, not its state {state.value!r}"

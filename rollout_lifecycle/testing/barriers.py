@@ -263,3 +263,55 @@ def cycle_order_violations(histories: Mapping[str, History]) -> list[str]:
     """Barrier violations across engines, round by round, and every fatal call (invariants 1, 2
     and 4): ``fatal_calls`` then ``barrier_violations`` with its defaults."""
     return fatal_calls(histories) + barrier_violations(histories)
+
+
+#: The read a check or an observation begins with (``server_info`` over HTTP, ``observe``
+#: where the engine answers it in one call).
+_FIRST_READS = ("server_info", "observe")
+
+
+def calls_received(history: History) -> list[dict[str, Any]]:
+    """A history's calls as the library made them, in order of start.
+
+    An engine host reads the engine before each call it checks (``EngineHost.checked``) and
+    for each observation (``EngineHost.observe``); a backend that keeps a history marks those
+    reads with ``check_of`` (the checked operation, or ``"observe"``). Here the reads of a
+    check are folded into the call they checked, which then starts when its first read did
+    (and has ``checks``, the reads' operations); the reads of an observation become one
+    ``observe`` call; a check whose call was not sent (the engine had restarted, say) becomes
+    that call with ``outcome`` ``"not_sent"``. Entries of other histories pass as they are.
+    What a test compares with the library's own record of its calls (one timeline span each).
+    """
+    check_history("history", history)
+    out: list[dict[str, Any]] = []
+    pending: dict[str, list[Mapping[str, Any]]] = {}
+
+    def call(op: str, reads: list[Mapping[str, Any]], entry: Mapping[str, Any] | None) -> None:
+        if entry is None:
+            ends = [r["end"] for r in reads]
+            end = None if None in ends else max(ends)
+            entry = {"op": op, "tags": None, "end": end, "outcome": "not_sent"}
+            if op == "observe":
+                entry["outcome"] = "ok" if all(r.get("outcome") == "ok" for r in reads) else "error"
+        merged = dict(entry)
+        merged["start"] = min([r["start"] for r in reads] + [entry.get("start", math.inf)])
+        merged["checks"] = [r["op"] for r in reads]
+        out.append(merged)
+
+    for entry in history:
+        of = entry.get("check_of")
+        if of is None:
+            reads = pending.pop(str(entry.get("op")), None)
+            if reads is None:
+                out.append(dict(entry))
+            else:
+                call(str(entry["op"]), reads, entry)
+            continue
+        reads = pending.setdefault(str(of), [])
+        if entry.get("op") in _FIRST_READS and reads:  # a new read of the same kind begins
+            call(str(of), pending.pop(str(of)), None)
+            reads = pending.setdefault(str(of), [])
+        reads.append(entry)
+    for op, reads in pending.items():
+        call(op, reads, None)
+    return sorted(out, key=lambda e: e["start"])

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from rollout_lifecycle.backends.engine import EngineBackend, introspect
+from rollout_lifecycle.backends.engine import CHECKING, EngineBackend, introspect
 from rollout_lifecycle.core.config import (
     Tag,
     check_int,
@@ -54,6 +54,11 @@ FAULT_OPS: tuple[str, ...] = tuple(
         Op.ABORT,
     )
 )
+#: The probes of whether the engine is paused (``EngineHost.observe``): forwarded, logged and
+#: armable as the calls above, and answered False (cannot tell) for an inner engine without them.
+#: (The wrapper offers no ``observe`` of its own: an engine host reads it through
+#: ``server_info``, ``ping`` and ``ready``, SGLang's routes, so faults armed on them apply.)
+PROBE_OPS: tuple[str, ...] = ("ping", "ready")
 #: The calls whose first argument is the memory tags (recorded in ``calls``).
 _TAGGED_OPS = frozenset({Op.RELEASE.value, Op.RESUME.value})
 
@@ -110,8 +115,9 @@ class FaultyEngine:
 
     def arm(self, op: str, kind: str, *, count: int = 1, seconds: float = 0.0) -> None:
         """Make the next ``count`` calls of ``op`` fail as ``kind`` (after those armed before)."""
-        if not isinstance(op, str) or op not in FAULT_OPS:
-            raise InvalidArgument(f"unknown op {op!r}; valid: {', '.join(FAULT_OPS)}")
+        if not isinstance(op, str) or op not in FAULT_OPS + PROBE_OPS:
+            valid = ", ".join(FAULT_OPS + PROBE_OPS)
+            raise InvalidArgument(f"unknown op {op!r}; valid: {valid}")
         if not isinstance(kind, str) or kind not in FAULT_KINDS:
             raise InvalidArgument(f"unknown fault kind {kind!r}; valid: {', '.join(FAULT_KINDS)}")
         check_int("count", count, minimum=1)
@@ -194,6 +200,9 @@ class FaultyEngine:
             "injected": None,
             "landed": False,
         }
+        check = CHECKING.get()
+        if check is not None:  # a read the engine host makes to check the engine
+            entry["check_of"] = check
         self.calls.append(entry)
         self._in_flight += 1
         try:
@@ -250,6 +259,20 @@ class FaultyEngine:
             raise self._dead_error("generate")
         return await self._inner.generate(request)
 
+    async def ping(self) -> bool:
+        """``GET /ping``, through the armed faults (False for an inner engine without it)."""
+        return await self._probe("ping")
+
+    async def ready(self) -> bool:
+        """``GET /ready``, through the armed faults (False for an inner engine without it)."""
+        return await self._probe("ready")
+
+    async def _probe(self, op: str) -> bool:
+        method: Callable[[], Awaitable[bool]] | None = getattr(self._inner, op, None)
+        if method is None:
+            return False
+        return await self._call(op, method)
+
     async def close(self) -> None:
         """Close ``inner``."""
         if self.closed_at is None:
@@ -301,4 +324,4 @@ for _name in FAULT_OPS:
     setattr(FaultyEngine, _name, _forwarded(_name))
 
 
-__all__ = ["FAULT_KINDS", "FAULT_OPS", "FaultyEngine"]
+__all__ = ["FAULT_KINDS", "FAULT_OPS", "PROBE_OPS", "FaultyEngine"]

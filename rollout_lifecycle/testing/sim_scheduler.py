@@ -12,11 +12,12 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
+from rollout_lifecycle.backends.engine import CHECKING
 from rollout_lifecycle.core.config import (
     ALL_TAGS,
     Tag,
 )
-from rollout_lifecycle.core.exceptions import EngineDead, EngineRejected
+from rollout_lifecycle.core.exceptions import EngineDead, EngineRejected, EngineUnreachable
 from rollout_lifecycle.testing.sim_state import (
     FORWARD_TAGS,
     GARBAGE_TOKEN,
@@ -97,6 +98,9 @@ class SimScheduler(SimState):
             "detail": None,
             **fields,
         }
+        check = CHECKING.get()
+        if check is not None:  # a read the engine host makes to check the engine
+            entry["check_of"] = check
         recent = self._history
         recent.append(entry)
         if len(recent) >= 2 * HISTORY_CHUNK:
@@ -109,6 +113,7 @@ class SimScheduler(SimState):
     @contextlib.asynccontextmanager
     async def _op(self, op: str, **fields: Any) -> AsyncIterator[dict[str, Any]]:
         entry = self._record(op, **fields)
+        process = self._process
         try:
             # A dead server refuses the connection at once: no latency, no effect.
             self._check_alive(op)
@@ -117,6 +122,11 @@ class SimScheduler(SimState):
             if delay > 0:
                 await asyncio.sleep(delay)
                 self._check_alive(op)
+                if self._process != process:
+                    # the process that took the call is gone: its connection dropped
+                    raise EngineUnreachable(
+                        self._label, op, "connection dropped: the server restarted"
+                    )
             yield entry
         except EngineRejected as exc:
             entry["outcome"] = "rejected"
@@ -126,6 +136,10 @@ class SimScheduler(SimState):
         except EngineDead as exc:
             if entry["outcome"] != "fatal":
                 entry["outcome"] = "dead"
+            entry["detail"] = exc.message
+            raise
+        except EngineUnreachable as exc:
+            entry["outcome"] = "unreachable"
             entry["detail"] = exc.message
             raise
         except asyncio.CancelledError:

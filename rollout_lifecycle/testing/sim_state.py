@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout_lifecycle.backends.engine import incarnation_of
 from rollout_lifecycle.core.config import (
     ALL_TAGS,
     PauseMode,
@@ -51,6 +52,8 @@ LIFECYCLE_OPS: tuple[str, ...] = (
     "weight_version",
     "server_info",
     "ready",
+    "ping",
+    "observe",
     "health",
     "abort_request",
 )
@@ -103,6 +106,9 @@ class SimRequest:
     def __post_init__(self) -> None:
         self.key = sum((i + 1) * t for i, t in enumerate(self.prompt)) % VOCAB
 
+
+#: Where a process's start-up values come from (never a seeded generator: see ``_start_process``).
+_SYSTEM_RANDOM = random.SystemRandom()
 
 #: History entries per tuple of older entries (see ``SimulatedEngine._record``).
 HISTORY_CHUNK = 16
@@ -203,19 +209,69 @@ class SimState:
         self._weights_cpu_backup = check_flag("weights_cpu_backup", weights_cpu_backup)
         self._dp_dummy_batches = check_flag("dp_dummy_batches", dp_dummy_batches)
         self._check_model_paths = check_flag("check_model_paths", check_model_paths)
+        self._initial_version = weight_version
+        self._closed = False
+        # The newest history entries, and older finished ones as tuples of their items, in
+        # tuples of ``HISTORY_CHUNK`` (see ``_record``). The history, like the counters, is what
+        # a test sees of every process that served at this engine's place, restarts included.
+        self._history: list[dict[str, Any]] = []
+        self._archive: list[tuple[tuple[tuple[str, Any], ...], ...]] = []
+        self._counts: dict[str, int] = dict.fromkeys(
+            (
+                "submitted",
+                "completed",
+                "aborted",
+                "retractions",
+                "prefills",
+                "prefix_hits",
+                "steps",
+                "dummy_steps",
+                "tokens",
+                "garbage_tokens",
+                "flushes",
+                "weight_updates",
+                "health_checks",
+                "restarts",
+            ),
+            0,
+        )
+        self._health_seq = 0
+        self._scheduler: asyncio.Task[None] | None = None
+        self._changed: asyncio.Event | None = None
+        self._start_process()
+
+    def _start_process(self) -> None:
+        """The state of a server process that has just started: every tag resident, not
+        paused, the initial weights and version, nothing queued, a new incarnation."""
+        # Which process this is (0 for the first): a call a restarted process took is lost.
+        self._process: int = getattr(self, "_process", -1) + 1
         # The front end hands the scheduler one flush at a time, in arrival order.
         # sglang: communicator.py FanOutCommunicator.queueing_call (flush_cache_communicator)
         self._flush_queue: asyncio.Lock | None = None
-
-        self._initial_version = weight_version
+        # What names this process in /server_info: the durations of its start-up, and the
+        # random seed drawn when none is given (sglang: observability/startup_time.py;
+        # arg_groups/serving_hook.py). Drawn from the system's randomness, never the seed, so
+        # that two processes (a restart, or two engines built with one seed) never share them.
+        draw = _SYSTEM_RANDOM.uniform
+        self._startup_time: dict[str, Any] = {
+            "load_weight": draw(0.01, 0.1),
+            "kv_cache_allocation": draw(0.1, 1.0),
+            "scheduler_e2e": draw(1.0, 5.0),
+            "cuda_graph": {},
+            "tokenizer_e2e": draw(10.0, 30.0),
+        }
+        self._random_seed = _SYSTEM_RANDOM.randint(0, 1 << 30)
+        self._incarnation = incarnation_of(
+            {"startup_time": self._startup_time, "random_seed": self._random_seed}
+        )
         # The scheduler's version (stamped on output tokens) and the tokenizer's (what
         # /model_info reports) are kept apart: a weight update whose trailing flush fails moves
         # the first and not the second.
         # sglang: weight_updater.py update_weights_from_* (record_weight_version_after_update
         # before flush_cache_after_weight_update); tokenizer_control_mixin.py
         # _update_weight_version_if_provided only on success.
-        self._weight_version = weight_version
-        self._served_version = weight_version
+        self._weight_version = self._initial_version
+        self._served_version = self._initial_version
         self._weights_valid = True
         self._released: set[str] = set()
         self._paused = False
@@ -235,32 +291,6 @@ class SimState:
         self._healthy = True
         self._dead = False
         self._death_reason: str | None = None
-        self._closed = False
-        # The newest history entries, and older finished ones as tuples of their items, in
-        # tuples of ``HISTORY_CHUNK`` (see ``_record``).
-        self._history: list[dict[str, Any]] = []
-        self._archive: list[tuple[tuple[tuple[str, Any], ...], ...]] = []
-        self._counts: dict[str, int] = dict.fromkeys(
-            (
-                "submitted",
-                "completed",
-                "aborted",
-                "retractions",
-                "prefills",
-                "prefix_hits",
-                "steps",
-                "dummy_steps",
-                "tokens",
-                "garbage_tokens",
-                "flushes",
-                "weight_updates",
-                "health_checks",
-            ),
-            0,
-        )
-        self._health_seq = 0
-        self._scheduler: asyncio.Task[None] | None = None
-        self._changed: asyncio.Event | None = None
 
     # ----------------------------------------------------------------------------- validation
 

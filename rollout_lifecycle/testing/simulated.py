@@ -17,7 +17,7 @@ from rollout_lifecycle.core.config import (
     Tag,
     check_int,
 )
-from rollout_lifecycle.core.exceptions import EngineRejected, InvalidArgument
+from rollout_lifecycle.core.exceptions import EngineRejected, EngineUnreachable, InvalidArgument
 from rollout_lifecycle.testing.sim_state import (
     DEFAULT_MEMORY_BYTES,
     DEFAULT_WEIGHT_VERSION,
@@ -241,6 +241,55 @@ class SimulatedEngine(SimWeights):
             ready = not self._paused and self._healthy
         return ready
 
+    async def ping(self) -> bool:
+        """``GET /ping``: True while healthy, paused or not (a health check that timed out
+        marks the server unhealthy until one succeeds)."""
+        # sglang: http_server.py sagemaker_health (200 when is_healthy(); unlike /ready, a
+        # paused server answers 200)
+        async with self._op("ping"):
+            healthy = self._healthy
+        return healthy
+
+    async def observe(self, *, paused: bool = True, identify: bool = True) -> dict[str, Any]:
+        """What SGLang says of itself, read in one call (``EngineHost.observe``): the
+        incarnation its ``/server_info`` names, and whether it is paused as ``/ping`` and
+        ``/ready`` tell it (nothing while unhealthy)."""
+        async with self._op("observe"):
+            found = {
+                "incarnation": self._incarnation if identify else None,
+                "paused": self._paused if paused and self._healthy else None,
+            }
+        return found
+
+    async def restart(self) -> None:
+        """The server process is restarted at the same place: a fresh server answers there.
+
+        Every request in flight is lost as a dropped connection (``EngineUnreachable``), the
+        calls in flight fail, and the engine starts over as SGLang does: every tag resident, not
+        paused, the initial weights and version, no session, a new incarnation in
+        ``server_info()``. A dead engine comes back. The history and counters run on (a
+        ``restart`` entry marks the moment; ``stats()["restarts"]`` counts them).
+        """
+        entry = self._record("restart", outcome="ok")
+        for req in self._in_flight.values():
+            if not req.future.done():
+                req.future.set_exception(
+                    EngineUnreachable(
+                        self._label, "generate", "connection dropped: the server restarted"
+                    )
+                )
+        self._in_flight.clear()
+        task, self._scheduler = self._scheduler, None
+        if task is not None and not task.done():
+            task.cancel()
+            if task.get_loop() is asyncio.get_running_loop():
+                await asyncio.wait({task})
+        self._notify()
+        self._start_process()
+        self._closed = False
+        self._counts["restarts"] += 1
+        entry["end"] = time.monotonic()
+
     def server_args(self) -> dict[str, Any]:
         """The resolved server arguments this engine stands for (a subset of SGLang's)."""
         return {
@@ -252,6 +301,7 @@ class SimulatedEngine(SimWeights):
             "max_running_requests": self._max_running,
             "api_key": None,
             "admin_api_key": None,
+            "random_seed": self._random_seed,
             "dp_size": 1,
             "tp_size": 1,
         }
@@ -284,7 +334,7 @@ class SimulatedEngine(SimWeights):
                 **args,
                 "launch_command": "python -m sglang.launch_server --model-path "
                 + str(args["model_path"]),
-                "startup_time": 0.0,
+                "startup_time": dict(self._startup_time),
                 "internal_states": [
                     {
                         **args,

@@ -975,6 +975,12 @@ def create_app(
         # sglang: http_server.py ready (tokenizer_manager.is_ready: not paused and Up)
         return Response(status_code=200 if await state.call(engine.ready()) else 503)
 
+    @route("/ping", ["GET"])
+    async def ping(_: Request) -> Response:
+        # sglang: http_server.py sagemaker_health (is_healthy(): Up, paused or not; a normal
+        # endpoint for auth)
+        return Response(status_code=200 if await state.call(engine.ping()) else 503)
+
     async def server_info(_: Request) -> Response:
         # sglang: http_server.py server_info, utils/common.py build_server_info: the resolved
         # server arguments, keys in clear (the client must mask them, not the server).
@@ -1547,6 +1553,18 @@ class StandInServer:
             except subprocess.TimeoutExpired:
                 _kill(proc)
         return proc.returncode
+
+    def restart(self, timeout: float = 5.0) -> StandInServer:
+        """Stop the server and start a new one at the same URL, as an orchestrator restarts a
+        server in place: what answers there then is a fresh server with a new incarnation (every
+        tag resident, not paused, the initial weights), and whatever was in flight is lost."""
+        port = self.port
+        self.stop(timeout)
+        if self._stderr is not None:
+            self._stderr.close()
+        self._port_asked, self._port = port, None
+        self._proc, self._ready = None, threading.Event()
+        return self.start()
 
     def __enter__(self) -> StandInServer:
         if self._proc is None:

@@ -102,8 +102,9 @@ def memory(server: StandInServer) -> dict[str, int]:
 
 
 def touched(server: StandInServer) -> list[dict[str, Any]]:
-    # GET /server_info (ctl's version check before a call) and /ready read and change nothing.
-    return [e for e in server.history() if e["op"] not in ("server_info", "ready")]
+    # GET /server_info (ctl's version check before a call, and the read of the engine before
+    # each checked call), /ping and /ready read and change nothing.
+    return [e for e in server.history() if e["op"] not in ("server_info", "ping", "ready")]
 
 
 def history_lengths(servers: list[StandInServer]) -> list[int]:

@@ -256,6 +256,30 @@ def test_a_second_sigterm_does_not_abandon_the_phase(fleet_for: Any) -> None:
     assert fleet.run("onload-weights")[0] == 0 and fleet.run("onload-kv")[0] == 0
 
 
+def test_reset_restarted_refuses_a_server_that_was_not_restarted(fleet_for: Any) -> None:
+    """A call in flight when a run was killed may still land on the same process: only a new
+    one (another incarnation) is recorded as a fresh server."""
+    fleet = fleet_for("release_memory_occupation")
+    proc = fleet.start("offload")
+    fleet.wait_in_flight()
+    proc.kill()
+    proc.communicate(timeout=BOUND)
+    fleet.wait_settled()
+    for server in fleet.servers:  # continued by hand: ready again, but the same process
+        httpx.post(f"{server.url}/continue_generation", json={}, timeout=10)
+    urls = [a for s in fleet.servers for a in ("--restarted", s.url)]
+    code, report = fleet.run("reset", *urls)
+    assert code == ExitCode.STATE, report
+    assert "was not restarted" in report["error"]["message"]
+    assert all(e["uncertain"] for e in fleet.recorded())  # unchanged
+    fleet.restart()
+    code, report = fleet.run("reset", *urls)
+    assert code == 0 and report["state"] == "serving", report
+    incarnations = [e["incarnation"] for e in fleet.recorded()]
+    assert all(incarnations) and len(set(incarnations)) == 2
+    cycle(fleet)
+
+
 # -- one server, two spellings -----------------------------------------------------------------
 
 
@@ -433,7 +457,7 @@ def test_record_restarted_passes_over_what_is_not_an_engine_record() -> None:
     shapes: list[Any] = [5, "sglang/0", [[]], [{"id": ["sglang/0"]}], [{"id": {}}]]
     for engines in shapes:
         ledger: dict[str, Any] = {"server": {"groups": [{"engines": engines}, 1, None]}}
-        record_restarted(ledger, [url], [url])
+        record_restarted(ledger, [url], {url: "a-new-incarnation"})
         assert ledger["server"]["state"] == "failed"
 
 

@@ -77,6 +77,11 @@ def _real_target(server: RealServer, **keys: str | None) -> Target:
     return Target("real", server.url, _exited=server.exited, **keys)
 
 
+def _disposable_target(target: Target, restart: Callable[[], object]) -> Target:
+    target._restart = restart
+    return target
+
+
 @pytest.fixture(params=["standin", pytest.param("real", marks=pytest.mark.real_sglang)])
 def target(request: pytest.FixtureRequest) -> Iterator[Target]:
     """A shared keyless server, serving and unpaused; ``target.disposable()`` gives one a test
@@ -89,7 +94,7 @@ def target(request: pytest.FixtureRequest) -> Iterator[Target]:
         def standin_disposable() -> Target:
             server = _standin()
             stops.append(server.stop)
-            return _standin_target(server)
+            return _disposable_target(_standin_target(server), server.restart)
 
         target = _standin_target(shared)
         target._disposable = standin_disposable
@@ -100,7 +105,7 @@ def target(request: pytest.FixtureRequest) -> Iterator[Target]:
         def real_disposable() -> Target:
             server = pool.disposable()
             stops.append(server.stop)
-            return _real_target(server)
+            return _disposable_target(_real_target(server), server.restart)
 
         target = _real_target(real)
         target._disposable = real_disposable

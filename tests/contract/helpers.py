@@ -30,6 +30,7 @@ class Target:
     api_key: str | None = None
     _exited: Callable[[float], bool] = field(repr=False, default=lambda _: False)
     _disposable: Callable[[], Target] | None = field(repr=False, default=None)
+    _restart: Callable[[], object] | None = field(repr=False, default=None)
 
     def headers(self, key: str | None = None) -> dict[str, str]:
         """``Authorization: Bearer KEY`` for ``key`` (by default the control key: the admin
@@ -50,6 +51,12 @@ class Target:
         """A fresh keyless server this test may kill (stopped when the test ends)."""
         assert self._disposable is not None, "only the shared keyless target hands these out"
         return self._disposable()
+
+    def restart(self) -> None:
+        """Stop a disposable server and start a new one at the same URL; returns once it is
+        ready."""
+        assert self._restart is not None, "only a disposable target restarts"
+        self._restart()
 
 
 def gen_request(tokens: int, i: int = 0, rid: str | None = None) -> dict[str, Any]:

@@ -25,10 +25,12 @@ from rollout_lifecycle import (
     SimulatedEngine,
     Tag,
 )
+from rollout_lifecycle.backends.engine import incarnation_of
 from rollout_lifecycle.backends.seam import classify
 from rollout_lifecycle.core.ledger import EngineRecord
 from rollout_lifecycle.core.runner import Calls
 from rollout_lifecycle.core.states import TRANSITIONS, sources_of
+from rollout_lifecycle.testing import calls_received
 
 
 def test_server_states_are_exactly_the_designed_names() -> None:
@@ -241,7 +243,12 @@ async def test_a_batch_of_calls_keeps_each_call_with_its_engine_in_order() -> No
     labels = ["sim-0", "sim-1", "sim-2", "sim-3", "sim-4", "sim-0", "sim-1", "sim-2"]
     # /server_info names no engine; the simulator's model path does.
     paths = [a["model_path"] for a in answers[3:]]
-    assert answers[:3] == [None] * 3 and paths == [f"simulated/{x}" for x in labels[3:]]
-    for engine in engines[:3]:  # the probe came after the pause
-        assert [h["op"] for h in engine.history()] == ["pause_generation", "server_info"]
+    assert paths == [f"simulated/{x}" for x in labels[3:]]
+    # a checked call answers the incarnation the engine showed before it ran (read on the first
+    # call to an engine, and then by every call that could kill it), and its result
+    assert answers[:3] == [[incarnation_of(a), None] for a in answers[5:]]
+    for engine in engines[:3]:  # the probe came after the pause, which was checked first
+        received = calls_received(engine.history())
+        assert [c["op"] for c in received] == ["pause_generation", "server_info"]
+        assert received[0]["checks"] == ["observe"]
     await asyncio.gather(*(e.close() for e in engines))

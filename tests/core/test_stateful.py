@@ -123,7 +123,7 @@ from rollout_lifecycle import (
     Tag,
     WeightUpdate,
 )
-from rollout_lifecycle.testing import barrier_violations
+from rollout_lifecycle.testing import barrier_violations, calls_received
 from rollout_lifecycle.testing.faults import FAULT_KINDS, FaultyEngine
 
 S = ServerState
@@ -1192,7 +1192,7 @@ async def test_no_continue_is_sent_while_a_late_pause_is_still_in_flight() -> No
         await server.resume()
         assert server.state is S.SERVING and not inner_paused(made[0])
         assert server.snapshot().engines()["reward/0"].paused == inner_paused(made[0])
-        calls = made[0].calls
+        calls = calls_received(made[0].calls)  # (the reads of each check in its call)
         first = next(c for c in calls if c["op"] == "pause_generation")
         after = [c["op"] for c in calls if first["start"] < c["start"] < first["end"]]
         assert set(after) <= {"pause_generation"}, f"sent while the late pause flew: {after}"
@@ -1295,7 +1295,7 @@ async def test_a_lost_continue_answer_is_recorded_as_unknown_and_recover_settles
         engine = server.snapshot().engines()["actor/0"]
         assert not engine.pause_unknown and not engine.paused and not inner_paused(actor[0])
         await server.offload()  # paused and flushed again before the release
-        assert [c["op"] for c in actor[0].calls][-3:] == [
+        assert [c["op"] for c in calls_received(actor[0].calls)][-3:] == [
             "pause_generation",
             "flush_cache",
             "release_memory_occupation",

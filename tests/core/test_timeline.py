@@ -23,7 +23,7 @@ from rollout_lifecycle import (
     Timeline,
     WeightUpdate,
 )
-from rollout_lifecycle.testing import collector_load
+from rollout_lifecycle.testing import calls_received, collector_load
 from rollout_lifecycle.testing.faults import FaultyEngine
 
 Fleet = Callable[..., list[Any]]
@@ -74,11 +74,15 @@ async def test_the_trace_has_exactly_one_span_per_engine_call(tmp_path: Path) ->
     by_engine: dict[str, Counter[str]] = {}
     for event in calls:
         by_engine.setdefault(tracks[(event["pid"], event["tid"])], Counter())[event["name"]] += 1
-    for name, engines in groups.items():
-        for index, engine in enumerate(engines):
-            history = engine.history()  # the engine's own record of what it received
-            assert by_engine[f"{name}/{index}"] == Counter(e["op"] for e in history)
-    assert len(calls) == sum(len(e.history()) for es in groups.values() for e in es)
+    received = {
+        f"{name}/{i}": calls_received(e.history())
+        for name, es in groups.items()
+        for i, e in enumerate(es)
+    }
+    for engine, history in received.items():
+        # the engine's own record of what it received (the reads of each check in its call)
+        assert by_engine[engine] == Counter(e["op"] for e in history)
+    assert len(calls) == sum(len(history) for history in received.values())
     # One process for the server, one per group; one track per engine.
     names = {
         e["pid"]: e["args"]["name"]
@@ -108,7 +112,7 @@ async def test_engine_spans_hold_the_engines_own_times_inside_their_phases(
             for e in events
             if e["cat"] == "engine_call" and tracks[(e["pid"], e["tid"])] == f"actor/{index}"
         ]
-        history = engine.history()
+        history = calls_received(engine.history())
         assert [s["name"] for s in spans] == [h["op"] for h in history]
         for span, entry in zip(spans, history, strict=True):
             # Microseconds since the origin; the server issued the call before the engine
@@ -256,7 +260,7 @@ async def test_ray_engine_actors_get_one_span_per_call(fleet: Fleet, tmp_path: P
         if e["ph"] == "X" and e["cat"] == "engine_call"
     )
     for index, actor in enumerate(actors):
-        assert seen[f"actor/{index}"] == len(await actor.history.remote())
+        assert seen[f"actor/{index}"] == len(calls_received(await actor.history.remote()))
     assert (tmp_path / "gantt.png").exists() is False
     png = server.timeline.plot_gantt(tmp_path / "gantt.png")
     assert png.read_bytes()[:8] == PNG_SIGNATURE

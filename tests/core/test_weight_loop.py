@@ -25,6 +25,7 @@ from rollout_lifecycle import (
     WeightPushFailed,
     WeightUpdate,
 )
+from rollout_lifecycle.testing import calls_received
 from rollout_lifecycle.testing.faults import FaultyEngine
 
 
@@ -33,7 +34,7 @@ def sims(n: int, label: str = "e") -> list[SimulatedEngine]:
 
 
 def ops(engine: SimulatedEngine) -> list[str]:
-    return [e["op"] for e in engine.history()]
+    return [e["op"] for e in calls_received(engine.history())]
 
 
 async def test_generation_cannot_continue_after_the_update_while_kv_is_released() -> None:

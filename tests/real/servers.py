@@ -167,6 +167,13 @@ class RealServer:
             f"SGLang at {self.url} not ready within {deadline_s:g}s:\n{self.output()}"
         )
 
+    def restart(self) -> RealServer:
+        """Stop the server and start a new one at the same port, as an orchestrator restarts a
+        server in place; returns once the new one is ready."""
+        self.stop()
+        self.proc = None
+        return self.start().wait_ready()
+
     def stop(self) -> None:
         if self.proc is None:
             return
