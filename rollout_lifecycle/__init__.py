@@ -30,6 +30,7 @@ from rollout_lifecycle.core.config import (
     Tag,
 )
 from rollout_lifecycle.core.exceptions import (
+    EngineClaimed,
     EngineDead,
     EngineError,
     EngineRejected,
@@ -83,6 +84,7 @@ __all__ = [
     "EngineActor",
     "EngineActorBody",
     "EngineBackend",
+    "EngineClaimed",
     "EngineDead",
     "EngineError",
     "EngineGroup",

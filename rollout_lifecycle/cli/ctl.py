@@ -59,6 +59,7 @@ from rollout_lifecycle.cli.ctl_state import (
 from rollout_lifecycle.cli.ctl_status import ready_status, recorded_row, run_status
 from rollout_lifecycle.core.config import Deadlines, PauseMode
 from rollout_lifecycle.core.exceptions import (
+    EngineClaimed,
     EngineError,
     IllegalEngineOp,
     IllegalTransition,
@@ -110,7 +111,7 @@ exit codes:
   5   unreachable: an engine could not be reached (or a phase failed only on that)
   6   state: the state file is for other engines or corrupt, or there is none and an
       engine is not serving
-  7   busy: another ctl run holds the state file
+  7   busy: another ctl run holds the state file, or another controller drives an engine
   130 interrupted (Ctrl-C) once the phase in flight settled; the state file is written
   143 terminated (SIGTERM) once the phase in flight settled; the state file is written
 """
@@ -468,6 +469,11 @@ async def _drive(setup: Setup) -> tuple[ExitCode, dict[str, Any]]:
                     routed = await server.sync_router()
                 except RouterError as exc:  # the call was made: the engines changed
                     code, error = ExitCode.FAILED, error_of(exc)
+        except EngineClaimed as exc:  # another controller drives the engines: nothing sent
+            code, error = ExitCode.BUSY, error_of(exc)
+            # (a fleet another controller drives may be anywhere by now: a readiness check
+            # proves nothing of it, and without a ledger none is started)
+            record = ledger is not None
         except (IllegalTransition, IllegalEngineOp, StaleWeights, RouterError) as exc:
             code, error = ExitCode.REFUSED, error_of(exc)
         except InvalidArgument as exc:

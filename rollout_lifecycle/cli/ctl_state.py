@@ -69,7 +69,8 @@ class ExitCode(IntEnum):
     #: The state file is unusable: another engine set, corrupt, or (with no state file) an engine
     #: that is not serving, so its memory state cannot be known.
     STATE = 6
-    #: Another ``ctl`` run holds the state file's lock.
+    #: Another ``ctl`` run holds the state file's lock, or another controller (a ``ctl`` run
+    #: with another state file, a training process) drives one of the engines: nothing sent.
     BUSY = 7
     #: Interrupted (Ctrl-C) after the phase in flight settled; the ledger was written.
     INTERRUPTED = 130

@@ -200,3 +200,19 @@ class EngineStateConflict(EngineError):
         self._init = (engine, op, records, reported)
         self.records = records
         self.reported = reported
+
+
+class EngineClaimed(LifecycleError):
+    """Another controller drives the engine now (another process on this host, or another
+    server in this one): the call was refused before anything was sent. ``holder`` says who."""
+
+    def __init__(self, engine: str, holder: str, details: Mapping[str, Any] | None = None) -> None:
+        self._init = (engine, holder, dict(details or {}))
+        self.engine = engine
+        self.holder = holder
+        #: What the holder wrote of itself (``pid``, ``host``, ``server``, ``call``, ...).
+        self.details = dict(details or {})
+        super().__init__(
+            f"engine {engine} is driven by another controller ({holder}); nothing was sent: "
+            f"one controller drives an engine at a time"
+        )

@@ -127,13 +127,20 @@ class Serializer:
     """Runs public calls one at a time, and calls from user code inside the one running."""
 
     def __init__(
-        self, owner: object, name: str, observer: CallObserver, check: Callable[[str], None]
+        self,
+        owner: object,
+        name: str,
+        observer: CallObserver,
+        check: Callable[[str], None],
+        claim: Callable[[str], Awaitable[Callable[[], None]]] | None = None,
     ) -> None:
         self._owner = owner
         self._name = name
         self._observer = observer
         #: Refuses a call before it runs (a group with no live engine).
         self._check = check
+        #: Claims the engines for a whole call (``core/claims.Claims``); returns the release.
+        self._claim = claim
         self.lock = asyncio.Lock()
 
     async def run(self, call: str, body: Callable[[], Awaitable[None]]) -> dict[str, float]:
@@ -199,25 +206,36 @@ class Serializer:
         async with self.lock:
             if op.cancelled:
                 raise asyncio.CancelledError(f"{op.call} cancelled before it started")
-            await self._observer.begin(op)
-            token = CURRENT.set((self._owner, op, None))
-            outcome = "error"
+            # One controller per engine, for the whole call (calls made inside it included).
+            release = None if self._claim is None else await self._claim(op.call)
             try:
-                self._check(op.call)
-                await body()
-                outcome = "ok"
-            except HookCancelled as exc:
-                outcome = "cancelled"
-                raise asyncio.CancelledError(str(exc)) from exc
-            except asyncio.CancelledError:
-                outcome = "cancelled"
-                raise
+                return await self._claimed(op, body)
             finally:
-                CURRENT.reset(token)
-                if outcome != "ok":
-                    await self._observer.end(op, outcome)
-            await self._observer.end(op, outcome)
-            return dict(op.metrics)
+                if release is not None:
+                    release()
+
+    async def _claimed(
+        self, op: Operation, body: Callable[[], Awaitable[None]]
+    ) -> dict[str, float]:
+        await self._observer.begin(op)
+        token = CURRENT.set((self._owner, op, None))
+        outcome = "error"
+        try:
+            self._check(op.call)
+            await body()
+            outcome = "ok"
+        except HookCancelled as exc:
+            outcome = "cancelled"
+            raise asyncio.CancelledError(str(exc)) from exc
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            CURRENT.reset(token)
+            if outcome != "ok":
+                await self._observer.end(op, outcome)
+        await self._observer.end(op, outcome)
+        return dict(op.metrics)
 
 
 __all__ = [

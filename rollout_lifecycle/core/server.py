@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from rollout_lifecycle.backends import seam
+from rollout_lifecycle.core.claims import Claims
 from rollout_lifecycle.core.config import LifecycleConfig, PauseMode, check_name
 from rollout_lifecycle.core.exceptions import (
     InvalidArgument,
@@ -121,7 +122,8 @@ class RolloutServer:
         )
         by_name = {g.name: g for g in self._groups}
         self._recovery = Recovery(parts, by_name, phases, machine)
-        self._serializer = Serializer(self, name, recorder, fleet.check_live)
+        claims = Claims(name, fleet.records, config.deadlines.probe)
+        self._serializer = Serializer(self, name, recorder, fleet.check_live, claims.claim)
 
     def __repr__(self) -> str:
         return f"RolloutServer({self._name!r}, state={self.state.value!r}, groups={self._groups!r})"

@@ -256,6 +256,74 @@ def test_a_second_sigterm_does_not_abandon_the_phase(fleet_for: Any) -> None:
     assert fleet.run("onload-weights")[0] == 0 and fleet.run("onload-kv")[0] == 0
 
 
+# -- two controllers ---------------------------------------------------------------------------
+
+
+def test_two_ctl_runs_with_their_own_state_files_on_one_fleet_kill_nothing(
+    fleet_for: Any, tmp_path: Path
+) -> None:
+    """Started together, both see the engines serving (their readiness checks pass); the one
+    that claims the engines first runs, the other is refused at once, naming it."""
+    fleet = fleet_for("pause_generation")
+    first = fleet.start("offload")
+    fleet.wait_in_flight()  # the first run's pause is on every engine: it holds the claims
+    assert fleet.ready() == [200, 200]  # (the slow pause has not landed: both pass /ready)
+    other = tmp_path / "other.json"
+    code, report = fleet.run("offload", "--state-file", str(other))
+    assert code == ExitCode.BUSY == 7, report
+    message = report["error"]["message"]
+    assert f"pid {first.pid}" in message and "call offload()" in message
+    assert not other.exists() or json.loads(other.read_text())["server"]["state"] == "serving"
+    first.communicate(timeout=BOUND)
+    assert first.returncode == 0
+    assert fleet.count("release_memory_occupation") == [1, 1]  # released once, by the first
+    assert fleet.alive() == [True, True]
+    cycle_back = [fleet.run(a)[0] for a in ("onload-weights", "onload-kv")]
+    assert cycle_back == [0, 0] and fleet.ready() == [200, 200]
+
+
+def test_ctl_beside_a_library_process_on_one_fleet_kills_nothing(fleet_for: Any) -> None:
+    """A training process drives the engines (its call holds their claims); a ctl run is
+    refused at once; once the process's call is over, ctl finds the engines as it left them."""
+    fleet = fleet_for("pause_generation")
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER, *(s.url for s in fleet.servers)],
+        env=fleet.env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        fleet.wait_in_flight()  # the trainer's pause is on every engine, not landed yet
+        code, report = fleet.run("offload")
+        assert code == ExitCode.BUSY, report
+        message = report["error"]["message"]
+        assert f"pid {trainer.pid}" in message and "server 'trainer'" in message
+        out, _ = trainer.communicate(timeout=BOUND)
+        assert trainer.returncode == 0 and out.strip() == "released"
+    finally:
+        trainer.kill()
+    assert fleet.count("release_memory_occupation") == [1, 1]
+    assert fleet.alive() == [True, True]
+    # ctl, with no state file, finds the engines paused: not taken for serving, nothing sent
+    code, report = fleet.run("offload")
+    assert code == ExitCode.STATE, report
+    assert fleet.count("release_memory_occupation") == [1, 1] and fleet.alive() == [True, True]
+
+
+TRAINER = """
+import asyncio, sys
+from rollout_lifecycle import EngineGroup, RolloutServer, SGLangHTTPEngine
+
+async def main() -> None:
+    engines = [SGLangHTTPEngine(url) for url in sys.argv[1:]]
+    server = RolloutServer([EngineGroup("actor", engines)], name="trainer")
+    await server.offload()
+    print(server.state.value, flush=True)
+
+asyncio.run(main())
+"""
+
+
 def test_reset_restarted_refuses_a_server_that_was_not_restarted(fleet_for: Any) -> None:
     """A call in flight when a run was killed may still land on the same process: only a new
     one (another incarnation) is recorded as a fresh server."""

@@ -3,6 +3,7 @@ offload and an onload from a shell, run as the installed command, lose nothing."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -15,6 +16,8 @@ from typing import Any
 import httpx
 import pytest
 from real.servers import RealServer
+
+from rollout_lifecycle import EngineGroup, LifecycleEvent, RolloutServer, SGLangHTTPEngine
 
 pytestmark = pytest.mark.real_sglang
 
@@ -140,3 +143,40 @@ def test_ctl_offloads_and_onloads_real_servers_with_requests_decoding_and_loses_
     for server in real_servers:
         assert server.alive(), server.output()
         assert httpx.get(f"{server.url}/ready", timeout=10).status_code == 200
+
+
+async def test_ctl_beside_a_training_process_on_real_servers_is_refused_and_kills_nothing(
+    real_servers: list[RealServer], tmp_path: Path
+) -> None:
+    """A training process's call holds the engines' claims; a ctl run (its own state file)
+    is refused at once, naming it, with nothing sent; then the process carries on."""
+    engines = [SGLangHTTPEngine(s.url) for s in real_servers]
+    trainer = RolloutServer([EngineGroup("actor", engines)], name="trainer")
+    holding, go_on = asyncio.Event(), asyncio.Event()
+
+    async def hold(event: LifecycleEvent) -> None:
+        holding.set()
+        await go_on.wait()
+
+    trainer.on("before_pause", hold)
+    call = asyncio.ensure_future(trainer.offload())
+    try:
+        await asyncio.wait_for(holding.wait(), 300)  # the trainer's call holds the claims
+        code, report = await asyncio.to_thread(ctl, "offload", real_servers, tmp_path / "c.json")
+        assert code == 7, report
+        message = report["error"]["message"]
+        assert f"pid {os.getpid()}" in message and "server 'trainer'" in message
+        assert await ready_statuses(real_servers) == [200] * len(real_servers)  # nothing sent
+    finally:
+        go_on.set()
+        await asyncio.wait_for(call, 600)
+    assert trainer.state.value == "released"
+    await trainer.onload()
+    assert all(server.alive() for server in real_servers)
+    assert await ready_statuses(real_servers) == [200] * len(real_servers)
+    await asyncio.gather(*(e.close() for e in engines))
+
+
+async def ready_statuses(servers: list[RealServer]) -> list[int]:
+    async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+        return [(await client.get(f"{s.url}/ready")).status_code for s in servers]

@@ -1,0 +1,159 @@
+"""One controller per engine: a call claims every engine it drives for its whole length, across
+servers and processes on the host, and a second controller is refused at once, naming the first;
+a claim dies with its process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import signal
+import sys
+import textwrap
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from rollout_lifecycle import (
+    EngineClaimed,
+    EngineGroup,
+    LifecycleEvent,
+    RolloutServer,
+    ServerState,
+    SGLangHTTPEngine,
+    SimulatedEngine,
+)
+from rollout_lifecycle.core.claims import LOCK_DIR_ENV
+from rollout_lifecycle.testing import StandInServer
+
+S = ServerState
+BOUND = 30.0
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[list[StandInServer]]:
+    with StandInServer.running(2, token_latency=0.001) as running:
+        yield running
+
+
+@pytest.fixture(autouse=True)
+def lock_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test its own lock directory (the host-wide one by default)."""
+    directory = tmp_path / "locks"
+    monkeypatch.setenv(LOCK_DIR_ENV, str(directory))
+    return directory
+
+
+def lock_files(directory: Path) -> list[str]:
+    return sorted(os.listdir(directory)) if directory.exists() else []
+
+
+def history_ops(server: StandInServer) -> list[str]:
+    return [e["op"] for e in server.history()]
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[list[SGLangHTTPEngine]]:
+    made: list[SGLangHTTPEngine] = []
+    yield made
+    await asyncio.gather(*(e.close() for e in made))
+
+
+def fleet(
+    servers: list[StandInServer], made: list[SGLangHTTPEngine], host: str = "127.0.0.1"
+) -> list[SGLangHTTPEngine]:
+    out = [SGLangHTTPEngine(s.url.replace("127.0.0.1", host), retries=0) for s in servers]
+    made.extend(out)
+    return out
+
+
+async def test_a_second_server_is_refused_at_once_while_the_first_drives_the_engines(
+    servers: list[StandInServer], engines: list[SGLangHTTPEngine]
+) -> None:
+    trainer = RolloutServer([EngineGroup("actor", fleet(servers, engines))], name="trainer")
+    # the same servers, spelled another way: one engine is one address
+    operator = RolloutServer(
+        [EngineGroup("actor", fleet(servers, engines, "localhost"))], name="operator"
+    )
+    holding, go_on = asyncio.Event(), asyncio.Event()
+
+    async def hold(event: LifecycleEvent) -> None:
+        holding.set()
+        await go_on.wait()
+
+    trainer.on("before_release", hold)
+    offload = asyncio.ensure_future(trainer.offload())
+    await asyncio.wait_for(holding.wait(), BOUND)  # the trainer's call is under way
+    sent = [len(history_ops(s)) for s in servers]
+    with pytest.raises(EngineClaimed) as err:
+        await asyncio.wait_for(operator.offload(), BOUND)
+    assert "trainer" in str(err.value) and f"pid {os.getpid()}" in str(err.value)
+    assert err.value.details["call"] == "offload" and err.value.details["server"] == "trainer"
+    assert pickle.loads(pickle.dumps(err.value)).details == err.value.details
+    assert [len(history_ops(s)) for s in servers] == sent  # the operator sent nothing
+    assert operator.state is S.SERVING  # and its records are untouched
+    go_on.set()
+    await asyncio.wait_for(offload, BOUND)
+    assert trainer.state is S.RELEASED
+    await trainer.onload()
+    # once the trainer's call is over, the operator's next call may claim the engines
+    await operator.pause()
+    await operator.resume()
+    assert operator.state is S.SERVING
+
+
+async def test_simulated_engines_without_an_address_are_not_claimed(lock_dir: Path) -> None:
+    engines = [SimulatedEngine(f"e{i}", token_latency=0.001) for i in range(2)]
+    first = RolloutServer([EngineGroup("actor", engines)], name="first")
+    await first.pause()
+    await first.resume()
+    assert lock_files(lock_dir) == []
+
+
+HOLDER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from rollout_lifecycle import EngineGroup, RolloutServer, SGLangHTTPEngine
+
+    async def main() -> None:
+        urls = sys.argv[1:]
+        server = RolloutServer(
+            [EngineGroup("actor", [SGLangHTTPEngine(u) for u in urls])], name="holder"
+        )
+
+        async def hold(event):
+            print("holding", flush=True)
+            await asyncio.sleep(3600)
+
+        server.on("before_pause", hold)
+        await server.pause()
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_a_claim_held_by_another_process_refuses_and_dies_with_it(
+    servers: list[StandInServer], engines: list[SGLangHTTPEngine]
+) -> None:
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", HOLDER, *(s.url for s in servers), stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        assert child.stdout is not None
+        # a deadline on a fact: the child says it holds its claim
+        line = await asyncio.wait_for(child.stdout.readline(), BOUND)
+        assert line.strip() == b"holding", f"the holder did not start (exit {child.returncode})"
+        server = RolloutServer([EngineGroup("actor", fleet(servers, engines))], name="second")
+        with pytest.raises(EngineClaimed) as err:
+            await asyncio.wait_for(server.pause(), BOUND)
+        assert err.value.details["pid"] == child.pid
+        assert err.value.details["server"] == "holder" and err.value.details["call"] == "pause"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        await asyncio.wait_for(child.wait(), BOUND)
+    # The holder died (SIGKILL: no clean-up ran); its claim went with it.
+    await asyncio.wait_for(server.pause(), BOUND)
+    await server.resume()
+    assert server.state is S.SERVING
