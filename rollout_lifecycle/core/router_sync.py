@@ -87,6 +87,11 @@ class RouterSync:
         #: The URLs (``url_identity``) at which this binding registered a worker that it has
         #: not taken out since: after its engine is retired, the one worker there it may remove.
         self._registered: set[str] = set()
+        #: Why the router is not in step with the engines that serve, since the last sync
+        #: after a phase failed (None once a sync succeeds): a call that leaves engines serving
+        #: raises it (``RolloutServer``), rather than reporting success while the router
+        #: sends them nothing.
+        self.failure: RouterError | None = None
         #: One lock per event loop (a lock belongs to the loop it first waited on).
         self._lock: tuple[asyncio.Lock, asyncio.AbstractEventLoop] | None = None
 
@@ -130,7 +135,22 @@ class RouterSync:
                 await self.sync()
             except RouterError as exc:
                 # The engines are as the phase left them; sync_router() puts the router right.
+                self.failure = exc
                 self._log.warning("router.out_of_step", error=str(exc))
+
+    def check(self) -> None:
+        """Once a call has completed, raise ``RouterError`` if engines serve while the router
+        could not be brought in step with them (it would send them nothing, or send requests to
+        engines that stopped serving): the call did its work, ``sync_router()`` puts the router
+        right."""
+        failure = self.failure
+        if failure is not None and any(serves(r) for r in self._fleet.live()):
+            raise RouterError(
+                failure.router,
+                f"the call completed and its engines serve, but the router could not be "
+                f"brought in step with them ({failure.message}); sync_router() puts it right",
+                failure.status,
+            )
 
     async def sync(self) -> dict[str, list[str]]:
         """Register every engine that serves and take out every other worker this binding owns
@@ -152,6 +172,7 @@ class RouterSync:
             await asyncio.gather(*(self._add(u) for u in missing))
         if extra or missing:
             self._log.info("router.synced", added=missing, removed=extra)
+        self.failure = None
         return {"added": missing, "removed": extra}
 
     async def _add(self, url: str) -> None:

@@ -381,6 +381,7 @@ class RolloutServer:
         """
 
         await self._serializer.run("reset", self._recovery.reset)
+        self._check_router()
         return self.state
 
     async def recover(self, factory: EngineFactory) -> dict[str, EngineOutcome]:
@@ -393,7 +394,9 @@ class RolloutServer:
         """
         if not callable(factory):
             raise InvalidArgument(f"factory must be callable, got {factory!r}")
-        return await self._run("recover", lambda: self._recovery.recover(factory))
+        outcomes = await self._run("recover", lambda: self._recovery.recover(factory))
+        self._check_router()
+        return outcomes
 
     @asynccontextmanager
     async def paused(self) -> AsyncIterator[RolloutServer]:
@@ -420,7 +423,9 @@ class RolloutServer:
 
     async def _perform(self, call: str, args: PhaseArgs = NO_ARGS) -> dict[str, float]:
         """Run ``call``'s plan from the ``CALLS`` table under the lock."""
-        return await self._serializer.run(call, lambda: self._machine.perform(call, args))
+        metrics = await self._serializer.run(call, lambda: self._machine.perform(call, args))
+        self._check_router()
+        return metrics
 
     async def _run(self, call: str, work: Callable[[], Awaitable[T]]) -> T:
         """Run ``work`` as the public call ``call``, under the lock; what it returned."""
@@ -431,6 +436,11 @@ class RolloutServer:
 
         await self._serializer.run(call, body)
         return done[0]
+
+    def _check_router(self) -> None:
+        """``RouterSync.check``, once a public call (not one made from a hook) completed."""
+        if self._router is not None and current(self) is None:
+            self._router.check()
 
 
 def _check_groups(groups: object) -> None:

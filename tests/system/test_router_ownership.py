@@ -28,6 +28,7 @@ from rollout_lifecycle import (
     LaunchedRouter,
     RolloutServer,
     RouterError,
+    ServerState,
     SGLangHTTPEngine,
     SGLangRouter,
 )
@@ -82,11 +83,13 @@ def test_a_call_per_event_loop_leaves_no_socket_open(
 
 
 class RefusingRemovals:
-    """A router client whose removals the router refuses while ``refuse`` is set."""
+    """A router client whose removals (or, with ``adds``, registrations) the router refuses
+    while ``refuse`` is set."""
 
-    def __init__(self, router: SGLangRouter) -> None:
+    def __init__(self, router: SGLangRouter, *, adds: bool = False) -> None:
         self.router = router
         self.refuse = False
+        self.adds = adds
 
     @property
     def url(self) -> str:
@@ -96,10 +99,12 @@ class RefusingRemovals:
         return await self.router.workers()
 
     async def add(self, url: str) -> None:
+        if self.refuse and self.adds:
+            raise RouterError(self.router.url, f"POST /workers {url}: 503 refused", 503)
         await self.router.add(url)
 
     async def remove(self, url: str) -> None:
-        if self.refuse:
+        if self.refuse and not self.adds:
             raise RouterError(self.router.url, f"DELETE {url}: 503 refused", 503)
         await self.router.remove(url)
 
@@ -156,3 +161,28 @@ async def test_a_worker_another_team_registers_at_a_retired_url_stays_listed(
         theirs.stop()
         for server_ in made:
             server_.stop()
+
+
+async def test_an_onload_whose_engines_serve_unlisted_raises_once_it_is_done(
+    standins: list[StandInServer],  # noqa: F811
+) -> None:
+    """The engines are continued, but the router could not register them: the call does not
+    report success while the router sends them nothing; ``sync_router()`` puts it right."""
+    a, b, _ = (s.url for s in standins)
+    async with router_for() as launched:
+        router = launched.client()
+        binding = RefusingRemovals(router, adds=True)
+        server = RolloutServer(fleet([a, b]), router=binding)
+        await server.sync_router()
+        await server.offload()
+        await server.onload_weights()
+        binding.refuse = True
+        with pytest.raises(RouterError, match="engines serve, but the router could not"):
+            await server.onload_kv()
+        assert server.state is ServerState.SERVING  # the call did its work
+        assert await listed(router) == set()
+        binding.refuse = False
+        assert ids(*(await server.sync_router())["added"]) == ids(a, b)
+        await server.pause()
+        await server.resume()  # in step again: nothing to raise
+        assert await listed(router) == ids(a, b)
