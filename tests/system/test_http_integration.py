@@ -11,6 +11,7 @@ import httpx
 import pytest
 import ray
 from structlog.testing import capture_logs
+from system.router_traffic import stats
 
 from rollout_lifecycle import (
     Deadlines,
@@ -32,6 +33,8 @@ from rollout_lifecycle.testing import cycle_order_violations
 from rollout_lifecycle.testing.standin import StandInServer
 
 ADMIN_KEY = "adm-3f9c2e7b1d"
+#: The length of the traffic's requests (see ``test_full_colocated_cycle_over_http...``).
+TOKENS = 1000
 LATENCY = {
     "pause_generation": (0.0, 0.03),
     "flush_cache": (0.0, 0.03),
@@ -55,6 +58,16 @@ async def history_of(url: str) -> list[dict[str, Any]]:
         return result
 
 
+async def until_running(servers: list[StandInServer], count: int) -> None:
+    """Wait (bounded) until every server's scheduler runs ``count`` requests."""
+    for _ in range(600):
+        running = [(await stats(s.url))["running"] for s in servers]
+        if all(n >= count for n in running):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"requests never all ran: {running}")
+
+
 async def generate(client: httpx.AsyncClient, url: str, i: int, tokens: int) -> dict[str, Any]:
     answer = await client.post(
         f"{url}/generate",
@@ -76,11 +89,14 @@ async def test_full_colocated_cycle_over_http_with_traffic_in_flight(
         )
         before = {s.url: len(await history_of(s.url)) for s in servers}
         async with httpx.AsyncClient(timeout=60) as client:
+            # Long enough (4 s at 4 ms a token) to be decoding still when the pause lands, on a
+            # loaded machine too: a retract pause retracts only what runs.
             traffic = [
-                asyncio.ensure_future(generate(client, servers[i % 4].url, i, 150))
+                asyncio.ensure_future(generate(client, servers[i % 4].url, i, TOKENS))
                 for i in range(24)
             ]
-            await asyncio.sleep(0.08)
+            # A fact, not a sleep: every server's scheduler runs its six requests.
+            await until_running(servers, 6)
             await server.offload()
             assert server.state is ServerState.RELEASED
             await server.onload_weights()
