@@ -15,6 +15,7 @@ import pytest
 from benchmarks import (
     drain,
     growth,
+    identity,
     memory_plan,
     order,
     overhead,
@@ -23,6 +24,7 @@ from benchmarks import (
     soak_traffic,
 )
 from benchmarks._common import CYCLE_CALLS
+from rollout_lifecycle.core.ops import CHECKED_OPS, Op
 
 GB = memory_plan.GB
 
@@ -85,6 +87,39 @@ async def test_growth_measures_both_contenders_without_violations(freeze: bool) 
         assert point.checked == 4 and point.violations == [] and point.incomplete == 0
     assert "50 / 5" in growth.report(points)
     assert gc.get_freeze_count() == 0  # nothing left frozen
+
+
+def test_identity_checks_the_phases_the_library_checks() -> None:
+    checked = {op.value for op in CHECKED_OPS}
+    for phase in identity.PHASES:
+        assert phase.checked == (phase.op in checked), phase
+        # `EngineRecord.expect`: every checked call of a cycle but the pause identifies.
+        assert phase.identify == (phase.checked and phase.op != Op.PAUSE.value), phase
+    assert {p.op for p in identity.PHASES if p.checked} == checked  # every one is measured
+
+
+async def test_identity_times_both_contenders_and_the_checks_really_read() -> None:
+    run = await identity.run_in_process(engines=3, rounds=2)
+    for name in identity.CONTENDERS:
+        assert len(run.cycles[name]) == 2, name  # every round ran a cycle of each
+        assert run.inspected[name] == 2 and run.bad[name] == [], name
+        for cycle in run.cycles[name]:
+            assert all(p.key in cycle for p in identity.PHASES), name
+            # The phases are inside the cycle, one after another.
+            assert 0 < cycle[identity.CHECKED_SUM_KEY] <= cycle[identity.CYCLE_KEY], name
+    # With checks every checked call read the engine first (the simulator answers a check's
+    # read in one `observe`, so one read per checked phase; `inspect_cycle` compared every
+    # engine's reads, by the op they checked); the patched baseline sent plain.
+    per_cycle = identity.CHECKS_PER_CYCLE * identity.READS_PER_CHECK
+    assert per_cycle == identity.expected_reads().total() == 7
+    assert run.reads[identity.CHECKED] == [per_cycle, per_cycle]
+    assert run.reads[identity.UNCHECKED] == [0, 0]
+    # Read through server_info / ping / ready, a pause reads the pause state only.
+    assert identity.expected_reads(one_call=False)["pause_generation"] == 2
+    assert identity.expected_reads(one_call=False).total() == 6 * 3 + 2
+    assert run.final_state == "serving" and run.dead == 0
+    text = identity.report(run)
+    assert "update_weight_version" in text and "added us per engine" in text
 
 
 async def test_drain_loses_no_request_in_any_mode(ray_cluster: None) -> None:
