@@ -96,14 +96,15 @@ async def bring_back(server: RolloutServer, engines: list[SimulatedEngine]) -> N
 # -- a process restarted at an engine's place, at every boundary of a cycle ----------------------
 
 
-def restart_in_hook(engine: SimulatedEngine) -> Callable[[LifecycleEvent], Awaitable[None]]:
+def once(action: Callable[[], Awaitable[Any]]) -> Callable[[LifecycleEvent], Awaitable[None]]:
+    """A hook that runs ``action`` the first time its event fires (a restart, say)."""
     done = False
 
     async def hook(event: LifecycleEvent) -> None:
         nonlocal done
         if not done:
             done = True
-            await engine.restart()
+            await action()
 
     return hook
 
@@ -123,7 +124,7 @@ async def test_a_restart_inside_an_offload_is_found_before_the_release(
     await full_cycle(server, "v1")
     old = server.snapshot().engines()["actor/0"].incarnation
     assert old == sim_incarnation(engines[0])
-    server.on(boundary, restart_in_hook(engines[0]))
+    server.on(boundary, once(engines[0].restart))
     with pytest.raises(PhaseFailed) as err:
         await asyncio.wait_for(server.offload(), BOUND)
     assert err.value.phase == phase and err.value.failed_engines == ["actor/0"]
@@ -188,7 +189,7 @@ async def test_a_restart_after_the_weights_stops_the_weight_update_before_its_se
 async def test_a_restart_after_the_kv_cache_is_found_by_the_continue() -> None:
     engines = sims(2)
     server = RolloutServer([EngineGroup("actor", engines)], CONFIG)
-    server.on("before_continue", restart_in_hook(engines[0]))
+    server.on("before_continue", once(engines[0].restart))
     await server.offload()
     await server.onload_weights()
     await server.update_weights(no_push, version="v1")

@@ -6,11 +6,12 @@ meets it refuses to act on the new process, the records learn what it is (a fres
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
+from core.test_identity import once
 from real.servers import RealServer
 
 from rollout_lifecycle import (
@@ -18,7 +19,6 @@ from rollout_lifecycle import (
     EngineGroup,
     FromDisk,
     LifecycleConfig,
-    LifecycleEvent,
     Outcome,
     PhaseFailed,
     RolloutServer,
@@ -64,18 +64,6 @@ async def fleet(real_servers: list[RealServer]) -> AsyncIterator[RolloutServer]:
     await asyncio.gather(*(e.close() for e in engines))
 
 
-def restart_once(process: RealServer) -> Callable[[LifecycleEvent], Awaitable[None]]:
-    done = False
-
-    async def hook(event: LifecycleEvent) -> None:
-        nonlocal done
-        if not done:
-            done = True
-            await asyncio.to_thread(process.restart)
-
-    return hook
-
-
 async def failing_step(server: RolloutServer, model: str, boundary: str) -> PhaseFailed:
     """Run the cycle up to the call that meets the restart; that call's error."""
     with pytest.raises(PhaseFailed) as err:
@@ -118,7 +106,7 @@ async def test_a_server_restarted_at_a_boundary_of_the_cycle_is_never_killed(
     server, victim, model = fleet, real_servers[0], real_sglang.model
     before = (await reported(victim.url))["incarnation"]
     if boundary in HOOKED:
-        server.on(HOOKED[boundary], restart_once(victim))
+        server.on(HOOKED[boundary], once(lambda: asyncio.to_thread(victim.restart)))
     if boundary not in ("after_pause", "after_flush"):
         await server.offload()
     if boundary in ("after_weights", "after_kv"):
