@@ -38,6 +38,7 @@ from rollout_lifecycle import (
     SyncRolloutServer,
     WeightUpdate,
 )
+from rollout_lifecycle.core.scope import LIFECYCLE_CALLS
 from rollout_lifecycle.testing import fatal_calls
 from rollout_lifecycle.testing.faults import FaultyEngine
 
@@ -56,18 +57,8 @@ DEADLINES = Deadlines(
     hook=2.0,
 )
 CONFIG = LifecycleConfig(deadlines=DEADLINES, flush_retry_interval=0.001)
-#: The lifecycle calls a hook can make.
-CALLS = (
-    "offload",
-    "onload_weights",
-    "update_weights",
-    "onload_kv",
-    "onload",
-    "pause",
-    "resume",
-    "reset",
-    "recover",
-)
+#: The lifecycle calls a hook can make (every one of them, so a new call joins the sweep).
+CALLS = tuple(sorted(LIFECYCLE_CALLS))
 #: The events whose hooks run inside a transition in progress.
 INSIDE = tuple(e for e in HOOK_EVENTS if e.startswith("before_"))
 #: A hook makes its call on at most this many of its runs: on a server that let a hook recurse,
