@@ -6,30 +6,12 @@ while a request runs, weights return before the KV cache, and generation resumes
 memory.
 """
 
-from rollout_lifecycle.backends.actor import EngineActor, EngineActorBody, start_engine_actor
-from rollout_lifecycle.backends.engine import EngineBackend, EngineHost, incarnation_of
-from rollout_lifecycle.backends.http import HTTPTimeouts, SGLangHTTPEngine, sglang_http_factory
-from rollout_lifecycle.backends.launch import LaunchedSGLangEngine, launched_sglang_factory
-from rollout_lifecycle.backends.ports import free_port
-from rollout_lifecycle.backends.router import LaunchedRouter, RouterWorker, SGLangRouter
-from rollout_lifecycle.backends.secret import Secret
-from rollout_lifecycle.backends.weights import (
-    FromDisk,
-    FromDistributed,
-    FromTensor,
-    WeightPushFailed,
-)
-from rollout_lifecycle.core.config import (
-    ALL_TAGS,
-    KV_TAGS,
-    WEIGHT_TAGS,
-    DeadEnginePolicy,
-    Deadlines,
-    LifecycleConfig,
-    PauseMode,
-    Tag,
-)
-from rollout_lifecycle.core.exceptions import (
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from rollout_lifecycle.contract.exceptions import (
     EngineClaimed,
     EngineDead,
     EngineError,
@@ -47,6 +29,9 @@ from rollout_lifecycle.core.exceptions import (
     RouterError,
     StaleWeights,
 )
+from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
+from rollout_lifecycle.contract.values import ALL_TAGS, KV_TAGS, WEIGHT_TAGS, PauseMode, Tag
+from rollout_lifecycle.core.config import DeadEnginePolicy, Deadlines, LifecycleConfig
 from rollout_lifecycle.core.generation import (
     GenerationClient,
     GenerationError,
@@ -55,7 +40,6 @@ from rollout_lifecycle.core.generation import (
     TooManyResubmissions,
 )
 from rollout_lifecycle.core.group import EngineGroup, EngineSnapshot
-from rollout_lifecycle.core.outcome import EngineOutcome, Outcome
 from rollout_lifecycle.core.server import (
     HOOK_EVENTS,
     HOOK_PHASES,
@@ -67,8 +51,50 @@ from rollout_lifecycle.core.server import (
 )
 from rollout_lifecycle.core.states import TRANSITIONS, ServerState, mermaid
 from rollout_lifecycle.core.timeline import Span, Timeline
-from rollout_lifecycle.sync import SyncRolloutServer
-from rollout_lifecycle.testing.simulated import SimulatedEngine
+
+if TYPE_CHECKING:
+    from rollout_lifecycle.backends.actor import EngineActor, EngineActorBody, start_engine_actor
+    from rollout_lifecycle.backends.engine import EngineBackend, EngineHost, incarnation_of
+    from rollout_lifecycle.backends.http import HTTPTimeouts, SGLangHTTPEngine, sglang_http_factory
+    from rollout_lifecycle.backends.launch import LaunchedSGLangEngine, launched_sglang_factory
+    from rollout_lifecycle.backends.ports import free_port
+    from rollout_lifecycle.backends.router import LaunchedRouter, RouterWorker, SGLangRouter
+    from rollout_lifecycle.backends.secret import Secret
+    from rollout_lifecycle.backends.weights import (
+        FromDisk,
+        FromDistributed,
+        FromTensor,
+        WeightPushFailed,
+    )
+    from rollout_lifecycle.sync import SyncRolloutServer
+    from rollout_lifecycle.testing.simulated import SimulatedEngine
+
+#: Names whose modules load when first asked for: the backends bring Ray or httpx with them, and
+#: the lifecycle core imports without either (a backend's engines register its seam on import).
+_LAZY: dict[str, str] = {
+    "EngineActor": "rollout_lifecycle.backends.actor",
+    "EngineActorBody": "rollout_lifecycle.backends.actor",
+    "start_engine_actor": "rollout_lifecycle.backends.actor",
+    "EngineBackend": "rollout_lifecycle.backends.engine",
+    "EngineHost": "rollout_lifecycle.backends.engine",
+    "incarnation_of": "rollout_lifecycle.backends.engine",
+    "HTTPTimeouts": "rollout_lifecycle.backends.http",
+    "SGLangHTTPEngine": "rollout_lifecycle.backends.http",
+    "sglang_http_factory": "rollout_lifecycle.backends.http",
+    "LaunchedSGLangEngine": "rollout_lifecycle.backends.launch",
+    "launched_sglang_factory": "rollout_lifecycle.backends.launch",
+    "free_port": "rollout_lifecycle.backends.ports",
+    "LaunchedRouter": "rollout_lifecycle.backends.router",
+    "RouterWorker": "rollout_lifecycle.backends.router",
+    "SGLangRouter": "rollout_lifecycle.backends.router",
+    "Secret": "rollout_lifecycle.backends.secret",
+    "FromDisk": "rollout_lifecycle.backends.weights",
+    "FromDistributed": "rollout_lifecycle.backends.weights",
+    "FromTensor": "rollout_lifecycle.backends.weights",
+    "WeightPushFailed": "rollout_lifecycle.backends.weights",
+    "SyncRolloutServer": "rollout_lifecycle.sync",
+    "SimulatedEngine": "rollout_lifecycle.testing.simulated",
+}
 
 __version__ = "0.1.0"
 
@@ -142,3 +168,16 @@ __all__ = [
     "sglang_http_factory",
     "start_engine_actor",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next lookup is a plain one
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

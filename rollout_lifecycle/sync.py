@@ -17,11 +17,12 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
 
-from rollout_lifecycle.core.config import MAX_SECONDS, LifecycleConfig
-from rollout_lifecycle.core.events import logger
-from rollout_lifecycle.core.exceptions import InvalidArgument, LifecycleError
+from rollout_lifecycle.contract.events import logger
+from rollout_lifecycle.contract.exceptions import InvalidArgument, LifecycleError
+from rollout_lifecycle.contract.outcome import EngineOutcome
+from rollout_lifecycle.contract.values import MAX_SECONDS
+from rollout_lifecycle.core.config import LifecycleConfig
 from rollout_lifecycle.core.group import EngineGroup
-from rollout_lifecycle.core.outcome import EngineOutcome
 from rollout_lifecycle.core.server import (
     LifecycleEvent,
     RolloutServer,

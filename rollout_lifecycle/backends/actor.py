@@ -11,8 +11,9 @@ from typing import Any
 
 import ray
 
+from rollout_lifecycle.backends import ray_transport  # noqa: F401 - registers the Ray seam
 from rollout_lifecycle.backends.engine import EngineBackend, EngineHost
-from rollout_lifecycle.core.exceptions import InvalidArgument
+from rollout_lifecycle.contract.exceptions import InvalidArgument
 
 
 def build_backend(factory: Callable[[], EngineBackend]) -> EngineBackend:

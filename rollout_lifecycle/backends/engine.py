@@ -13,18 +13,11 @@ import asyncio
 import contextvars
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Hashable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from rollout_lifecycle.core.config import (
-    DEFAULT_GROUP_NAME,
-    PauseMode,
-    Tag,
-    _member,
-    check_seconds,
-    parse_tags,
-)
-from rollout_lifecycle.core.exceptions import (
+from rollout_lifecycle.contract import seam
+from rollout_lifecycle.contract.exceptions import (
     EngineDead,
     EngineError,
     EngineRejected,
@@ -34,9 +27,18 @@ from rollout_lifecycle.core.exceptions import (
     IllegalEngineOp,
     InvalidArgument,
 )
-from rollout_lifecycle.core.identity import Expectation, disagreement
-from rollout_lifecycle.core.ops import CHECKED_OPS
-from rollout_lifecycle.core.outcome import Outcome
+from rollout_lifecycle.contract.identity import Expectation, disagreement
+from rollout_lifecycle.contract.ops import CHECKED_OPS, Op
+from rollout_lifecycle.contract.outcome import Outcome
+from rollout_lifecycle.contract.urls import url_identity
+from rollout_lifecycle.contract.values import (
+    DEFAULT_GROUP_NAME,
+    PauseMode,
+    Tag,
+    check_seconds,
+    member,
+    parse_tags,
+)
 
 
 @runtime_checkable
@@ -251,7 +253,7 @@ class EngineHost:
 
     async def pause_generation(self, mode: str) -> None:
         """Pause generation in ``mode``."""
-        await self._backend.pause_generation(_member(PauseMode, mode, "pause mode"))
+        await self._backend.pause_generation(member(PauseMode, mode, "pause mode"))
 
     async def continue_generation(self) -> None:
         """Continue generation."""
@@ -451,3 +453,34 @@ class EngineHost:
     async def close(self) -> None:
         """Close the backend."""
         await self._backend.close()
+
+
+class LocalSeam:
+    """An ``EngineHost`` in this process: each call is an asyncio task on this loop."""
+
+    def send(self, handle: EngineHost, op: str, args: tuple[Any, ...]) -> Awaitable[Any]:
+        task: Awaitable[Any] = asyncio.ensure_future(getattr(handle, op)(*args))
+        return task
+
+    def identity(self, handle: EngineHost) -> Hashable:
+        # The server URL of an HTTP backend (normalised: localhost and 127.0.0.1 are one).
+        url = getattr(handle.backend, "url", None)
+        if isinstance(url, str):
+            try:
+                return ("url", url_identity(url))
+            except InvalidArgument:
+                pass
+        return ("object", id(handle.backend))
+
+    async def retire(self, handle: EngineHost, deadline: float) -> None:
+        await seam.bounded(self.send(handle, Op.PAUSE.value, ("abort",)), deadline)
+        await seam.bounded(handle.close(), deadline)
+
+
+def _adopt(obj: object) -> EngineHost | None:
+    """A bare engine backend is served by an ``EngineHost`` of its own."""
+    return EngineHost(obj) if isinstance(obj, EngineBackend) else None
+
+
+seam.register(EngineHost, LocalSeam())
+seam.register_adopter(_adopt)

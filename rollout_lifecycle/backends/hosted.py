@@ -8,7 +8,7 @@ and times it exactly like an engine with an actor of its own.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,8 +16,11 @@ import ray
 
 from rollout_lifecycle.backends.actor import build_backend
 from rollout_lifecycle.backends.engine import EngineBackend, EngineHost
-from rollout_lifecycle.core.config import check_int
-from rollout_lifecycle.core.exceptions import InvalidArgument
+from rollout_lifecycle.backends.ray_transport import actor_key
+from rollout_lifecycle.contract import seam
+from rollout_lifecycle.contract.exceptions import InvalidArgument
+from rollout_lifecycle.contract.ops import Op
+from rollout_lifecycle.contract.values import check_int
 
 #: The most engines one actor hosts (as many as a simulated fleet may have).
 MAX_HOSTED = 1_000_000
@@ -87,6 +90,25 @@ class HostedEngine:
         return self.actor.call.remote(self.index, op, *args)
 
 
+class HostedSeam:
+    """One engine of a ``MultiEngineActor``: each call is a Ray call naming its index."""
+
+    def send(self, handle: HostedEngine, op: str, args: tuple[Any, ...]) -> Awaitable[Any]:
+        ref: Awaitable[Any] = handle.send(op, args)
+        return ref
+
+    def identity(self, handle: HostedEngine) -> Hashable:
+        return ("hosted", actor_key(handle.actor), handle.index)
+
+    async def retire(self, handle: HostedEngine, deadline: float) -> None:
+        # Its actor hosts other engines: this engine is closed, the actor stays.
+        await seam.bounded(self.send(handle, Op.PAUSE.value, ("abort",)), deadline)
+        await seam.bounded(self.send(handle, Op.CLOSE.value, ()), deadline)
+
+
+seam.register(HostedEngine, HostedSeam())
+
+
 def start_multi_engine_actor(
     factories: Sequence[Callable[[], EngineBackend]], **options: Any
 ) -> tuple[Any, list[HostedEngine]]:
@@ -104,6 +126,7 @@ def start_multi_engine_actor(
 __all__ = [
     "HOSTED_OPS",
     "HostedEngine",
+    "HostedSeam",
     "MultiEngineActor",
     "MultiEngineActorBody",
     "start_multi_engine_actor",

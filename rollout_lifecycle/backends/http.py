@@ -9,31 +9,28 @@ probes are its base class (``http_calls``), the sending and error translation it
 from __future__ import annotations
 
 import functools
-import ipaddress
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 
 from rollout_lifecycle.backends.http_calls import MIN_SGLANG_VERSION, SGLangCalls
-from rollout_lifecycle.backends.http_transport import MASK, HTTPTransport, scrub
+from rollout_lifecycle.backends.http_transport import HTTPTransport, scrub
 from rollout_lifecycle.backends.http_wire import (
     HTTPTimeouts,
     parse_version,
     shown,
 )
 from rollout_lifecycle.backends.secret import Secret, as_secret
-from rollout_lifecycle.core.config import (
+from rollout_lifecycle.contract.exceptions import InvalidArgument
+from rollout_lifecycle.contract.urls import validate_url
+from rollout_lifecycle.contract.values import (
     PauseMode,
     Tag,
     check_flag,
     check_int,
     check_seconds,
     parse_tags,
-)
-from rollout_lifecycle.core.exceptions import (
-    InvalidArgument,
 )
 
 __all__ = [
@@ -45,7 +42,6 @@ __all__ = [
     "parse_version",
     "scrub",
     "sglang_http_factory",
-    "url_identity",
 ]
 
 #: The most retries a call may be given (each waits up to ``_MAX_BACKOFF``).
@@ -54,69 +50,6 @@ _MAX_RETRIES = 1000
 # sglang: io_struct.py BeginWeightUpdateReqInput / UpdateWeightsFromTensorReqInput /
 # UpdateWeightsFromDistributedReqInput.selector: Literal["target", "draft", "all"] = "all"
 WEIGHT_SELECTORS: tuple[str, ...] = ("target", "draft", "all")
-
-
-def _mask_userinfo(url: str) -> str:
-    """``url`` with anything between ``//`` and ``@`` masked, for error messages."""
-    scheme, sep, rest = url.partition("//")
-    if not sep:
-        return url
-    authority, slash, path = rest.partition("/")
-    if "@" in authority:
-        authority = f"{MASK}@{authority.rpartition('@')[2]}"
-    return f"{scheme}{sep}{authority}{slash}{path}"
-
-
-def _validate_url(url: object) -> str:
-    """The base URL without a trailing slash; refuses anything but ``http(s)://host[:port]/path``."""
-    if not isinstance(url, str) or not url.strip():
-        raise InvalidArgument(f"url must be a non-empty string, got {url!r}")
-    shown = _mask_userinfo(url)
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - parsing the port validates it
-    except ValueError as exc:
-        raise InvalidArgument(f"url {shown!r} is not a valid URL: {exc}") from None
-    if parts.scheme not in ("http", "https"):
-        raise InvalidArgument(f"url {shown!r} must start with http:// or https://")
-    if "@" in parts.netloc:
-        # A credential in the URL would reach logs, labels and reprs; keys go in admin_key/api_key.
-        raise InvalidArgument(
-            f"url {shown!r} must not carry user info; pass credentials as admin_key or api_key"
-        )
-    if not parts.hostname:
-        raise InvalidArgument(f"url {shown!r} has no host")
-    if parts.query or parts.fragment:
-        raise InvalidArgument(f"url {shown!r} must not have a query or fragment")
-    return url.rstrip("/")
-
-
-#: Host names that reach this machine's loopback interface.
-_LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
-
-
-def url_identity(url: object) -> str:
-    """The server a URL reaches, for telling engines apart: ``scheme://host:port/path`` with
-    every name and address of this machine's loopback (``localhost``, ``127.0.0.1``, ``::1``,
-    ``0.0.0.0``) as one host ``loopback``, IP addresses in canonical form, host names lower
-    case and the default port explicit. No name is resolved (nothing is looked up); raises
-    ``InvalidArgument`` for what ``SGLangHTTPEngine`` would refuse."""
-    parts = urlsplit(_validate_url(url))
-    host = (parts.hostname or "").lower().rstrip(".")
-    try:
-        address: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(host)
-    except ValueError:
-        address = None
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    if host in _LOOPBACK_NAMES or (
-        address is not None and (address.is_loopback or address.is_unspecified)
-    ):
-        host = "loopback"
-    elif address is not None:
-        host = address.compressed
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    return f"{parts.scheme}://{host}:{port}{parts.path.rstrip('/')}"
 
 
 class SGLangHTTPEngine(SGLangCalls):
@@ -162,7 +95,7 @@ class SGLangHTTPEngine(SGLangCalls):
     ) -> None:
         self._admin_key = as_secret(admin_key, what="admin_key")
         self._api_key = as_secret(api_key, what="api_key")
-        self._url = _validate_url(url)
+        self._url = validate_url(url)
         if timeouts is None:
             timeouts = HTTPTimeouts()
         elif not isinstance(timeouts, HTTPTimeouts):

@@ -19,8 +19,7 @@ from rollout_lifecycle.backends.http_wire import (
     parse_version,
     shown,
 )
-from rollout_lifecycle.core.config import DEFAULT_GROUP_NAME, check_flag, check_seconds
-from rollout_lifecycle.core.exceptions import (
+from rollout_lifecycle.contract.exceptions import (
     EngineDead,
     EngineRejected,
     EngineTimeout,
@@ -28,6 +27,7 @@ from rollout_lifecycle.core.exceptions import (
     IllegalEngineOp,
     InvalidArgument,
 )
+from rollout_lifecycle.contract.values import DEFAULT_GROUP_NAME, check_flag, check_seconds
 
 #: The oldest SGLang this client drives: 0.5.20 has no begin/end weight-update endpoints and its
 #: release asserts plain idleness (a retract pause that left requests waiting kills it); 0.5.21

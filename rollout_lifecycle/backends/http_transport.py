@@ -16,14 +16,15 @@ from typing import Any, NoReturn
 import httpx
 
 from rollout_lifecycle.backends.secret import Secret
-from rollout_lifecycle.core.events import logger
-from rollout_lifecycle.core.exceptions import (
+from rollout_lifecycle.contract.events import logger
+from rollout_lifecycle.contract.exceptions import (
     EngineDead,
     EngineError,
     EngineRejected,
     EngineTimeout,
     EngineUnreachable,
 )
+from rollout_lifecycle.contract.urls import MASK
 
 #: Answers worth another attempt on a call that is safe to repeat: the server (or a proxy in
 #: front of it) is briefly unable to serve, and did not do the call.
@@ -32,8 +33,6 @@ RETRY_STATUSES = frozenset({502, 503, 504})
 _BODY_LIMIT = 500
 #: How much of a lower layer's error text goes into an exception message.
 _CAUSE_LIMIT = 200
-#: What a key is replaced with wherever text from outside (answers, errors) is quoted.
-MASK = "********"
 #: Endpoints any api-key holder may call; every other endpoint is a control endpoint.
 # sglang: auth.py decide_request_auth (a route without @auth_level is a normal endpoint)
 _NORMAL_PATHS = frozenset(

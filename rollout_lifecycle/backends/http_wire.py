@@ -7,8 +7,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from rollout_lifecycle.core.config import check_seconds
-from rollout_lifecycle.core.exceptions import InvalidArgument
+from rollout_lifecycle.contract.exceptions import InvalidArgument
+from rollout_lifecycle.contract.values import check_seconds
 
 _VERSION = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?")
 

@@ -25,8 +25,8 @@ from rollout_lifecycle.backends.http import (
     sglang_http_factory,
 )
 from rollout_lifecycle.backends.secret import Secret, as_secret
-from rollout_lifecycle.core.events import logger
-from rollout_lifecycle.core.exceptions import (
+from rollout_lifecycle.contract.events import logger
+from rollout_lifecycle.contract.exceptions import (
     EngineDead,
     EngineError,
     EngineTimeout,
@@ -34,7 +34,7 @@ from rollout_lifecycle.core.exceptions import (
     IllegalEngineOp,
     InvalidArgument,
 )
-from rollout_lifecycle.core.ops import Op
+from rollout_lifecycle.contract.ops import Op
 
 __all__ = [
     "ADMIN_KEY_ENV",

@@ -39,11 +39,11 @@ from typing import Any
 
 import httpx
 
-from rollout_lifecycle.backends.http import url_identity
 from rollout_lifecycle.backends.ports import free_port
 from rollout_lifecycle.backends.secret import Secret, as_secret
-from rollout_lifecycle.core.config import check_seconds
-from rollout_lifecycle.core.exceptions import InvalidArgument, RouterError
+from rollout_lifecycle.contract.exceptions import InvalidArgument, RouterError
+from rollout_lifecycle.contract.urls import url_identity
+from rollout_lifecycle.contract.values import check_seconds
 
 #: How often ``add`` and ``remove`` look whether the router has done the change.
 _POLL_S = 0.05

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from rollout_lifecycle.core.exceptions import InvalidArgument
+from rollout_lifecycle.contract.exceptions import InvalidArgument
 
 
 class Secret:

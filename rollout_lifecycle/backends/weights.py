@@ -14,9 +14,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rollout_lifecycle.backends.seam import classify, send
-from rollout_lifecycle.core.config import check_int
-from rollout_lifecycle.core.exceptions import InvalidArgument, LifecycleError
+from rollout_lifecycle.contract.exceptions import InvalidArgument, LifecycleError
+from rollout_lifecycle.contract.seam import classify, send
+from rollout_lifecycle.contract.values import check_int
 
 if TYPE_CHECKING:
     from rollout_lifecycle.core.server import WeightUpdate

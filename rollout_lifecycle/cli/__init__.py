@@ -107,7 +107,7 @@ def _pairs(items: Sequence[str], flag: str) -> list[tuple[str, str]]:
 
 
 def _fake_sglang(args: argparse.Namespace) -> int:
-    from rollout_lifecycle.core.exceptions import InvalidArgument
+    from rollout_lifecycle.contract.exceptions import InvalidArgument
 
     keys: dict[str, str | None] = {"admin": None, "api": None}
     for kind, var in (("admin", args.admin_key_env), ("api", args.api_key_env)):

@@ -57,8 +57,7 @@ from rollout_lifecycle.cli.ctl_state import (
     write_ledger,
 )
 from rollout_lifecycle.cli.ctl_status import ready_status, recorded_row, run_status
-from rollout_lifecycle.core.config import Deadlines, PauseMode
-from rollout_lifecycle.core.exceptions import (
+from rollout_lifecycle.contract.exceptions import (
     EngineClaimed,
     EngineError,
     IllegalEngineOp,
@@ -69,8 +68,10 @@ from rollout_lifecycle.core.exceptions import (
     RouterError,
     StaleWeights,
 )
+from rollout_lifecycle.contract.outcome import Outcome
+from rollout_lifecycle.contract.values import PauseMode
+from rollout_lifecycle.core.config import Deadlines
 from rollout_lifecycle.core.group import EngineGroup
-from rollout_lifecycle.core.outcome import Outcome
 from rollout_lifecycle.core.server import RolloutServer, ServerSnapshot
 from rollout_lifecycle.core.states import ServerState, mermaid
 

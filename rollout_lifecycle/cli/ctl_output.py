@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from rollout_lifecycle.cli.ctl_state import ExitCode, Setup
-from rollout_lifecycle.core.events import LOGGER_NAME
+from rollout_lifecycle.contract.events import LOGGER_NAME
 
 
 def report_error(

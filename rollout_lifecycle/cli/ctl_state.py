@@ -21,24 +21,13 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
-from rollout_lifecycle.backends.http import (
-    HTTPTimeouts,
-    SGLangHTTPEngine,
-    check_seconds,
-    url_identity,
-)
+from rollout_lifecycle.backends.http import HTTPTimeouts, SGLangHTTPEngine, check_seconds
 from rollout_lifecycle.backends.router import SGLangRouter
 from rollout_lifecycle.backends.secret import Secret
-from rollout_lifecycle.core.config import (
-    Deadlines,
-    LifecycleConfig,
-    PauseMode,
-    parse_tags,
-    short_repr,
-)
-from rollout_lifecycle.core.exceptions import (
-    InvalidArgument,
-)
+from rollout_lifecycle.contract.exceptions import InvalidArgument
+from rollout_lifecycle.contract.urls import url_identity
+from rollout_lifecycle.contract.values import PauseMode, parse_tags, short_repr
+from rollout_lifecycle.core.config import Deadlines, LifecycleConfig
 from rollout_lifecycle.core.server import ServerSnapshot
 from rollout_lifecycle.core.states import ServerState
 

@@ -23,10 +23,7 @@ from rollout_lifecycle.cli.ctl_state import (
     make_backends,
     read_ledger,
 )
-from rollout_lifecycle.core.exceptions import (
-    EngineError,
-    InvalidArgument,
-)
+from rollout_lifecycle.contract.exceptions import EngineError, InvalidArgument
 from rollout_lifecycle.core.group import EngineSnapshot
 from rollout_lifecycle.core.server import ServerSnapshot
 

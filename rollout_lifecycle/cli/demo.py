@@ -45,13 +45,14 @@ from rollout_lifecycle.cli.demo_report import (
     timeline_history,
 )
 from rollout_lifecycle.cli.demo_router import DemoRouting
-from rollout_lifecycle.core.config import LifecycleConfig, PauseMode
-from rollout_lifecycle.core.exceptions import (
+from rollout_lifecycle.contract.exceptions import (
     IllegalTransition,
     InvalidArgument,
     LifecycleError,
     PhaseFailed,
 )
+from rollout_lifecycle.contract.values import PauseMode
+from rollout_lifecycle.core.config import LifecycleConfig
 from rollout_lifecycle.core.group import EngineGroup
 from rollout_lifecycle.core.server import RolloutServer
 from rollout_lifecycle.core.states import ServerState

@@ -13,9 +13,9 @@ from typing import Any
 
 import httpx
 
-from rollout_lifecycle.backends.http import url_identity
 from rollout_lifecycle.backends.router import LaunchedRouter, SGLangRouter
 from rollout_lifecycle.cli.demo_report import StartedEngine
+from rollout_lifecycle.contract.urls import url_identity
 from rollout_lifecycle.core.server import RolloutServer
 
 

@@ -37,11 +37,11 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from rollout_lifecycle.backends import seam
-from rollout_lifecycle.backends.http import url_identity
-from rollout_lifecycle.core.exceptions import EngineClaimed, InvalidArgument
+from rollout_lifecycle.contract import seam
+from rollout_lifecycle.contract.exceptions import EngineClaimed, InvalidArgument
+from rollout_lifecycle.contract.ops import Op
+from rollout_lifecycle.contract.urls import url_identity
 from rollout_lifecycle.core.ledger import EngineRecord
-from rollout_lifecycle.core.ops import Op
 
 #: Where the lock files are, unless ``ROLLOUT_LIFECYCLE_LOCK_DIR`` names another directory.
 LOCK_DIR_ENV = "ROLLOUT_LIFECYCLE_LOCK_DIR"

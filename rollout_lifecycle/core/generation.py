@@ -9,15 +9,13 @@ import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from rollout_lifecycle.backends import seam
-from rollout_lifecycle.core.config import check_int, check_seconds
-from rollout_lifecycle.core.exceptions import (
-    InvalidArgument,
-)
+from rollout_lifecycle.contract import seam
+from rollout_lifecycle.contract.exceptions import InvalidArgument
+from rollout_lifecycle.contract.ops import Op
+from rollout_lifecycle.contract.outcome import Outcome
+from rollout_lifecycle.contract.values import check_int, check_seconds
 from rollout_lifecycle.core.hooks import HOOK_EVENTS
 from rollout_lifecycle.core.ledger import Fleet
-from rollout_lifecycle.core.ops import Op
-from rollout_lifecycle.core.outcome import Outcome
 from rollout_lifecycle.core.requests import (
     GenerationError,
     GenerationTimeout,

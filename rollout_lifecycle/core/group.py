@@ -15,11 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from rollout_lifecycle.backends import seam
-from rollout_lifecycle.core.config import PauseMode, Tag, check_name, parse_tags
-from rollout_lifecycle.core.exceptions import InvalidArgument
+from rollout_lifecycle.contract import seam
+from rollout_lifecycle.contract.exceptions import InvalidArgument
+from rollout_lifecycle.contract.ops import Op, as_op
+from rollout_lifecycle.contract.values import PauseMode, Tag, check_name, parse_tags
 from rollout_lifecycle.core.ledger import EngineRecord, EngineSnapshot
-from rollout_lifecycle.core.ops import Op, as_op
 from rollout_lifecycle.core.runner import Calls, Plan, issue
 
 

@@ -25,9 +25,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from rollout_lifecycle.contract.events import logger
+from rollout_lifecycle.contract.exceptions import HookFailed, InvalidArgument
 from rollout_lifecycle.core.config import Deadlines
-from rollout_lifecycle.core.events import logger
-from rollout_lifecycle.core.exceptions import HookFailed, InvalidArgument
 from rollout_lifecycle.core.scope import CURRENT, HookCancelled, Operation, Scope, cancel, current
 from rollout_lifecycle.core.states import ServerState
 

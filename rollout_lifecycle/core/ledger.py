@@ -16,10 +16,10 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Protocol
 
-from rollout_lifecycle.core.config import ALL_TAGS, WEIGHT_TAGS, PauseMode, Tag, parse_tags
-from rollout_lifecycle.core.exceptions import IllegalEngineOp, InvalidArgument
-from rollout_lifecycle.core.ops import CHECKED_OPS, MEMORY_OPS, PAUSE_OPS, SESSION_OPS, Op
-from rollout_lifecycle.core.outcome import EngineOutcome, Outcome
+from rollout_lifecycle.contract.exceptions import IllegalEngineOp, InvalidArgument
+from rollout_lifecycle.contract.ops import CHECKED_OPS, MEMORY_OPS, PAUSE_OPS, SESSION_OPS, Op
+from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
+from rollout_lifecycle.contract.values import ALL_TAGS, WEIGHT_TAGS, PauseMode, Tag, parse_tags
 from rollout_lifecycle.core.states import ServerState
 
 S = ServerState

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 from transitions.core import MachineError
 from transitions.extensions.asyncio import AsyncMachine
 
-from rollout_lifecycle.core.events import logger
-from rollout_lifecycle.core.exceptions import (
+from rollout_lifecycle.contract.events import logger
+from rollout_lifecycle.contract.exceptions import (
     HookFailed,
     IllegalEngineOp,
     IllegalTransition,

@@ -13,11 +13,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rollout_lifecycle.backends import seam
+from rollout_lifecycle.contract import seam
+from rollout_lifecycle.contract.events import logger
+from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.core.config import LifecycleConfig
-from rollout_lifecycle.core.events import logger
 from rollout_lifecycle.core.ledger import Fleet
-from rollout_lifecycle.core.ops import Op
 from rollout_lifecycle.core.runner import PhaseResult
 from rollout_lifecycle.core.scope import Operation, current
 from rollout_lifecycle.core.timeline import Timeline, _CallRecord

@@ -11,13 +11,19 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from rollout_lifecycle.core.config import WEIGHT_TAGS, DeadEnginePolicy, LifecycleConfig, PauseMode
-from rollout_lifecycle.core.exceptions import HookFailed, IllegalEngineOp, PhaseFailed, StaleWeights
+from rollout_lifecycle.contract.exceptions import (
+    HookFailed,
+    IllegalEngineOp,
+    PhaseFailed,
+    StaleWeights,
+)
+from rollout_lifecycle.contract.ops import Op
+from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
+from rollout_lifecycle.contract.values import WEIGHT_TAGS, PauseMode
+from rollout_lifecycle.core.config import DeadEnginePolicy, LifecycleConfig
 from rollout_lifecycle.core.hooks import Hooks
 from rollout_lifecycle.core.ledger import EngineRecord, Fleet, GroupRecords
 from rollout_lifecycle.core.machine import PhaseArgs
-from rollout_lifecycle.core.ops import Op
-from rollout_lifecycle.core.outcome import EngineOutcome, Outcome
 from rollout_lifecycle.core.runner import PhaseRunner, Plan
 from rollout_lifecycle.core.states import ServerState
 

@@ -12,15 +12,15 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from rollout_lifecycle.backends import seam
-from rollout_lifecycle.core.config import PauseMode, Tag
-from rollout_lifecycle.core.events import logger
-from rollout_lifecycle.core.exceptions import IllegalTransition, InvalidArgument, PhaseFailed
+from rollout_lifecycle.contract import seam
+from rollout_lifecycle.contract.events import logger
+from rollout_lifecycle.contract.exceptions import IllegalTransition, InvalidArgument, PhaseFailed
+from rollout_lifecycle.contract.ops import Op
+from rollout_lifecycle.contract.outcome import DISAGREEMENTS, EngineOutcome, Outcome
+from rollout_lifecycle.contract.values import PauseMode, Tag
 from rollout_lifecycle.core.group import EngineGroup
 from rollout_lifecycle.core.ledger import KEEPERS_SERVE, EngineRecord, EngineSnapshot, Fleet, target
 from rollout_lifecycle.core.machine import Machine
-from rollout_lifecycle.core.ops import Op
-from rollout_lifecycle.core.outcome import DISAGREEMENTS, EngineOutcome, Outcome
 from rollout_lifecycle.core.phases import Client, Parts, Phases
 from rollout_lifecycle.core.runner import Plan
 from rollout_lifecycle.core.states import ServerState

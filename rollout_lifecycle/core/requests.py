@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-from rollout_lifecycle.core.config import short_repr
-from rollout_lifecycle.core.exceptions import EngineError, InvalidArgument, LifecycleError
+from rollout_lifecycle.contract.exceptions import EngineError, InvalidArgument, LifecycleError
+from rollout_lifecycle.contract.values import short_repr
 
 #: The keys of a prompt: a request has exactly one.
 PROMPT_KEYS = ("input_ids", "text")

@@ -30,12 +30,12 @@ import contextlib
 from collections.abc import Awaitable, Hashable, Sequence
 from typing import Any, Protocol
 
-from rollout_lifecycle.backends import seam
-from rollout_lifecycle.backends.http import url_identity
-from rollout_lifecycle.core.events import logger
-from rollout_lifecycle.core.exceptions import InvalidArgument, RouterError
+from rollout_lifecycle.contract import seam
+from rollout_lifecycle.contract.events import logger
+from rollout_lifecycle.contract.exceptions import InvalidArgument, RouterError
+from rollout_lifecycle.contract.ops import Op
+from rollout_lifecycle.contract.urls import url_identity
 from rollout_lifecycle.core.ledger import EngineRecord, Fleet
-from rollout_lifecycle.core.ops import Op
 from rollout_lifecycle.core.runner import PhaseResult, Plan
 
 _PAUSE, _CONTINUE = Op.PAUSE, Op.CONTINUE

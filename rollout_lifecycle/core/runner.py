@@ -20,15 +20,16 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Se
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from rollout_lifecycle.backends import seam
-from rollout_lifecycle.backends.seam import Landed
-from rollout_lifecycle.core.config import DeadEnginePolicy, PauseMode, Tag
-from rollout_lifecycle.core.events import logger
-from rollout_lifecycle.core.exceptions import PhaseFailed
-from rollout_lifecycle.core.identity import disagreement
+from rollout_lifecycle.contract import seam
+from rollout_lifecycle.contract.events import logger
+from rollout_lifecycle.contract.exceptions import PhaseFailed
+from rollout_lifecycle.contract.identity import disagreement
+from rollout_lifecycle.contract.ops import CHECKED, CHECKED_OPS, INTENT_OPS, WEIGHT_OPS, Op
+from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
+from rollout_lifecycle.contract.seam import Landed
+from rollout_lifecycle.contract.values import PauseMode, Tag
+from rollout_lifecycle.core.config import DeadEnginePolicy
 from rollout_lifecycle.core.ledger import EngineRecord, GroupRecords
-from rollout_lifecycle.core.ops import CHECKED, CHECKED_OPS, INTENT_OPS, WEIGHT_OPS, Op
-from rollout_lifecycle.core.outcome import EngineOutcome, Outcome
 from rollout_lifecycle.core.states import ServerState
 
 _Guard = Callable[[EngineRecord], None]

@@ -20,8 +20,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from rollout_lifecycle.core.events import logger
-from rollout_lifecycle.core.exceptions import HookFailed, IllegalTransition
+from rollout_lifecycle.contract.events import logger
+from rollout_lifecycle.contract.exceptions import HookFailed, IllegalTransition
 from rollout_lifecycle.core.states import CALLS
 
 #: The public calls that fire transitions. Any of them made from user code that runs in the

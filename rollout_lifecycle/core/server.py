@@ -13,21 +13,19 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequen
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
-from rollout_lifecycle.backends import seam
+from rollout_lifecycle.contract import seam
+from rollout_lifecycle.contract.exceptions import InvalidArgument, LifecycleError
+from rollout_lifecycle.contract.ops import Op
+from rollout_lifecycle.contract.outcome import DISAGREEMENTS, EngineOutcome
+from rollout_lifecycle.contract.values import PauseMode, check_name
 from rollout_lifecycle.core.claims import Claims
-from rollout_lifecycle.core.config import LifecycleConfig, PauseMode, check_name
-from rollout_lifecycle.core.exceptions import (
-    InvalidArgument,
-    LifecycleError,
-)
+from rollout_lifecycle.core.config import LifecycleConfig
 from rollout_lifecycle.core.generation import GenerationClient
 from rollout_lifecycle.core.group import EngineGroup
 from rollout_lifecycle.core.hooks import HOOK_EVENTS, HOOK_PHASES, Hook, Hooks, LifecycleEvent
 from rollout_lifecycle.core.ledger import Fleet
 from rollout_lifecycle.core.machine import NO_ARGS, Machine, PhaseArgs
 from rollout_lifecycle.core.observe import Recorder
-from rollout_lifecycle.core.ops import Op
-from rollout_lifecycle.core.outcome import DISAGREEMENTS, EngineOutcome
 from rollout_lifecycle.core.phases import Parts, Phases, Versions
 from rollout_lifecycle.core.recovery import EngineFactory, Recovery
 from rollout_lifecycle.core.router_sync import RouterSync, WorkerRouter

@@ -13,12 +13,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rollout_lifecycle.core.config import PauseMode
-from rollout_lifecycle.core.exceptions import PhaseFailed
+from rollout_lifecycle.contract.exceptions import PhaseFailed
+from rollout_lifecycle.contract.ops import Op
+from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
+from rollout_lifecycle.contract.values import PauseMode
 from rollout_lifecycle.core.ledger import EngineRecord
 from rollout_lifecycle.core.machine import PhaseArgs
-from rollout_lifecycle.core.ops import Op
-from rollout_lifecycle.core.outcome import EngineOutcome, Outcome
 from rollout_lifecycle.core.phases import Client, Parts, Phases
 from rollout_lifecycle.core.runner import PhaseResult, Plan
 from rollout_lifecycle.core.states import ServerState

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from rollout_lifecycle.core.exceptions import InvalidArgument
+from rollout_lifecycle.contract.exceptions import InvalidArgument
 from rollout_lifecycle.core.ledger import EngineSnapshot, Fleet
 from rollout_lifecycle.core.states import ServerState
 

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout_lifecycle.core.config import MAX_TIMELINE_CALLS, check_int
-from rollout_lifecycle.core.exceptions import InvalidArgument
-from rollout_lifecycle.core.outcome import Outcome
+from rollout_lifecycle.contract.exceptions import InvalidArgument
+from rollout_lifecycle.contract.outcome import Outcome
+from rollout_lifecycle.contract.values import check_int
+from rollout_lifecycle.core.config import MAX_TIMELINE_CALLS
 
 #: The engine calls of a phase, flat: for each call its engine id, group, op, start and end
 #: (``time.monotonic()`` seconds) and ``Outcome`` value, one after another. Flat, so that

@@ -12,10 +12,10 @@ import logging
 from collections.abc import Awaitable, Iterator, Mapping
 from typing import Any
 
-from rollout_lifecycle.backends import seam
 from rollout_lifecycle.backends.actor import start_engine_actor
 from rollout_lifecycle.backends.hosted import HostedEngine, start_multi_engine_actor
-from rollout_lifecycle.core.config import check_int
+from rollout_lifecycle.contract import seam
+from rollout_lifecycle.contract.values import check_int
 from rollout_lifecycle.testing.barriers import (
     BARRIER_PAIRS,
     CYCLE_PHASES,

@@ -32,7 +32,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rollout_lifecycle.core.exceptions import InvalidArgument
+from rollout_lifecycle.contract.exceptions import InvalidArgument
 
 History = Sequence[Mapping[str, Any]]
 

@@ -12,19 +12,15 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from rollout_lifecycle.backends.engine import CHECKING, EngineBackend, introspect
-from rollout_lifecycle.core.config import (
-    Tag,
-    check_int,
-    check_seconds,
-)
-from rollout_lifecycle.core.exceptions import (
+from rollout_lifecycle.contract.exceptions import (
     EngineDead,
     EngineRejected,
     EngineTimeout,
     EngineUnreachable,
     InvalidArgument,
 )
-from rollout_lifecycle.core.ops import Op
+from rollout_lifecycle.contract.ops import Op
+from rollout_lifecycle.contract.values import Tag, check_int, check_seconds
 
 T = TypeVar("T")
 

@@ -13,11 +13,8 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 from rollout_lifecycle.backends.engine import CHECKING
-from rollout_lifecycle.core.config import (
-    ALL_TAGS,
-    Tag,
-)
-from rollout_lifecycle.core.exceptions import EngineDead, EngineRejected, EngineUnreachable
+from rollout_lifecycle.contract.exceptions import EngineDead, EngineRejected, EngineUnreachable
+from rollout_lifecycle.contract.values import ALL_TAGS, Tag
 from rollout_lifecycle.testing.sim_state import (
     FORWARD_TAGS,
     GARBAGE_TOKEN,

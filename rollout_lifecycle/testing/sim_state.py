@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_lifecycle.backends.engine import incarnation_of
-from rollout_lifecycle.core.config import (
+from rollout_lifecycle.contract.exceptions import InvalidArgument
+from rollout_lifecycle.contract.values import (
     ALL_TAGS,
     PauseMode,
     Tag,
@@ -23,7 +24,6 @@ from rollout_lifecycle.core.config import (
     check_int,
     check_seconds,
 )
-from rollout_lifecycle.core.exceptions import InvalidArgument
 
 GIB = 1 << 30
 

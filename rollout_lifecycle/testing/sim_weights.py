@@ -9,11 +9,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from rollout_lifecycle.core.config import (
-    DEFAULT_GROUP_NAME,
-    Tag,
-)
-from rollout_lifecycle.core.exceptions import EngineRejected
+from rollout_lifecycle.contract.exceptions import EngineRejected
+from rollout_lifecycle.contract.values import DEFAULT_GROUP_NAME, Tag
 from rollout_lifecycle.testing.sim_scheduler import SimScheduler
 from rollout_lifecycle.testing.sim_state import (
     SELECTORS,

@@ -12,12 +12,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from rollout_lifecycle.core.config import (
-    PauseMode,
-    Tag,
-    check_int,
-)
-from rollout_lifecycle.core.exceptions import EngineRejected, EngineUnreachable, InvalidArgument
+from rollout_lifecycle.contract.exceptions import EngineRejected, EngineUnreachable, InvalidArgument
+from rollout_lifecycle.contract.values import PauseMode, Tag, check_int
 from rollout_lifecycle.testing.sim_state import (
     DEFAULT_MEMORY_BYTES,
     DEFAULT_WEIGHT_VERSION,

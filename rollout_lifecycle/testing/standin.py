@@ -38,13 +38,13 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal, NoReturn, TypeVar
 
 from rollout_lifecycle.backends.secret import Secret, as_secret
-from rollout_lifecycle.core.config import DEFAULT_GROUP_NAME, check_flag, check_seconds
-from rollout_lifecycle.core.exceptions import (
+from rollout_lifecycle.contract.exceptions import (
     EngineDead,
     EngineRejected,
     InvalidArgument,
     LifecycleError,
 )
+from rollout_lifecycle.contract.values import DEFAULT_GROUP_NAME, check_flag, check_seconds
 from rollout_lifecycle.testing.simulated import (
     FLUSH_FAILED,
     WEIGHTS_WRITTEN_FLUSH_FAILED,

@@ -1,5 +1,5 @@
-"""The barrier's wait (``_gather.gather_calls``): every call's end, value or error, the deadline,
-and the late calls, for in-process tasks and Ray object refs alike."""
+"""The barrier's wait (``seam.wait``, over ``gather.gather_calls``): every call's end, value or
+error, the deadline, and the late calls, for in-process tasks and Ray object refs alike."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import ray
 
-from rollout_lifecycle.backends.gather import gather_calls
+from rollout_lifecycle.contract import seam
 
 
 async def _after(seconds: float, value: Any = None, error: BaseException | None = None) -> Any:
@@ -33,7 +33,7 @@ async def test_in_process_calls_land_with_their_values_errors_and_end_times() ->
         asyncio.ensure_future(_after(0.0, "fast")),
         asyncio.ensure_future(_after(0.01, error=ValueError("bad"))),
     ]
-    landed = await gather_calls(refs, timeout=5)
+    landed = await seam.wait(refs, 5)
     assert landed.values[:2] == ["slow", "fast"]
     assert isinstance(landed.errors[2], ValueError) and landed.errors[:2] == [None, None]
     ends = [e for e in landed.ends if e is not None]
@@ -45,14 +45,14 @@ async def test_in_process_calls_land_with_their_values_errors_and_end_times() ->
 async def test_a_call_past_the_deadline_is_late_and_lands_later() -> None:
     refs = [asyncio.ensure_future(_after(0.0, 1)), asyncio.ensure_future(_after(0.3, 2))]
     began = time.monotonic()
-    landed = await gather_calls(refs, timeout=0.05)
+    landed = await seam.wait(refs, 0.05)
     assert time.monotonic() - began < 0.25
     assert landed.ends[1] is None and set(landed.late) == {1}
     assert await landed.late[1] == 2
 
 
 async def test_no_calls_return_at_once() -> None:
-    landed = await gather_calls([], timeout=1)
+    landed = await seam.wait([], 1)
     assert landed.ends == [] and landed.late == {}
 
 
@@ -66,7 +66,7 @@ async def test_ray_refs_land_with_values_errors_and_late_ones(
         slow.pause_generation.remote("retract"),
         asyncio.ensure_future(_after(0.0, "local")),  # one phase may mix both kinds
     ]
-    landed = await gather_calls(refs, timeout=0.2)
+    landed = await seam.wait(refs, 0.2)
     assert landed.values[0]["model_path"] == "simulated/sim-0" and landed.errors[0] is None
     assert isinstance(landed.errors[1], ray.exceptions.RayTaskError)
     assert landed.values[3] == "local"
@@ -77,7 +77,7 @@ async def test_ray_refs_land_with_values_errors_and_late_ones(
 
 async def test_a_cancelled_wait_stops_its_helper_thread(fleet: Callable[..., list[Any]]) -> None:
     (engine,) = fleet(1, op_latency={"pause_generation": 1.0})
-    task = asyncio.ensure_future(gather_calls([engine.pause_generation.remote("retract")], 30))
+    task = asyncio.ensure_future(seam.wait([engine.pause_generation.remote("retract")], 30))
     await asyncio.sleep(0.1)
     assert _waiters() == 1
     task.cancel()
@@ -95,6 +95,6 @@ async def test_refs_ray_cannot_wait_for_together_are_still_waited_for(
 ) -> None:
     (engine,) = fleet(1)
     ref = engine.server_info.remote()
-    landed = await gather_calls([ref, ref], timeout=10)  # ray.wait refuses duplicates
+    landed = await seam.wait([ref, ref], 10)  # ray.wait refuses duplicates
     assert landed.late == {} and landed.errors == [None, None]
     assert [v["model_path"] for v in landed.values] == ["simulated/sim-0"] * 2

@@ -30,9 +30,9 @@ from rollout_lifecycle import (
     SimulatedEngine,
     mermaid,
 )
-from rollout_lifecycle.backends.http import url_identity
 from rollout_lifecycle.cli import main
 from rollout_lifecycle.cli.ctl import STATE_FORMAT, ExitCode, default_state_path
+from rollout_lifecycle.contract.urls import url_identity
 from rollout_lifecycle.testing import StandInServer, cycle_order_violations
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -36,7 +36,7 @@ from rollout_lifecycle import (
     SimulatedEngine,
 )
 from rollout_lifecycle.backends.actor import start_engine_actor
-from rollout_lifecycle.backends.http import url_identity
+from rollout_lifecycle.contract.urls import url_identity
 from rollout_lifecycle.sync import SyncCallTimeout, SyncRolloutServer
 from rollout_lifecycle.testing import simulated_engine_actors
 from rollout_lifecycle.testing.faults import FaultyEngine

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from rollout_lifecycle import ALL_TAGS, KV_TAGS, EngineHost, PauseMode, ServerState, Tag
+from rollout_lifecycle.contract.ops import Op
+from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
 from rollout_lifecycle.core.ledger import EngineRecord, Fleet, Target, may_serve, target
-from rollout_lifecycle.core.ops import Op
-from rollout_lifecycle.core.outcome import EngineOutcome, Outcome
 
 S = ServerState
 SETTLED = (S.SERVING, S.DRAINED, S.RELEASED, S.WEIGHTS_RESTORED)

@@ -26,7 +26,7 @@ from rollout_lifecycle import (
     Tag,
 )
 from rollout_lifecycle.backends.engine import incarnation_of
-from rollout_lifecycle.backends.seam import classify
+from rollout_lifecycle.contract.seam import classify
 from rollout_lifecycle.core.ledger import EngineRecord
 from rollout_lifecycle.core.runner import Calls
 from rollout_lifecycle.core.states import TRANSITIONS, sources_of

@@ -13,7 +13,7 @@ from rollout_lifecycle import (
     SimulatedEngine,
     Tag,
 )
-from rollout_lifecycle.core.ops import Op
+from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.core.runner import Plan, default_targets, issue
 
 RELEASE = ([Tag.KV_CACHE.value],)

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 
 from rollout_lifecycle import SGLangRouter
-from rollout_lifecycle.backends.http import url_identity
+from rollout_lifecycle.contract.urls import url_identity
 
 
 async def listed(router: SGLangRouter) -> set[str]:

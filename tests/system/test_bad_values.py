@@ -29,14 +29,8 @@ from rollout_lifecycle.backends.http import check_seconds as http_check_seconds
 from rollout_lifecycle.backends.launch import LaunchedSGLangEngine
 from rollout_lifecycle.backends.router import SGLangRouter
 from rollout_lifecycle.backends.weights import FromDisk, FromDistributed, FromTensor
-from rollout_lifecycle.core.config import (
-    MAX_SECONDS,
-    DeadEnginePolicy,
-    Deadlines,
-    LifecycleConfig,
-    check_seconds,
-    parse_tags,
-)
+from rollout_lifecycle.contract.values import MAX_SECONDS, check_seconds, parse_tags
+from rollout_lifecycle.core.config import DeadEnginePolicy, Deadlines, LifecycleConfig
 from rollout_lifecycle.core.generation import GenerationClient
 from rollout_lifecycle.core.group import EngineGroup
 from rollout_lifecycle.core.requests import MAX_REQUEST_INT, Request

@@ -24,7 +24,7 @@ from benchmarks import (
     soak_traffic,
 )
 from benchmarks._common import CYCLE_CALLS
-from rollout_lifecycle.core.ops import CHECKED_OPS, Op
+from rollout_lifecycle.contract.ops import CHECKED_OPS, Op
 
 GB = memory_plan.GB
 

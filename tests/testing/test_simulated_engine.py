@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from rollout_lifecycle.core.config import ALL_TAGS, PauseMode, Tag
-from rollout_lifecycle.core.exceptions import EngineDead, EngineRejected, InvalidArgument
+from rollout_lifecycle.contract.exceptions import EngineDead, EngineRejected, InvalidArgument
+from rollout_lifecycle.contract.values import ALL_TAGS, PauseMode, Tag
 from rollout_lifecycle.testing import collector_load
 from rollout_lifecycle.testing.simulated import SimulatedEngine
 

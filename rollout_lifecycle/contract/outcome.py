@@ -1,6 +1,6 @@
 """What one engine call came to: an ``Outcome`` and its detail.
 
-The engine seam (``backends.seam.classify``) maps whatever a call raised (Ray's errors, a
+The engine seam (``contract.seam.classify``) maps whatever a call raised (Ray's errors, a
 transport's, the library's) to an ``EngineOutcome``, so the core reasons about outcomes, never
 about Ray.
 """

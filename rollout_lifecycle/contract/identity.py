@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rollout_lifecycle.core.outcome import Outcome
+from rollout_lifecycle.contract.outcome import Outcome
 
 #: What a record expects of its engine before a checked call: its incarnation (None: not known
 #: yet) and whether it is paused (None: the record does not say, or it need not be checked).

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rollout_lifecycle.core.outcome import EngineOutcome
+    from rollout_lifecycle.contract.outcome import EngineOutcome
 
 
 class LifecycleError(Exception):
