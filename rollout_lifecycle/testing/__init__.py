@@ -30,6 +30,7 @@ from rollout_lifecycle.testing.barriers import (
 )
 from rollout_lifecycle.testing.simulated import MAX_FLEET, SimulatedEngine, fleet_factories
 from rollout_lifecycle.testing.standin import StandInServer
+from rollout_lifecycle.testing.waits import until
 
 
 @contextlib.contextmanager
@@ -148,4 +149,5 @@ __all__ = [
     "send_to_engine",
     "simulated_engine_actors",
     "simulated_multi_engine_actors",
+    "until",
 ]

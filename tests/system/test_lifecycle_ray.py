@@ -27,7 +27,12 @@ from rollout_lifecycle import (
     Tag,
     WeightUpdate,
 )
-from rollout_lifecycle.testing import calls_received, cycle_order_violations, released_ops
+from rollout_lifecycle.testing import (
+    calls_received,
+    cycle_order_violations,
+    released_ops,
+    until,
+)
 
 Fleet = Callable[..., list[Any]]
 RANDOM_LATENCY = {
@@ -43,6 +48,58 @@ async def histories(server: RolloutServer) -> dict[str, list[dict[str, Any]]]:
     ids = list(server.engines())
     got = await asyncio.gather(*(h.history.remote() for h in server.engines().values()))
     return dict(zip(ids, got, strict=True))
+
+
+async def stats(engines: list[Any]) -> list[dict[str, int]]:
+    return list(await asyncio.gather(*(h.stats.remote() for h in engines)))
+
+
+async def until_received(engines: list[Any], count: int) -> None:
+    """Every engine has taken ``count`` generate requests (a counter: it cannot be missed)."""
+
+    async def received() -> bool:
+        return all(s["submitted"] >= count for s in await stats(engines))
+
+    await until(received, what=f"{count} request(s) submitted to every engine")
+
+
+async def until_decoding(engines: list[Any], count: int) -> None:
+    """Every engine runs ``count`` requests and has decoded a token for each since they all ran
+    (a step decodes one token of every running request)."""
+
+    async def running() -> bool:
+        return all(s["running"] >= count for s in await stats(engines))
+
+    await until(running, what=f"{count} running request(s) on every engine")
+    floor = [s["tokens"] + count for s in await stats(engines)]
+
+    async def decoded() -> bool:
+        return all(s["tokens"] >= f for s, f in zip(await stats(engines), floor, strict=True))
+
+    await until(decoded, what="a token of every running request")
+
+
+async def until_dead(handle: Any) -> None:
+    """A killed actor's calls fail (``ray.kill`` returns before the actor is gone)."""
+
+    async def gone() -> bool:
+        try:
+            await handle.server_info.remote()
+        except ray.exceptions.RayActorError:
+            return True
+        return False
+
+    await until(gone, what="the killed actor to be gone")
+
+
+async def until_began(engines: list[Any], op: str) -> None:
+    """Every engine has received ``op`` (its history records a call when it starts)."""
+
+    async def began() -> bool:
+        seen = await asyncio.gather(*(h.history.remote() for h in engines))
+        return all(any(e["op"] == op for e in history) for history in seen)
+
+    await until(began, what=f"{op} on every engine")
 
 
 def ops(history: list[dict[str, Any]]) -> list[str]:
@@ -77,7 +134,7 @@ async def test_barriers_hold_across_groups_with_random_latencies(fleet: Fleet) -
     )
     for cycle in range(2):
         requests = [generate(h, i, 30) for i, h in enumerate(actor + critic + reward)]
-        await asyncio.sleep(0.03)
+        await until_received(actor + critic + reward, cycle + 1)
         await server.offload()
         assert server.state is ServerState.RELEASED
         await server.onload_weights()
@@ -225,16 +282,15 @@ async def test_in_place_pause_is_refused_for_offload_before_any_engine_call(flee
 async def test_retract_keeps_every_request_in_flight_and_aborts_none(fleet: Fleet) -> None:
     engines = fleet(2, token_latency=0.004)
     server = RolloutServer([EngineGroup("actor", engines)])
-    requests = [generate(engines[i % 2], i, 60) for i in range(12)]
-    await asyncio.sleep(0.06)
+    requests = [generate(engines[i % 2], i, 400) for i in range(12)]
+    await until_decoding(engines, 6)  # the pause finds every request decoding
     await server.offload()
-    stats = await asyncio.gather(*(h.memory.remote() for h in engines))
-    assert all(m == {"weights": 0, "kv_cache": 0, "cuda_graph": 0} for m in stats)
-    await asyncio.sleep(0.05)
+    memory = await asyncio.gather(*(h.memory.remote() for h in engines))
+    assert all(m == {"weights": 0, "kv_cache": 0, "cuda_graph": 0} for m in memory)
     await server.onload()
-    results = await asyncio.wait_for(asyncio.gather(*requests), timeout=30)
+    results = await asyncio.wait_for(asyncio.gather(*requests), timeout=60)
     assert [r["meta_info"]["finish_reason"]["type"] for r in results] == ["length"] * 12
-    assert all(len(r["output_ids"]) == 60 for r in results)
+    assert all(len(r["output_ids"]) == 400 for r in results)
     assert sum(r["meta_info"]["num_retractions"] for r in results) >= 1
 
 
@@ -244,7 +300,7 @@ async def test_abort_returns_every_request_in_flight_with_its_partial_output(fle
         [EngineGroup("actor", engines)], LifecycleConfig(pause_mode=PauseMode.ABORT)
     )
     requests = [generate(engines[i % 2], i, 400) for i in range(8)]
-    await asyncio.sleep(0.08)
+    await until_decoding(engines, 4)  # each has output when the abort comes
     await server.offload()
     # Aborted requests answer during the pause, before anything is restored.
     results = await asyncio.wait_for(asyncio.gather(*requests), timeout=10)
@@ -332,10 +388,10 @@ async def test_failed_pause_releases_nothing_and_continues_the_paused(fleet: Fle
 
 
 async def test_cancelled_offload_settles_the_phase_before_cancelling(fleet: Fleet) -> None:
-    engines = fleet(3, op_latency={"pause_generation": 0.3})
+    engines = fleet(3, op_latency={"pause_generation": 1.0})
     server = RolloutServer([EngineGroup("actor", engines)])
     task = asyncio.ensure_future(server.offload())
-    await asyncio.sleep(0.1)  # inside the pause phase
+    await until_began(engines, "pause_generation")  # inside the pause phase
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -405,7 +461,7 @@ async def test_a_dead_actor_fails_the_phase_and_is_named(fleet: Fleet) -> None:
     engines = fleet(3)
     server = RolloutServer([EngineGroup("actor", engines)])
     ray.kill(engines[1])
-    await asyncio.sleep(0.2)
+    await until_dead(engines[1])
     with pytest.raises(PhaseFailed) as err:
         await server.offload()
     assert err.value.failed_engines == ["actor/1"]
@@ -432,7 +488,7 @@ async def test_guard_refuses_in_place_release_and_writes_into_released_weights(
     group = EngineGroup("actor", engines)
     server = RolloutServer([group], LifecycleConfig(pause_mode=PauseMode.IN_PLACE))
     requests = [generate(h, i, 200) for i, h in enumerate(engines)]
-    await asyncio.sleep(0.05)
+    await until_decoding(engines, 1)
     async with server.paused():
         # Requests hold their KV cache under an in_place pause: releasing would kill the engine.
         with pytest.raises(IllegalEngineOp, match="in_place"):
@@ -463,7 +519,7 @@ async def test_probe_never_uses_a_generating_health_check_on_paused_engines(flee
         last = calls_received(history)[-1]
         assert last["op"] == "observe" and last["checks"] == ["observe"]
     ray.kill(engines[1])
-    await asyncio.sleep(0.2)
+    await until_dead(engines[1])
     outcomes = await asyncio.wait_for(server.probe(), timeout=5)
     assert outcomes["actor/1"].outcome is Outcome.DEAD
     assert not server.snapshot().engines()["actor/1"].alive
