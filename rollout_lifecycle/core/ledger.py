@@ -114,11 +114,26 @@ class EngineRecord:
     #: A begin or end of a weight-update session did not complete: a session may be open, and
     #: the next update closes it first.
     session_unknown: bool = False
-    #: The process this record describes (``core/identity``): recorded from the first answer
+    #: The process this record describes (``contract/identity``): recorded from the first answer
     #: that names it, checked before every call in ``CHECKED_OPS``. None until then.
     incarnation: str | None = None
     #: What ``intend`` changed for the call in flight, restored when it is refused outright.
     _undo: tuple[Any, ...] | None = field(default=None, repr=False)
+
+    @property
+    def serves(self) -> bool:
+        """Whether the engine may take generate requests, as far as its record says: alive,
+        known to be unpaused, all its memory resident, and holding the fleet's weights (a fresh
+        server is stale until an update reaches it, versioned or not). The one predicate the
+        generation client routes by and the router binding registers by (each adds what only
+        it knows: the client the group's state and the deaths it saw)."""
+        return (
+            self.alive
+            and not self.paused
+            and not self.pause_unknown
+            and not self.stale
+            and not (self.released or self.uncertain)
+        )
 
     # -- guards: each raises before a call that would kill the engine is sent ------------------
 
@@ -200,7 +215,7 @@ class EngineRecord:
         return [self.incarnation, None if self.pause_unknown else self.paused]
 
     def learn(self, verdict: Outcome, incarnation: str | None) -> None:
-        """Take in what the engine showed of itself against this record (``core/identity``):
+        """Take in what the engine showed of itself against this record (``contract/identity``):
         after ``RESTARTED`` the record describes the new process (``restart``); after
         ``CONFLICT`` (the engine is not paused as recorded: another controller may drive it)
         nothing is known of it but that it answers: its pause state and every tag are

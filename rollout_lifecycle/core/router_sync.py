@@ -60,17 +60,6 @@ async def _answer(call: Awaitable[Any]) -> Any:
     return await call
 
 
-def serves(record: EngineRecord) -> bool:
-    """Whether an engine may take the router's traffic now."""
-    return (
-        record.alive
-        and not record.paused
-        and not record.pause_unknown
-        and not record.stale
-        and not (record.released or record.uncertain)
-    )
-
-
 class RouterSync:
     """The router binding of one server (see the module docstring)."""
 
@@ -144,7 +133,7 @@ class RouterSync:
         engines that stopped serving): the call did its work, ``sync_router()`` puts the router
         right."""
         failure = self.failure
-        if failure is not None and any(serves(r) for r in self._fleet.live()):
+        if failure is not None and any(r.serves for r in self._fleet.live()):
             raise RouterError(
                 failure.router,
                 f"the call completed and its engines serve, but the router could not be "
@@ -159,7 +148,7 @@ class RouterSync:
         records = self._fleet.records()
         urls = {r.id: await self.url_of(r) for r in records}
         fleet = {url_identity(u) for u in urls.values() if u is not None}
-        want = {url_identity(u): u for r in records if (u := urls[r.id]) is not None and serves(r)}
+        want = {url_identity(u): u for r in records if (u := urls[r.id]) is not None and r.serves}
         async with self._locked():
             listed: dict[str, str] = {}
             for worker in await self.router.workers():
@@ -195,4 +184,4 @@ class RouterSync:
             yield
 
 
-__all__ = ["RouterSync", "WorkerRouter", "serves"]
+__all__ = ["RouterSync", "WorkerRouter"]

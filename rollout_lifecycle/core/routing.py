@@ -1,11 +1,12 @@
 """Routing and holding for the generation client: which engine serves a request, and waiting
 while none does.
 
-``Router.acquire`` picks a serving engine (alive, unpaused, all memory resident, with the
-expected weights, not seen dying by this client; the fewest requests outstanding first) in a
-group that may serve in the server's state (``ledger.may_serve``), and holds the request while
-there is none, waking at every state change and phase end, until ``hold_timeout`` or the
-request's deadline. A request whose every possible engine is dead fails at once.
+``Router.acquire`` picks a serving engine (``EngineRecord.serves``: alive, unpaused, all memory
+resident, with the fleet's weights; and not seen dying by this client; the fewest requests
+outstanding first) in a group that may serve in the server's state (``ledger.may_serve``), and
+holds the request while there is none, waking at every state change and phase end, until
+``hold_timeout`` or the request's deadline. A request whose every possible engine is dead
+fails at once.
 """
 
 from __future__ import annotations
@@ -53,15 +54,7 @@ class Router:
         return may_serve(state, group.needs_offload)
 
     def _engine_serves(self, record: EngineRecord) -> bool:
-        return (
-            record.alive
-            and not record.paused
-            and not record.released
-            and not record.uncertain
-            # A replacement without the fleet's versioned weights generates nothing for us.
-            and not (record.stale and self._server.expected_version is not None)
-            and not self.seen_dead(record)
-        )
+        return record.serves and not self.seen_dead(record)
 
     def pick(self, work: Request) -> EngineRecord | None:
         state = self._server.state
@@ -170,12 +163,17 @@ class Router:
                     notes.append(f"{r.id} dead")
                 elif self.seen_dead(r):
                     notes.append(f"{r.id} died under a request")
-                elif r.paused:
+                elif r.paused or r.pause_unknown:
                     notes.append(f"{r.id} paused")
                 elif r.released or r.uncertain:
                     notes.append(f"{r.id} holds released memory")
-                elif r.stale and self._server.expected_version is not None:
-                    notes.append(f"{r.id} lacks weight version {self._server.expected_version!r}")
+                elif r.stale:
+                    expected = self._server.expected_version
+                    notes.append(
+                        f"{r.id} lacks weight version {expected!r}"
+                        if expected is not None
+                        else f"{r.id} is a fresh server no weight update has reached"
+                    )
         return f"the server is {state.value!r} and no engine of {where} serves ({', '.join(notes)})"
 
     def _event(self) -> asyncio.Event:
