@@ -19,7 +19,7 @@ DEFAULT_DEADLINE_S = 60.0
 async def until(
     check: Callable[[], bool | Awaitable[bool]],
     *,
-    what: str,
+    what: str = "the condition",
     deadline: float = DEFAULT_DEADLINE_S,
     every: float = 0.005,
 ) -> None:

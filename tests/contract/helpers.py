@@ -4,8 +4,7 @@ deadlines."""
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -98,11 +97,3 @@ async def in_flight(
 def finish_type(answer: dict[str, Any]) -> str:
     kind: str = answer["meta_info"]["finish_reason"]["type"]
     return kind
-
-
-async def wait_until(check: Callable[[], Awaitable[bool]], deadline_s: float = 60.0) -> None:
-    """Poll an async ``check`` until it returns true, or fail at the deadline."""
-    end = time.monotonic() + deadline_s
-    while not await check():
-        assert time.monotonic() < end, "condition not reached before the deadline"
-        await asyncio.sleep(0.1)

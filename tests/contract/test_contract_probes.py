@@ -6,7 +6,9 @@ import asyncio
 
 import httpx
 import pytest
-from contract.helpers import Target, wait_until
+from contract.helpers import Target
+
+from rollout_lifecycle.testing import until
 
 #: How long the client waits for ``/health`` while paused: it must not have answered by then.
 #: Well under SGLang's own 20 s health deadline, after which it would mark itself unhealthy.
@@ -46,7 +48,7 @@ async def test_health_does_not_answer_while_paused_and_does_after_continue(
         async def ready() -> bool:
             return (await client.get("/ready")).status_code == 200
 
-        await wait_until(ready)
+        await until(ready, what="the server to answer /ready")
 
 
 async def test_a_health_probe_sent_while_paused_answers_200_once_continued(

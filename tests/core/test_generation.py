@@ -34,7 +34,7 @@ from rollout_lifecycle.core.generation import (
     NoLiveEngine,
     TooManyResubmissions,
 )
-from rollout_lifecycle.testing import cycle_order_violations
+from rollout_lifecycle.testing import cycle_order_violations, until
 
 Fleet = Callable[..., list[Any]]
 
@@ -150,16 +150,6 @@ def engines(
 
 def request(i: int, tokens: int = 20) -> dict[str, Any]:
     return {"input_ids": [i + 1, i + 2, i + 3], "sampling_params": {"max_new_tokens": tokens}}
-
-
-async def until(condition: Callable[[], bool], timeout: float = 5.0, what: str = "") -> None:
-    """Wait (bounded) until ``condition()`` holds."""
-    step = 0.005
-    for _ in range(int(timeout / step)):
-        if condition():
-            return
-        await asyncio.sleep(step)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}")
 
 
 def engine_stat(sims: list[Any], key: str) -> int:

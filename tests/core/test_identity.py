@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from core.test_generation import until
 
 import rollout_lifecycle
 from rollout_lifecycle import (
@@ -29,7 +28,7 @@ from rollout_lifecycle import (
     WeightUpdate,
 )
 from rollout_lifecycle.backends.engine import EngineHost, incarnation_of
-from rollout_lifecycle.testing import calls_received
+from rollout_lifecycle.testing import calls_received, until
 from rollout_lifecycle.testing.faults import FaultyEngine
 
 S = ServerState

@@ -15,7 +15,7 @@ import pytest
 
 from rollout_lifecycle.contract.exceptions import EngineDead, EngineRejected, InvalidArgument
 from rollout_lifecycle.contract.values import ALL_TAGS, PauseMode, Tag
-from rollout_lifecycle.testing import collector_load
+from rollout_lifecycle.testing import collector_load, until
 from rollout_lifecycle.testing.simulated import SimulatedEngine
 
 GIB = 1 << 30
@@ -53,14 +53,6 @@ def submit(
     if rid is not None:
         request["rid"] = rid
     return asyncio.create_task(engine.generate(request))
-
-
-async def until(condition: Callable[[], bool], timeout: float = 2.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not reached within {timeout}s")
-        await asyncio.sleep(0.001)
 
 
 async def gather(tasks: list[asyncio.Task[Result]], timeout: float = 5.0) -> list[Result]:
@@ -479,7 +471,7 @@ async def test_data_parallel_dummy_batch_kills_an_idle_engine_on_released_memory
     for engine in (quiet, dummy):
         await drained_and_released(engine)
         await engine.continue_generation()
-    await until(lambda: dummy.dead, 1.0)
+    await until(lambda: dummy.dead)
     assert not quiet.dead  # without dummy batches an idle engine runs nothing
     assert quiet.stats()["steps"] == quiet.stats()["dummy_steps"] == 0
     await assert_dead_for_good(dummy, "dummy batch")
@@ -493,7 +485,7 @@ async def test_dummy_batches_kill_an_unpaused_idle_engine_after_release(
     await until(lambda: engine.stats()["dummy_steps"] >= 2 or engine.dead)
     # Release is allowed (the engine is idle), but it keeps running dummy batches.
     await engine.release_memory_occupation([Tag.CUDA_GRAPH, Tag.KV_CACHE])
-    await until(lambda: engine.dead, 1.0)
+    await until(lambda: engine.dead)
     await assert_dead_for_good(engine, "illegal memory access")
 
 

@@ -10,13 +10,14 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from rollout_lifecycle.testing import until
 from rollout_lifecycle.testing.standin import (
     DEATH_EXIT_CODE,
     DEFAULT_STARTUP_TIMEOUT,
@@ -65,22 +66,12 @@ def open_url(fleet: dict[str, StandInServer]) -> Iterator[str]:
         client.post(f"{url}/continue_generation", json={})
 
 
-async def wait_until(
-    check: Callable[[], Awaitable[bool]], timeout: float = 5.0, what: str = "condition"
-) -> None:
-    deadline = time.monotonic() + timeout
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
 async def wait_running(client: httpx.AsyncClient, url: str, count: int = 1) -> None:
     async def running() -> bool:
         stats = (await client.get(f"{url}/_standin/stats")).json()
         return bool(stats["running"] >= count)
 
-    await wait_until(running, what=f"{count} running request(s)")
+    await until(running, what=f"{count} running request(s)")
 
 
 def long_generate(client: httpx.AsyncClient, url: str, rid: str, tokens: int = 2000) -> Any:
@@ -213,7 +204,7 @@ async def test_flush_is_400_plain_text_while_requests_hold_kv_under_in_place_pau
         # A second flush while one is deferred waits its turn, as SGLang's front end queues
         # flushes; it is never refused as "already in progress".
         waiting = asyncio.ensure_future(client.post("/flush_cache", params={"timeout": 5}))
-        await wait_until(lambda: flush_pending(client), what="the first flush to be deferred")
+        await until(lambda: flush_pending(client), what="the first flush to be deferred")
         second = asyncio.ensure_future(client.post("/flush_cache"))
         await asyncio.sleep(0.1)
         assert not second.done()
@@ -649,7 +640,7 @@ async def test_continue_after_release_with_a_request_waiting_kills_the_server(
         async def queued() -> bool:
             return bool((await client.get("/_standin/stats")).json()["held"] == 1)
 
-        await wait_until(queued, what="the request to wait at the front end")
+        await until(queued, what="the request to wait at the front end")
         # The continue itself may still be answered; the forward pass on released memory that
         # it lets run kills the server, and the waiting request's connection drops.
         with contextlib.suppress(httpx.TransportError):
