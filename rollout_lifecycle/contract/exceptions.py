@@ -2,7 +2,7 @@
 
 Catch ``LifecycleError`` to catch everything this library raises. Engine backends raise the
 ``EngineError`` family; the server translates whatever a lower layer (Ray, a transport) raises
-into these at one boundary (``rollout_lifecycle.core.outcome``).
+into these at one boundary (``rollout_lifecycle.contract.seam.classify``).
 
 Every exception here pickles with its fields intact, because engine errors cross Ray actor
 boundaries.
