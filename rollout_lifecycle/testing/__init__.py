@@ -30,7 +30,7 @@ from rollout_lifecycle.testing.barriers import (
 )
 from rollout_lifecycle.testing.simulated import MAX_FLEET, SimulatedEngine, fleet_factories
 from rollout_lifecycle.testing.standin import StandInServer
-from rollout_lifecycle.testing.waits import until
+from rollout_lifecycle.testing.waits import until, until_actor_gone, until_began
 
 
 @contextlib.contextmanager
@@ -150,4 +150,6 @@ __all__ = [
     "simulated_engine_actors",
     "simulated_multi_engine_actors",
     "until",
+    "until_actor_gone",
+    "until_began",
 ]

@@ -1,13 +1,17 @@
 """Waiting on facts instead of time: a test that needs a moment (a request decoding, a pause
 landed, an actor gone) polls what the engine or the server reports until it holds, with a
-generous deadline, so it passes the same on an idle machine and on a loaded one."""
+generous deadline, so it passes the same on an idle machine and on a loaded one. For engines
+behind Ray actors: until one is gone, until each has received a call."""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import ray
 
 from rollout_lifecycle.contract.values import check_seconds
 
@@ -39,4 +43,36 @@ async def until(
         await asyncio.sleep(every)
 
 
-__all__ = ["DEFAULT_DEADLINE_S", "until"]
+async def until_actor_gone(handle: Any, *, deadline: float = DEFAULT_DEADLINE_S) -> None:
+    """Return once calls to the engine actor ``handle`` fail because it is gone (``ray.kill``
+    returns before the actor is)."""
+
+    async def gone() -> bool:
+        try:
+            await handle.server_info.remote()
+        except ray.exceptions.RayActorError:
+            return True
+        return False
+
+    await until(gone, what=f"engine actor {handle!r} to be gone", deadline=deadline)
+
+
+async def until_began(
+    handles: Sequence[Any], op: str, *, times: int = 1, deadline: float = DEFAULT_DEADLINE_S
+) -> None:
+    """Return once every simulated engine actor of ``handles`` has received ``op`` ``times``
+    times in all: the calls that returned (its history) and those still running (its state's
+    ``in_flight``)."""
+
+    async def received(handle: Any) -> int:
+        history, state = await asyncio.gather(handle.history.remote(), handle.state.remote())
+        return sum(e["op"] == op for e in history) + state["in_flight"].count(op)
+
+    async def began() -> bool:
+        counts = await asyncio.gather(*(received(h) for h in handles))
+        return all(n >= times for n in counts)
+
+    await until(began, what=f"{op} x{times} on every engine", deadline=deadline)
+
+
+__all__ = ["DEFAULT_DEADLINE_S", "until", "until_actor_gone", "until_began"]

@@ -20,10 +20,12 @@ from rollout_lifecycle import (
     ServerState,
     StaleWeights,
 )
+from rollout_lifecycle.testing import until_actor_gone, until_began
 from rollout_lifecycle.testing.simulated import DEFAULT_MEMORY_BYTES
 
 Fleet = Callable[..., list[Any]]
-SLOW = 0.6
+#: How long the slowed op takes: ample time to kill an engine once every engine received it.
+SLOW = 2.0
 # Which op to slow down so that the kill lands inside the phase, and the state the phase's
 # failure leaves the healthy engines in (what recover() brings the replacement to).
 PHASES = {
@@ -83,14 +85,15 @@ async def test_engine_killed_mid_phase_is_named_and_recover_restores_the_fleet(
     op, settles_in = PHASES[phase]
     engines = fleet(4, token_latency=0.002, op_latency={op: SLOW})
     server = RolloutServer([EngineGroup("actor", engines)])
+    times = 1
     if phase == "resume_kv":
         await server.offload()
-        await server.onload_weights()
-        call = server.onload_kv()
+        await server.onload_weights()  # (the weights' resume is the first of the op)
+        call, times = server.onload_kv(), 2
     else:
         call = server.offload()
     task = asyncio.ensure_future(call)
-    await asyncio.sleep(0.2)  # the other phases take no time: this lands inside the slow one
+    await until_began(engines, op, times=times)  # the other phases take no time: in the slow one
     ray.kill(engines[2])
     with pytest.raises(PhaseFailed) as err:
         await asyncio.wait_for(task, timeout=60)
@@ -128,7 +131,7 @@ async def test_skip_policy_goes_on_without_a_dead_engine_then_recovers_it(fleet:
         LifecycleConfig(dead_engines=DeadEnginePolicy.SKIP),
     )
     ray.kill(engines[0])
-    await asyncio.sleep(0.2)
+    await until_actor_gone(engines[0])
     await asyncio.wait_for(server.offload(), timeout=30)
     assert server.state is ServerState.RELEASED
     snap = server.snapshot().engines()
@@ -147,7 +150,7 @@ async def test_failed_is_left_only_by_recover_or_reset(fleet: Fleet) -> None:
     engines = fleet(2)
     server = RolloutServer([EngineGroup("actor", engines)])
     ray.kill(engines[1])
-    await asyncio.sleep(0.2)
+    await until_actor_gone(engines[1])
     with pytest.raises(PhaseFailed):
         await server.offload()
     assert server.state is ServerState.FAILED

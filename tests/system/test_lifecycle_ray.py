@@ -32,6 +32,8 @@ from rollout_lifecycle.testing import (
     cycle_order_violations,
     released_ops,
     until,
+    until_actor_gone,
+    until_began,
 )
 
 Fleet = Callable[..., list[Any]]
@@ -77,29 +79,6 @@ async def until_decoding(engines: list[Any], count: int) -> None:
         return all(s["tokens"] >= f for s, f in zip(await stats(engines), floor, strict=True))
 
     await until(decoded, what="a token of every running request")
-
-
-async def until_dead(handle: Any) -> None:
-    """A killed actor's calls fail (``ray.kill`` returns before the actor is gone)."""
-
-    async def gone() -> bool:
-        try:
-            await handle.server_info.remote()
-        except ray.exceptions.RayActorError:
-            return True
-        return False
-
-    await until(gone, what="the killed actor to be gone")
-
-
-async def until_began(engines: list[Any], op: str) -> None:
-    """Every engine has received ``op`` (its history records a call when it starts)."""
-
-    async def began() -> bool:
-        seen = await asyncio.gather(*(h.history.remote() for h in engines))
-        return all(any(e["op"] == op for e in history) for history in seen)
-
-    await until(began, what=f"{op} on every engine")
 
 
 def ops(history: list[dict[str, Any]]) -> list[str]:
@@ -461,7 +440,7 @@ async def test_a_dead_actor_fails_the_phase_and_is_named(fleet: Fleet) -> None:
     engines = fleet(3)
     server = RolloutServer([EngineGroup("actor", engines)])
     ray.kill(engines[1])
-    await until_dead(engines[1])
+    await until_actor_gone(engines[1])
     with pytest.raises(PhaseFailed) as err:
         await server.offload()
     assert err.value.failed_engines == ["actor/1"]
@@ -519,7 +498,7 @@ async def test_probe_never_uses_a_generating_health_check_on_paused_engines(flee
         last = calls_received(history)[-1]
         assert last["op"] == "observe" and last["checks"] == ["observe"]
     ray.kill(engines[1])
-    await until_dead(engines[1])
+    await until_actor_gone(engines[1])
     outcomes = await asyncio.wait_for(server.probe(), timeout=5)
     assert outcomes["actor/1"].outcome is Outcome.DEAD
     assert not server.snapshot().engines()["actor/1"].alive
