@@ -36,6 +36,7 @@ from rollout_lifecycle.sync import (
     SyncServerClosed,
 )
 from rollout_lifecycle.testing.faults import FaultyEngine
+from rollout_lifecycle.testing.waits import DEFAULT_DEADLINE_S
 
 S = ServerState
 #: Every facade call is bounded, so that a deadlock fails the test instead of hanging it.
@@ -50,12 +51,20 @@ def request(i: int, tokens: int = 20) -> dict[str, Any]:
     return {"input_ids": [i, i + 1], "sampling_params": {"max_new_tokens": tokens}}
 
 
+def blocking_until(check: Callable[[], bool], what: str) -> None:
+    """Block this thread until ``check()`` holds (the facade's loop runs in its own thread),
+    with ``testing.until``'s generous deadline."""
+    deadline = time.monotonic() + DEFAULT_DEADLINE_S
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
 def in_flight(engine: FaultyEngine, op: str) -> None:
     """Wait until ``op`` is in flight on ``engine`` (sent, not answered)."""
-    deadline = time.monotonic() + T
-    while not any(c["op"] == op and c["end"] is None for c in engine.calls):
-        assert time.monotonic() < deadline, f"{op} never started"
-        time.sleep(0.005)
+    blocking_until(
+        lambda: any(c["op"] == op and c["end"] is None for c in engine.calls), f"{op} to start"
+    )
 
 
 def facade_threads() -> set[threading.Thread]:
@@ -116,24 +125,28 @@ def test_a_colocated_step_runs_through_the_blocking_api(make: Any) -> None:
 
 
 def test_requests_in_flight_across_an_offload_complete(make: Any) -> None:
-    rollout = make(EngineGroup("actor", sims(2)))
+    engines = sims(2)
+    rollout = make(EngineGroup("actor", engines))
     assert rollout.generate(request(0, 5), timeout=T)["output_ids"] == [
         *rollout.generate(request(0, 5), "actor", timeout=T)["output_ids"]
     ]
     answers: list[list[dict[str, Any]]] = []
     sender = threading.Thread(
         target=lambda: answers.append(
-            rollout.generate_batch([request(i, 60) for i in range(8)], timeout=T)
+            rollout.generate_batch([request(i, 400) for i in range(8)], timeout=T)
         )
     )
     sender.start()
-    time.sleep(0.02)  # let decoding start, so that the offload meets requests in flight
+    # The offload meets requests decoding on every engine (400 tokens: about half a second).
+    blocking_until(
+        lambda: all(e.stats()["running"] >= 1 and e.stats()["tokens"] >= 1 for e in engines),
+        "requests decoding on every engine",
+    )
     rollout.offload(timeout=T)
-    time.sleep(0.05)  # the trainer's turn
     rollout.onload(timeout=T)
     sender.join(T)
     (batch,) = answers
-    assert [len(a["output_ids"]) for a in batch] == [60] * 8
+    assert [len(a["output_ids"]) for a in batch] == [400] * 8
     assert all(a["meta_info"]["finish_reason"]["type"] == "length" for a in batch)
     assert sum(a["meta_info"]["num_retractions"] for a in batch) > 0  # retracted, not lost
 
