@@ -66,7 +66,8 @@ async def until_began(
 
     async def received(handle: Any) -> int:
         history, state = await asyncio.gather(handle.history.remote(), handle.state.remote())
-        return sum(e["op"] == op for e in history) + state["in_flight"].count(op)
+        running: list[str] = state["in_flight"]
+        return sum(1 for e in history if e["op"] == op) + running.count(op)
 
     async def began() -> bool:
         counts = await asyncio.gather(*(received(h) for h in handles))
