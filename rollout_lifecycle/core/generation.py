@@ -14,7 +14,7 @@ from rollout_lifecycle.contract.exceptions import InvalidArgument
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import Outcome
 from rollout_lifecycle.contract.values import check_int, check_seconds
-from rollout_lifecycle.core.hooks import HOOK_EVENTS
+from rollout_lifecycle.core.bus import PhaseSettled, StateEntered
 from rollout_lifecycle.core.ledger import Fleet
 from rollout_lifecycle.core.requests import (
     GenerationError,
@@ -29,7 +29,6 @@ from rollout_lifecycle.core.routing import Router
 from rollout_lifecycle.core.states import ServerState
 
 if TYPE_CHECKING:
-    from rollout_lifecycle.core.hooks import LifecycleEvent
     from rollout_lifecycle.core.server import RolloutServer
 
 S = ServerState
@@ -44,19 +43,20 @@ _LOST = frozenset({Outcome.DEAD, Outcome.UNREACHABLE})
 class GenerationClient:
     """Sends generate requests to a ``RolloutServer``'s engines, only while they serve.
 
-    * **Routing**: to an engine that is alive, not paused, holds no released (or uncertain)
-      memory and was not seen dying by this client, in ``group`` if one is named (else in any
-      group); the one with the fewest requests outstanding from this client, ties by order.
+    * **Routing**: to an engine whose record serves (``EngineRecord.serves``: alive, known to
+      be unpaused, no released or uncertain memory, not stale) and that this client did not see
+      die, in ``group`` if one is named (else in any group); the one with the fewest requests
+      outstanding from this client, ties by order.
     * **Holding**: while the server is not ``serving``, a request for a group that needs
       offload waits (groups with ``needs_offload=False`` keep serving during an offload, so
       their requests only wait while their own engines are paused, e.g. around a weight update);
-      in ``failed`` every request waits. The wait is woken by hooks on every state and on the
-      end of every phase (re-checked at each wake, and every ``recheck_interval`` seconds for
-      changes no hook reports, such as a replaced engine) and bounded by ``hold_timeout``: then
-      ``GenerationTimeout``. A request none of whose engines is alive (every engine of its
-      group, or of every group, is recorded dead or was seen dying by this client) is not
-      held: it fails at once with ``NoLiveEngine``, and so does a held request, or one whose
-      attempt was lost, once its last engine dies.
+      in ``failed`` every request waits. The wait is woken by the server's events on every
+      state entered and every phase settled (``core/bus``; re-checked at each wake, and every
+      ``recheck_interval`` seconds for changes no event reports) and bounded by
+      ``hold_timeout``: then ``GenerationTimeout``. A request none of whose engines is alive
+      (every engine of its group, or of every group, is recorded dead or was seen dying by
+      this client) is not held: it fails at once with ``NoLiveEngine``, and so does a held
+      request, or one whose attempt was lost, once its last engine dies.
     * **Resubmission**: an answer with finish_reason ``abort`` (a pause in ``abort`` mode, or any
       other abort that is not a 4xx refusal of the request itself) and an attempt lost to a dead
       or unreachable engine are resubmitted, once the group serves again, as prompt + partial
@@ -133,12 +133,10 @@ class GenerationClient:
         self._aborts: set[asyncio.Future[Any]] = set()
         self._closed = False
         # Every state, and the end of every phase (a group paused around a weight update is
-        # continued inside the phase, with no state change).
-        states = {s.value for s in ServerState}
+        # continued inside a phase, with no state change): held requests look again.
         self._removers: list[Callable[[], None]] = [
-            server.on(event, self._on_state)
-            for event in HOOK_EVENTS
-            if event in states or event.startswith("after_")
+            server.bus.subscribe(StateEntered, self._wake),
+            server.bus.subscribe(PhaseSettled, self._wake),
         ]
 
     def __repr__(self) -> str:
@@ -360,8 +358,8 @@ class GenerationClient:
         if not sent.cancelled():
             sent.exception()  # retrieved: a failed best-effort abort is not an error
 
-    def _on_state(self, event: LifecycleEvent) -> None:
-        """The hook on every state (and phase end): wake held requests to re-check; never raises."""
+    def _wake(self, event: object) -> None:
+        """On every state entered and phase settled: wake held requests to look again."""
         self._router.notify()
 
 

@@ -35,6 +35,7 @@ from rollout_lifecycle.contract.exceptions import (
     RouterError,
     StaleWeights,
 )
+from rollout_lifecycle.core.bus import RECORDS_CHANGED, Bus, StateEntered
 from rollout_lifecycle.core.hooks import Hooks
 from rollout_lifecycle.core.ledger import Fleet, GroupRecords
 from rollout_lifecycle.core.scope import Operation, current
@@ -79,14 +80,14 @@ class Machine:
         fleet: Fleet,
         hooks: Hooks,
         phases: Mapping[str, Phase],
-        journal: Callable[[], None],
+        bus: Bus,
     ) -> None:
         if set(phases) != set(PHASED):
             raise InvalidArgument(f"phases must be given for exactly {PHASED}, got {set(phases)}")
         self._server = server
         self._name = name
         self._hooks = hooks
-        self._journal = journal
+        self._bus = bus
         self._model = _Model()
         rows: list[dict[str, Any]] = []
         for row in TRANSITIONS:
@@ -169,11 +170,11 @@ class Machine:
         except BaseException as exc:
             if self.state is not S.FAILED and not isinstance(exc, asyncio.CancelledError):
                 await self.fire("fail")
-                self._journal()
+                self._bus.publish(RECORDS_CHANGED)
                 log.warning("transition.failed", state=previous.value, error=str(exc))
                 await self._hooks.emit(S.FAILED.value, S.FAILED, previous)
             raise
-        self._journal()
+        self._bus.publish(RECORDS_CHANGED)
         state = self.state
         log.info("state.enter", state=state.value, previous=previous.value)
         for phase in phases:
@@ -190,7 +191,7 @@ class Machine:
     async def fire(self, trigger: str, args: PhaseArgs = NO_ARGS) -> None:
         """Run ``trigger`` on the machine, recording it as the operation's transition in
         progress while its phase runs (a lifecycle call from a ``before_`` hook or the weight
-        push is refused: ``core/scope``).
+        push is refused: ``core/scope``), and publishing ``StateEntered`` if the state changed.
 
         A trigger not legal in the current state raises ``IllegalTransition`` (never the
         ``MachineError`` of ``transitions``). ``transitions`` answers False when the transition
@@ -202,6 +203,7 @@ class Machine:
         outer = None if op is None else op.transition
         if op is not None:
             op.transition = trigger
+        previous = self.state
         try:
             done = await getattr(self._model, trigger)(args=args)
         except MachineError:
@@ -209,6 +211,8 @@ class Machine:
         finally:
             if op is not None:
                 op.transition = outer
+            if self.state is not previous:
+                self._bus.publish(StateEntered(self.state, previous))
         if not done and trigger != "reset":
             raise LifecycleError(f"transition {trigger!r} was interrupted inside a phase")
 

@@ -2,12 +2,13 @@
 
 A ``Plan`` names one operation and the engines it goes to, across any number of groups.
 ``issue`` checks the operation's guard on *every* target before it sends to *any* (all or
-nothing), records the intent of calls that must not repeat, lets the journal write it, then
-sends each call through the engine seam without waiting. ``PhaseRunner.run`` is one phase: issue,
-gather every call with one deadline (the barrier), keep the calls that missed it as stragglers,
-write each outcome into the ledger, then hand a ``PhaseResult`` to the observers (metrics,
-timeline, journal). Which targets an operation has by default, and which guard protects it, are
-tables here, not choices each caller makes.
+nothing), records the intent of calls that must not repeat, lets the journal write it (the
+bus's ``RecordsChanged``), then sends each call through the engine seam without waiting.
+``PhaseRunner.run`` is one phase: issue, gather every call with one deadline (the barrier), keep
+the calls that missed it as stragglers, write each outcome into the ledger, then publish
+``PhaseSettled`` (metrics, timeline, the generation client) and ``RecordsChanged``. Which targets
+an operation has by default, and which guard protects it, are tables here, not choices each
+caller makes.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from rollout_lifecycle.contract.ops import CHECKED, CHECKED_OPS, INTENT_OPS, WEI
 from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
 from rollout_lifecycle.contract.seam import Landed
 from rollout_lifecycle.contract.values import PauseMode, Tag
+from rollout_lifecycle.core.bus import RECORDS_CHANGED, Bus, PhaseSettled, RecordsChanged
 from rollout_lifecycle.core.config import DeadEnginePolicy
 from rollout_lifecycle.core.ledger import EngineRecord, GroupRecords
 from rollout_lifecycle.core.states import ServerState
@@ -241,10 +243,6 @@ class PhaseResult:
         return None
 
 
-#: Receives every settled phase (the server's metrics and timeline).
-Observer = Callable[[PhaseResult], None]
-
-
 class Gate(Protocol):
     """Runs before a phase is issued (and may refuse it: nothing is sent) and after it settles."""
 
@@ -254,20 +252,17 @@ class Gate(Protocol):
 
 
 class PhaseRunner:
-    """Runs phases over a server's engines: issue, barrier, stragglers, ledger, observers."""
+    """Runs phases over a server's engines: issue, barrier, stragglers, ledger, events."""
 
     def __init__(
         self,
         name: str,
         dead_engines: DeadEnginePolicy,
-        *,
-        journal: Callable[[], None] | None = None,
-        observers: Sequence[Observer] = (),
+        bus: Bus,
     ) -> None:
         self._name = name
         self._skip_dead = dead_engines is DeadEnginePolicy.SKIP
-        self._journal = journal
-        self._observers = list(observers)
+        self._bus = bus
         #: Calls that missed their phase's deadline and may still land, by engine id.
         self.stragglers: dict[str, asyncio.Future[Any]] = {}
         #: The operation of each straggler.
@@ -276,8 +271,12 @@ class PhaseRunner:
         self.gate: Gate | None = None
 
     def issue(self, plan: Plan) -> Calls:
-        """``issue(plan)`` with this server's journal."""
-        return issue(plan, self._journal)
+        """``issue(plan)``, the records published (``RecordsChanged``: the journal) before any
+        call is sent."""
+        return issue(plan, self._records_changed if self._bus.has(RecordsChanged) else None)
+
+    def _records_changed(self) -> None:
+        self._bus.publish(RECORDS_CHANGED)
 
     async def run(self, phase: str, plan: Plan, deadline: float) -> PhaseResult:
         """Issue ``plan`` and settle it as ``phase`` (between the gate's ``before`` and
@@ -333,8 +332,8 @@ class PhaseRunner:
                     _RESTARTED, f"{before.detail}; then {out.detail}", before.duration_s
                 )
                 result.restarted[record.id] = look.restarted[record.id]
-        if self._journal is not None and look.restarted:
-            self._journal()
+        if look.restarted:
+            self._bus.publish(RECORDS_CHANGED)
 
     async def require(self, phase: str, plan: Plan, deadline: float) -> PhaseResult:
         """``run``, raising ``PhaseFailed`` unless the phase succeeded (``succeeded``)."""
@@ -396,9 +395,8 @@ class PhaseRunner:
         return result
 
     def observe(self, result: PhaseResult) -> None:
-        """Hand ``result`` to every observer (also for time spent outside engine calls)."""
-        for observer in self._observers:
-            observer(result)
+        """Publish that ``result``'s phase settled (also for time spent outside engine calls)."""
+        self._bus.publish(PhaseSettled(result))
 
     async def settle(self, phase: str, calls: Calls, deadline: float) -> PhaseResult:
         """Gather every call of a phase (the barrier), each bounded by ``deadline``."""
@@ -487,8 +485,7 @@ class PhaseRunner:
         result.start, result.seconds = start, time.monotonic() - start
         result.slowest, result.retries = slowest, retries
         self.observe(result)
-        if self._journal is not None:
-            self._journal()
+        self._bus.publish(RECORDS_CHANGED)
         bad = sorted(k for k, v in outcomes.items() if not v.ok)
         log.info(
             "phase.end",
@@ -536,7 +533,6 @@ def _debug_enabled(log: Any) -> bool:
 
 __all__ = [
     "Calls",
-    "Observer",
     "PendingCall",
     "PhaseResult",
     "PhaseRunner",

@@ -18,6 +18,7 @@ from rollout_lifecycle.contract.exceptions import InvalidArgument, LifecycleErro
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import DISAGREEMENTS, EngineOutcome
 from rollout_lifecycle.contract.values import PauseMode, check_name
+from rollout_lifecycle.core.bus import RECORDS_CHANGED, Bus, PhaseSettled, RecordsChanged
 from rollout_lifecycle.core.claims import Claims
 from rollout_lifecycle.core.config import LifecycleConfig
 from rollout_lifecycle.core.generation import GenerationClient
@@ -76,8 +77,9 @@ class RolloutServer:
         check_name("server name", name)
         if journal is not None and not callable(journal):
             raise InvalidArgument(f"journal must be callable or None, got {journal!r}")
-        self._journal = journal
+        self._bus = bus = Bus()
         if journal is not None:
+            bus.subscribe(RecordsChanged, lambda _: journal(self.snapshot()))
             for group in groups:
                 group._before_send = self._write_journal
         self._name = name
@@ -87,12 +89,8 @@ class RolloutServer:
         self._fleet = fleet = Fleet(self._groups, config.release_tags)
         self._hooks = hooks = Hooks(self, lambda: self.state, config.deadlines)
         self._recorder = recorder = Recorder(self, name, config, fleet, lambda: self.state.value)
-        self._runner = runner = PhaseRunner(
-            name,
-            config.dead_engines,
-            journal=self._write_journal if journal is not None else None,
-            observers=[recorder.phase],
-        )
+        bus.subscribe(PhaseSettled, lambda settled: recorder.phase(settled.result))
+        self._runner = runner = PhaseRunner(name, config.dead_engines, bus)
         self._router = (
             None if router is None else RouterSync(router, fleet, name, config.deadlines.probe)
         )
@@ -116,7 +114,7 @@ class RolloutServer:
                 "restore_kv": phases.restore_kv,
                 "resume": phases.continue_,
             },
-            self._write_journal,
+            bus,
         )
         by_name = {g.name: g for g in self._groups}
         self._recovery = Recovery(parts, by_name, phases, machine)
@@ -229,8 +227,13 @@ class RolloutServer:
         self._machine.set_state(adopt(self._fleet, snapshot))
 
     def _write_journal(self) -> None:
-        if self._journal is not None:
-            self._journal(self.snapshot())
+        self._bus.publish(RECORDS_CHANGED)
+
+    @property
+    def bus(self) -> Bus:
+        """The server's internal events (``core/bus.py``), for the parts of the library that
+        follow its lifecycle (the generation client)."""
+        return self._bus
 
     def engines(self) -> dict[str, Any]:
         """Engine id -> handle, for every engine."""

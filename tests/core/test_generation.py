@@ -27,6 +27,7 @@ from rollout_lifecycle import (
     SimulatedEngine,
     WeightUpdate,
 )
+from rollout_lifecycle.core.bus import StateEntered
 from rollout_lifecycle.core.generation import (
     GenerationClient,
     GenerationError,
@@ -887,19 +888,38 @@ def test_constructor_refuses_bad_values(kwargs: dict[str, Any], message: str) ->
         GenerationClient(object())  # type: ignore[arg-type]
 
 
-async def test_close_removes_hooks_and_refuses_new_requests(sims_to_close: list[Any]) -> None:
+async def test_close_unsubscribes_and_refuses_new_requests(sims_to_close: list[Any]) -> None:
     sims = engines(1)
     sims_to_close.extend(sims)
     server = RolloutServer([EngineGroup("actor", sims)])
-    before = {k: len(v) for k, v in server._hooks.registered.items()}
+    hooks = {k: len(v) for k, v in server._hooks.registered.items()}
+    assert not server.bus.has(StateEntered)
     client = GenerationClient(server)
-    added = {k for k, v in server._hooks.registered.items() if len(v) == before[k] + 1}
-    assert {s.value for s in ServerState} <= added
+    # It follows the server's own events, not the user's hooks.
+    assert server.bus.has(StateEntered)
+    assert {k: len(v) for k, v in server._hooks.registered.items()} == hooks
     client.close()
     client.close()
-    assert {k: len(v) for k, v in server._hooks.registered.items()} == before
+    assert not server.bus.has(StateEntered)
     with pytest.raises(GenerationError, match="closed"):
         await client.generate(request(0))
+
+
+async def test_a_held_request_wakes_on_the_state_it_waits_for_without_a_recheck(
+    sims_to_close: list[Any],
+) -> None:
+    sims = engines(2, token_latency=0.002)
+    sims_to_close.extend(sims)
+    server = RolloutServer([EngineGroup("actor", sims)])
+    client = GenerationClient(server)
+    client.recheck_interval = 3600.0  # only the server's events can wake it
+    server.on("serving", lambda event: None)  # a user hook changes nothing of it
+    await server.offload()
+    task = asyncio.ensure_future(client.generate(request(0, 5)))
+    await until(lambda: client.stats()["holding"] == 1, what="the request to be held")
+    await server.onload()
+    result = await asyncio.wait_for(task, 30)
+    assert len(result["output_ids"]) == 5
 
 
 # -- over Ray --------------------------------------------------------------------------------

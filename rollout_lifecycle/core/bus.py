@@ -1,0 +1,79 @@
+"""The server's internal events: what the parts that follow the lifecycle subscribe to, instead
+of being called by name from the middle of it.
+
+Three events. ``RecordsChanged``: the records just changed in a way worth keeping (an intent
+recorded before a send, a phase's outcomes written, a state entered, an engine replaced); the
+journal subscribes, and a journal that raises before a send stops the send. ``PhaseSettled``:
+a phase's calls all answered or missed their deadline; the metrics and the timeline subscribe,
+and the generation client (held requests look again: a group paused around a weight update is
+continued inside a phase, with no state change). ``StateEntered``: the server entered a state;
+the generation client subscribes. Subscribers run synchronously, in order of subscription, on
+the server's loop; what one raises reaches the publisher.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from rollout_lifecycle.core.states import ServerState
+
+if TYPE_CHECKING:
+    from rollout_lifecycle.core.runner import PhaseResult
+
+
+@dataclass(frozen=True)
+class RecordsChanged:
+    """The records changed: a journal writes them now."""
+
+
+@dataclass(frozen=True)
+class PhaseSettled:
+    """A phase settled (every call answered or missed its deadline)."""
+
+    result: PhaseResult
+
+
+@dataclass(frozen=True)
+class StateEntered:
+    """The server entered ``state`` from ``previous``."""
+
+    state: ServerState
+    previous: ServerState
+
+
+#: The one ``RecordsChanged`` (it carries nothing).
+RECORDS_CHANGED = RecordsChanged()
+
+E = TypeVar("E")
+
+
+class Bus:
+    """Publish an event to the subscribers of its type."""
+
+    def __init__(self) -> None:
+        self._subscribers: dict[type, list[Callable[[Any], None]]] = {}
+
+    def subscribe(self, kind: type[E], subscriber: Callable[[E], None]) -> Callable[[], None]:
+        """Call ``subscriber(event)`` for every event of type ``kind``; returns a remover."""
+        subscribers = self._subscribers.setdefault(kind, [])
+        subscribers.append(subscriber)
+
+        def remove() -> None:
+            if subscriber in subscribers:
+                subscribers.remove(subscriber)
+
+        return remove
+
+    def has(self, kind: type) -> bool:
+        """Whether anyone follows events of type ``kind``."""
+        return bool(self._subscribers.get(kind))
+
+    def publish(self, event: object) -> None:
+        """Hand ``event`` to each subscriber of its type, in order."""
+        for subscriber in tuple(self._subscribers.get(type(event), ())):
+            subscriber(event)
+
+
+__all__ = ["RECORDS_CHANGED", "Bus", "PhaseSettled", "RecordsChanged", "StateEntered"]
