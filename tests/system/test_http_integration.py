@@ -34,7 +34,7 @@ from rollout_lifecycle.testing.standin import StandInServer
 
 ADMIN_KEY = "adm-3f9c2e7b1d"
 #: The length of the traffic's requests (see ``test_full_colocated_cycle_over_http...``).
-TOKENS = 1000
+TOKENS = 3000
 LATENCY = {
     "pause_generation": (0.0, 0.03),
     "flush_cache": (0.0, 0.03),
@@ -87,9 +87,12 @@ async def test_full_colocated_cycle_over_http_with_traffic_in_flight(
         server = RolloutServer(
             [EngineGroup("actor", actors[:2]), EngineGroup("critic", actors[2:])]
         )
+        # Every engine actor's way to its server is warm (its first reads and connection) before
+        # traffic starts, so the pause below follows the fact it waits for closely.
+        assert all(o.ok for o in (await server.probe()).values())
         before = {s.url: len(await history_of(s.url)) for s in servers}
-        async with httpx.AsyncClient(timeout=60) as client:
-            # Long enough (4 s at 4 ms a token) to be decoding still when the pause lands, on a
+        async with httpx.AsyncClient(timeout=180) as client:
+            # Long enough (12 s at 4 ms a token) to be decoding still when the pause lands, on a
             # loaded machine too: a retract pause retracts only what runs.
             traffic = [
                 asyncio.ensure_future(generate(client, servers[i % 4].url, i, TOKENS))
@@ -111,7 +114,7 @@ async def test_full_colocated_cycle_over_http_with_traffic_in_flight(
 
             await server.update_weights(push, version="step-1")
             await server.onload_kv()
-            results = await asyncio.wait_for(asyncio.gather(*traffic), timeout=60)
+            results = await asyncio.wait_for(asyncio.gather(*traffic), timeout=180)
         assert [r["meta_info"]["finish_reason"]["type"] for r in results] == ["length"] * 24
         assert sum(r["meta_info"]["num_retractions"] for r in results) > 0
         histories = {s.url: (await history_of(s.url))[before[s.url] :] for s in servers}
