@@ -100,24 +100,26 @@ def register_refs(ref_type: type, kind: RefKind) -> None:
     _DEAD = (*_DEAD, *kind.dead)
 
 
-def seam_for(handle: Any) -> EngineSeam:
-    """The seam of ``handle``'s kind; ``InvalidArgument`` for a handle of no registered kind."""
+def _found(handle: Any) -> EngineSeam | None:
+    """The seam registered for ``handle``'s type (or a base of it), None if there is none."""
     kind = type(handle)
     found = _BY_TYPE.get(kind)
-    if found is not None:
-        return found
-    for handle_type, seam in _SEAMS:
-        if isinstance(handle, handle_type):
-            _BY_TYPE[kind] = seam
-            return seam
-    raise InvalidArgument(
-        f"{kind.__name__} is not an engine handle (no engine seam is registered for it; "
-        f"importing its backend registers one)"
-    )
+    if found is None:
+        found = next((seam for t, seam in _SEAMS if isinstance(handle, t)), None)
+        if found is not None:
+            _BY_TYPE[kind] = found
+    return found
 
 
-def _is_handle(obj: object) -> bool:
-    return type(obj) in _BY_TYPE or any(isinstance(obj, t) for t, _ in _SEAMS)
+def seam_for(handle: Any) -> EngineSeam:
+    """The seam of ``handle``'s kind; ``InvalidArgument`` for a handle of no registered kind."""
+    found = _found(handle)
+    if found is None:
+        raise InvalidArgument(
+            f"{type(handle).__name__} is not an engine handle (no engine seam is registered "
+            f"for it; importing its backend registers one)"
+        )
+    return found
 
 
 def _adopted(obj: object) -> Any | None:
@@ -132,7 +134,7 @@ def as_handle(engine: Any, group: str, index: int) -> Any:
     """What a group holds for ``engine``: the handle itself, or what a backend wraps it in (a
     bare engine backend in an ``EngineHost``); ``InvalidArgument`` naming the group and index
     for anything else."""
-    if _is_handle(engine):
+    if _found(engine) is not None:
         return engine
     handle = _adopted(engine)
     if handle is not None:
@@ -153,8 +155,9 @@ def identity(handle: Any) -> Hashable:
     """What makes two handles the same engine (the seam of its kind says: the server URL of an
     HTTP backend, the Ray actor of an actor handle, ...); a bare object a backend adopts is the
     engine of its handle; anything else is itself."""
-    if _is_handle(handle):
-        return seam_for(handle).identity(handle)
+    found = _found(handle)
+    if found is not None:
+        return found.identity(handle)
     adopted = _adopted(handle)
     if adopted is not None:
         return seam_for(adopted).identity(adopted)
