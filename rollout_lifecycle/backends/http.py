@@ -180,19 +180,13 @@ class SGLangHTTPEngine(SGLangCalls):
             valid = ", ".join(m.value for m in PauseMode)
             raise InvalidArgument(f"unknown pause mode {mode!r}; valid: {valid}") from None
         await self._attach(op)
-        response = await self._wire.request(
-            op, "POST", "/pause_generation", {"mode": mode.value}, self._timeouts.control
-        )
-        self._wire.expect_no_refusal(op, response)
+        await self._call(op, {"mode": mode.value})
 
     async def continue_generation(self) -> None:
         """``POST /continue_generation {"torch_empty_cache": true}``; retried."""
         op = "continue_generation"
         await self._attach(op)
-        response = await self._wire.request(
-            op, "POST", "/continue_generation", {"torch_empty_cache": True}, self._timeouts.control
-        )
-        self._wire.expect_no_refusal(op, response)
+        await self._call(op, {"torch_empty_cache": True})
 
     async def flush_cache(self, timeout: float) -> None:
         """``POST /flush_cache`` with no body; a 400 (not idle) raises ``EngineRejected``.
@@ -215,14 +209,7 @@ class SGLangHTTPEngine(SGLangCalls):
         # Scheduler.flush_cache (is_fully_idle(ignore_waiting=self._engine_paused)).
         wait = check_seconds("flush timeout", timeout, positive=False)
         await self._attach("flush_cache")
-        await self._wire.request(
-            "flush_cache",
-            "POST",
-            "/flush_cache",
-            None,
-            self._timeouts.flush_margin,
-            flush_wait=wait,
-        )
+        await self._call("flush_cache", flush_wait=wait)
 
     async def release_memory_occupation(self, tags: Sequence[Tag]) -> None:
         """``POST /release_memory_occupation {"tags": [...]}``; sent once, never retried."""
@@ -237,10 +224,7 @@ class SGLangHTTPEngine(SGLangCalls):
         # kills the server, so the tags are always named, and validated before anything is sent.
         names = [t.value for t in parse_tags(tags, what=f"{op} tags")]
         await self._attach(op)
-        response = await self._wire.request(
-            op, "POST", f"/{op}", {"tags": names}, self._timeouts.memory, retry=False
-        )
-        self._wire.expect_no_refusal(op, response)
+        await self._call(op, {"tags": names})
 
     # ----------------------------------------------------------------------------- requests
 
@@ -251,14 +235,8 @@ class SGLangHTTPEngine(SGLangCalls):
             raise InvalidArgument(f"request must be a dict, got {shown(request)}")
         if request.get("stream"):
             raise InvalidArgument("generate() does not stream; send the request with stream false")
-        response = await self._wire.request(
-            op, "POST", "/generate", request, self._timeouts.generate, retry=False
-        )
-        data = self._wire.json(op, "/generate", response)
-        if not isinstance(data, dict):
-            self._wire.garbage(
-                op, "/generate", f"expected one JSON object (no batches), got {type(data).__name__}"
-            )
+        # An object answer: a batch (a list) is garbage here.
+        data: dict[str, Any] = await self._call(op, request)
         return data
 
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
@@ -274,9 +252,7 @@ class SGLangHTTPEngine(SGLangCalls):
         if not isinstance(rid, str):
             raise InvalidArgument(f"rid must be a string, got {shown(rid)}")
         body = {"rid": rid, "abort_all": check_flag("abort_all", abort_all)}
-        await self._wire.request(
-            "abort_request", "POST", "/abort_request", body, self._timeouts.control, retry=False
-        )
+        await self._call("abort_request", body)
 
     async def close(self) -> None:
         """Close the HTTP client; later calls raise ``EngineDead``. Idempotent, never raises."""

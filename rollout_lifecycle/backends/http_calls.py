@@ -19,6 +19,7 @@ from rollout_lifecycle.backends.http_wire import (
     parse_version,
     shown,
 )
+from rollout_lifecycle.backends.sglang_api import ENDPOINTS
 from rollout_lifecycle.contract.exceptions import (
     EngineDead,
     EngineRejected,
@@ -52,26 +53,15 @@ class SGLangCalls:
         """``POST /begin_weight_update {"selector": S}`` with the client's ``weight_selector``."""
         op = "begin_weight_update"
         await self._attach(op)
-        response = await self._wire.request(
-            op,
-            "POST",
-            "/begin_weight_update",
-            # sglang: io_struct.py BeginWeightUpdateReqInput.selector (default "all"); the
-            # updates of the session must name the same runners.
-            {"selector": self._selector},
-            self._timeouts.control,
-            retry=False,
-        )
-        self._wire.expect_success(op, response)
+        # sglang: io_struct.py BeginWeightUpdateReqInput.selector (default "all"); the updates
+        # of the session must name the same runners.
+        await self._call(op, {"selector": self._selector})
 
     async def end_weight_update(self) -> None:
         """``POST /end_weight_update {}``."""
         op = "end_weight_update"
         await self._attach(op)
-        response = await self._wire.request(
-            op, "POST", "/end_weight_update", {}, self._timeouts.control, retry=False
-        )
-        self._wire.expect_success(op, response)
+        await self._call(op, {})
 
     async def update_weights_from_disk(
         self,
@@ -94,10 +84,7 @@ class SGLangCalls:
             "abort_all_requests": check_flag("abort_all_requests", abort_all_requests),
         }
         await self._attach(op)
-        response = await self._wire.request(
-            op, "POST", "/update_weights_from_disk", body, self._timeouts.weights, retry=False
-        )
-        self._wire.expect_success(op, response)
+        await self._call(op, body)
 
     async def update_weights_from_tensor(
         self,
@@ -123,10 +110,7 @@ class SGLangCalls:
             "selector": self._selector,
         }
         await self._attach(op)
-        response = await self._wire.request(
-            op, "POST", "/update_weights_from_tensor", body, self._timeouts.weights, retry=False
-        )
-        self._wire.expect_success(op, response)
+        await self._call(op, body)
 
     async def update_weights_from_distributed(
         self,
@@ -166,15 +150,7 @@ class SGLangCalls:
             "selector": self._selector,
         }
         await self._attach(op)
-        response = await self._wire.request(
-            op,
-            "POST",
-            "/update_weights_from_distributed",
-            body,
-            self._timeouts.weights,
-            retry=False,
-        )
-        self._wire.expect_success(op, response)
+        await self._call(op, body)
 
     async def init_weights_update_group(
         self,
@@ -221,10 +197,7 @@ class SGLangCalls:
             "backend": check_name("backend", backend),
         }
         await self._attach(op)
-        response = await self._wire.request(
-            op, "POST", "/init_weights_update_group", body, self._timeouts.weights, retry=False
-        )
-        self._wire.expect_success(op, response)
+        await self._call(op, body)
 
     async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> None:
         """``POST /destroy_weights_update_group {"group_name"}``: leave the collective group."""
@@ -233,10 +206,7 @@ class SGLangCalls:
         op = "destroy_weights_update_group"
         body = {"group_name": check_name("group_name", group_name)}
         await self._attach(op)
-        response = await self._wire.request(
-            op, "POST", "/destroy_weights_update_group", body, self._timeouts.control, retry=False
-        )
-        self._wire.expect_success(op, response)
+        await self._call(op, body)
 
     async def update_weight_version(self, version: str, *, abort_all_requests: bool) -> None:
         """``POST /update_weight_version``; ``abort_all_requests`` is always sent (server default
@@ -247,16 +217,13 @@ class SGLangCalls:
             "abort_all_requests": check_flag("abort_all_requests", abort_all_requests),
         }
         await self._attach(op)
-        response = await self._wire.request(
-            op, "POST", "/update_weight_version", body, self._timeouts.control, retry=False
-        )
-        self._wire.expect_no_refusal(op, response)
+        await self._call(op, body)
 
     # ----------------------------------------------------------------------------- probes
 
     async def model_info(self) -> dict[str, Any]:
         """``GET /model_info`` (old name ``/get_model_info``); retried."""
-        return await self._info("model_info", "/model_info", "/get_model_info")
+        return await self._info("model_info")
 
     async def weight_version(self) -> str | None:
         """The loaded weight version, from ``GET /model_info``."""
@@ -275,7 +242,7 @@ class SGLangCalls:
         do other secret arguments and any occurrence of this client's keys.
         """
         # sglang: common.py build_server_info (server_args.resolved_dict() + launch_command)
-        return await self._info("server_info", "/server_info", "/get_server_info")
+        return await self._info("server_info")
 
     async def observe(self, *, paused: bool = True, identify: bool = True) -> dict[str, Any]:
         """What the server says of itself (``EngineHost.observe``), its reads sent at once:
@@ -308,7 +275,7 @@ class SGLangCalls:
         """
         # sglang: http_server.py ready() -> tokenizer_manager.py TokenizerManager.is_ready
         # (not self.is_pause and self.is_healthy())
-        return await self._answers("ready", "/ready", timeout)
+        return await self._answers("ready", timeout)
 
     async def ping(self, timeout: float | None = None) -> bool:
         """One ``GET /ping``, not retried: True on 200 only.
@@ -321,17 +288,17 @@ class SGLangCalls:
         # sglang: http_server.py sagemaker_health (/ping: 200 when is_healthy(); unlike /ready
         # a paused server answers 200); auth.py decide_request_auth (a normal endpoint)
         try:
-            return await self._answers("ping", "/ping", timeout)
+            return await self._answers("ping", timeout)
         except EngineRejected as exc:
             if exc.status == 404:
                 return False
             raise
 
-    async def _answers(self, op: str, path: str, timeout: float | None) -> bool:
-        """Whether one GET of ``path`` is answered 200; False for 502-504 and for a server that
-        cannot answer; other refusals raise."""
+    async def _answers(self, probe: str, timeout: float | None) -> bool:
+        """Whether one call of the probe ``probe`` is answered 200; False for 502-504 and for a
+        server that cannot answer; other refusals raise."""
         try:
-            await self._wire.request(op, "GET", path, None, self._probe_wait(timeout), retry=False)
+            await self._call(probe, timeout=self._probe_wait(timeout))
         except (EngineDead, EngineUnreachable, EngineTimeout):
             return False
         except EngineRejected as exc:
@@ -344,9 +311,7 @@ class SGLangCalls:
         """One ``GET /ready``, not retried: the status of whatever answers at the URL (503
         from a paused or warming-up SGLang), or None when nothing does."""
         try:
-            response = await self._wire.request(
-                "ready", "GET", "/ready", None, self._probe_wait(timeout), retry=False
-            )
+            response = await self._wire.request(ENDPOINTS["ready"], None, self._probe_wait(timeout))
         except (EngineDead, EngineUnreachable, EngineTimeout):
             return None
         except EngineRejected as exc:
@@ -365,7 +330,7 @@ class SGLangCalls:
         calls does not ask again. Raises ``IllegalEngineOp`` (naming the version found) when it
         is too old, missing or unreadable; engine errors of the probe itself pass through.
         """
-        info = await self._info(op, "/server_info", "/get_server_info")
+        info = await self._info("server_info", op)
         found = info.get("version")
         wanted = ".".join(str(n) for n in MIN_SGLANG_VERSION)
         if found is None:
@@ -400,21 +365,48 @@ class SGLangCalls:
         if self._check_version and self._version is None:
             await self.check_version(op)
 
-    async def _info(self, op: str, path: str, old_path: str) -> dict[str, Any]:
-        """A probe's JSON object, from ``path`` or, on a server that predates it, ``old_path``.
+    async def _call(
+        self,
+        name: str,
+        body: dict[str, Any] | None = None,
+        *,
+        op: str | None = None,
+        path: str | None = None,
+        timeout: float | None = None,
+        flush_wait: float | None = None,
+    ) -> Any:
+        """One call to the endpoint ``name`` of the table (``sglang_api``): its method, key,
+        timeout and retries from its row, and its answer read as the row's shape says (the JSON
+        object of an ``object`` answer, else None)."""
+        row = ENDPOINTS[name]
+        if body is not None and row.fields:
+            # SGLang ignores a body key it does not know: a misspelt flag would be dropped
+            # without a word, so the client sends only fields its table row declares.
+            unknown = set(body) - {f.name for f in row.fields if f.where == "body"}
+            if unknown:
+                raise AssertionError(f"{row.path} has no field {sorted(unknown)}; see sglang_api")
+        wait = getattr(self._timeouts, row.timeout) if timeout is None else timeout
+        response = await self._wire.request(
+            row, body, wait, op=op, path=path, flush_wait=flush_wait
+        )
+        return self._wire.read_answer(row.name if op is None else op, row, response)
+
+    async def _info(self, name: str, op: str | None = None) -> dict[str, Any]:
+        """An information endpoint's JSON object, from its path or, on a server that predates
+        it, its older alias.
 
         Secrets in it are masked here, so no raw copy leaves this method.
         """
-        try:
-            response = await self._wire.request(op, "GET", path, None, self._timeouts.probe)
-        except EngineRejected as exc:
-            if exc.status != 404:
-                raise
-            path = old_path
-            response = await self._wire.request(op, "GET", path, None, self._timeouts.probe)
-        data = self._wire.json(op, path, response)
-        if not isinstance(data, dict):
-            self._wire.garbage(op, path, f"expected a JSON object, got {type(data).__name__}")
+        *paths, last = ENDPOINTS[name].paths
+        for path in paths:
+            try:
+                data = await self._call(name, op=op, path=path)
+                break
+            except EngineRejected as exc:
+                if exc.status != 404:
+                    raise
+        else:
+            data = await self._call(name, op=op, path=last)
         masked = self._wire.mask_keys(data)
         assert isinstance(masked, dict)
         return masked

@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 import httpx
 
 from rollout_lifecycle.backends.secret import Secret
+from rollout_lifecycle.backends.sglang_api import ACKNOWLEDGED, Answer, Auth, Endpoint
 from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import (
     EngineDead,
@@ -33,14 +34,6 @@ RETRY_STATUSES = frozenset({502, 503, 504})
 _BODY_LIMIT = 500
 #: How much of a lower layer's error text goes into an exception message.
 _CAUSE_LIMIT = 200
-#: Endpoints any api-key holder may call; every other endpoint is a control endpoint.
-# sglang: auth.py decide_request_auth (a route without @auth_level is a normal endpoint)
-_NORMAL_PATHS = frozenset(
-    {"/generate", "/server_info", "/get_server_info", "/model_info", "/get_model_info", "/ping"}
-)
-#: Endpoints SGLang serves without a key; none is sent to them.
-# sglang: auth.py (/health*, /ready*, /metrics* are open)
-_OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 #: The longest pause between two attempts of a retried call.
 _MAX_BACKOFF = 5.0
 #: Server-argument fields that hold a secret (``/server_info`` publishes them in clear).
@@ -172,27 +165,27 @@ class HTTPTransport:
 
     async def request(
         self,
-        op: str,
-        method: str,
-        path: str,
+        row: Endpoint,
         body: dict[str, Any] | None,
         read_timeout: float,
         *,
-        retry: bool = True,
+        op: str | None = None,
+        path: str | None = None,
         flush_wait: float | None = None,
     ) -> httpx.Response:
-        """Send one call, retrying a safe-to-repeat one; a 2xx answer or a translated error.
+        """Send one call to ``row``'s endpoint (``path``: one of its aliases), with the key,
+        method and retries its row of the table gives; a 2xx answer or a translated error.
 
         ``body`` None sends no body (GETs and flush only: SGLang answers a bodiless POST with 400).
         With a ``flush_wait`` > 0 the query carries ``timeout``: what is left of it on each
         attempt; with 0 it carries none.
         """
+        op = row.name if op is None else op
+        method, path, retry = row.method, row.path if path is None else path, row.repeatable
+        # The query field that carries a server-side wait (flush's ``timeout``).
+        wait_field = next((f.name for f in row.fields if f.where == "query"), "timeout")
         client = self.client_for_loop(op)
-        key = (
-            None
-            if path.startswith(_OPEN_PREFIXES)
-            else self.key_for(control=path not in _NORMAL_PATHS)
-        )
+        key = None if row.auth is Auth.OPEN else self.key_for(control=row.auth is Auth.CONTROL)
         headers = {"Authorization": f"Bearer {key[1].reveal()}"} if key is not None else {}
         attempts = 1 + self._retries if retry else 1
         first = time.monotonic()
@@ -203,7 +196,7 @@ class HTTPTransport:
                 left = max(0.0, flush_wait - (time.monotonic() - first))
                 if flush_wait > 0:
                     # A deferred flush; with no timeout (0) the query is left out altogether.
-                    params = {"timeout": _seconds_param(left)}
+                    params = {wait_field: _seconds_param(left)}
                 timeout = left + read_timeout
             started = time.monotonic()
             response: httpx.Response | None = None
@@ -345,6 +338,22 @@ class HTTPTransport:
 
     def garbage(self, op: str, path: str, why: str) -> NoReturn:
         raise EngineError(self._label, op, f"garbage answer from {path}: {why}")
+
+    def read_answer(self, op: str, row: Endpoint, response: httpx.Response) -> Any:
+        """Check a 2xx answer as ``row``'s shape says to read it: a ``success: false`` or a
+        body that says the call failed raises ``EngineRejected``; an answer of the wrong shape is
+        garbage. Returns the JSON object of an ``object`` answer, else None."""
+        if row.answer is Answer.SUCCESS:
+            self.expect_success(op, response)
+        elif row.answer in ACKNOWLEDGED:
+            self.expect_no_refusal(op, response)
+        elif row.answer is Answer.OBJECT:
+            path = response.request.url.path
+            data = self.json(op, path, response)
+            if not isinstance(data, dict):
+                self.garbage(op, path, f"expected a JSON object, got {type(data).__name__}")
+            return data
+        return None
 
     def expect_success(self, op: str, response: httpx.Response) -> None:
         """An answer that must be ``{"success": bool, "message": str}``; false is a rejection."""

@@ -64,18 +64,6 @@ SIM_VERSION = "0.5.23"
 # sglang: arg_groups/fields/serving.py (weight_version defaults to "default")
 DEFAULT_WEIGHT_VERSION = "default"
 
-# The real server's answers, verbatim, where a client may read them.
-# sglang: http_server.py flush_cache (``ret.message or "Flush cache failed.\n"``)
-FLUSH_FAILED = "Flush cache failed.\n"
-# sglang: flush_wrapper.py SchedulerFlushWrapper.check_pending / handle
-FLUSH_TIMED_OUT = "Timed out waiting for idle state."
-# sglang: scheduler_components/weight_updater.py flush_cache_after_weight_update
-WEIGHTS_WRITTEN_FLUSH_FAILED = (
-    "Weights were updated, but the cache was not flushed because requests are still running "
-    "or queued. Retract or finish them, then call /flush_cache."
-)
-SELECTORS: tuple[str, ...] = ("target", "draft", "all")
-
 VOCAB = 32000
 KNOWN_TAGS = frozenset(t.value for t in ALL_TAGS)
 # SGLang resumes in this order within one call, whatever order the tags were given in.

@@ -9,13 +9,10 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from rollout_lifecycle.backends.sglang_api import SELECTORS, WEIGHTS_WRITTEN_FLUSH_FAILED
 from rollout_lifecycle.contract.exceptions import EngineRejected
 from rollout_lifecycle.contract.values import DEFAULT_GROUP_NAME, Tag
 from rollout_lifecycle.testing.sim_scheduler import SimScheduler
-from rollout_lifecycle.testing.sim_state import (
-    SELECTORS,
-    WEIGHTS_WRITTEN_FLUSH_FAILED,
-)
 
 
 class SimWeights(SimScheduler):

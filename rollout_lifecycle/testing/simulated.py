@@ -12,19 +12,21 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from rollout_lifecycle.backends.sglang_api import (
+    FLUSH_FAILED,
+    FLUSH_TIMED_OUT,
+    WEIGHTS_WRITTEN_FLUSH_FAILED,
+)
 from rollout_lifecycle.contract.exceptions import EngineRejected, EngineUnreachable, InvalidArgument
 from rollout_lifecycle.contract.values import PauseMode, Tag, check_int
 from rollout_lifecycle.testing.sim_state import (
     DEFAULT_MEMORY_BYTES,
     DEFAULT_WEIGHT_VERSION,
-    FLUSH_FAILED,
-    FLUSH_TIMED_OUT,
     GIB,
     KNOWN_TAGS,
     KV_BYTES_PER_TOKEN,
     RESUME_ORDER,
     SIM_VERSION,
-    WEIGHTS_WRITTEN_FLUSH_FAILED,
     SimRequest,
     requested_tags,
     seconds_of,

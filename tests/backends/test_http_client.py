@@ -49,6 +49,7 @@ from rollout_lifecycle.backends.launch import (
     launched_sglang_factory,
 )
 from rollout_lifecycle.backends.secret import Secret
+from rollout_lifecycle.backends.sglang_api import BY_PATH
 
 URL = "http://engine.test:30000"
 ADMIN_KEY = "sk-admin-7f3a9c1e55d0"
@@ -1437,4 +1438,33 @@ async def test_a_launched_old_sglang_is_refused_and_stopped(
     assert engine.returncode is not None
     with pytest.raises(EngineDead, match=r"start failed earlier.*0\.5\.20"):
         await engine.pause_generation(PauseMode.RETRACT)
+    await engine.close()
+
+
+async def test_every_call_sends_what_its_row_of_the_endpoint_table_declares() -> None:
+    """Method, path and body fields of each call, read back against ``sglang_api``: a body
+    key the row does not declare would be ignored by SGLang without a word."""
+    server = FakeServer()
+    engine = make_engine(server)
+    for _, call, *_ in WIRE_CASES:
+        await call(engine)
+    await engine.close()
+    seen = set()
+    for request in server.requests:
+        row = BY_PATH[request.url.path]
+        seen.add(row.name)
+        assert request.method == row.method, row.name
+        declared = {f.name for f in row.fields}
+        assert set(request.url.params) <= declared, row.name
+        if request.content and row.fields:
+            assert set(json.loads(request.content)) <= declared, row.name
+    assert {"pause_generation", "flush_cache", "update_weights_from_distributed"} <= seen
+
+
+async def test_a_body_field_the_table_does_not_declare_is_refused_before_sending() -> None:
+    server = FakeServer()
+    engine = make_engine(server)
+    with pytest.raises(AssertionError, match="no field \\['modes'\\]"):
+        await engine._call("pause_generation", {"modes": "abort"})
+    assert server.requests == []
     await engine.close()
