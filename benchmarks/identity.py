@@ -14,8 +14,8 @@ contenders, on the same engines and the same server, rounds interleaved (each ro
 cycle of each, the order rotating):
 
 - ``with checks``: the library as it is;
-- ``without checks``: the same library with the phase runner's ``CHECKED_OPS`` patched empty
-  (``rollout_lifecycle.core.runner.CHECKED_OPS = frozenset()``, in this process only: the
+- ``without checks``: the same library with the commands' ``CHECKED_OPS`` patched empty
+  (``rollout_lifecycle.core.commands.CHECKED_OPS = frozenset()``, in this process only: the
   runner issues the calls, so on Ray the actors then receive plain calls). Claims, guards,
   intents, the ledger and the timeline run in both.
 
@@ -88,7 +88,7 @@ UNCHECKED = "without checks"
 CONTENDERS = (CHECKED, UNCHECKED)
 #: Where the baseline patches the checks away: the phase runner decides, per call, whether to
 #: send it as ``checked(...)``. (A string, not an import: benchmarks use public names only.)
-RUNNER_CHECKED_OPS = "rollout_lifecycle.core.runner.CHECKED_OPS"
+RUNNER_CHECKED_OPS = "rollout_lifecycle.core.commands.CHECKED_OPS"
 #: What a check reads: the pause state only (a pause, once the record knows the engine's
 #: incarnation, as it does after the warm-up cycle), or the incarnation and the pause state
 #: (every other checked call of a cycle: the record holds a pause state throughout).
@@ -186,7 +186,7 @@ CYCLE_SIM_OPS = (
 
 @contextlib.contextmanager
 def checks(on: bool) -> Iterator[None]:
-    """The library as it is (``on``), or with no call checked (the runner's ``CHECKED_OPS``
+    """The library as it is (``on``), or with no call checked (the commands' ``CHECKED_OPS``
     empty) for the body."""
     if on:
         yield

@@ -2,9 +2,10 @@
 
 Every engine call the library sends is an ``Op``. Its value is the name of the ``EngineHost``
 method (and of the Ray actor method) that carries it out, so ``Op.PAUSE == "pause_generation"``
-and the history an engine records compares equal to the enum. ``EngineRecord.apply`` and the
-guards look operations up in the tables below: an operation the ledger does not know is a
-``KeyError``, never a silently ignored typo.
+and the history an engine records compares equal to the enum. What each operation means to the
+lifecycle (its guard, targets, intent and effect on an engine's record) is its command, in
+``core/commands``; which operations the engine host checks before carrying them out is here,
+since both sides of the seam read it.
 """
 
 from __future__ import annotations
@@ -50,17 +51,6 @@ class Op(str, Enum):
     __hash__ = str.__hash__
 
 
-#: Operations that change which memory tags an engine holds.
-MEMORY_OPS = frozenset({Op.RELEASE, Op.RESUME})
-#: Operations that change whether an engine generates.
-PAUSE_OPS = frozenset({Op.PAUSE, Op.CONTINUE})
-#: Operations that open or close a weight-update session.
-SESSION_OPS = frozenset({Op.BEGIN_UPDATE, Op.END_UPDATE})
-#: Operations whose intent is recorded before they are sent (a process that dies with one in
-#: flight leaves a record that refuses the call that could kill the engine).
-INTENT_OPS = MEMORY_OPS | PAUSE_OPS | SESSION_OPS
-#: Operations that write or depend on resident weights.
-WEIGHT_OPS = frozenset({Op.BEGIN_UPDATE, Op.END_UPDATE, Op.SET_VERSION})
 #: Operations sent only once the engine has shown it is the process its record describes, and
 #: (where it can tell) in the pause state the record holds (``EngineHost.checked``): sent to
 #: another process, or behind another controller's back, they could kill it or lose work. (The
@@ -81,11 +71,6 @@ def as_op(name: str | Op) -> Op:
 __all__ = [
     "CHECKED",
     "CHECKED_OPS",
-    "INTENT_OPS",
-    "MEMORY_OPS",
-    "PAUSE_OPS",
-    "SESSION_OPS",
-    "WEIGHT_OPS",
     "Op",
     "as_op",
 ]

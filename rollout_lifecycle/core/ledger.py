@@ -17,18 +17,18 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Protocol
 
 from rollout_lifecycle.contract.exceptions import IllegalEngineOp, InvalidArgument
-from rollout_lifecycle.contract.ops import CHECKED_OPS, MEMORY_OPS, PAUSE_OPS, SESSION_OPS, Op
+from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
 from rollout_lifecycle.contract.values import ALL_TAGS, WEIGHT_TAGS, PauseMode, Tag, parse_tags
+from rollout_lifecycle.core.commands import Intent, command
 from rollout_lifecycle.core.states import ServerState
 
 S = ServerState
 
 #: The operations as module globals: the ledger and the runner compare them once per engine
 #: per phase, and a global is read several times faster than an ``Op`` member.
-_PAUSE, _CONTINUE, _FLUSH = Op.PAUSE, Op.CONTINUE, Op.FLUSH
+_PAUSE, _CONTINUE = Op.PAUSE, Op.CONTINUE
 _RELEASE, _RESUME, _SET_VERSION = Op.RELEASE, Op.RESUME, Op.SET_VERSION
-_BEGIN_UPDATE, _END_UPDATE = Op.BEGIN_UPDATE, Op.END_UPDATE
 _DEAD, _RESTARTED, _CONFLICT = Outcome.DEAD, Outcome.RESTARTED, Outcome.CONFLICT
 
 #: Outcomes after which an engine may or may not have carried out the call.
@@ -117,8 +117,8 @@ class EngineRecord:
     #: The process this record describes (``contract/identity``): recorded from the first answer
     #: that names it, checked before every call in ``CHECKED_OPS``. None until then.
     incarnation: str | None = None
-    #: What ``intend`` changed for the call in flight, restored when it is refused outright.
-    _undo: tuple[Any, ...] | None = field(default=None, repr=False)
+    #: What the call in flight left unknown, and how to forget it if it is refused.
+    _intent: Intent | None = field(default=None, repr=False)
 
     @property
     def serves(self) -> bool:
@@ -237,36 +237,20 @@ class EngineRecord:
     # -- effects of calls ------------------------------------------------------------------------
 
     def intend(self, op: Op, tags: Sequence[Tag], mode: PauseMode | None) -> None:
-        """Record, before ``op`` is sent, what stays unknown until it answers: the tags of a
-        release or resume become uncertain, a pause or continue leaves the engine paused
-        unknown, a weight-update session may be open. A process that dies with the call in
-        flight leaves this record, which refuses the call that could kill the engine; the
-        outcome (``apply``) replaces it."""
-        if type(op) is not Op:
-            op = Op(op)  # an operation the ledger does not know is an error, never ignored
-        if op in MEMORY_OPS:
-            self._undo = (frozenset(t for t in tags if t not in self.uncertain),)
-            self.uncertain.update(tags)
-        elif op in PAUSE_OPS:
-            self._undo = (self.paused, self.pause_mode, self.flushed, self.pause_unknown)
-            self.paused, self.flushed, self.pause_unknown = True, False, True
-            if op is _PAUSE:
-                self.pause_mode = mode
-        elif op in SESSION_OPS:
-            self._undo = (self.session_unknown,)
-            self.session_unknown = True
+        """Record, before ``op`` is sent, what stays unknown until it answers (its command's
+        ``part``): the tags of a release or resume become uncertain, a pause or continue leaves
+        the engine paused unknown, a weight-update session may be open. A process that dies
+        with the call in flight leaves this record, which refuses the call that could kill the
+        engine; the outcome (``apply``) replaces it."""
+        cmd = command(op)
+        if cmd.part is not None:
+            self._intent = cmd.part.intend(self, cmd.op, tuple(tags), mode)
 
-    def undo_intent(self, op: Op) -> None:
-        """Forget what ``intend`` recorded for ``op``: it was refused and did nothing."""
-        undo, self._undo = self._undo, None
-        if undo is None:
-            return
-        if op in MEMORY_OPS:
-            self.uncertain.difference_update(undo[0])
-        elif op in PAUSE_OPS:
-            self.paused, self.pause_mode, self.flushed, self.pause_unknown = undo
-        elif op in SESSION_OPS:
-            (self.session_unknown,) = undo
+    def undo_intent(self) -> None:
+        """Forget what ``intend`` recorded: the call was refused and did nothing."""
+        intent, self._intent = self._intent, None
+        if intent is not None:
+            intent.undo(self)
 
     def apply(
         self,
@@ -276,67 +260,41 @@ class EngineRecord:
         out: EngineOutcome,
         incarnation: str | None = None,
     ) -> None:
-        """Record what a settled call means for this engine; ``incarnation`` is the one the
-        engine showed (a checked call that passed, or the new process that refused it)."""
-        if type(op) is not Op:
-            op = Op(op)  # an operation the ledger does not know is an error, never ignored
-        self.last_op = op._value_
+        """Record what a settled call means for this engine (its command's effects);
+        ``incarnation`` is the one the engine showed (a checked call that passed, or the new
+        process that refused it)."""
+        cmd = command(op)
+        self.last_op = cmd.op._value_
         self.last_outcome = out
         if out.outcome is _DEAD:
-            self._undo = None
+            self._intent = None
             self.alive = False
             return
-        checked = op in CHECKED_OPS
+        checked = cmd.checked
         if out.outcome is _RESTARTED or out.outcome is _CONFLICT:
             # (a probe's verdict is its caller's to learn, under the server's lock: a probe
             # runs beside the calls that change the records)
             if checked:
-                self.undo_intent(op)  # nothing was sent
+                self.undo_intent()  # nothing was sent
                 self.learn(out.outcome, incarnation)
-                self.last_op, self.last_outcome = op._value_, out
+                self.last_op, self.last_outcome = cmd.op._value_, out
             return
         if out.ok and incarnation is not None and (checked or self.incarnation is None):
             self.incarnation = incarnation  # (a read names the process only the first time)
         if out.outcome in _EFFECT_UNKNOWN:
-            self._undo = None
             # No answer, a dropped connection or garbage: the call may or may not have landed.
-            if op in MEMORY_OPS:
-                self.uncertain.update(tags)  # neither a release nor a resume of them is safe now
-            elif op in PAUSE_OPS:
-                # Count the engine as paused, so that it is continued (harmless if it never
-                # paused) and never taken for serving; a flush alone never makes it releasable.
-                self.paused, self.flushed, self.pause_unknown = True, False, True
-                if op is _PAUSE:
-                    self.pause_mode = mode
-            elif op in SESSION_OPS:
-                self.session_unknown = True
+            self._intent = None
+            if cmd.part is not None:
+                cmd.part.unknown(self, cmd.op, tuple(tags), mode)
             return
+        # The answer replaces the intent: refused, the call did nothing; landed, its effect
+        # sets every field its intent left unknown.
+        self.undo_intent()
         if not out.ok:
-            self.undo_intent(op)
-            if op is _END_UPDATE:
-                # SGLang answers 400 when no session is open: then none is. Any other refusal
-                # leaves the session it should have closed open.
-                self.session_unknown = out.status != 400
+            if cmd.refused is not None:
+                cmd.refused(self, out)
             return
-        if op in MEMORY_OPS or op is _BEGIN_UPDATE:
-            self.undo_intent(op)  # the answer replaces the intent
-        self._undo = None
-        # (identity checks on the enum: an operation not listed changes nothing, and a name
-        # that is not an operation never got this far)
-        if op is _PAUSE:
-            self.paused, self.pause_mode, self.flushed = True, mode, False
-            self.pause_unknown = False
-        elif op is _FLUSH:
-            self.flushed = True
-        elif op is _RELEASE:
-            self.released.update(tags)
-        elif op is _RESUME:
-            self.released.difference_update(tags)
-        elif op is _CONTINUE:
-            self.paused, self.pause_mode, self.flushed = False, None, False
-            self.pause_unknown = False
-        elif op is _END_UPDATE:
-            self.session_unknown = False
+        cmd.landed(self, tuple(tags), mode)
 
     def renew(self, handle: Any) -> None:
         """A new engine takes this slot: alive, serving, all memory resident, stale until it
@@ -348,7 +306,7 @@ class EngineRecord:
         self.uncertain.clear()
         self.last_op, self.last_outcome, self.stale = None, None, True
         self.incarnation = None
-        self._undo = None
+        self._intent = None
 
     def snapshot(self) -> EngineSnapshot:
         """An immutable copy of this record."""
@@ -399,7 +357,7 @@ class EngineRecord:
         self.pause_unknown = snapshot.pause_unknown
         self.session_unknown = snapshot.session_unknown
         self.incarnation = snapshot.incarnation
-        self._undo = None
+        self._intent = None
 
 
 # -- the memory target of each server state ------------------------------------------------------

@@ -7,7 +7,8 @@ bus's ``RecordsChanged``), then sends each call through the engine seam without 
 ``PhaseRunner.run`` is one phase: issue, gather every call with one deadline (the barrier), keep
 the calls that missed it as stragglers, write each outcome into the ledger, then publish
 ``PhaseSettled`` (metrics, timeline, the generation client) and ``RecordsChanged``. Which targets
-an operation has by default, and which guard protects it, are tables here, not choices each
+an operation has by default, which guard protects it, whether its intent is recorded and whether
+the engine must show who it is first are its command's (``core/commands``), not choices each
 caller makes.
 """
 
@@ -25,61 +26,35 @@ from rollout_lifecycle.contract import seam
 from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import PhaseFailed
 from rollout_lifecycle.contract.identity import disagreement
-from rollout_lifecycle.contract.ops import CHECKED, CHECKED_OPS, INTENT_OPS, WEIGHT_OPS, Op
+from rollout_lifecycle.contract.ops import CHECKED, Op
 from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
 from rollout_lifecycle.contract.seam import Landed
 from rollout_lifecycle.contract.values import PauseMode, Tag
 from rollout_lifecycle.core.bus import RECORDS_CHANGED, Bus, PhaseSettled, RecordsChanged
+from rollout_lifecycle.core.commands import COMMANDS
 from rollout_lifecycle.core.config import DeadEnginePolicy
 from rollout_lifecycle.core.ledger import EngineRecord, GroupRecords
 from rollout_lifecycle.core.states import ServerState
 
-_Guard = Callable[[EngineRecord], None]
-
 #: The operations as module globals: the ledger and the runner compare them once per engine
 #: per phase, and a global is read several times faster than an ``Op`` member.
-_CONTINUE, _FLUSH, _RELEASE, _RESUME = Op.CONTINUE, Op.FLUSH, Op.RELEASE, Op.RESUME
+_FLUSH = Op.FLUSH
 _OBSERVE = Op.OBSERVE
 _OK, _RESTARTED, _UNREACHABLE = Outcome.OK, Outcome.RESTARTED, Outcome.UNREACHABLE
 _FAILED = EngineOutcome(Outcome.NOT_ATTEMPTED)
-#: Calls that only read the engine: landing late, they change nothing a later call relies on.
-_READS = frozenset(
-    {
-        Op.WEIGHT_VERSION,
-        Op.SERVER_INFO,
-        Op.OBSERVE,
-        Op.MEMORY,
-        Op.STATE,
-        Op.STATS,
-        Op.HISTORY,
-        Op.LABEL,
-    }
-)
 
 
-def guard(op: Op, tags: tuple[Tag, ...] = ()) -> _Guard:
-    """The check every target of ``op`` passes before anything is sent."""
-    if op is _RELEASE:
-        return lambda r: r.check_release(tags)
-    if op is _RESUME:
-        return lambda r: r.check_resume(tags)
-    if op is _CONTINUE:
-        return EngineRecord.check_continue
-    if op in WEIGHT_OPS:
-        return EngineRecord.check_write_weights
-    return lambda r: r.check_alive(op)
+def _reads(op: Op) -> bool:
+    """Whether ``op`` only reads the engine: landing late, it changes nothing a later call
+    relies on."""
+    return COMMANDS[op].reads
 
 
 def default_targets(group: GroupRecords, op: Op) -> list[EngineRecord]:
-    """The engines of ``group`` that ``op`` goes to when the caller names none: memory calls to
-    the groups that offload, continue and flush to the paused engines, the rest to every live
-    engine."""
-    live = [r for r in group.records if r.alive]
-    if op in (_RELEASE, _RESUME):
-        return live if group.needs_offload else []
-    if op in (_CONTINUE, _FLUSH):
-        return [r for r in live if r.paused]
-    return live
+    """The engines of ``group`` that ``op`` goes to when the caller names none (its command's
+    ``targets``): memory calls to the groups that offload, continue and flush to the paused
+    engines, the rest to every live engine."""
+    return COMMANDS[op].targets(group)
 
 
 @dataclass(frozen=True)
@@ -107,10 +82,11 @@ class Plan:
         return cls(op, targets, args, tags, mode)
 
     def check(self) -> None:
-        """Run the guard on every target; raises ``IllegalEngineOp`` at the first refusal."""
-        check = guard(self.op, self.tags)
+        """Run the command's guard on every target; raises ``IllegalEngineOp`` at the first
+        refusal."""
+        check, tags = COMMANDS[self.op].guard, self.tags
         for record in self.targets:
-            check(record)
+            check(record, tags)
 
 
 @dataclass(eq=False, slots=True)
@@ -169,10 +145,11 @@ def issue(plan: Plan, before_send: Callable[[], None] | None = None) -> Calls:
     (the journal) runs before any is sent, and a ``before_send`` that raises sends nothing."""
     plan.check()
     op, chosen = plan.op, list(plan.targets)
+    cmd = COMMANDS[op]
     # What each engine must show before a checked call: taken before the intent below changes
     # the records (a continue's intent makes the pause state unknown).
-    expects = [r.expect(op) for r in chosen] if op in CHECKED_OPS else None
-    if chosen and op in INTENT_OPS:
+    expects = [r.expect(op) for r in chosen] if cmd.checked else None
+    if chosen and cmd.part is not None:
         for record in chosen:
             record.intend(op, plan.tags, plan.mode)
         if before_send is not None:
@@ -180,7 +157,7 @@ def issue(plan: Plan, before_send: Callable[[], None] | None = None) -> Calls:
                 before_send()
             except BaseException:
                 for record in chosen:
-                    record.undo_intent(op)
+                    record.undo_intent()
                 raise
     calls = Calls()
     refs, starts, handles, args = calls.refs, calls.starts, calls.handles, plan.args
@@ -309,7 +286,7 @@ class PhaseRunner:
         restarted under the call leaves a new one at the address, and then the record describes
         the new process (what was uncertain of the old one is gone with it); one that died is
         found dead at once."""
-        if plan.op not in CHECKED_OPS:
+        if not COMMANDS[plan.op].checked:
             return
         dropped = tuple(
             r
@@ -361,7 +338,7 @@ class PhaseRunner:
         (the rule ``run`` applies): every one does but a read, or a call of ``op`` itself (a
         pause sent again); and to a read, none does."""
         late = self._late.get(engine)
-        return late is not None and late not in _READS and late is not op and op not in _READS
+        return late is not None and not _reads(late) and late is not op and not _reads(op)
 
     async def landed(
         self, records: Sequence[EngineRecord], timeout: float, op: Op
@@ -440,7 +417,7 @@ class PhaseRunner:
                     late_op = op
                     if earlier is not None:
                         future = asyncio.gather(earlier, future, return_exceptions=True)
-                        if op in _READS:
+                        if _reads(op):
                             late_op = self._late[record.id]
                     self.stragglers[record.id] = future
                     self._late[record.id] = late_op
@@ -451,7 +428,7 @@ class PhaseRunner:
                 exc = landed.errors[i]
                 if exc is None:
                     out = EngineOutcome(_OK, "", took)
-                    if op in CHECKED_OPS:
+                    if COMMANDS[op].checked:
                         seen, landed.values[i] = _checked_value(landed.values[i])
                     elif op is _OBSERVE:
                         out, seen = judge(record, landed.values[i], took)
@@ -538,6 +515,5 @@ __all__ = [
     "PhaseRunner",
     "Plan",
     "default_targets",
-    "guard",
     "issue",
 ]
