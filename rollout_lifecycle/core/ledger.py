@@ -119,6 +119,16 @@ class EngineRecord:
     incarnation: str | None = None
     #: What the call in flight left unknown, and how to forget it if it is refused.
     _intent: Intent | None = field(default=None, repr=False)
+    #: A call that missed its phase's deadline and may still land (the phase runner's), and
+    #: its operation: nothing that it would matter to is sent to this engine before it lands.
+    in_flight: InFlight | None = field(default=None, repr=False, compare=False)
+
+    def busy_for(self, op: Op) -> bool:
+        """Whether the call still in flight on this engine would matter to a call of ``op``
+        sent now: every one does but a read, or a call of ``op`` itself (a pause sent again);
+        and to a read, none does."""
+        late = self.in_flight
+        return late is not None and late.matters_to(op)
 
     @property
     def serves(self) -> bool:
@@ -358,6 +368,19 @@ class EngineRecord:
         self.session_unknown = snapshot.session_unknown
         self.incarnation = snapshot.incarnation
         self._intent = None
+
+
+@dataclass(eq=False, slots=True)
+class InFlight:
+    """A call of ``op`` that missed its phase's deadline and may still land (``future``)."""
+
+    op: Op
+    future: Any
+
+    def matters_to(self, op: Op) -> bool:
+        """See ``EngineRecord.busy_for``."""
+        late = self.op
+        return late is not op and not command(late).reads and not command(op).reads
 
 
 # -- the memory target of each server state ------------------------------------------------------

@@ -33,7 +33,7 @@ from rollout_lifecycle.contract.values import PauseMode, Tag
 from rollout_lifecycle.core.bus import RECORDS_CHANGED, Bus, PhaseSettled, RecordsChanged
 from rollout_lifecycle.core.commands import COMMANDS
 from rollout_lifecycle.core.config import DeadEnginePolicy
-from rollout_lifecycle.core.ledger import EngineRecord, GroupRecords
+from rollout_lifecycle.core.ledger import EngineRecord, GroupRecords, InFlight
 from rollout_lifecycle.core.states import ServerState
 
 #: The operations as module globals: the ledger and the runner compare them once per engine
@@ -42,12 +42,6 @@ _FLUSH = Op.FLUSH
 _OBSERVE = Op.OBSERVE
 _OK, _RESTARTED, _UNREACHABLE = Outcome.OK, Outcome.RESTARTED, Outcome.UNREACHABLE
 _FAILED = EngineOutcome(Outcome.NOT_ATTEMPTED)
-
-
-def _reads(op: Op) -> bool:
-    """Whether ``op`` only reads the engine: landing late, it changes nothing a later call
-    relies on."""
-    return COMMANDS[op].reads
 
 
 def default_targets(group: GroupRecords, op: Op) -> list[EngineRecord]:
@@ -240,10 +234,9 @@ class PhaseRunner:
         self._name = name
         self._skip_dead = dead_engines is DeadEnginePolicy.SKIP
         self._bus = bus
-        #: Calls that missed their phase's deadline and may still land, by engine id.
-        self.stragglers: dict[str, asyncio.Future[Any]] = {}
-        #: The operation of each straggler.
-        self._late: dict[str, Op] = {}
+        #: The engines with a call that missed its phase's deadline and may still land
+        #: (``EngineRecord.in_flight``).
+        self.stragglers: set[EngineRecord] = set()
         #: Runs around every phase with engines (``core/router_sync.RouterSync``), if bound.
         self.gate: Gate | None = None
 
@@ -291,9 +284,7 @@ class PhaseRunner:
         dropped = tuple(
             r
             for r in plan.targets
-            if result.outcomes[r.id].outcome is _UNREACHABLE
-            and r.alive
-            and r.id not in self.stragglers
+            if result.outcomes[r.id].outcome is _UNREACHABLE and r.alive and r.in_flight is None
         )
         if not dropped:
             return
@@ -333,27 +324,20 @@ class PhaseRunner:
                 return False
         return succeeded == reached
 
-    def matters(self, engine: str, op: Op) -> bool:
-        """Whether a call still in flight on ``engine`` would matter to a call of ``op`` sent now
-        (the rule ``run`` applies): every one does but a read, or a call of ``op`` itself (a
-        pause sent again); and to a read, none does."""
-        late = self._late.get(engine)
-        return late is not None and not _reads(late) and late is not op and not _reads(op)
-
     async def landed(
         self, records: Sequence[EngineRecord], timeout: float, op: Op
     ) -> list[EngineRecord]:
         """Give the calls still in flight on ``records`` that would matter to a call of ``op``
-        up to ``timeout`` to land; the records with none left."""
-        late = [self.stragglers[r.id] for r in records if self.matters(r.id, op)]
+        (``EngineRecord.busy_for``) up to ``timeout`` to land; the records with none left."""
+        late = [r.in_flight.future for r in records if r.in_flight and r.in_flight.matters_to(op)]
         if late:
             await asyncio.wait(late, timeout=timeout)
-        return [r for r in records if not self.matters(r.id, op)]
+        return [r for r in records if not r.busy_for(op)]
 
     async def _still_in_flight(self, plan: Plan, deadline: float) -> set[str]:
         """The targets of ``plan`` with a call in flight that matters to it after up to
         ``deadline``."""
-        waiting = [r for r in plan.targets if self.matters(r.id, plan.op)]
+        waiting = [r for r in plan.targets if r.busy_for(plan.op)]
         if not waiting:
             return set()
         ready = await self.landed(waiting, deadline, plan.op)
@@ -413,15 +397,17 @@ class PhaseRunner:
                 # repeat of this call) is waited for with it, and a call that is not a read
                 # keeps deciding what must wait.
                 if current:
-                    earlier = self.stragglers.get(record.id)
+                    earlier = record.in_flight
                     late_op = op
                     if earlier is not None:
-                        future = asyncio.gather(earlier, future, return_exceptions=True)
-                        if _reads(op):
-                            late_op = self._late[record.id]
-                    self.stragglers[record.id] = future
-                    self._late[record.id] = late_op
-                    future.add_done_callback(functools.partial(self._forget_straggler, record.id))
+                        future = asyncio.gather(earlier.future, future, return_exceptions=True)
+                        if COMMANDS[op].reads:
+                            late_op = earlier.op
+                    record.in_flight = flying = InFlight(late_op, future)
+                    self.stragglers.add(record)
+                    future.add_done_callback(
+                        functools.partial(self._forget_straggler, record, flying)
+                    )
             else:
                 end = landed_at
                 took = end - began
@@ -473,10 +459,12 @@ class PhaseRunner:
         )
         return result
 
-    def _forget_straggler(self, engine: str, future: asyncio.Future[Any]) -> None:
-        if self.stragglers.get(engine) is future:
-            del self.stragglers[engine]
-            del self._late[engine]
+    def _forget_straggler(
+        self, record: EngineRecord, flying: InFlight, future: asyncio.Future[Any]
+    ) -> None:
+        if record.in_flight is flying:
+            record.in_flight = None
+            self.stragglers.discard(record)
 
 
 def _checked_value(value: Any) -> tuple[str | None, Any]:

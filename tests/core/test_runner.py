@@ -1,5 +1,5 @@
-"""The phase runner's guards: all or nothing across groups, the journal before the send, and the
-default targets and guards of each operation."""
+"""The phase runner's guards: all or nothing across groups, the journal before the send, the
+default targets and guards of each operation, and a call that outlives its phase."""
 
 from __future__ import annotations
 
@@ -14,7 +14,10 @@ from rollout_lifecycle import (
     Tag,
 )
 from rollout_lifecycle.contract.ops import Op
-from rollout_lifecycle.core.runner import Plan, default_targets, issue
+from rollout_lifecycle.contract.outcome import Outcome
+from rollout_lifecycle.core.bus import Bus
+from rollout_lifecycle.core.config import DeadEnginePolicy
+from rollout_lifecycle.core.runner import PhaseRunner, Plan, default_targets, issue
 
 RELEASE = ([Tag.KV_CACHE.value],)
 
@@ -99,3 +102,25 @@ def test_each_operation_has_its_guard() -> None:
     record.alive = False
     with pytest.raises(IllegalEngineOp, match="dead"):
         Plan(Op.SERVER_INFO, (record,)).check()
+
+
+async def test_a_call_that_missed_its_deadline_is_the_engines_until_it_lands() -> None:
+    """What an engine is busy with is a property of its record: a pause that outlived its phase
+    holds back a continue (it would land after it) but not a read or another pause, and once it
+    lands the engine is free."""
+    (engine,) = [SimulatedEngine("slow", token_latency=0.001, op_latency={"pause_generation": 0.3})]
+    group = EngineGroup("a", [engine])
+    (record,) = group.records
+    runner = PhaseRunner("s", DeadEnginePolicy.FAIL, Bus())
+    plan = Plan(Op.PAUSE, (record,), (PauseMode.ABORT.value,), mode=PauseMode.ABORT)
+    result = await runner.run("pause", plan, 0.05)
+    assert result.outcomes["a/0"].outcome is Outcome.TIMED_OUT
+    assert record.in_flight is not None and record.in_flight.op is Op.PAUSE
+    assert runner.stragglers == {record}
+    assert record.busy_for(Op.CONTINUE) and record.busy_for(Op.RELEASE)
+    assert not record.busy_for(Op.PAUSE) and not record.busy_for(Op.SERVER_INFO)
+    # a phase the late call matters to waits for it (here: until it lands)
+    assert await runner.landed([record], 30.0, Op.CONTINUE) == [record]
+    assert record.in_flight is None and runner.stragglers == set()
+    assert not record.busy_for(Op.CONTINUE)
+    await engine.close()
