@@ -256,6 +256,8 @@ class SimScheduler(SimState):
 
     def _enqueue(self, req: SimRequest) -> None:
         self._in_flight[req.rid] = req
+        if self._paused:
+            self._counts["arrived_paused"] += 1
         (self._front if self._paused else self._waiting).append(req)
         self._notify()
 

@@ -207,6 +207,8 @@ class SimState:
         self._counts: dict[str, int] = dict.fromkeys(
             (
                 "submitted",
+                # requests that arrived while the engine was paused (held in its front end)
+                "arrived_paused",
                 "completed",
                 "aborted",
                 "retractions",
