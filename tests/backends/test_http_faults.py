@@ -41,6 +41,7 @@ from rollout_lifecycle import (
     Tag,
     WeightUpdate,
 )
+from rollout_lifecycle.testing import until
 from rollout_lifecycle.testing.standin import DEATH_EXIT_CODE, FAULTS_PATH, StandInServer
 
 ADMIN_KEY = "fault-admin-key-4d1e"
@@ -103,6 +104,13 @@ async def info(server: StandInServer) -> dict[str, Any]:
     """What the stand-in's engine keeps to itself (paused, released tags): SGLang's own
     /server_info publishes none of it."""
     return await asyncio.to_thread(server.state)
+
+
+async def drained(*servers: StandInServer) -> None:
+    """Every lifecycle call that reached ``servers`` has returned, so their histories are
+    complete: an absence read from them afterwards is one (not a call still being handled)."""
+    for server in servers:
+        await until(lambda s=server: not s.state()["in_flight"], what=f"{server.label} to drain")
 
 
 async def wait_for_op(server: StandInServer, op: str, count: int = 1, timeout: float = 5.0) -> None:
@@ -527,7 +535,7 @@ async def test_release_dropped_before_the_engine_fails_unreachable_and_is_uncert
         record.check_resume(TAGS)
     with pytest.raises(IllegalEngineOp):
         server.groups[0].release_memory(TAGS)  # nothing is sent to either engine
-    await asyncio.sleep(0.2)
+    await drained(*servers)
     assert ops(await history(servers[1]), "release_memory_occupation") == []
     assert len(ops(await history(servers[0]), "release_memory_occupation")) == 1
 
@@ -559,7 +567,7 @@ async def test_release_that_landed_before_the_drop_is_uncertain_and_never_sent_a
         await server.offload()  # from failed: refused before the guard is even asked
     with pytest.raises(IllegalTransition):
         await server.reset()  # records that hold an unknown tag imply no state
-    await asyncio.sleep(0.2)
+    await drained(*servers)
     assert len(ops(await history(target), "release_memory_occupation")) == 1
     assert target.alive() and servers[1].alive()
 
@@ -631,7 +639,7 @@ async def test_a_pause_later_than_the_continue_deadline_is_still_reflected_in_th
         await asyncio.wait_for(server.offload(), BOUND)
     assert err.value.outcomes["actor/0"].outcome is Outcome.TIMED_OUT
     await wait_for_op(slow, "pause_generation")
-    await asyncio.sleep(0.1)
+    await drained(slow)
     entries = await history(slow)
     order = [e["op"] for e in entries if e["op"] in ("pause_generation", "continue_generation")]
     assert order == ["pause_generation"]  # no continue was sent to be overtaken
