@@ -1,7 +1,7 @@
 """The command table (``core/commands``): every operation has one, the checked and reading ones
-are the ones the contract names, and a command's intent is exactly undone by a refusal (but the end of a session's, whose
-refusal says whether one is open), kept
-(and widened) by an answer that never came, and replaced by the effect of a call that landed."""
+are the ones the contract names, and a command's intent is exactly undone by a refusal (but the
+end of a session's, whose refusal says whether one is open), kept by an answer that never came,
+and replaced by the effect of a call that landed."""
 
 from __future__ import annotations
 
