@@ -12,7 +12,7 @@ import httpx
 import pytest
 from contract.helpers import Target
 
-from rollout_lifecycle.backends.sglang_api import Auth, Endpoint, Field, rows
+from rollout_lifecycle.backends.sglang_api import ENDPOINTS, Auth, Endpoint, Field, rows
 
 ROWS = list(rows())
 #: A value of the wrong kind for each kind of field.
@@ -119,3 +119,17 @@ async def test_every_row_wants_the_key_the_table_says(keyed: Target, row: Endpoi
             answer = await client.request(row.method, path, headers=keyed.headers(wrong[row.auth]))
             assert answer.status_code == 401, (path, answer.status_code, answer.text)
             assert answer.json() == {"error": "Unauthorized"}
+
+
+async def test_null_stands_for_the_default_only_where_the_table_says(target: Target) -> None:
+    """An explicit ``null`` is the default for an ``Optional`` field (``rid``) and a 400 for any
+    other (``torch_empty_cache``); both calls are harmless on a serving server."""
+    abort, cont = ENDPOINTS["abort_request"], ENDPOINTS["continue_generation"]
+    assert abort.field("rid").nullable and not cont.field("torch_empty_cache").nullable
+    async with target.client() as client:
+        answer = await client.post(abort.path, json={"rid": None, "abort_all": False})
+        assert answer.status_code == 200, answer.text
+        answer = await client.post(cont.path, json={"torch_empty_cache": None})
+        assert answer.status_code == 400, answer.text
+        assert "'torch_empty_cache'" in answer.json()["message"]
+        await still_serving(client)
