@@ -107,6 +107,7 @@ class Endpoint:
 
     @property
     def paths(self) -> tuple[str, ...]:
+        """The route, then its older aliases."""
         return (self.path, *self.aliases)
 
     def field(self, name: str) -> Field:
@@ -116,17 +117,19 @@ class Endpoint:
         raise KeyError(f"{self.path} has no field {name!r}")
 
 
+#: ``/pause_generation``'s modes, in the order of SGLang's ``Literal`` (its 400 names them so):
+#: ``io_struct.py`` ``PauseGenerationReqInput.mode``.
 PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
 #: Which model runners a weight call names (``io_struct.py`` ``WeightSelector``).
 SELECTORS: tuple[str, ...] = ("target", "draft", "all")
 
 
-def _flags(*, flush_default: bool = True) -> tuple[Field, ...]:
+def _flags() -> tuple[Field, ...]:
     """The fields every weight update shares (``io_struct.py`` ``UpdateWeights*ReqInput``)."""
     return (
         Field("load_format", "str", nullable=True),
         Field("weight_version", "str", nullable=True),
-        Field("flush_cache", "bool", default=flush_default),
+        Field("flush_cache", "bool", default=True),
         Field("abort_all_requests", "bool", default=False),
     )
 
