@@ -71,14 +71,19 @@ Intent = _TagsIntent | _PauseIntent | _SessionIntent
 
 class Part:
     """A part of an engine's record that some commands change: ``unknown`` is what the record
-    holds while such a call may or may not have landed, ``intend`` records that before it is
-    sent and returns how to forget it."""
+    holds while such a call may or may not have landed; ``intend`` records that before the call
+    is sent and returns how to forget it (``saved``: the part as it was)."""
 
     def unknown(self, record: EngineRecord, op: Op, tags: Tags, mode: PauseMode | None) -> None:
         raise NotImplementedError
 
-    def intend(self, record: EngineRecord, op: Op, tags: Tags, mode: PauseMode | None) -> Intent:
+    def saved(self, record: EngineRecord, tags: Tags) -> Intent:
         raise NotImplementedError
+
+    def intend(self, record: EngineRecord, op: Op, tags: Tags, mode: PauseMode | None) -> Intent:
+        intent = self.saved(record, tags)
+        self.unknown(record, op, tags, mode)
+        return intent
 
 
 class _Memory(Part):
@@ -86,10 +91,8 @@ class _Memory(Part):
         # Neither a release nor a resume of these tags is safe now.
         record.uncertain.update(tags)
 
-    def intend(self, record: EngineRecord, op: Op, tags: Tags, mode: PauseMode | None) -> Intent:
-        intent = _TagsIntent(frozenset(t for t in tags if t not in record.uncertain))
-        self.unknown(record, op, tags, mode)
-        return intent
+    def saved(self, record: EngineRecord, tags: Tags) -> Intent:
+        return _TagsIntent(frozenset(t for t in tags if t not in record.uncertain))
 
 
 class _Pause(Part):
@@ -100,22 +103,16 @@ class _Pause(Part):
         if op is Op.PAUSE:
             record.pause_mode = mode
 
-    def intend(self, record: EngineRecord, op: Op, tags: Tags, mode: PauseMode | None) -> Intent:
-        intent = _PauseIntent(
-            record.paused, record.pause_mode, record.flushed, record.pause_unknown
-        )
-        self.unknown(record, op, tags, mode)
-        return intent
+    def saved(self, record: EngineRecord, tags: Tags) -> Intent:
+        return _PauseIntent(record.paused, record.pause_mode, record.flushed, record.pause_unknown)
 
 
 class _Session(Part):
     def unknown(self, record: EngineRecord, op: Op, tags: Tags, mode: PauseMode | None) -> None:
         record.session_unknown = True
 
-    def intend(self, record: EngineRecord, op: Op, tags: Tags, mode: PauseMode | None) -> Intent:
-        intent = _SessionIntent(record.session_unknown)
-        self.unknown(record, op, tags, mode)
-        return intent
+    def saved(self, record: EngineRecord, tags: Tags) -> Intent:
+        return _SessionIntent(record.session_unknown)
 
 
 MEMORY, PAUSE, SESSION = _Memory(), _Pause(), _Session()
