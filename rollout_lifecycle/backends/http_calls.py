@@ -382,7 +382,7 @@ class SGLangCalls:
         if body is not None and row.fields:
             # SGLang ignores a body key it does not know: a misspelt flag would be dropped
             # without a word, so the client sends only fields its table row declares.
-            unknown = set(body) - {f.name for f in row.fields if f.where == "body"}
+            unknown = body.keys() - row.body_fields
             if unknown:
                 raise AssertionError(f"{row.path} has no field {sorted(unknown)}; see sglang_api")
         wait = getattr(self._timeouts, row.timeout) if timeout is None else timeout
@@ -397,16 +397,14 @@ class SGLangCalls:
 
         Secrets in it are masked here, so no raw copy leaves this method.
         """
-        *paths, last = ENDPOINTS[name].paths
-        for path in paths:
+        paths = ENDPOINTS[name].paths
+        for i, path in enumerate(paths):
             try:
                 data = await self._call(name, op=op, path=path)
                 break
             except EngineRejected as exc:
-                if exc.status != 404:
+                if exc.status != 404 or i == len(paths) - 1:
                     raise
-        else:
-            data = await self._call(name, op=op, path=last)
         masked = self._wire.mask_keys(data)
         assert isinstance(masked, dict)
         return masked

@@ -182,8 +182,9 @@ class HTTPTransport:
         """
         op = row.name if op is None else op
         method, path, retry = row.method, row.path if path is None else path, row.repeatable
-        # The query field that carries a server-side wait (flush's ``timeout``).
-        wait_field = next((f.name for f in row.fields if f.where == "query"), "timeout")
+        wait_field = row.wait_field
+        if flush_wait is not None and wait_field is None:
+            raise AssertionError(f"{row.path} has no query field for a server-side wait")
         client = self.client_for_loop(op)
         key = None if row.auth is Auth.OPEN else self.key_for(control=row.auth is Auth.CONTROL)
         headers = {"Authorization": f"Bearer {key[1].reveal()}"} if key is not None else {}
@@ -192,7 +193,7 @@ class HTTPTransport:
         for attempt in range(1, attempts + 1):
             params: dict[str, str] | None = None
             timeout = read_timeout
-            if flush_wait is not None:
+            if flush_wait is not None and wait_field is not None:  # (refused above otherwise)
                 left = max(0.0, flush_wait - (time.monotonic() - first))
                 if flush_wait > 0:
                     # A deferred flush; with no timeout (0) the query is left out altogether.

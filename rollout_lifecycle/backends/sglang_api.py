@@ -12,6 +12,7 @@ http_server.py`` unless said otherwise).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -109,6 +110,16 @@ class Endpoint:
     def paths(self) -> tuple[str, ...]:
         """The route, then its older aliases."""
         return (self.path, *self.aliases)
+
+    @functools.cached_property
+    def body_fields(self) -> frozenset[str]:
+        """The names of the fields sent in the JSON body."""
+        return frozenset(f.name for f in self.fields if f.where == "body")
+
+    @functools.cached_property
+    def wait_field(self) -> str | None:
+        """The query field that carries a server-side wait (flush's ``timeout``), if any."""
+        return next((f.name for f in self.fields if f.where == "query"), None)
 
     def field(self, name: str) -> Field:
         for field in self.fields:
