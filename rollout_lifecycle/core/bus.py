@@ -7,13 +7,16 @@ journal subscribes, and a journal that raises before a send stops the send. ``Ph
 a phase's calls all answered or missed their deadline; the metrics and the timeline subscribe,
 and the generation client (held requests look again: a group paused around a weight update is
 continued inside a phase, with no state change). ``StateEntered``: the server entered a state;
-the generation client subscribes. Subscribers run synchronously, in order of subscription, on
-the server's loop; what one raises reaches the publisher.
+the generation client subscribes, and the router binding (which engines serve follows the
+state: ``Fleet.serves``). Subscribers run in order of subscription, on the server's loop; what
+one raises reaches the publisher. ``publish`` is for subscribers that return nothing;
+``deliver`` also waits, in turn, for what a subscriber returns to await (the router's sync).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -53,9 +56,11 @@ class Bus:
     """Publish an event to the subscribers of its type."""
 
     def __init__(self) -> None:
-        self._subscribers: dict[type, list[Callable[[Any], None]]] = {}
+        self._subscribers: dict[type, list[Callable[[Any], Awaitable[None] | None]]] = {}
 
-    def subscribe(self, kind: type[E], subscriber: Callable[[E], None]) -> Callable[[], None]:
+    def subscribe(
+        self, kind: type[E], subscriber: Callable[[E], Awaitable[None] | None]
+    ) -> Callable[[], None]:
         """Call ``subscriber(event)`` for every event of type ``kind``; returns a remover."""
         subscribers = self._subscribers.setdefault(kind, [])
         subscribers.append(subscriber)
@@ -71,9 +76,19 @@ class Bus:
         return bool(self._subscribers.get(kind))
 
     def publish(self, event: object) -> None:
-        """Hand ``event`` to each subscriber of its type, in order."""
+        """Hand ``event`` to each subscriber of its type, in order (none may return an awaitable:
+        ``deliver`` is for those)."""
         for subscriber in tuple(self._subscribers.get(type(event), ())):
-            subscriber(event)
+            if subscriber(event) is not None:
+                raise TypeError(f"a subscriber to {type(event).__name__} needs Bus.deliver")
+
+    async def deliver(self, event: object) -> None:
+        """Hand ``event`` to each subscriber of its type, in order, awaiting what one returns
+        before the next is called."""
+        for subscriber in tuple(self._subscribers.get(type(event), ())):
+            started = subscriber(event)
+            if inspect.isawaitable(started):
+                await started
 
 
 __all__ = ["RECORDS_CHANGED", "Bus", "PhaseSettled", "RecordsChanged", "StateEntered"]

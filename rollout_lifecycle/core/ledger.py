@@ -12,7 +12,7 @@ Nothing here sends a call.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Protocol
 
@@ -134,9 +134,8 @@ class EngineRecord:
     def serves(self) -> bool:
         """Whether the engine may take generate requests, as far as its record says: alive,
         known to be unpaused, all its memory resident, and holding the fleet's weights (a fresh
-        server is stale until an update reaches it, versioned or not). The one predicate the
-        generation client routes by and the router binding registers by (each adds what only
-        it knows: the client the group's state and the deaths it saw)."""
+        server is stale until an update reaches it, versioned or not). ``Fleet.serves`` adds
+        what the server's state allows; the generation client adds the deaths it saw."""
         return (
             self.alive
             and not self.paused
@@ -390,11 +389,15 @@ class InFlight:
 class Target:
     """The memory state an engine is in when the server is settled in some state."""
 
-    #: Paused (generation stopped); for a group that keeps its memory in ``drained`` this is
-    #: what ``pause()`` leaves, while an ``offload()`` stopped there left it serving.
+    #: Paused (generation stopped): what bringing an engine to this state leaves it (for a
+    #: group that keeps its memory in ``drained``, what ``pause()`` leaves; ``offload()``
+    #: stopped there left it serving: ``held`` says which one binds).
     paused: bool
     #: The tags it holds released, in release order.
     released: tuple[Tag, ...]
+    #: The lifecycle holds the engine out of serving here, whatever its record says: true
+    #: wherever ``paused`` is, but for a group that keeps its memory in ``drained``.
+    held: bool
 
 
 def target(state: ServerState, needs_offload: bool, release_tags: Sequence[Tag]) -> Target | None:
@@ -405,36 +408,55 @@ def target(state: ServerState, needs_offload: bool, release_tags: Sequence[Tag])
     generates; ``drained`` is paused and idle everywhere; ``released`` releases every release
     tag of the groups that offload while the others serve; ``weights_restored`` has the
     weights back; ``kv_restored`` has everything back, the offloaded groups still paused.
+    Everything below that speaks of states (which serve, which recovery drains, in which the
+    groups that keep their memory are continued) is derived from it.
     """
     if state is S.SERVING:
-        return Target(False, ())
+        return Target(False, (), held=False)
     if state is S.DRAINED:
-        return Target(True, ())
+        return Target(True, (), held=needs_offload)
     if state not in (S.RELEASED, S.WEIGHTS_RESTORED, S.KV_RESTORED):
         return None
     if not needs_offload:
-        return Target(False, ())
+        return Target(False, (), held=False)
     if state is S.RELEASED:
-        return Target(True, tuple(release_tags))
+        return Target(True, tuple(release_tags), held=True)
     if state is S.WEIGHTS_RESTORED:
-        return Target(True, tuple(t for t in release_tags if t not in WEIGHT_TAGS))
-    return Target(True, ())
+        return Target(True, tuple(t for t in release_tags if t not in WEIGHT_TAGS), held=True)
+    return Target(True, (), held=True)
+
+
+def _states(holds: Callable[[Target, Target], bool]) -> tuple[ServerState, ...]:
+    """The states that imply a memory state in which ``holds(offloaded, kept)``: the targets of
+    a group that offloads and of one that keeps its memory (every tag a release tag)."""
+    out = []
+    for state in S:
+        offloaded, kept = target(state, True, ALL_TAGS), target(state, False, ALL_TAGS)
+        if offloaded is not None and kept is not None and holds(offloaded, kept):
+            out.append(state)
+    return tuple(out)
+
+
+#: The states that imply a memory state: those ``recover()`` can bring a fleet to.
+SETTLED_STATES = _states(lambda offloaded, kept: True)
+#: The states in which the groups that offload are paused and idle (a drain is behind them).
+DRAINED_STATES = _states(lambda offloaded, kept: offloaded.paused)
+#: The states in which the groups that keep their memory serve while the others are held.
+KEEPERS_SERVE = frozenset(_states(lambda offloaded, kept: offloaded.held and not kept.paused))
+#: The states that release something (``settled_state`` tells them apart by what is released).
+_RELEASE_STATES = _states(lambda offloaded, kept: bool(offloaded.released))
 
 
 def may_serve(state: ServerState, needs_offload: bool) -> bool:
-    """Whether an engine of such a group may take generate requests in ``state`` (it must also
-    be unpaused and hold all its memory): everywhere in ``serving``, only in the groups that
-    keep their memory while the server is anywhere in an offload, nowhere in ``failed``."""
-    if state is S.SERVING:
-        return True
-    return state is not S.FAILED and not needs_offload
-
-
-#: The states in which the groups that keep their memory serve while the others are offloaded.
-KEEPERS_SERVE = frozenset((S.RELEASED, S.WEIGHTS_RESTORED, S.KV_RESTORED))
-
-#: The states ``settled_state`` tells apart by the tags the offloaded engines hold released.
-_RELEASE_STATES = (S.RELEASED, S.WEIGHTS_RESTORED)
+    """Whether the server's state lets an engine of such a group take generate requests (its
+    record must as well: ``Fleet.serves``). Where the state implies a memory state, unless its
+    target holds the group (``Target.held``); in ``pausing`` only the groups that keep their
+    memory (the others are being drained); in ``failed``, which implies no memory state, the
+    records decide: a drain that failed continues what it paused, so that serving goes on."""
+    goal = target(state, needs_offload, ())
+    if goal is not None:
+        return not goal.held
+    return state is S.FAILED or not needs_offload
 
 
 class GroupRecords(Protocol):
@@ -512,6 +534,13 @@ class Fleet:
                 call,
                 f"all {len(group.records)} engines of the group are dead; recover() replaces them",
             )
+
+    def serves(self, record: EngineRecord, state: ServerState) -> bool:
+        """Whether ``record``'s engine may take generate requests with the server in ``state``:
+        its record says it can (``EngineRecord.serves``) and the state lets its group
+        (``may_serve``). The one predicate the generation client routes by and the router
+        binding registers by."""
+        return record.serves and may_serve(state, self._offloads[record.group])
 
     def target(self, record: EngineRecord, state: ServerState) -> Target | None:
         """The memory state ``record`` should be in when the server is settled in ``state``."""
@@ -612,7 +641,9 @@ class Fleet:
 
 
 __all__ = [
+    "DRAINED_STATES",
     "KEEPERS_SERVE",
+    "SETTLED_STATES",
     "EngineRecord",
     "EngineSnapshot",
     "Fleet",

@@ -191,7 +191,8 @@ class Machine:
     async def fire(self, trigger: str, args: PhaseArgs = NO_ARGS) -> None:
         """Run ``trigger`` on the machine, recording it as the operation's transition in
         progress while its phase runs (a lifecycle call from a ``before_`` hook or the weight
-        push is refused: ``core/scope``), and publishing ``StateEntered`` if the state changed.
+        push is refused: ``core/scope``), and delivering ``StateEntered`` if the state changed (its
+        subscribers, the router binding among them, are done before this returns).
 
         A trigger not legal in the current state raises ``IllegalTransition`` (never the
         ``MachineError`` of ``transitions``). ``transitions`` answers False when the transition
@@ -212,7 +213,7 @@ class Machine:
             if op is not None:
                 op.transition = outer
             if self.state is not previous:
-                self._bus.publish(StateEntered(self.state, previous))
+                await self._bus.deliver(StateEntered(self.state, previous))
         if not done and trigger != "reset":
             raise LifecycleError(f"transition {trigger!r} was interrupted inside a phase")
 

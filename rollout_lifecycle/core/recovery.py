@@ -19,7 +19,15 @@ from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import DISAGREEMENTS, EngineOutcome, Outcome
 from rollout_lifecycle.contract.values import PauseMode, Tag
 from rollout_lifecycle.core.group import EngineGroup
-from rollout_lifecycle.core.ledger import KEEPERS_SERVE, EngineRecord, EngineSnapshot, Fleet, target
+from rollout_lifecycle.core.ledger import (
+    DRAINED_STATES,
+    KEEPERS_SERVE,
+    SETTLED_STATES,
+    EngineRecord,
+    EngineSnapshot,
+    Fleet,
+    target,
+)
 from rollout_lifecycle.core.machine import Machine
 from rollout_lifecycle.core.phases import Client, Parts, Phases
 from rollout_lifecycle.core.runner import Plan
@@ -29,12 +37,6 @@ S = ServerState
 
 #: Makes a replacement engine for an engine id (``"group/index"``); may be async.
 EngineFactory = Callable[[str], Any]
-
-#: The states ``recover()`` can bring a fleet to (``kv_restored`` only as the current state: the
-#: records of a fleet in it settle as ``drained``).
-_TARGETS = (S.SERVING, S.DRAINED, S.RELEASED, S.WEIGHTS_RESTORED, S.KV_RESTORED)
-#: The targets in which the groups that offload are paused and flushed.
-_DRAINED = (S.DRAINED, S.RELEASED, S.WEIGHTS_RESTORED, S.KV_RESTORED)
 
 
 class Recovery(Client):
@@ -101,8 +103,10 @@ class Recovery(Client):
         goal = fleet.settled_state(skip=skip) if state is S.FAILED else state
         if goal is None and state is S.FAILED:
             goal = fleet.majority_state(skip)
-        if goal not in _TARGETS:
-            raise IllegalTransition("recover", state.value, [s.value for s in _TARGETS])
+        # (``kv_restored`` only as the current state: the records of a fleet in it settle as
+        # ``drained``)
+        if goal not in SETTLED_STATES:
+            raise IllegalTransition("recover", state.value, [s.value for s in SETTLED_STATES])
         assert goal is not None
         replacements: list[tuple[EngineRecord, Any]] = []
         deadline = self._config.deadlines.startup
@@ -236,7 +240,7 @@ class Recovery(Client):
             outcomes.update(
                 (await self._runner.run("recover_resume", plan, deadlines.resume)).outcomes
             )
-        drains = goal in _DRAINED
+        drains = goal in DRAINED_STATES
         in_place = self._config.pause_mode is PauseMode.IN_PLACE
         short = [
             r

@@ -4,9 +4,11 @@ A ``RolloutServer`` given a router (``SGLangRouter``) binds this to its phase ru
 pause is sent, the engines about to pause are taken out of the router, and the pause is not sent
 unless that worked (``RouterError``: nothing was sent, the state is unchanged); after every phase
 that may have changed which engines serve (a continue, a pause, a probe, any engine call that
-did not succeed), the router is brought in step with the ledger: an engine is registered only
-when it is alive, unpaused, holds all its memory and has the expected weights (a replacement
-only once a weight update reached it), and the workers of engines that died, were retired or
+did not succeed), and after every state change that changes which groups the state lets serve,
+the router is brought in step with the ledger: an engine is registered exactly when it serves
+(``Fleet.serves``, the predicate the generation client routes by: alive, unpaused, all its
+memory resident, the expected weights, a replacement only once a weight update reached it, and
+a group the server's state lets serve), and the workers of engines that died, were retired or
 stopped serving are taken out.
 
 The binding takes out only workers it owns, since other clients may share the router: the
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Any, Protocol
 
 from rollout_lifecycle.contract import seam
@@ -35,8 +37,10 @@ from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import InvalidArgument, RouterError
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.urls import url_identity
-from rollout_lifecycle.core.ledger import EngineRecord, Fleet
+from rollout_lifecycle.core.bus import StateEntered
+from rollout_lifecycle.core.ledger import EngineRecord, Fleet, may_serve
 from rollout_lifecycle.core.runner import PhaseResult, Plan
+from rollout_lifecycle.core.states import ServerState
 
 _PAUSE, _CONTINUE = Op.PAUSE, Op.CONTINUE
 
@@ -63,12 +67,20 @@ async def _answer(call: Awaitable[Any]) -> Any:
 class RouterSync:
     """The router binding of one server (see the module docstring)."""
 
-    def __init__(self, router: WorkerRouter, fleet: Fleet, name: str, deadline: float) -> None:
+    def __init__(
+        self,
+        router: WorkerRouter,
+        fleet: Fleet,
+        state: Callable[[], ServerState],
+        name: str,
+        deadline: float,
+    ) -> None:
         for attr in ("workers", "add", "remove"):
             if not callable(getattr(router, attr, None)):
                 raise InvalidArgument(f"router must have async {attr}(), got {router!r}")
         self.router = router
         self._fleet = fleet
+        self._state = state
         self._deadline = deadline
         self._log = logger().bind(server=name, router=str(getattr(router, "url", router)))
         #: Each engine's worker URL, by handle identity (None: the engine has none).
@@ -120,12 +132,26 @@ class RouterSync:
             or plan.op is Op.OBSERVE
             or not all(o.ok for o in result.outcomes.values())
         ):
-            try:
-                await self.sync()
-            except RouterError as exc:
-                # The engines are as the phase left them; sync_router() puts the router right.
-                self.failure = exc
-                self._log.warning("router.out_of_step", error=str(exc))
+            await self._follow()
+
+    async def entered(self, event: StateEntered) -> None:
+        """Bring the router in step after a state change that changes which groups may serve
+        (``may_serve``): a continue lets its engines serve once the server is ``serving``, a
+        drain that failed once it is ``failed``."""
+        if any(
+            may_serve(event.state, g.needs_offload) != may_serve(event.previous, g.needs_offload)
+            for g in self._fleet.groups
+        ):
+            await self._follow()
+
+    async def _follow(self) -> None:
+        """``sync``, keeping a refusal as ``failure`` (the engines are as the lifecycle left
+        them; ``sync_router()`` puts the router right)."""
+        try:
+            await self.sync()
+        except RouterError as exc:
+            self.failure = exc
+            self._log.warning("router.out_of_step", error=str(exc))
 
     def check(self) -> None:
         """Once a call has completed, raise ``RouterError`` if engines serve while the router
@@ -133,7 +159,8 @@ class RouterSync:
         engines that stopped serving): the call did its work, ``sync_router()`` puts the router
         right."""
         failure = self.failure
-        if failure is not None and any(r.serves for r in self._fleet.live()):
+        state = self._state()
+        if failure is not None and any(self._fleet.serves(r, state) for r in self._fleet.live()):
             raise RouterError(
                 failure.router,
                 f"the call completed and its engines serve, but the router could not be "
@@ -148,7 +175,12 @@ class RouterSync:
         records = self._fleet.records()
         urls = {r.id: await self.url_of(r) for r in records}
         fleet = {url_identity(u) for u in urls.values() if u is not None}
-        want = {url_identity(u): u for r in records if (u := urls[r.id]) is not None and r.serves}
+        state, serves = self._state(), self._fleet.serves
+        want = {
+            url_identity(u): u
+            for r in records
+            if (u := urls[r.id]) is not None and serves(r, state)
+        }
         async with self._locked():
             listed: dict[str, str] = {}
             for worker in await self.router.workers():

@@ -1,10 +1,10 @@
 """Routing and holding for the generation client: which engine serves a request, and waiting
 while none does.
 
-``Router.acquire`` picks a serving engine (``EngineRecord.serves``: alive, unpaused, all memory
-resident, with the fleet's weights; and not seen dying by this client; the fewest requests
-outstanding first) in a group that may serve in the server's state (``ledger.may_serve``), and
-holds the request while there is none, waking at every state change and phase end, until
+``Router.acquire`` picks a serving engine (``Fleet.serves``: alive, unpaused, all memory
+resident, with the fleet's weights, in a group the server's state lets serve, as the router
+binding registers them; and not seen dying by this client; the fewest requests outstanding
+first), and holds the request while there is none, waking at every state change and phase end, until
 ``hold_timeout`` or the request's deadline. A request whose every possible engine is dead
 fails at once.
 """
@@ -53,17 +53,17 @@ class Router:
     def _group_may_serve(self, group: GroupRecords, state: ServerState) -> bool:
         return may_serve(state, group.needs_offload)
 
-    def _engine_serves(self, record: EngineRecord) -> bool:
-        return record.serves and not self.seen_dead(record)
+    def _engine_serves(self, record: EngineRecord, state: ServerState) -> bool:
+        return self._server.fleet.serves(record, state) and not self.seen_dead(record)
 
     def pick(self, work: Request) -> EngineRecord | None:
         state = self._server.state
         candidates = [
             r
             for g in self._server.groups
-            if work.group in (None, g.name) and self._group_may_serve(g, state)
+            if work.group in (None, g.name)
             for r in g.records
-            if self._engine_serves(r)
+            if self._engine_serves(r, state)
         ]
         if not candidates:
             return None

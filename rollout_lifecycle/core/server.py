@@ -18,7 +18,13 @@ from rollout_lifecycle.contract.exceptions import InvalidArgument, LifecycleErro
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import DISAGREEMENTS, EngineOutcome
 from rollout_lifecycle.contract.values import PauseMode, check_name
-from rollout_lifecycle.core.bus import RECORDS_CHANGED, Bus, PhaseSettled, RecordsChanged
+from rollout_lifecycle.core.bus import (
+    RECORDS_CHANGED,
+    Bus,
+    PhaseSettled,
+    RecordsChanged,
+    StateEntered,
+)
 from rollout_lifecycle.core.claims import Claims
 from rollout_lifecycle.core.config import LifecycleConfig
 from rollout_lifecycle.core.generation import GenerationClient
@@ -91,9 +97,10 @@ class RolloutServer:
         self._recorder = recorder = Recorder(self, name, config, fleet, lambda: self.state.value)
         bus.subscribe(PhaseSettled, lambda settled: recorder.phase(settled.result))
         self._runner = runner = PhaseRunner(name, config.dead_engines, bus)
-        self._router = (
-            None if router is None else RouterSync(router, fleet, name, config.deadlines.probe)
-        )
+        self._router = None
+        if router is not None:
+            self._router = RouterSync(router, fleet, self._state, name, config.deadlines.probe)
+            bus.subscribe(StateEntered, self._router.entered)
         runner.gate = self._router
         self._versions = Versions()
         parts = Parts(
