@@ -10,7 +10,16 @@ import pytest
 from rollout_lifecycle import ALL_TAGS, KV_TAGS, EngineHost, PauseMode, ServerState, Tag
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
-from rollout_lifecycle.core.ledger import EngineRecord, Fleet, Target, may_serve, target
+from rollout_lifecycle.core.ledger import (
+    DRAINED_STATES,
+    KEEPERS_SERVE,
+    SETTLED_STATES,
+    EngineRecord,
+    Fleet,
+    Target,
+    may_serve,
+    target,
+)
 
 S = ServerState
 SETTLED = (S.SERVING, S.DRAINED, S.RELEASED, S.WEIGHTS_RESTORED)
@@ -42,24 +51,32 @@ def put(record: EngineRecord, goal: Target) -> None:
 
 
 def test_the_memory_target_of_every_state() -> None:
-    assert target(S.SERVING, True, ALL_TAGS) == Target(False, ())
-    assert target(S.DRAINED, True, ALL_TAGS) == Target(True, ())
-    assert target(S.DRAINED, False, ALL_TAGS) == Target(True, ())
-    assert target(S.RELEASED, True, ALL_TAGS) == Target(True, ALL_TAGS)
-    assert target(S.WEIGHTS_RESTORED, True, ALL_TAGS) == Target(True, KV_TAGS)
-    assert target(S.KV_RESTORED, True, ALL_TAGS) == Target(True, ())
+    assert target(S.SERVING, True, ALL_TAGS) == Target(False, (), held=False)
+    assert target(S.DRAINED, True, ALL_TAGS) == Target(True, (), held=True)
+    # pause() leaves a group that keeps its memory paused in drained; offload() leaves it serving
+    assert target(S.DRAINED, False, ALL_TAGS) == Target(True, (), held=False)
+    assert target(S.RELEASED, True, ALL_TAGS) == Target(True, ALL_TAGS, held=True)
+    assert target(S.WEIGHTS_RESTORED, True, ALL_TAGS) == Target(True, KV_TAGS, held=True)
+    assert target(S.KV_RESTORED, True, ALL_TAGS) == Target(True, (), held=True)
     for state in (S.RELEASED, S.WEIGHTS_RESTORED, S.KV_RESTORED):
-        assert target(state, False, ALL_TAGS) == Target(False, ()), state
+        assert target(state, False, ALL_TAGS) == Target(False, (), held=False), state
     assert target(S.PAUSING, True, ALL_TAGS) is None
     assert target(S.FAILED, False, ALL_TAGS) is None
     # only the configured tags are ever released
-    assert target(S.RELEASED, True, (Tag.KV_CACHE,)) == Target(True, (Tag.KV_CACHE,))
+    assert target(S.RELEASED, True, (Tag.KV_CACHE,)) == Target(True, (Tag.KV_CACHE,), held=True)
+
+
+def test_the_state_sets_derived_from_the_targets() -> None:
+    assert SETTLED_STATES == (S.SERVING, S.DRAINED, S.RELEASED, S.WEIGHTS_RESTORED, S.KV_RESTORED)
+    assert DRAINED_STATES == (S.DRAINED, S.RELEASED, S.WEIGHTS_RESTORED, S.KV_RESTORED)
+    assert {S.RELEASED, S.WEIGHTS_RESTORED, S.KV_RESTORED} == KEEPERS_SERVE
 
 
 def test_which_groups_may_serve_in_each_state() -> None:
     served = {(s, offloads) for s in S for offloads in (True, False) if may_serve(s, offloads)}
-    keepers = {(s, False) for s in S if s not in (S.SERVING, S.FAILED)}
-    assert served == {(S.SERVING, True), (S.SERVING, False), *keepers}
+    keepers = {(s, False) for s in S}
+    # in failed the records decide: a drain that failed continued what it paused
+    assert served == {(S.SERVING, True), (S.FAILED, True), *keepers}
 
 
 @pytest.mark.parametrize("state", SETTLED)
