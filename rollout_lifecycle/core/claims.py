@@ -22,7 +22,6 @@ reachable through this process's handles and are not claimed.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import fcntl
@@ -33,15 +32,15 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from rollout_lifecycle.contract import seam
 from rollout_lifecycle.contract.exceptions import EngineClaimed, InvalidArgument
-from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.urls import url_identity
 from rollout_lifecycle.core.ledger import EngineRecord
+from rollout_lifecycle.core.runner import WorkerUrls
 
 #: Where the lock files are, unless ``ROLLOUT_LIFECYCLE_LOCK_DIR`` names another directory.
 LOCK_DIR_ENV = "ROLLOUT_LIFECYCLE_LOCK_DIR"
@@ -104,35 +103,31 @@ def describe(holder: dict[str, Any]) -> str:
 class Claims:
     """The claims of one server: asks each engine its address once, locks them for a call."""
 
-    def __init__(self, server: str, records: Callable[[], Iterable[EngineRecord]], deadline: float):
+    def __init__(
+        self, server: str, records: Callable[[], Iterable[EngineRecord]], urls: WorkerUrls
+    ) -> None:
         self._server = server
         self._records = records
-        self._deadline = deadline
-        #: Each engine's address (``url_identity``) by handle identity; None: it has none.
-        self._keys: dict[Hashable, str | None] = {}
+        self._urls = urls
 
-    async def _key(self, record: EngineRecord) -> str | None:
-        handle = record.handle
-        ident = seam.identity(handle)
-        if ident in self._keys:
-            return self._keys[ident]
-        if isinstance(ident, tuple) and ident[:1] == ("url",):
-            key: str | None = str(ident[1])  # (an HTTP backend in this process: no call needed)
-        else:
-            try:
-                url = await asyncio.wait_for(
-                    _answer(seam.send(handle, Op.WORKER_URL, ())), self._deadline
-                )
-            except Exception:  # (a dead engine has no address to give: asked again next time)
-                return None
-            key = url_identity(url) if isinstance(url, str) else None
-        self._keys[ident] = key
-        return key
+    async def _keys(self) -> list[str]:
+        """The addresses (``url_identity``) of the engines that have one, sorted."""
+        records, keys = list(self._records()), set()
+        asked = []
+        for record in records:
+            ident = seam.identity(record.handle)
+            if isinstance(ident, tuple) and ident[:1] == ("url",):
+                keys.add(str(ident[1]))  # (an HTTP backend in this process: no call needed)
+            else:
+                asked.append(record)
+        if asked:
+            keys.update(url_identity(u) for u in (await self._urls.of(asked)).values() if u)
+        return sorted(keys)
 
     async def claim(self, call: str) -> Callable[[], None]:
         """Lock every engine of the server that has an address, for ``call``; returns what
         releases them. ``EngineClaimed`` (nothing locked) when another controller holds one."""
-        keys = sorted({k for k in [await self._key(r) for r in self._records()] if k})
+        keys = await self._keys()
         held: list[int] = []
         try:
             directory = lock_dir()
@@ -169,10 +164,6 @@ def _release(fds: Sequence[int]) -> None:
         with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)
         os.close(fd)  # (closing the descriptor drops its lock)
-
-
-async def _answer(call: Any) -> Any:
-    return await call
 
 
 __all__ = ["LOCK_DIR_ENV", "Claims", "describe", "lock_dir"]

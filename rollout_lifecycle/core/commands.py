@@ -238,7 +238,15 @@ def _table() -> dict[Op, Command]:
         Command(Op.END_UPDATE, weights, part=SESSION, landed=_session_closed, refused=_end_refused),
         Command(Op.SET_VERSION, weights),
     ]
-    reads = (Op.WEIGHT_VERSION, Op.SERVER_INFO, Op.OBSERVE, Op.MEMORY, Op.STATE, Op.STATS)
+    reads = (
+        Op.WEIGHT_VERSION,
+        Op.SERVER_INFO,
+        Op.OBSERVE,
+        Op.MEMORY,
+        Op.STATE,
+        Op.STATS,
+        Op.WORKER_URL,
+    )
     commands += [Command(op, _alive(op), reads=True) for op in (*reads, Op.HISTORY, Op.LABEL)]
     declared = {c.op for c in commands}
     commands += [Command(op, _alive(op)) for op in Op if op not in declared]

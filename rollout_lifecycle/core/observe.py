@@ -7,17 +7,14 @@ timeline, the call events, and (optionally) the resident memory before and after
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from rollout_lifecycle.contract import seam
 from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.core.config import LifecycleConfig
-from rollout_lifecycle.core.ledger import Fleet
+from rollout_lifecycle.core.ledger import EngineRecord, Fleet
 from rollout_lifecycle.core.runner import PhaseResult
 from rollout_lifecycle.core.scope import Operation, current
 from rollout_lifecycle.core.timeline import Timeline, _CallRecord
@@ -36,12 +33,14 @@ class Recorder:
         config: LifecycleConfig,
         fleet: Fleet,
         state: Callable[[], str],
+        ask: Callable[[Op, Sequence[EngineRecord], float], Awaitable[dict[str, Any]]],
     ) -> None:
         self._server = server
         self._name = name
         self._config = config
         self._fleet = fleet
         self._state = state
+        self._ask = ask
         self.metrics: dict[str, float] = {}
         #: The engine behind each ``..._slowest_s`` metric of the last call of each kind.
         self.slowest: dict[str, str] = {}
@@ -125,21 +124,13 @@ class Recorder:
     async def _resident_bytes(self) -> dict[str, int]:
         """Resident bytes per memory tag, summed over the live engines that account memory
         (``EngineHost.memory``); an engine that does not answer within the probe deadline, or
-        answers nothing, is left out. Sent outside any phase: no engine's record changes."""
-        futures: list[asyncio.Future[Any]] = []
-        for record in self._fleet.live():
-            with contextlib.suppress(Exception):  # a handle without memory() reports none
-                futures.append(asyncio.ensure_future(seam.send(record.handle, Op.MEMORY)))
-        if not futures:
-            return {}
-        done, pending = await asyncio.wait(futures, timeout=self._config.deadlines.probe)
-        for future in pending:
-            future.cancel()
+        answers nothing, is left out. A read beside the lifecycle (``PhaseRunner.ask``): no
+        engine's record changes."""
+        found = await self._ask(Op.MEMORY, self._fleet.live(), self._config.deadlines.probe)
         totals: dict[str, int] = {}
-        for future in done:
-            found = None if future.cancelled() or future.exception() else future.result()
-            if isinstance(found, Mapping):
-                for tag, nbytes in found.items():
+        for answer in found.values():
+            if isinstance(answer, Mapping):
+                for tag, nbytes in answer.items():
                     if isinstance(tag, str) and type(nbytes) is int:
                         totals[tag] = totals.get(tag, 0) + nbytes
         return totals

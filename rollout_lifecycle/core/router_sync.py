@@ -29,17 +29,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from rollout_lifecycle.contract import seam
 from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import InvalidArgument, RouterError
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.urls import url_identity
 from rollout_lifecycle.core.bus import StateEntered
-from rollout_lifecycle.core.ledger import EngineRecord, Fleet, may_serve
-from rollout_lifecycle.core.runner import PhaseResult, Plan
+from rollout_lifecycle.core.ledger import Fleet, may_serve
+from rollout_lifecycle.core.runner import PhaseResult, Plan, WorkerUrls
 from rollout_lifecycle.core.states import ServerState
 
 _PAUSE, _CONTINUE = Op.PAUSE, Op.CONTINUE
@@ -60,10 +59,6 @@ class WorkerRouter(Protocol):
     async def remove(self, url: str) -> None: ...
 
 
-async def _answer(call: Awaitable[Any]) -> Any:
-    return await call
-
-
 class RouterSync:
     """The router binding of one server (see the module docstring)."""
 
@@ -72,8 +67,8 @@ class RouterSync:
         router: WorkerRouter,
         fleet: Fleet,
         state: Callable[[], ServerState],
+        urls: WorkerUrls,
         name: str,
-        deadline: float,
     ) -> None:
         for attr in ("workers", "add", "remove"):
             if not callable(getattr(router, attr, None)):
@@ -81,10 +76,8 @@ class RouterSync:
         self.router = router
         self._fleet = fleet
         self._state = state
-        self._deadline = deadline
+        self._urls = urls
         self._log = logger().bind(server=name, router=str(getattr(router, "url", router)))
-        #: Each engine's worker URL, by handle identity (None: the engine has none).
-        self._urls: dict[Hashable, str | None] = {}
         #: The URLs (``url_identity``) at which this binding registered a worker that it has
         #: not taken out since: after its engine is retired, the one worker there it may remove.
         self._registered: set[str] = set()
@@ -96,24 +89,11 @@ class RouterSync:
         #: One lock per event loop (a lock belongs to the loop it first waited on).
         self._lock: tuple[asyncio.Lock, asyncio.AbstractEventLoop] | None = None
 
-    async def url_of(self, record: EngineRecord) -> str | None:
-        """The worker URL of ``record``'s engine (asked once per engine)."""
-        key = seam.identity(record.handle)
-        if key not in self._urls:
-            try:
-                found = await asyncio.wait_for(
-                    _answer(seam.send(record.handle, Op.WORKER_URL, ())), self._deadline
-                )
-            except Exception:  # (any engine or Ray error: a dead engine has no URL to give)
-                return None  # unknown for now: asked again next time
-            self._urls[key] = found if isinstance(found, str) else None
-        return self._urls[key]
-
     async def before(self, plan: Plan) -> None:
         """Take the engines ``plan`` is about to pause out of the router (``RouterError``)."""
         if plan.op is not _PAUSE:
             return
-        urls = [u for u in [await self.url_of(r) for r in plan.targets] if u is not None]
+        urls = [u for u in (await self._urls.of(plan.targets)).values() if u is not None]
         try:
             async with self._locked():
                 await asyncio.gather(*(self._remove(u) for u in urls))
@@ -173,7 +153,7 @@ class RouterSync:
         (see the module docstring); the URLs added and removed. ``RouterError`` if the router
         refuses or is unreachable."""
         records = self._fleet.records()
-        urls = {r.id: await self.url_of(r) for r in records}
+        urls = await self._urls.of(records)
         fleet = {url_identity(u) for u in urls.values() if u is not None}
         state, serves = self._state(), self._fleet.serves
         want = {

@@ -6,7 +6,8 @@ nothing), records the intent of calls that must not repeat, lets the journal wri
 bus's ``RecordsChanged``), then sends each call through the engine seam without waiting.
 ``PhaseRunner.run`` is one phase: issue, gather every call with one deadline (the barrier), keep
 the calls that missed it as stragglers, write each outcome into the ledger, then publish
-``PhaseSettled`` (metrics, timeline, the generation client) and ``RecordsChanged``. Which targets
+``PhaseSettled`` (metrics, timeline, the generation client) and ``RecordsChanged``.
+``PhaseRunner.ask`` sends the reads the server makes beside the lifecycle. Which targets
 an operation has by default, which guard protects it, whether its intent is recorded and whether
 the engine must show who it is first are its command's (``core/commands``), not choices each
 caller makes.
@@ -15,10 +16,11 @@ caller makes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -303,6 +305,30 @@ class PhaseRunner:
         if look.restarted:
             self._bus.publish(RECORDS_CHANGED)
 
+    async def ask(self, op: Op, records: Sequence[EngineRecord], deadline: float) -> dict[str, Any]:
+        """What each live engine of ``records`` answers to the read ``op`` within ``deadline``,
+        by engine id; one that fails, cannot take ``op`` or does not answer in time is left out
+        (a late call is cancelled). For what the server reads beside the lifecycle (the router
+        binding's worker URLs, the memory metrics): sent through the seam like a phase's calls,
+        but no phase: a read changes no record, so nothing is settled or published."""
+        if not COMMANDS[op].reads:
+            raise ValueError(f"ask() sends reads only, not {op.value!r}")
+        sent: list[tuple[EngineRecord, Awaitable[Any]]] = []
+        for record in records:
+            if record.alive:
+                with contextlib.suppress(Exception):  # a handle without ``op`` answers nothing
+                    sent.append((record, seam.send(record.handle, op)))
+        if not sent:
+            return {}
+        landed = await seam.wait([ref for _, ref in sent], deadline)
+        answers: dict[str, Any] = {}
+        for i, (record, ref) in enumerate(sent):
+            if landed.ends[i] is None:
+                seam.cancel(ref, landed.late[i])
+            elif landed.errors[i] is None:
+                answers[record.id] = landed.values[i]
+        return answers
+
     async def require(self, phase: str, plan: Plan, deadline: float) -> PhaseResult:
         """``run``, raising ``PhaseFailed`` unless the phase succeeded (``succeeded``)."""
         result = await self.run(phase, plan, deadline)
@@ -467,6 +493,30 @@ class PhaseRunner:
             self.stragglers.discard(record)
 
 
+class WorkerUrls:
+    """Each engine's worker URL (``Op.WORKER_URL``: the address a router lists it at and its
+    claim locks), asked once per engine through ``PhaseRunner.ask``; None for an engine that
+    has none. An engine that does not answer now (dead, too slow) is asked again next time."""
+
+    def __init__(self, runner: PhaseRunner, deadline: float) -> None:
+        self._runner = runner
+        self._deadline = deadline
+        #: By handle identity (a replacement is asked anew).
+        self._urls: dict[Hashable, str | None] = {}
+
+    async def of(self, records: Sequence[EngineRecord]) -> dict[str, str | None]:
+        """The worker URL of each of ``records``, by engine id (None: none, or not known yet)."""
+        keys = [seam.identity(r.handle) for r in records]
+        missing = [r for r, key in zip(records, keys, strict=True) if key not in self._urls]
+        if missing:
+            found = await self._runner.ask(Op.WORKER_URL, missing, self._deadline)
+            for record, key in zip(records, keys, strict=True):
+                if record.id in found:
+                    url = found[record.id]
+                    self._urls[key] = url if isinstance(url, str) else None
+        return {r.id: self._urls.get(key) for r, key in zip(records, keys, strict=True)}
+
+
 def _checked_value(value: Any) -> tuple[str | None, Any]:
     """A checked call's answer (``[incarnation, result]``, ``EngineHost.checked``) split."""
     if type(value) in (list, tuple) and len(value) == 2:
@@ -502,6 +552,7 @@ __all__ = [
     "PhaseResult",
     "PhaseRunner",
     "Plan",
+    "WorkerUrls",
     "default_targets",
     "issue",
 ]

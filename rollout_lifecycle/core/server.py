@@ -36,7 +36,7 @@ from rollout_lifecycle.core.observe import Recorder
 from rollout_lifecycle.core.phases import Parts, Phases, Versions
 from rollout_lifecycle.core.recovery import EngineFactory, Recovery
 from rollout_lifecycle.core.router_sync import RouterSync, WorkerRouter
-from rollout_lifecycle.core.runner import PhaseRunner, Plan
+from rollout_lifecycle.core.runner import PhaseRunner, Plan, WorkerUrls
 from rollout_lifecycle.core.scope import Serializer, current
 from rollout_lifecycle.core.sessions import WeightPush, WeightUpdate, WeightWriter
 from rollout_lifecycle.core.snapshots import GroupSnapshot, ServerSnapshot, adopt
@@ -94,12 +94,14 @@ class RolloutServer:
         self._generation: GenerationClient | None = None
         self._fleet = fleet = Fleet(self._groups, config.release_tags)
         self._hooks = hooks = Hooks(self, lambda: self.state, config.deadlines)
-        self._recorder = recorder = Recorder(self, name, config, fleet, lambda: self.state.value)
-        bus.subscribe(PhaseSettled, lambda settled: recorder.phase(settled.result))
         self._runner = runner = PhaseRunner(name, config.dead_engines, bus)
+        state = lambda: self.state.value  # noqa: E731
+        self._recorder = recorder = Recorder(self, name, config, fleet, state, runner.ask)
+        bus.subscribe(PhaseSettled, lambda settled: recorder.phase(settled.result))
+        urls = WorkerUrls(runner, config.deadlines.probe)
         self._router = None
         if router is not None:
-            self._router = RouterSync(router, fleet, self._state, name, config.deadlines.probe)
+            self._router = RouterSync(router, fleet, self._state, urls, name)
             bus.subscribe(StateEntered, self._router.entered)
         runner.gate = self._router
         self._versions = Versions()
@@ -125,7 +127,7 @@ class RolloutServer:
         )
         by_name = {g.name: g for g in self._groups}
         self._recovery = Recovery(parts, by_name, phases, machine)
-        claims = Claims(name, fleet.records, config.deadlines.probe)
+        claims = Claims(name, fleet.records, urls)
         self._serializer = Serializer(self, name, recorder, fleet.check_live, claims.claim)
 
     def __repr__(self) -> str:

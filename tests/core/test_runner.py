@@ -3,6 +3,9 @@ default targets and guards of each operation, and a call that outlives its phase
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import pytest
 
 from rollout_lifecycle import (
@@ -15,9 +18,10 @@ from rollout_lifecycle import (
 )
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import Outcome
-from rollout_lifecycle.core.bus import Bus
+from rollout_lifecycle.core.bus import Bus, PhaseSettled, RecordsChanged
 from rollout_lifecycle.core.config import DeadEnginePolicy
-from rollout_lifecycle.core.runner import PhaseRunner, Plan, default_targets, issue
+from rollout_lifecycle.core.ledger import EngineRecord
+from rollout_lifecycle.core.runner import PhaseRunner, Plan, WorkerUrls, default_targets, issue
 
 RELEASE = ([Tag.KV_CACHE.value],)
 
@@ -124,3 +128,67 @@ async def test_a_call_that_missed_its_deadline_is_the_engines_until_it_lands() -
     assert record.in_flight is None and runner.stragglers == set()
     assert not record.busy_for(Op.CONTINUE)
     await engine.close()
+
+
+class Addressed(SimulatedEngine):
+    """A simulated engine with a worker URL."""
+
+    def __init__(self, label: str) -> None:
+        super().__init__(label, token_latency=0.001)
+        self.url = f"http://{label}.test:1"
+
+
+class CountingRunner(PhaseRunner):
+    """A phase runner that logs the reads it is asked to send."""
+
+    def __init__(self) -> None:
+        super().__init__("s", DeadEnginePolicy.FAIL, Bus())
+        self.asked: list[tuple[Op, list[str]]] = []
+
+    async def ask(self, op: Op, records: Sequence[EngineRecord], deadline: float) -> dict[str, Any]:
+        self.asked.append((op, [r.id for r in records]))
+        return await super().ask(op, records, deadline)
+
+
+async def test_a_read_beside_the_lifecycle_is_sent_through_the_runner_and_records_nothing() -> None:
+    """``ask`` (the router binding's worker URLs, the memory metrics): the answers of the live
+    engines within the deadline; a dead or slow engine is left out, a late call is not kept,
+    no record or phase event changes, and only reads may be sent this way."""
+    fast, slow, dead = (
+        SimulatedEngine("fast", token_latency=0.001),
+        SimulatedEngine("slow", token_latency=0.001, op_latency={"server_info": 30.0}),
+        SimulatedEngine("dead", token_latency=0.001),
+    )
+    group = EngineGroup("a", [fast, slow, dead])
+    records = group.records
+    records[2].alive = False
+    bus, events = Bus(), []
+    bus.subscribe(PhaseSettled, events.append)
+    bus.subscribe(RecordsChanged, events.append)
+    runner = PhaseRunner("s", DeadEnginePolicy.FAIL, bus)
+    answers = await runner.ask(Op.SERVER_INFO, records, 0.2)
+    assert set(answers) == {"a/0"} and isinstance(answers["a/0"], dict)
+    assert events == [] and runner.stragglers == set()
+    assert all(r.last_op is None and r.in_flight is None for r in records)
+    with pytest.raises(ValueError, match="pause_generation"):
+        await runner.ask(Op.PAUSE, records, 0.2)
+    for engine in (fast, slow, dead):
+        await engine.close()
+
+
+async def test_each_engines_worker_url_is_asked_once() -> None:
+    engines = [Addressed("e0"), Addressed("e1")]
+    group = EngineGroup("a", engines)
+    runner = CountingRunner()
+    urls = WorkerUrls(runner, 5.0)
+    expected = {"a/0": "http://e0.test:1", "a/1": "http://e1.test:1"}
+    assert await urls.of(group.records) == expected
+    assert await urls.of(group.records[1:]) == {"a/1": expected["a/1"]}
+    assert runner.asked == [(Op.WORKER_URL, ["a/0", "a/1"])]
+    # a replacement is another engine: asked anew
+    replacement = Addressed("e2")
+    group.replace(group.records[0], replacement)
+    assert (await urls.of(group.records))["a/0"] == "http://e2.test:1"
+    assert runner.asked[1:] == [(Op.WORKER_URL, ["a/0"])]
+    for engine in [*engines, replacement]:
+        await engine.close()
