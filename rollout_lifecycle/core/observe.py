@@ -17,6 +17,7 @@ from rollout_lifecycle.core.config import LifecycleConfig
 from rollout_lifecycle.core.ledger import EngineRecord, Fleet
 from rollout_lifecycle.core.runner import PhaseResult
 from rollout_lifecycle.core.scope import Operation, current
+from rollout_lifecycle.core.states import ServerState
 from rollout_lifecycle.core.timeline import Timeline, _CallRecord
 
 #: Metric names of the phases whose event names are longer: ``lifecycle/onload/weights_s``.
@@ -32,7 +33,7 @@ class Recorder:
         name: str,
         config: LifecycleConfig,
         fleet: Fleet,
-        state: Callable[[], str],
+        state: Callable[[], ServerState],
         ask: Callable[[Op, Sequence[EngineRecord], float], Awaitable[dict[str, Any]]],
     ) -> None:
         self._server = server
@@ -61,7 +62,7 @@ class Recorder:
         self._start = time.monotonic()
         self._trace = self.timeline.begin_call(op.call, self._start)
         self._call_slowest = {}
-        logger().info("call.start", server=self._name, call=op.call, state=self._state())
+        logger().info("call.start", server=self._name, call=op.call, state=self._state().value)
 
     async def end(self, op: Operation, outcome: str) -> None:
         """A public call ended; a call that succeeded updates the metrics."""
@@ -74,7 +75,7 @@ class Recorder:
             "call.end",
             server=self._name,
             call=op.call,
-            state=self._state(),
+            state=self._state().value,
             outcome=outcome,
             duration_s=round(total, 6),
         )
@@ -97,7 +98,7 @@ class Recorder:
         """
         phase, seconds, begin = result.phase, result.seconds, result.start
         found = current(self._server)
-        state = self._state()
+        state = self._state().value
         if found is None:
             trace = self.timeline.begin_call(phase, begin)
             if trace is not None:

@@ -8,8 +8,7 @@ they run, and the states they connect, are the state machine's; what each guaran
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 from rollout_lifecycle.contract.exceptions import (
     HookFailed,
@@ -20,53 +19,15 @@ from rollout_lifecycle.contract.exceptions import (
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
 from rollout_lifecycle.contract.values import WEIGHT_TAGS, PauseMode
-from rollout_lifecycle.core.config import DeadEnginePolicy, LifecycleConfig
-from rollout_lifecycle.core.hooks import Hooks
-from rollout_lifecycle.core.ledger import EngineRecord, Fleet, GroupRecords
+from rollout_lifecycle.core.config import DeadEnginePolicy
+from rollout_lifecycle.core.ledger import EngineRecord, GroupRecords
 from rollout_lifecycle.core.machine import PhaseArgs
-from rollout_lifecycle.core.runner import PhaseRunner, Plan
+from rollout_lifecycle.core.parts import Client, Parts
+from rollout_lifecycle.core.reconcile import KEEPER_PHASES, Reconciler
+from rollout_lifecycle.core.runner import Plan
 from rollout_lifecycle.core.states import ServerState
 
 FAILED = ServerState.FAILED.value
-
-
-@dataclass
-class Versions:
-    """The weight version generation must see: set by a versioned update, checked before
-    every continue."""
-
-    expected: str | None = None
-
-
-@dataclass(frozen=True)
-class Parts:
-    """What the clients of the ledger and the runner (phases, weight writes, recovery) share
-    within one server."""
-
-    name: str
-    fleet: Fleet
-    runner: PhaseRunner
-    config: LifecycleConfig
-    hooks: Hooks
-    versions: Versions
-    #: Writes the server's journal (a no-op without one).
-    journal: Callable[[], None]
-    #: The server's state.
-    state: Callable[[], ServerState]
-
-
-class Client:
-    """A client of the ledger and the runner: the server's parts, at hand."""
-
-    def __init__(self, parts: Parts) -> None:
-        self._name = parts.name
-        self._fleet = parts.fleet
-        self._runner = parts.runner
-        self._config = parts.config
-        self._hooks = parts.hooks
-        self._versions = parts.versions
-        self._journal = parts.journal
-        self._state = parts.state
 
 
 class Phases(Client):
@@ -74,6 +35,8 @@ class Phases(Client):
 
     def __init__(self, parts: Parts) -> None:
         super().__init__(parts)
+        #: Brings engines to a state's memory targets (recovery, the groups that keep theirs).
+        self.reconciler = Reconciler(parts)
         #: The outcomes of the last continue after a failed drain.
         self._last_outcomes: dict[str, EngineOutcome] = {}
 
@@ -167,7 +130,7 @@ class Phases(Client):
         await self._runner.require("release", plan, self._config.deadlines.release)
         # Groups that keep their memory serve while the others are offloaded, also when
         # ``pause()`` paused them before this release.
-        await self.serve_keepers()
+        await self.serve_keepers(ServerState.RELEASED)
 
     async def restore_weights(self, args: PhaseArgs) -> None:
         """Resume the released weight tags."""
@@ -204,24 +167,12 @@ class Phases(Client):
         plan = Plan.over(self._fleet.groups, Op.CONTINUE)  # (after the hooks)
         await self._runner.require("continue", plan, self._config.deadlines.continue_)
 
-    async def serve_keepers(self) -> None:
-        """``continue_keepers``, raising ``PhaseFailed`` if a continue it sent failed."""
-        outcomes = await self.continue_keepers()
-        if not self._runner.succeeded(outcomes):
-            raise PhaseFailed("continue_keepers", outcomes, FAILED)
-
-    async def continue_keepers(self) -> dict[str, EngineOutcome]:
-        """Continue the paused engines of the groups that keep their memory, except those
-        without the expected weights (they stay paused until an update reaches them)."""
-        keepers = self._fleet.paused_keepers()
-        if not keepers:
-            return {}
-        # a continue must not be overtaken by a pause still in flight
-        landed = await self._runner.landed(keepers, self._config.deadlines.pause, Op.CONTINUE)
-        lacking = await self.lacking_weights(landed)
-        plan = Plan(Op.CONTINUE, tuple(r for r in landed if r.id not in lacking))
-        deadline = self._config.deadlines.continue_
-        return (await self._runner.run("continue_keepers", plan, deadline)).outcomes
+    async def serve_keepers(self, state: ServerState) -> None:
+        """Let the groups that keep their memory serve in ``state``: reconcile their engines to
+        it (a continue of those left paused, except those without the expected weights, which
+        wait for an update), raising ``PhaseFailed`` if a call failed."""
+        keepers = [r for g in self._fleet.groups if not g.needs_offload for r in g.records]
+        await self.reconciler.require(state, keepers, KEEPER_PHASES)
 
     async def check_versions(self, targets: Sequence[EngineRecord]) -> None:
         """Refuse to continue engines without the expected weights (``StaleWeights``).
@@ -229,28 +180,9 @@ class Phases(Client):
         An engine must report the version of the last versioned update, and a replacement must
         have received an update since it joined. Nothing is continued when one lacks them.
         """
-        stale = await self.lacking_weights(targets)
+        stale = await self.reconciler.lacking_weights(targets)
         if stale:
             raise StaleWeights(self._versions.expected, stale)
 
-    async def lacking_weights(self, targets: Sequence[EngineRecord]) -> dict[str, str | None]:
-        """The engines of ``targets`` without the expected weights, with the version each
-        reports (None for a replacement that has received no update)."""
-        expected = self._versions.expected
-        stale: dict[str, str | None] = {r.id: None for r in targets if r.stale}
-        if expected is not None and targets:
-            plan = Plan(Op.WEIGHT_VERSION, tuple(targets))
-            result = await self._runner.run("check_versions", plan, self._config.deadlines.probe)
-            for record in plan.targets:
-                if not result.outcomes[record.id].ok:
-                    raise PhaseFailed("check_versions", result.outcomes, FAILED)
-                found = result.value(record.id)
-                if found == expected:
-                    stale.pop(record.id, None)
-                    record.stale = False
-                else:
-                    stale[record.id] = found
-        return stale
 
-
-__all__ = ["Client", "Parts", "Phases", "Versions"]
+__all__ = ["Phases"]

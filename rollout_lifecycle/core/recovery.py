@@ -2,14 +2,15 @@
 
 ``Recovery.recover`` works out the state the fleet should be in (the server's, or after a
 failure the state the healthy engines' records imply), makes every replacement through the
-user's factory before anything is retired, brings each to that state's memory target phase by
-phase (``target`` in the ledger), moves healthy engines a part-way failure left behind or ahead,
-and leaves ``failed`` only when the records agree.
+user's factory before anything is retired, reads each, then reconciles the replacements and
+the healthy engines a part-way failure left behind or ahead to that state's memory targets
+(``core/reconcile``: recovery is reconciling, not a lifecycle of its own), and leaves
+``failed`` only when the records agree.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rollout_lifecycle.contract import seam
@@ -17,19 +18,16 @@ from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import IllegalTransition, InvalidArgument, PhaseFailed
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import DISAGREEMENTS, EngineOutcome, Outcome
-from rollout_lifecycle.contract.values import PauseMode, Tag
 from rollout_lifecycle.core.group import EngineGroup
 from rollout_lifecycle.core.ledger import (
-    DRAINED_STATES,
     KEEPERS_SERVE,
     SETTLED_STATES,
     EngineRecord,
     EngineSnapshot,
-    Fleet,
-    target,
 )
 from rollout_lifecycle.core.machine import Machine
-from rollout_lifecycle.core.phases import Client, Parts, Phases
+from rollout_lifecycle.core.parts import Client, Parts
+from rollout_lifecycle.core.phases import Phases
 from rollout_lifecycle.core.runner import Plan
 from rollout_lifecycle.core.states import ServerState
 
@@ -67,7 +65,7 @@ class Recovery(Client):
         if machine.state in KEEPERS_SERVE:
             # an offload that failed after its release may have left them paused
             try:
-                await self._phases.serve_keepers()
+                await self._phases.serve_keepers(machine.state)
             except PhaseFailed:
                 await machine.fail()
                 raise
@@ -133,13 +131,11 @@ class Recovery(Client):
         try:
             outcomes, fresh = await self._verify([r for r, _ in replacements], previous)
             if self._runner.succeeded(outcomes):
-                outcomes.update(await self._bring_up(fresh, goal))
-            if self._runner.succeeded(outcomes):
-                # (a bring-up that failed may leave a pause in flight, which would hold no
-                # barrier over the heal's flushes: a later recover() finishes both; an engine
-                # handed back as the same process is healed with the others)
+                # the fresh replacements and every healthy engine (one handed back as the same
+                # process among them) reconciled to the goal together, phase by phase
                 back = {r.id for r, _ in replacements if r not in fresh}
-                outcomes.update(await self._heal(goal, skip - back))
+                records = fresh + self._fleet.live(skip - back)
+                outcomes.update(await self._phases.reconciler.reconcile(goal, records))
         except Exception:
             # replacements in place but not brought up: the records imply no state
             if replacements and machine.state is not S.FAILED:
@@ -216,125 +212,6 @@ class Recovery(Client):
                     f"the factory must return a new engine"
                 )
             taken[key] = f"the replacement for {record.id}"
-
-    def _released_in(self, state: ServerState) -> tuple[Tag, ...]:
-        goal = target(state, True, self._config.release_tags)
-        return goal.released if goal is not None else ()
-
-    async def _heal(self, goal: ServerState, skip: Collection[str]) -> dict[str, EngineOutcome]:
-        """Move healthy engines that a part-way failure left behind (or ahead) to ``goal``.
-
-        Resumes what is released beyond the goal, pauses, flushes and releases what is short
-        of it, and continues engines left paused in a serving fleet (once a late pause has
-        landed).
-        """
-        deadlines = self._config.deadlines
-        tags = set(self._released_in(goal))
-        healthy = self._fleet.live(skip)
-        outcomes: dict[str, EngineOutcome] = {}
-        ahead = [r for r in healthy if r.released - tags]
-        for extra in {frozenset(r.released - tags) for r in ahead}:
-            group_tags = tuple(t for t in self._config.release_tags if t in extra)
-            chosen = tuple(r for r in ahead if r.released - tags == extra)
-            plan = Plan(Op.RESUME, chosen, ([t.value for t in group_tags],), tags=group_tags)
-            outcomes.update(
-                (await self._runner.run("recover_resume", plan, deadlines.resume)).outcomes
-            )
-        drains = goal in DRAINED_STATES
-        in_place = self._config.pause_mode is PauseMode.IN_PLACE
-        short = [
-            r
-            for r in healthy
-            if (
-                self._fleet.offloads(r)
-                and (
-                    tags - r.released
-                    # short of the drain: not paused, paused without an answer, or not flushed
-                    or (drains and (not r.paused or r.pause_unknown or not (r.flushed or in_place)))
-                )
-            )
-            # a replacement without the weights that an earlier bring-up could not pause
-            or (r.stale and (not r.paused or r.pause_unknown))
-        ]
-        if short:
-            outcomes.update(await self._bring_up(short, goal))
-        if goal in KEEPERS_SERVE:
-            # groups that keep their memory serve here (a failed release may have left the
-            # ones ``pause()`` paused)
-            outcomes.update(await self._phases.continue_keepers())
-        if goal is S.SERVING:
-            # (a replacement without the weights stays paused: it waits for an update)
-            stuck = [r for r in healthy if r.paused and not (r.released | r.uncertain or r.stale)]
-            stuck = await self._runner.landed(stuck, deadlines.pause, Op.CONTINUE)
-            plan = Plan(Op.CONTINUE, tuple(stuck))
-            result = await self._runner.run("recover_continue", plan, deadlines.continue_)
-            outcomes.update(result.outcomes)
-        return outcomes
-
-    async def _bring_up(
-        self, records: Sequence[EngineRecord], goal: ServerState
-    ) -> dict[str, EngineOutcome]:
-        """Bring engines to ``goal``'s memory state, phase by phase, each phase a barrier: an
-        engine not paused, or whose last pause or continue did not answer, is paused; a held
-        tag is never released again. The first phase that fails anywhere stops the bring-up (a
-        later ``recover()`` finishes it).
-
-        A replacement without the fleet's weights (stale) is paused even where its group
-        serves: it waits for a weight update instead of generating on its initial weights.
-        """
-        deadlines = self._config.deadlines
-        outcomes: dict[str, EngineOutcome] = {}
-
-        async def step(phase: str, plan: Plan, deadline: float) -> list[EngineRecord] | None:
-            got = (await self._runner.run(phase, plan, deadline)).outcomes
-            outcomes.update(got)
-            if not self._runner.succeeded(got):
-                return None
-            return [r for r in plan.targets if got[r.id].ok]
-
-        up = list(records)
-        mode = self._config.pause_mode
-        to_pause = [
-            r
-            for r in up
-            if (_goal_paused(self._fleet, r, goal) or r.stale) and (not r.paused or r.pause_unknown)
-        ]
-        # a continue still in flight lands first (it would undo the pause)
-        await self._runner.landed(to_pause, deadlines.pause, Op.PAUSE)
-        plan = Plan(Op.PAUSE, tuple(to_pause), (mode.value,), mode=mode)
-        newly = await step("recover_pause", plan, deadlines.pause)
-        if newly is None:
-            return outcomes
-        asked = {r.id for r in to_pause}
-        paused = [r for r in up if r.paused and r.id not in asked] + newly
-        if mode is not PauseMode.IN_PLACE:
-            interval = self._config.flush_retry_interval
-            plan = Plan(
-                Op.FLUSH, tuple(r for r in paused if not r.flushed), (deadlines.flush, interval)
-            )
-            if await step("recover_flush", plan, deadlines.flush + deadlines.probe) is None:
-                return outcomes
-            paused = [r for r in paused if r.flushed]
-        all_tags = self._released_in(goal)
-        for missing in {tuple(t for t in all_tags if t not in r.released) for r in paused}:
-            chosen = tuple(
-                r
-                for r in paused
-                if self._fleet.offloads(r)
-                and tuple(t for t in all_tags if t not in r.released) == missing
-            )
-            if not missing or not chosen:
-                continue
-            plan = Plan(Op.RELEASE, chosen, ([t.value for t in missing],), tags=missing)
-            if await step("recover_release", plan, deadlines.release) is None:
-                return outcomes
-        return outcomes
-
-
-def _goal_paused(fleet: Fleet, record: EngineRecord, goal: ServerState) -> bool:
-    """Whether ``record`` is paused when the server is settled in ``goal``."""
-    found = fleet.target(record, goal)
-    return found is not None and found.paused
 
 
 __all__ = ["EngineFactory", "Recovery"]

@@ -33,7 +33,8 @@ from rollout_lifecycle.core.hooks import HOOK_EVENTS, HOOK_PHASES, Hook, Hooks, 
 from rollout_lifecycle.core.ledger import Fleet
 from rollout_lifecycle.core.machine import NO_ARGS, Machine, PhaseArgs
 from rollout_lifecycle.core.observe import Recorder
-from rollout_lifecycle.core.phases import Parts, Phases, Versions
+from rollout_lifecycle.core.parts import Parts, Versions
+from rollout_lifecycle.core.phases import Phases
 from rollout_lifecycle.core.recovery import EngineFactory, Recovery
 from rollout_lifecycle.core.router_sync import RouterSync, WorkerRouter
 from rollout_lifecycle.core.runner import PhaseRunner, Plan, WorkerUrls
@@ -95,8 +96,7 @@ class RolloutServer:
         self._fleet = fleet = Fleet(self._groups, config.release_tags)
         self._hooks = hooks = Hooks(self, lambda: self.state, config.deadlines)
         self._runner = runner = PhaseRunner(name, config.dead_engines, bus)
-        state = lambda: self.state.value  # noqa: E731
-        self._recorder = recorder = Recorder(self, name, config, fleet, state, runner.ask)
+        self._recorder = recorder = Recorder(self, name, config, fleet, self._state, runner.ask)
         bus.subscribe(PhaseSettled, lambda settled: recorder.phase(settled.result))
         urls = WorkerUrls(runner, config.deadlines.probe)
         self._router = None

@@ -19,7 +19,8 @@ from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
 from rollout_lifecycle.contract.values import PauseMode
 from rollout_lifecycle.core.ledger import EngineRecord
 from rollout_lifecycle.core.machine import PhaseArgs
-from rollout_lifecycle.core.phases import Client, Parts, Phases
+from rollout_lifecycle.core.parts import Client, Parts
+from rollout_lifecycle.core.phases import Phases
 from rollout_lifecycle.core.runner import PhaseResult, Plan
 from rollout_lifecycle.core.states import ServerState
 

@@ -114,7 +114,7 @@ def test_records_that_disagree_imply_no_state() -> None:
 def test_the_majority_of_a_partly_released_fleet() -> None:
     ledger, records = fleet(offloading=3)
     for record in records[:2]:
-        put(record, Target(True, ALL_TAGS))
+        put(record, Target(True, ALL_TAGS, held=True))
     assert ledger.settled_state() is None
     assert ledger.majority_state(()) is S.RELEASED
 

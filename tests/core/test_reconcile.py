@@ -1,0 +1,133 @@
+"""The reconciler: from any settled fleet to any goal state, only the commands that close the
+gap, in the lifecycle's order; nothing when nothing is out of place; and no release behind an
+engine that was not drained.
+
+Each fleet has a group that offloads and one that keeps its memory, simulated engines whose own
+state (paused, released tags) is read back and compared with the records and the goal's targets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from rollout_lifecycle import EngineGroup, LifecycleConfig, RolloutServer, SimulatedEngine
+from rollout_lifecycle.contract.outcome import Outcome
+from rollout_lifecycle.core.ledger import SETTLED_STATES
+from rollout_lifecycle.core.states import ServerState
+from rollout_lifecycle.testing.faults import FaultyEngine
+
+S = ServerState
+
+
+async def _serving(server: RolloutServer) -> None:
+    return None
+
+
+async def _drained(server: RolloutServer) -> None:
+    await server.pause()
+
+
+async def _released(server: RolloutServer) -> None:
+    await server.offload()
+
+
+async def _weights_restored(server: RolloutServer) -> None:
+    await server.offload()
+    await server.onload_weights()
+
+
+#: How a fleet is brought to each state it can start from through the public calls.
+STARTS: dict[ServerState, Callable[[RolloutServer], Awaitable[None]]] = {
+    S.SERVING: _serving,
+    S.DRAINED: _drained,
+    S.RELEASED: _released,
+    S.WEIGHTS_RESTORED: _weights_restored,
+}
+
+
+def fleet(wrap: bool = False) -> tuple[RolloutServer, list[Any]]:
+    engines: list[Any] = [
+        SimulatedEngine(f"{name}-{i}", token_latency=0.001)
+        for name in ("actor", "reward")
+        for i in range(2)
+    ]
+    if wrap:
+        engines = [FaultyEngine(e) for e in engines]
+    groups = [
+        EngineGroup("actor", engines[:2]),
+        EngineGroup("reward", engines[2:], needs_offload=False),
+    ]
+    return RolloutServer(groups, LifecycleConfig()), engines
+
+
+def lifecycle_ops(engine: Any) -> list[str]:
+    return [str(e["op"]) for e in engine.history() if e["op"] != "generate"]
+
+
+@pytest.mark.parametrize("goal", SETTLED_STATES)
+@pytest.mark.parametrize("start", list(STARTS))
+async def test_any_settled_fleet_is_brought_to_any_goal(
+    start: ServerState, goal: ServerState
+) -> None:
+    server, engines = fleet()
+    await STARTS[start](server)
+    assert server.state is start
+    reconciler = server._phases.reconciler
+    before = [len(lifecycle_ops(e)) for e in engines]
+    outcomes = await reconciler.reconcile(goal, server.fleet.live())
+    assert all(o.ok for o in outcomes.values()), outcomes
+    for record, engine in zip(server.fleet.records(), engines, strict=True):
+        goal_of = server.fleet.target(record, goal)
+        assert goal_of is not None
+        state = engine.state()
+        # the records say what the engines show, and that is the goal's target
+        assert set(state["released_tags"]) == {t.value for t in record.released}, record.id
+        assert state["paused"] == record.paused, record.id
+        assert record.released == set(goal_of.released), (record.id, goal)
+        # held out of serving: paused; let generate: not paused (a group that keeps its memory
+        # in ``drained`` may be either, as ``pause()`` or ``offload()`` left it)
+        if goal_of.held:
+            assert record.paused, (record.id, goal)
+        if not goal_of.paused:
+            assert not record.paused, (record.id, goal)
+    implied = S.DRAINED if goal is S.KV_RESTORED else goal
+    assert server.fleet.settled_state() is implied
+    # nothing was sent to an engine already at its target, and a second pass sends nothing
+    if start is goal:
+        assert [len(lifecycle_ops(e)) for e in engines] == before
+    assert await reconciler.reconcile(goal, server.fleet.live()) == {}
+    for engine in engines:
+        await engine.close()
+
+
+async def test_no_release_follows_a_flush_that_failed_and_the_continue_is_per_engine() -> None:
+    """Toward ``released`` from ``serving``: the flush is refused by one offloaded engine, so
+    no engine is released (not even the one that flushed); the phases after that one stop."""
+    server, engines = fleet(wrap=True)
+    engines[1].arm("flush_cache", "reject")
+    outcomes = await server._phases.reconciler.reconcile(S.RELEASED, server.fleet.live())
+    assert outcomes["actor/1"].outcome is Outcome.REJECTED
+    assert outcomes["actor/0"].ok
+    assert not any("release_memory_occupation" in lifecycle_ops(e) for e in engines)
+    assert all(not r.released for r in server.fleet.records())
+    # the group that keeps its memory was never paused: it serves in ``released``
+    assert not any(r.paused for r in server.fleet.records() if r.group == "reward")
+    for engine in engines:
+        await engine.close()
+
+
+async def test_a_stale_replacement_is_paused_wherever_it_is_and_not_continued() -> None:
+    """A fresh server without the fleet's weights waits paused, even in a serving fleet."""
+    server, engines = fleet()
+    record = server.fleet.records()[2]  # a group that keeps its memory: serving everywhere
+    record.stale = True
+    outcomes = await server._phases.reconciler.reconcile(S.SERVING, server.fleet.live())
+    assert set(outcomes) == {record.id}
+    assert record.paused and record.flushed
+    assert engines[2].state()["paused"]
+    assert lifecycle_ops(engines[2])[-2:] == ["pause_generation", "flush_cache"]
+    for engine in engines:
+        await engine.close()
