@@ -1144,6 +1144,19 @@ async def close_all(*engines: FaultyEngine) -> None:
     await asyncio.gather(*(e.close() for e in engines))
 
 
+async def all_landed(server: RolloutServer, *engines: FaultyEngine, deadline: float = 60.0) -> None:
+    """Wait until every call ``engines`` are carrying out has returned and the server keeps
+    none as in flight (a late call has landed): the fact a test waits on, where a sleep would
+    hope for it. Fails after ``deadline`` seconds."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline
+    while any(e.in_flight for e in engines) or any(
+        r.in_flight is not None for r in server.fleet.records()
+    ):
+        assert loop.time() < end, f"calls still in flight after {deadline:g}s"
+        await asyncio.sleep(0.01)
+
+
 async def test_offload_after_pause_keeps_the_memory_keeping_group_serving() -> None:
     server, actor, reward = small_fleet(keeps_memory=1)
     await server.pause()
@@ -1185,7 +1198,7 @@ async def test_no_continue_is_sent_while_a_late_pause_is_still_in_flight() -> No
         # pause, which is still in flight at the flush's deadline: nothing else is sent.
         with pytest.raises(PhaseFailed, match="still in flight"):
             await server.recover(factory)
-        await asyncio.sleep(1.0)  # the late pause lands
+        await all_landed(server, *made)  # the late pause lands
         await server.recover(factory)
         assert server.state is S.DRAINED
         await server.update_weights(make_push("noop"), "v1")
@@ -1205,7 +1218,7 @@ async def test_a_late_pause_does_not_leave_an_engine_paused_behind_the_ledger() 
     actor[0].arm("pause_generation", "slow", seconds=0.8)
     with pytest.raises(PhaseFailed):
         await server.offload()
-    await asyncio.sleep(1.0)  # the late pause lands
+    await all_landed(server, *actor)  # the late pause lands
     await leave_failed(server)
     try:
         assert server.state is S.SERVING
@@ -1379,7 +1392,7 @@ async def test_a_failed_weight_update_leaves_no_session_open(op: str, kind: str)
     actor[0].arm(op, kind, seconds=0.8 if kind == "slow" else 0.0)
     with pytest.raises(PhaseFailed):
         await server.update_weights(make_push("noop"), "v1")
-    await asyncio.sleep(0.5)  # a late call lands
+    await all_landed(server, *actor)  # a late call lands
     try:
         await leave_failed(server)
         await server.update_weights(make_push("noop"), "v1")  # the retry the design promises
@@ -1510,7 +1523,7 @@ async def test_reset_after_an_offload_that_did_not_continue_the_keepers_lets_the
         with pytest.raises(PhaseFailed):
             await server.offload()
         assert server.state is S.FAILED and inner_paused(reward[0])
-        await asyncio.sleep(0.9)  # a late answer lands
+        await all_landed(server, *reward)  # a late answer lands
         reward[0].disarm()
         assert await server.reset() is S.RELEASED
         assert_keeper_serves(server, reward[0])
@@ -1540,7 +1553,7 @@ async def test_a_version_check_still_in_flight_does_not_keep_a_keeper_paused(cal
         assert server.state is S.RELEASED
         assert_keeper_serves(server, reward[0])
     finally:
-        await asyncio.sleep(0.8)  # the late answer lands before the engines close
+        await all_landed(server, *actor, *reward)  # the late answer lands before closing
         await close_all(*actor, *reward)
 
 
@@ -1579,7 +1592,7 @@ async def test_nothing_is_sent_to_an_engine_while_its_late_pause_is_in_flight() 
         with pytest.raises(PhaseFailed, match="still in flight"):
             await server.update_weights(make_push("noop"), "v1")
         assert {e.label: len(e.calls) for e in [*actor, *reward]} == sent, "sent while in flight"
-        await asyncio.sleep(2.0)  # the late pause lands
+        await all_landed(server, *actor, *reward)  # the late pause lands
         await server.reset()
         await server.update_weights(make_push("noop"), "v1")
         await server.onload_kv()
@@ -1610,7 +1623,7 @@ async def test_a_recover_whose_bring_up_failed_heals_nothing_while_a_pause_is_in
             await server.recover(slow_pause)
         logs = {e.label: e.calls for e in [*actor, *first, *second]}
         assert barrier_violations(logs, scopes=None) == []
-        await asyncio.sleep(1.1)  # the late pause lands
+        await all_landed(server, *actor, *first, *second)  # the late pause lands
         # Two engines released, two not: the tie settles on the most restored state.
         await server.recover(slow_pause)
         assert server.state is S.SERVING
@@ -1637,7 +1650,7 @@ async def test_a_late_read_does_not_hide_a_late_pause_of_the_same_engine() -> No
         await server.probe()  # (a read goes out while the pause flies)
         with contextlib.suppress(PhaseFailed, IllegalTransition):
             await server.recover(lambda engine_id: FaultyEngine(sim(f"{engine_id}-new")))
-        await asyncio.sleep(1.1)  # everything lands
+        await all_landed(server, *actor)  # everything lands
         assert server.snapshot().engines()["actor/0"].paused == inner_paused(actor[0])
         await leave_failed(server)
         await server.onload()
@@ -1696,7 +1709,7 @@ async def test_recover_never_releases_an_engine_whose_pause_did_not_answer() -> 
         released = bool(replacement._released)
         assert not released or inner_paused(made[0]), "memory released under a serving engine"
     finally:
-        await asyncio.sleep(1.6)  # let the late pause land before closing
+        await all_landed(server, *actor, *made)  # the late pause lands before closing
         await close_all(*actor, *made)
 
 
@@ -1716,7 +1729,7 @@ async def test_recover_finishes_the_drain_of_a_replacement_it_could_not_bring_up
 
     with pytest.raises(PhaseFailed):
         await server.recover(factory)
-    await asyncio.sleep(seconds + 0.1)  # a late pause lands
+    await all_landed(server, *made)  # a late pause lands
     try:
         await server.recover(factory)
         assert server.state is S.DRAINED
