@@ -105,7 +105,9 @@ class EngineRecord:
     uncertain: set[Tag] = field(default_factory=set)
     last_op: str | None = None
     last_outcome: EngineOutcome | None = None
-    #: A replacement that has not received the fleet's weights yet.
+    #: Without the fleet's weights: a replacement no weight update has reached yet, or an engine
+    #: found reporting another version than the expected one when it was to be continued (a
+    #: push that failed under it). It waits paused for an update.
     stale: bool = False
     #: A pause or continue did not answer: whether the engine is paused is not known. It is
     #: recorded as paused and not flushed, so it is continued or paused again before anything

@@ -12,7 +12,8 @@ phase per command and each a barrier, in the lifecycle's order:
    ``in_place`` pause mode, which keeps requests' memory);
 4. release what the goal releases, only on engines paused and idle, never a tag held released;
 5. continue what the goal lets generate (``Target.paused`` false) that is paused with all its
-   memory resident and the fleet's weights (a versioned update's version is read first).
+   memory resident and the fleet's weights (a versioned update's version is read first; one
+   that reports another is marked stale and waits paused for an update, as a replacement does).
 
 Pause, flush and release stop at the first phase that does not succeed everywhere (nothing is
 released behind an engine that was not drained); the resume before them and the continue after
@@ -162,6 +163,11 @@ class Reconciler(Client):
             return
         landed = await self._runner.landed(paused, deadlines.pause, Op.CONTINUE)
         lacking = await self.lacking_weights(landed)
+        for record in landed:
+            if record.id in lacking:
+                # it reports other weights than the fleet's (a push that failed under it): it
+                # waits paused for an update, as a replacement does, and never serves them
+                record.stale = True
         plan = Plan(Op.CONTINUE, tuple(r for r in landed if r.id not in lacking))
         await self._step(phase("continue"), plan, deadlines.continue_, outcomes)
 

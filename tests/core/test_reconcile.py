@@ -131,3 +131,25 @@ async def test_a_stale_replacement_is_paused_wherever_it_is_and_not_continued() 
     assert lifecycle_ops(engines[2])[-2:] == ["pause_generation", "flush_cache"]
     for engine in engines:
         await engine.close()
+
+
+async def test_an_engine_reporting_other_weights_is_not_continued_and_waits_stale() -> None:
+    """Toward ``serving`` with a versioned update expected (a push that failed part-way set
+    ``v2``): the engine that reports ``v2`` is continued; the one that reports other weights
+    is left paused and marked stale (it waits for an update, as a replacement does), so the
+    records settle as ``serving`` and no engine serves weights the trainer did not push."""
+    server, engines = fleet()
+    await server.pause()
+    server._versions.expected = "v2"
+    await engines[0].update_weight_version("v2", abort_all_requests=False)
+    for engine in engines[2:]:
+        await engine.update_weight_version("v2", abort_all_requests=False)
+    outcomes = await server._phases.reconciler.reconcile(S.SERVING, server.fleet.live())
+    assert outcomes["actor/0"].ok and "actor/1" not in outcomes
+    actor0, actor1 = server.fleet.records()[:2]
+    assert not actor0.paused and not actor0.stale
+    assert actor1.paused and actor1.stale and engines[1].state()["paused"]
+    assert server.fleet.settled_state() is S.SERVING
+    assert not server.fleet.serves(actor1, S.SERVING)
+    for engine in engines:
+        await engine.close()
