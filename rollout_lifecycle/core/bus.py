@@ -79,7 +79,10 @@ class Bus:
         """Hand ``event`` to each subscriber of its type, in order (none may return an awaitable:
         ``deliver`` is for those)."""
         for subscriber in tuple(self._subscribers.get(type(event), ())):
-            if subscriber(event) is not None:
+            started = subscriber(event)
+            if started is not None:
+                if inspect.iscoroutine(started):
+                    started.close()  # (never to be awaited)
                 raise TypeError(f"a subscriber to {type(event).__name__} needs Bus.deliver")
 
     async def deliver(self, event: object) -> None:
