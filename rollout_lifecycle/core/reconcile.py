@@ -26,6 +26,7 @@ continue). A later call finishes what a failed one left.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass, field
 
 from rollout_lifecycle.contract.exceptions import PhaseFailed
 from rollout_lifecycle.contract.ops import Op
@@ -44,6 +45,17 @@ RECOVER_PHASES: Callable[[str], str] = "recover_{}".format
 KEEPER_PHASES: Callable[[str], str] = "{}_keepers".format
 
 
+@dataclass
+class _Pass:
+    """One reconciliation in progress: the live engines, each one's target, the phase names,
+    and the outcome of every call sent so far."""
+
+    live: list[EngineRecord]
+    targets: dict[str, Target]
+    phase: Callable[[str], str]
+    outcomes: dict[str, EngineOutcome] = field(default_factory=dict)
+
+
 class Reconciler(Client):
     """Brings engines to a state's memory targets (see the module docstring)."""
 
@@ -56,12 +68,12 @@ class Reconciler(Client):
         """Bring the live engines of ``records`` to ``goal``'s memory targets; the outcome of
         every call sent (empty when nothing was out of place)."""
         live = [r for r in records if r.alive]
-        targets = {r.id: self._target(r, goal) for r in live}
-        outcomes: dict[str, EngineOutcome] = {}
-        await self._resume(live, targets, phase, outcomes)
-        await self._drain_and_release(live, targets, phase, outcomes)
-        await self._continue(live, targets, phase, outcomes)
-        return outcomes
+        run = _Pass(live, {r.id: self._target(r, goal) for r in live}, phase)
+        extra = {r.id: r.released - set(run.targets[r.id].released) for r in live}
+        await self._by_tags(run, Op.RESUME, "resume", extra, self._config.deadlines.resume)
+        await self._drain_and_release(run)
+        await self._continue(run)
+        return run.outcomes
 
     async def require(
         self,
@@ -80,84 +92,72 @@ class Reconciler(Client):
             raise ValueError(f"{goal.value!r} implies no memory state to reconcile to")
         return found
 
-    async def _step(
-        self, name: str, plan: Plan, deadline: float, outcomes: dict[str, EngineOutcome]
-    ) -> bool:
+    async def _step(self, run: _Pass, step: str, plan: Plan, deadline: float) -> bool:
         """Run one phase if it has targets; whether every call of it succeeded."""
         if not plan.targets:
             return True
-        got = (await self._runner.run(name, plan, deadline)).outcomes
-        outcomes.update(got)
+        got = (await self._runner.run(run.phase(step), plan, deadline)).outcomes
+        run.outcomes.update(got)
         return self._runner.succeeded(got)
 
-    async def _resume(
+    async def _by_tags(
         self,
-        live: Sequence[EngineRecord],
-        targets: dict[str, Target],
-        phase: Callable[[str], str],
-        outcomes: dict[str, EngineOutcome],
-    ) -> None:
-        """Resume the tags each engine holds released beyond its target, one phase per set."""
-        extra = {r.id: r.released - set(targets[r.id].released) for r in live}
-        for tags in _sets(self._config.release_tags, extra.values()):
-            chosen = tuple(r for r in live if extra[r.id] == set(tags))
-            plan = Plan(Op.RESUME, chosen, ([t.value for t in tags],), tags=tags)
-            await self._step(phase("resume"), plan, self._config.deadlines.resume, outcomes)
+        run: _Pass,
+        op: Op,
+        step: str,
+        wanted: dict[str, set[Tag]],
+        deadline: float,
+    ) -> bool:
+        """Release or resume the tags ``wanted`` of each engine (by id), one phase per set of
+        tags; stops at the first phase that fails (False)."""
+        records = [r for r in run.live if r.id in wanted]
+        for tags in _sets(self._config.release_tags, (wanted[r.id] for r in records)):
+            chosen = tuple(r for r in records if wanted[r.id] == set(tags))
+            plan = Plan(op, chosen, ([t.value for t in tags],), tags=tags)
+            if not await self._step(run, step, plan, deadline):
+                return False
+        return True
 
-    async def _drain_and_release(
-        self,
-        live: Sequence[EngineRecord],
-        targets: dict[str, Target],
-        phase: Callable[[str], str],
-        outcomes: dict[str, EngineOutcome],
-    ) -> None:
+    async def _drain_and_release(self, run: _Pass) -> None:
         """Pause, flush and release what the targets need, stopping at the first phase that
         does not succeed."""
-        deadlines, mode = self._config.deadlines, self._config.pause_mode
+        deadlines, mode, targets = self._config.deadlines, self._config.pause_mode, run.targets
         to_pause = [
-            r for r in live if (targets[r.id].held or r.stale) and (not r.paused or r.pause_unknown)
+            r
+            for r in run.live
+            if (targets[r.id].held or r.stale) and (not r.paused or r.pause_unknown)
         ]
         # a continue still in flight lands first (it would undo the pause)
         await self._runner.landed(to_pause, deadlines.pause, Op.PAUSE)
         plan = Plan(Op.PAUSE, tuple(to_pause), (mode.value,), mode=mode)
-        if not await self._step(phase("pause"), plan, deadlines.pause, outcomes):
+        if not await self._step(run, "pause", plan, deadlines.pause):
             return
         in_place = mode is PauseMode.IN_PLACE
         if not in_place:
             asked = {r.id for r in to_pause}
             to_flush = tuple(
                 r
-                for r in live
+                for r in run.live
                 if r.paused and not r.flushed and (r.id in asked or targets[r.id].held)
             )
             interval = self._config.flush_retry_interval
             plan = Plan(Op.FLUSH, to_flush, (deadlines.flush, interval))
-            if not await self._step(
-                phase("flush"), plan, deadlines.flush + deadlines.probe, outcomes
-            ):
+            if not await self._step(run, "flush", plan, deadlines.flush + deadlines.probe):
                 return
-        idle = [r for r in live if r.paused and (r.flushed or in_place)]
+        idle = [r for r in run.live if r.paused and (r.flushed or in_place)]
         missing = {r.id: set(targets[r.id].released) - r.released for r in idle}
-        for tags in _sets(self._config.release_tags, missing.values()):
-            chosen = tuple(r for r in idle if missing[r.id] == set(tags))
-            plan = Plan(Op.RELEASE, chosen, ([t.value for t in tags],), tags=tags)
-            if not await self._step(phase("release"), plan, deadlines.release, outcomes):
-                return
+        await self._by_tags(run, Op.RELEASE, "release", missing, deadlines.release)
 
-    async def _continue(
-        self,
-        live: Sequence[EngineRecord],
-        targets: dict[str, Target],
-        phase: Callable[[str], str],
-        outcomes: dict[str, EngineOutcome],
-    ) -> None:
+    async def _continue(self, run: _Pass) -> None:
         """Continue the paused engines the targets let generate, once a pause still in flight
         has landed, except those without the fleet's weights (they wait for an update)."""
         deadlines = self._config.deadlines
         paused = [
             r
-            for r in live
-            if not targets[r.id].paused and r.paused and not (r.released | r.uncertain or r.stale)
+            for r in run.live
+            if not run.targets[r.id].paused
+            and r.paused
+            and not (r.released | r.uncertain or r.stale)
         ]
         if not paused:
             return
@@ -169,7 +169,7 @@ class Reconciler(Client):
                 # waits paused for an update, as a replacement does, and never serves them
                 record.stale = True
         plan = Plan(Op.CONTINUE, tuple(r for r in landed if r.id not in lacking))
-        await self._step(phase("continue"), plan, deadlines.continue_, outcomes)
+        await self._step(run, "continue", plan, deadlines.continue_)
 
     async def lacking_weights(self, targets: Sequence[EngineRecord]) -> dict[str, str | None]:
         """The engines of ``targets`` without the expected weights, with the version each
