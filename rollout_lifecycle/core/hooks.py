@@ -20,8 +20,9 @@ everywhere.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -76,6 +77,8 @@ class Hooks:
         self._server = server
         self._state = state
         self._deadlines = deadlines
+        #: The phases of the transition in progress whose ``before_`` hooks ran (``transition``).
+        self._phases: list[str] | None = None
         self.registered: dict[str, list[Hook]] = {e: [] for e in HOOK_EVENTS}
 
     def on(self, event: str | ServerState, hook: Hook) -> Callable[[], None]:
@@ -101,13 +104,23 @@ class Hooks:
             info = LifecycleEvent(event, state, previous, self._server, phase)
             await self.run_user(event, hook, info, self._deadlines.hook)
 
+    @contextlib.contextmanager
+    def transition(self) -> Iterator[list[str]]:
+        """Collect, while a transition runs, the phases whose ``before_`` hooks ran: the list
+        of their names, whose ``after_`` hooks run once it completes (``Machine.advance``). A
+        transition fired by a hook that runs after another keeps its own list."""
+        outer, self._phases = self._phases, []
+        try:
+            yield self._phases
+        finally:
+            self._phases = outer
+
     async def before(self, phase: str) -> None:
         """Run the ``before_<phase>`` hooks; the phase's ``after_`` hooks follow the transition."""
         state = self._state()
         await self.emit(f"before_{phase}", state, state, phase)
-        found = current(self._server)
-        if found is not None:
-            found[0].phases.append(phase)
+        if self._phases is not None:
+            self._phases.append(phase)
 
     async def run_user(
         self,

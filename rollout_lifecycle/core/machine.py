@@ -151,29 +151,27 @@ class Machine:
             raise self._illegal(found[0], trigger)
         log = logger().bind(server=self._name, transition=trigger)
         log.debug("transition.start", state=previous.value)
-        phases: list[str] = []
-        if found is not None:
-            found[0].phases = phases
-        try:
-            await self.fire(trigger, args)
-        except (
-            IllegalTransition,
-            IllegalEngineOp,
-            InvalidArgument,
-            HookFailed,
-            StaleWeights,
-            RouterError,
-        ):
-            # refused before any engine was touched (a router error comes before the pause
-            # that opens every phase it can stop), or the user's code: no failure
-            raise
-        except BaseException as exc:
-            if self.state is not S.FAILED and not isinstance(exc, asyncio.CancelledError):
-                await self.fire("fail")
-                self._bus.publish(RECORDS_CHANGED)
-                log.warning("transition.failed", state=previous.value, error=str(exc))
-                await self._hooks.emit(S.FAILED.value, S.FAILED, previous)
-            raise
+        with self._hooks.transition() as phases:
+            try:
+                await self.fire(trigger, args)
+            except (
+                IllegalTransition,
+                IllegalEngineOp,
+                InvalidArgument,
+                HookFailed,
+                StaleWeights,
+                RouterError,
+            ):
+                # refused before any engine was touched (a router error comes before the pause
+                # that opens every phase it can stop), or the user's code: no failure
+                raise
+            except BaseException as exc:
+                if self.state is not S.FAILED and not isinstance(exc, asyncio.CancelledError):
+                    await self.fire("fail")
+                    self._bus.publish(RECORDS_CHANGED)
+                    log.warning("transition.failed", state=previous.value, error=str(exc))
+                    await self._hooks.emit(S.FAILED.value, S.FAILED, previous)
+                raise
         self._bus.publish(RECORDS_CHANGED)
         state = self.state
         log.info("state.enter", state=state.value, previous=previous.value)

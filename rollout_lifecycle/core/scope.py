@@ -37,9 +37,6 @@ class Operation:
     call: str
     cancelled: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
-    #: Phases whose ``before_`` hooks ran in the transition in progress (their ``after_``
-    #: hooks run once it completes).
-    phases: list[str] = field(default_factory=list)
     #: The trigger of the transition in progress (``Machine.fire``), while its phase runs: the
     #: ``before_`` hooks and the weight push run inside it.
     transition: str | None = None
