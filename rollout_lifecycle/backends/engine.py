@@ -28,7 +28,7 @@ from rollout_lifecycle.contract.exceptions import (
     InvalidArgument,
 )
 from rollout_lifecycle.contract.identity import Expectation, disagreement
-from rollout_lifecycle.contract.ops import CHECKED_OPS, Op
+from rollout_lifecycle.contract.ops import CHECKED_OPS
 from rollout_lifecycle.contract.outcome import Outcome
 from rollout_lifecycle.contract.urls import url_identity
 from rollout_lifecycle.contract.values import (
@@ -473,8 +473,7 @@ class LocalSeam:
         return ("object", id(handle.backend))
 
     async def retire(self, handle: EngineHost, deadline: float) -> None:
-        await seam.bounded(self.send(handle, Op.PAUSE.value, ("abort",)), deadline)
-        await seam.bounded(handle.close(), deadline)
+        await seam.abort_and_close(self, handle, deadline)
 
 
 def _adopt(obj: object) -> EngineHost | None:

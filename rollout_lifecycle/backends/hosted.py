@@ -19,7 +19,6 @@ from rollout_lifecycle.backends.engine import EngineBackend, EngineHost
 from rollout_lifecycle.backends.ray_transport import actor_key
 from rollout_lifecycle.contract import seam
 from rollout_lifecycle.contract.exceptions import InvalidArgument
-from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.values import check_int
 
 #: The most engines one actor hosts (as many as a simulated fleet may have).
@@ -102,8 +101,7 @@ class HostedSeam:
 
     async def retire(self, handle: HostedEngine, deadline: float) -> None:
         # Its actor hosts other engines: this engine is closed, the actor stays.
-        await seam.bounded(self.send(handle, Op.PAUSE.value, ("abort",)), deadline)
-        await seam.bounded(self.send(handle, Op.CLOSE.value, ()), deadline)
+        await seam.abort_and_close(self, handle, deadline)
 
 
 seam.register(HostedEngine, HostedSeam())

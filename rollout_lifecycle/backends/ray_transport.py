@@ -28,7 +28,6 @@ from ray.actor import ActorHandle
 from rollout_lifecycle.contract import seam
 from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.gather import Landed
-from rollout_lifecycle.contract.ops import Op
 
 #: Slices of one ``ray.wait``: a ref's end time is known to within the slice, which grows with
 #: the phase (a fraction of the time waited so far), so a long phase costs few wake-ups. The
@@ -55,11 +54,7 @@ class ActorSeam:
         return ("actor", actor_key(handle))
 
     async def retire(self, handle: Any, deadline: float) -> None:
-        # Abort first, so each request returns with its partial output (a generation client
-        # resubmits it); close the backend (a launched server stops with its process group);
-        # then kill the actor.
-        await seam.bounded(self.send(handle, Op.PAUSE.value, ("abort",)), deadline)
-        await seam.bounded(self.send(handle, Op.CLOSE.value, ()), deadline)
+        await seam.abort_and_close(self, handle, deadline)  # then the actor is killed
         try:
             ray.kill(handle, no_restart=True)
         except Exception:  # a dead actor may refuse to be killed again: nothing left to stop

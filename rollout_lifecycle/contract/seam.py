@@ -174,6 +174,15 @@ async def _awaited(call: Awaitable[Any]) -> Any:
     return await call
 
 
+async def abort_and_close(transport: EngineSeam, handle: Any, deadline: float) -> None:
+    """How retiring an engine starts on every transport: an ``abort`` pause, so that each of
+    its requests returns with its partial output (a generation client resubmits it), then a
+    close of its backend (a launched server stops with its process group); each step bounded
+    by ``deadline`` and best effort."""
+    await bounded(transport.send(handle, Op.PAUSE.value, ("abort",)), deadline)
+    await bounded(transport.send(handle, Op.CLOSE.value, ()), deadline)
+
+
 async def retire(handle: Any, deadline: float) -> None:
     """Stop a replaced engine (it may be dead already), best effort."""
     await seam_for(handle).retire(handle, deadline)
