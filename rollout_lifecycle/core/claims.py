@@ -36,7 +36,6 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from rollout_lifecycle.contract import seam
 from rollout_lifecycle.contract.exceptions import EngineClaimed, InvalidArgument
 from rollout_lifecycle.contract.urls import url_identity
 from rollout_lifecycle.core.ledger import EngineRecord
@@ -112,17 +111,8 @@ class Claims:
 
     async def _keys(self) -> list[str]:
         """The addresses (``url_identity``) of the engines that have one, sorted."""
-        records, keys = list(self._records()), set()
-        asked = []
-        for record in records:
-            ident = seam.identity(record.handle)
-            if isinstance(ident, tuple) and ident[:1] == ("url",):
-                keys.add(str(ident[1]))  # (an HTTP backend in this process: no call needed)
-            else:
-                asked.append(record)
-        if asked:
-            keys.update(url_identity(u) for u in (await self._urls.of(asked)).values() if u)
-        return sorted(keys)
+        urls = await self._urls.of(list(self._records()))
+        return sorted({url_identity(u) for u in urls.values() if u})
 
     async def claim(self, call: str) -> Callable[[], None]:
         """Lock every engine of the server that has an address, for ``call``; returns what

@@ -306,18 +306,20 @@ class PhaseRunner:
             self._bus.publish(RECORDS_CHANGED)
 
     async def ask(self, op: Op, records: Sequence[EngineRecord], deadline: float) -> dict[str, Any]:
-        """What each live engine of ``records`` answers to the read ``op`` within ``deadline``,
-        by engine id; one that fails, cannot take ``op`` or does not answer in time is left out
-        (a late call is cancelled). For what the server reads beside the lifecycle (the router
-        binding's worker URLs, the memory metrics): sent through the seam like a phase's calls,
-        but no phase: a read changes no record, so nothing is settled or published."""
+        """What each engine of ``records`` answers to the read ``op`` within ``deadline``, by
+        engine id; one that fails (a dead one), cannot take ``op`` or does not answer in time is
+        left out (a late call is cancelled). For what the server reads beside the lifecycle (the
+        router binding's and the claims' worker URLs, the memory metrics): sent through the seam
+        like a phase's calls, but no phase: a read changes no record, so nothing is settled or
+        published. The caller chooses the records: the worker URL of an in-process engine
+        recorded dead is still read (its address stays this server's to claim and to take out
+        of the router), the memory of the live engines only."""
         if not COMMANDS[op].reads:
             raise ValueError(f"ask() sends reads only, not {op.value!r}")
         sent: list[tuple[EngineRecord, Awaitable[Any]]] = []
         for record in records:
-            if record.alive:
-                with contextlib.suppress(Exception):  # a handle without ``op`` answers nothing
-                    sent.append((record, seam.send(record.handle, op)))
+            with contextlib.suppress(Exception):  # a handle without ``op`` answers nothing
+                sent.append((record, seam.send(record.handle, op)))
         if not sent:
             return {}
         landed = await seam.wait([ref for _, ref in sent], deadline)

@@ -151,7 +151,7 @@ class CountingRunner(PhaseRunner):
 
 
 async def test_a_read_beside_the_lifecycle_is_sent_through_the_runner_and_records_nothing() -> None:
-    """``ask`` (the router binding's worker URLs, the memory metrics): the answers of the live
+    """``ask`` (the router binding's worker URLs, the memory metrics): the answers of the
     engines within the deadline; a dead or slow engine is left out, a late call is not kept,
     no record or phase event changes, and only reads may be sent this way."""
     fast, slow, dead = (
@@ -161,6 +161,7 @@ async def test_a_read_beside_the_lifecycle_is_sent_through_the_runner_and_record
     )
     group = EngineGroup("a", [fast, slow, dead])
     records = group.records
+    dead._die("killed for the test")
     records[2].alive = False
     bus, events = Bus(), []
     bus.subscribe(PhaseSettled, events.append)
@@ -181,6 +182,8 @@ async def test_each_engines_worker_url_is_asked_once() -> None:
     group = EngineGroup("a", engines)
     runner = CountingRunner()
     urls = WorkerUrls(runner, 5.0)
+    # recorded dead, its in-process host still answers: its address stays this server's
+    group.records[1].alive = False
     expected = {"a/0": "http://e0.test:1", "a/1": "http://e1.test:1"}
     assert await urls.of(group.records) == expected
     assert await urls.of(group.records[1:]) == {"a/1": expected["a/1"]}
