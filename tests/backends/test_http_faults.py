@@ -587,7 +587,7 @@ async def test_a_delay_past_the_deadline_fails_the_phase_on_time_naming_the_engi
     phase: str,
     deadline: dict[str, float],
 ) -> None:
-    delay = 1.5
+    delay = 5.0  # far past every deadline: a phase that waited for the answer takes this long
     servers = await standins(2)
     slow = servers[1]
     slow.inject({"path": path, "kind": "delay", "seconds": delay})
@@ -600,7 +600,8 @@ async def test_a_delay_past_the_deadline_fails_the_phase_on_time_naming_the_engi
     outcome = err.value.outcomes["actor/1"]
     assert outcome.outcome is Outcome.TIMED_OUT and "no answer within" in outcome.detail
     limit = sum(deadline.values())
-    assert limit <= outcome.duration_s < limit + 0.5  # timed out by the phase's deadline
+    # Timed out by the phase's deadline, not by the answer, however loaded the machine.
+    assert limit <= outcome.duration_s < delay
     assert err.value.outcomes["actor/0"].ok
     assert server.state is ServerState.FAILED
     snap = server.snapshot().engines()
@@ -608,15 +609,19 @@ async def test_a_delay_past_the_deadline_fails_the_phase_on_time_naming_the_engi
         # The call may land (it will): neither a release nor a resume of it is safe now.
         assert took < delay, f"offload took {took:.2f}s"
         assert snap["actor/1"].uncertain == tuple(ALL)
-        await wait_for_op(slow, "release_memory_occupation")
+        await wait_for_op(slow, "release_memory_occupation", timeout=BOUND)
         assert sorted((await info(slow))["released_tags"]) == sorted(ALL)
     else:
-        # After a failed drain the engines are continued, once the late call has landed (the
-        # continue would be overtaken otherwise); bounded by the continue deadline.
-        assert took < delay + 1.5, f"offload took {took:.2f}s"
+        # After a failed drain the engines are continued. A late pause would overtake the
+        # continue, so the continue waits for it to land; a late flush does not matter to a
+        # continue, which goes at once. Both land in the end.
+        await wait_for_op(slow, phase_op(phase), timeout=BOUND)
         entries = await history(slow)
         order = [e["op"] for e in entries if e["op"] in (phase_op(phase), "continue_generation")]
-        assert order == [phase_op(phase), "continue_generation"]
+        if phase == "pause":
+            assert order == [phase_op(phase), "continue_generation"]
+        else:
+            assert sorted(order) == sorted([phase_op(phase), "continue_generation"])
         assert not (await info(slow))["paused"] and not snap["actor/1"].paused
         for s in servers:
             assert ops(await history(s), "release_memory_occupation") == []
