@@ -21,6 +21,7 @@ from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import InvalidArgument, LifecycleError
 from rollout_lifecycle.contract.outcome import EngineOutcome
 from rollout_lifecycle.contract.values import MAX_SECONDS
+from rollout_lifecycle.core.calls import PUBLIC_CALLS
 from rollout_lifecycle.core.config import LifecycleConfig
 from rollout_lifecycle.core.group import EngineGroup
 from rollout_lifecycle.core.server import (
@@ -41,6 +42,9 @@ _ABANDONED_GRACE_S = 1.0
 SyncHook = Callable[[LifecycleEvent], Any]
 SyncWeightPush = Callable[[WeightUpdate], Any]
 SyncEngineFactory = Callable[[str], Any]
+
+#: The facade's own members, beside the server's calls it offers (``PublicCall.sync``).
+FACADE_MEMBERS = frozenset({"close", "closed", "server", "wrap"})
 
 #: ``facade``: the SyncRolloutServer whose worker thread this is (hooks, pushes, factories).
 _LOCAL = threading.local()
@@ -456,13 +460,11 @@ class SyncRolloutServer:
 
     def offload(self, *, timeout: float | None = None) -> dict[str, float]:
         """Pause and drain the offloaded groups, then release their memory."""
-        return self._call("offload", lambda: self._server.offload(), timeout, lifecycle=True)
+        return self._call("offload", lambda: self._server.offload(), timeout)
 
     def onload_weights(self, *, timeout: float | None = None) -> dict[str, float]:
         """Resume the weights (``released -> weights_restored``); KV stays released."""
-        return self._call(
-            "onload_weights", lambda: self._server.onload_weights(), timeout, lifecycle=True
-        )
+        return self._call("onload_weights", lambda: self._server.onload_weights(), timeout)
 
     def update_weights(
         self, push: SyncWeightPush, version: str | None = None, *, timeout: float | None = None
@@ -479,28 +481,27 @@ class SyncRolloutServer:
             "update_weights",
             lambda: self._server.update_weights(target, version),
             timeout,
-            lifecycle=True,
         )
 
     def onload_kv(self, *, timeout: float | None = None) -> dict[str, float]:
         """Resume the KV cache, then continue generation."""
-        return self._call("onload_kv", lambda: self._server.onload_kv(), timeout, lifecycle=True)
+        return self._call("onload_kv", lambda: self._server.onload_kv(), timeout)
 
     def onload(self, *, timeout: float | None = None) -> dict[str, float]:
         """Everything ``offload`` undid: weights, then KV, then continue."""
-        return self._call("onload", lambda: self._server.onload(), timeout, lifecycle=True)
+        return self._call("onload", lambda: self._server.onload(), timeout)
 
     def pause(self, *, timeout: float | None = None) -> dict[str, float]:
         """Pause and drain every group; nothing is released."""
-        return self._call("pause", lambda: self._server.pause(), timeout, lifecycle=True)
+        return self._call("pause", lambda: self._server.pause(), timeout)
 
     def resume(self, *, timeout: float | None = None) -> dict[str, float]:
         """Continue generation from ``drained`` or ``kv_restored``."""
-        return self._call("resume", lambda: self._server.resume(), timeout, lifecycle=True)
+        return self._call("resume", lambda: self._server.resume(), timeout)
 
     def reset(self, *, timeout: float | None = None) -> ServerState:
         """Leave ``failed`` for the state the engines' records imply."""
-        return self._call("reset", lambda: self._server.reset(), timeout, lifecycle=True)
+        return self._call("reset", lambda: self._server.reset(), timeout)
 
     def recover(
         self, factory: SyncEngineFactory, *, timeout: float | None = None
@@ -508,7 +509,7 @@ class SyncRolloutServer:
         """Replace dead and uncertain engines through ``factory(engine_id)`` (a sync factory runs
         in a worker thread); see ``RolloutServer.recover``."""
         target = self._threaded(factory) if callable(factory) else factory
-        return self._call("recover", lambda: self._server.recover(target), timeout, lifecycle=True)
+        return self._call("recover", lambda: self._server.recover(target), timeout)
 
     @contextmanager
     def paused(self, *, timeout: float | None = None) -> Iterator[SyncRolloutServer]:
@@ -594,21 +595,16 @@ class SyncRolloutServer:
         if self._on_loop_thread():
             raise CalledFromLoopThread(self._runtime.name, call)
 
-    def _call(
-        self,
-        call: str,
-        make: Callable[[], Awaitable[T]],
-        timeout: float | None = None,
-        *,
-        lifecycle: bool = False,
-    ) -> T:
+    def _call(self, call: str, make: Callable[[], Awaitable[T]], timeout: float | None = None) -> T:
         """Run ``make()`` on the loop, in a copy of the caller's context; block until settled.
 
-        A ``lifecycle`` call made from one of this facade's worker threads joins the operation
-        in progress (it runs inline, under that operation's lock); it is bounded by that
-        operation, never cancelled on its own: its ``timeout`` does not apply.
+        A lifecycle call (``calls.PUBLIC_CALLS``) made from one of this facade's worker threads
+        joins the operation in progress (it runs inline, under that operation's lock); it is
+        bounded by that operation, never cancelled on its own: its ``timeout`` does not apply.
         """
         limit = _check_timeout(timeout)
+        public = PUBLIC_CALLS.get(call)
+        lifecycle = public is not None and public.lifecycle
         nested = lifecycle and getattr(_LOCAL, "facade", None) is self
         if nested:
             limit = None

@@ -70,6 +70,7 @@ from rollout_lifecycle.contract.exceptions import (
 )
 from rollout_lifecycle.contract.outcome import Outcome
 from rollout_lifecycle.contract.values import PauseMode
+from rollout_lifecycle.core.calls import PUBLIC_CALLS
 from rollout_lifecycle.core.config import Deadlines
 from rollout_lifecycle.core.group import EngineGroup
 from rollout_lifecycle.core.server import RolloutServer, ServerSnapshot
@@ -403,14 +404,11 @@ async def _reset(server: RolloutServer) -> dict[str, float]:
     return {}
 
 
+#: Each action's call (``PublicCall.ctl``); ``reset`` first resolves what a stopped run left.
 _CALLS: dict[str, Callable[[RolloutServer], Awaitable[dict[str, float]]]] = {
-    "pause": RolloutServer.pause,
-    "drain": RolloutServer.pause,
-    "offload": RolloutServer.offload,
-    "onload-weights": RolloutServer.onload_weights,
-    "onload-kv": RolloutServer.onload_kv,
-    "resume": RolloutServer.resume,
-    "reset": _reset,
+    action: _reset if call.name == "reset" else getattr(RolloutServer, call.name)
+    for call in PUBLIC_CALLS.values()
+    for action in call.ctl
 }
 
 

@@ -22,12 +22,11 @@ from typing import Any, Protocol
 
 from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import HookFailed, IllegalTransition
-from rollout_lifecycle.core.states import CALLS
+from rollout_lifecycle.core.calls import LIFECYCLE_CALLS
 
-#: The public calls that fire transitions. Any of them made from user code that runs in the
-#: middle of a step (``Scope.refuse``) is refused; the read-only ones (``state``,
-#: ``snapshot()``, ``probe()``) and ``sync_router()`` fire none and are allowed anywhere.
-LIFECYCLE_CALLS: frozenset[str] = frozenset({*CALLS, "recover"})
+# A lifecycle call (``calls.LIFECYCLE_CALLS``) made from user code that runs in the middle of a
+# step (``Scope.refuse``) is refused; the others (``state``, ``snapshot()``, ``probe()``,
+# ``sync_router()``) fire no transition and are allowed anywhere.
 
 
 @dataclass(eq=False)

@@ -248,9 +248,7 @@ class RolloutServer:
         """Engine id -> handle, for every engine."""
         return {r.id: r.handle for r in self._fleet.records()}
 
-    async def generate(
-        self, request: dict[str, Any], *, group: str | None = None
-    ) -> dict[str, Any]:
+    async def generate(self, request: dict[str, Any], group: str | None = None) -> dict[str, Any]:
         """Run one generate request to completion on a serving engine (least outstanding first).
 
         Held while the server is not serving (or, for a group that keeps its memory, while its
@@ -261,7 +259,7 @@ class RolloutServer:
         return await self.generation.generate(request, group=group)
 
     async def generate_batch(
-        self, requests: Sequence[dict[str, Any]], *, group: str | None = None
+        self, requests: Sequence[dict[str, Any]], group: str | None = None
     ) -> list[dict[str, Any]]:
         """``generate`` for many requests at once; answers in request order."""
         return await self.generation.generate_batch(requests, group=group)
