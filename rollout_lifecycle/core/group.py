@@ -140,7 +140,8 @@ class EngineGroup:
         return self._run(Op.RELEASE, ([x.value for x in t],), tags=t)
 
     def resume_memory(self, tags: Sequence[Tag | str]) -> Calls:
-        """Resume ``tags`` on every engine that released them."""
+        """Resume ``tags`` on every live engine of a group that offloads; refused (nothing
+        sent) if one of them has not released them all."""
         t = parse_tags(tags)
         return self._run(Op.RESUME, ([x.value for x in t],), tags=t)
 

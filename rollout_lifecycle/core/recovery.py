@@ -202,13 +202,15 @@ class Recovery(Client):
         already (other than the one each replaces) or that two factory calls returned."""
         replaced = {r.id for r, _ in replacements}
         taken = {
-            seam.identity(r.handle): r.id for r in self._fleet.records() if r.id not in replaced
+            seam.identity(r.handle): f"engine {r.id}"
+            for r in self._fleet.records()
+            if r.id not in replaced
         }
         for record, engine in replacements:
             key = seam.identity(seam.as_handle(engine, record.group, 0))
             if key in taken:
                 raise InvalidArgument(
-                    f"the replacement for {record.id} is engine {taken[key]} already; "
+                    f"the replacement for {record.id} is {taken[key]} already; "
                     f"the factory must return a new engine"
                 )
             taken[key] = f"the replacement for {record.id}"

@@ -231,7 +231,7 @@ async def test_one_engine_handed_back_for_two_slots_is_refused_before_anything_i
     await kill(server, engines[0], engines[1])
     same = SimulatedEngine("same", token_latency=0.001)
     with pytest.raises(
-        InvalidArgument, match="the replacement for actor/1 is engine the replacement for actor/0"
+        InvalidArgument, match="the replacement for actor/1 is the replacement for actor/0 already"
     ):
         await server.recover(lambda engine_id: same)
     assert all(e.closed_at is None for e in engines)
