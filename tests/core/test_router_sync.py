@@ -1,0 +1,230 @@
+"""The router binding (``core/router_sync.py``) against a router kept in a list: workers are
+taken out before a pause is sent and put back if that is refused, the binding looks again only
+after the phases and state changes that can change who serves, a router out of step fails a
+call only while engines serve, and the binding touches only the workers it owns, whatever
+spelling of their address the router keeps.
+
+Which engines the binding registers (the ``Fleet.serves`` predicate, in every state) is
+``test_serves.py``'s; the binding behind a real sglang-router is ``tests/system/test_router.py``
+and ``test_router_ownership.py``'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+from structlog.testing import capture_logs
+
+from rollout_lifecycle import (
+    EngineGroup,
+    RolloutServer,
+    RouterError,
+    ServerState,
+    SimulatedEngine,
+)
+from rollout_lifecycle.contract.ops import Op
+from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
+from rollout_lifecycle.contract.urls import url_identity
+from rollout_lifecycle.core.bus import StateEntered
+from rollout_lifecycle.core.router_sync import RouterSync
+from rollout_lifecycle.core.runner import PhaseResult, Plan
+
+S = ServerState
+A, B, C = "http://127.0.0.1:31001", "http://127.0.0.1:31002", "http://127.0.0.1:31003"
+FOREIGN = "http://other-team.test:9"
+
+
+class AtURL(SimulatedEngine):
+    """A simulated engine with an address, so a router can list it."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(token_latency=0.001)
+        self.url = url
+
+    def received(self, op: str) -> bool:
+        return any(e["op"] == op for e in self.history())
+
+
+class Worker:
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+
+class ListRouter:
+    """A router that keeps its workers in a list (in the spelling each was added with) and a
+    log of the calls it received; finds a worker by address as sglang-router's client does."""
+
+    url = "http://router.test:1"
+
+    def __init__(self, listed: Sequence[str] = (), engines: Sequence[AtURL] = ()) -> None:
+        self.listed = list(listed)
+        self.calls: list[tuple[str, str]] = []
+        self._engines = {url_identity(e.url): e for e in engines}
+        #: Per removal: whether its engine had been sent a pause by then.
+        self.paused_when_removed: dict[str, bool] = {}
+        #: Addresses whose removal is refused.
+        self.refuse_removal: set[str] = set()
+        #: Whether listing the workers fails (the router cannot be reached).
+        self.listing_fails = False
+
+    async def workers(self) -> Sequence[Worker]:
+        self.calls.append(("workers", ""))
+        if self.listing_fails:
+            raise RouterError(self.url, "GET /workers: unreachable")
+        return [Worker(u) for u in self.listed]
+
+    async def add(self, url: str) -> None:
+        self.calls.append(("add", url))
+        self.listed.append(url)
+
+    async def remove(self, url: str) -> None:
+        self.calls.append(("remove", url))
+        key = url_identity(url)
+        if key in {url_identity(u) for u in self.refuse_removal}:
+            raise RouterError(self.url, f"DELETE {url}: 503", 503)
+        engine = self._engines.get(key)
+        if engine is not None:
+            self.paused_when_removed[url] = engine.received("pause_generation")
+        self.listed = [u for u in self.listed if url_identity(u) != key]
+
+    def count(self, call: str) -> int:
+        return sum(1 for name, _ in self.calls if name == call)
+
+
+def binding(server: RolloutServer) -> RouterSync:
+    sync = server._router
+    assert sync is not None
+    return sync
+
+
+async def keepers_paused_around_a_write(
+    refuse: str | None = None,
+) -> tuple[RolloutServer, ListRouter, list[AtURL]]:
+    """A server whose memory-keeping group (at ``B`` and ``C``) is paused around a weight
+    write in ``weights_restored``: a pause that changes no state, so only the binding's check
+    before the pause takes their workers out. The removal at ``refuse`` is refused."""
+    keepers = [AtURL(B), AtURL(C)]
+    router = ListRouter(engines=keepers)
+    groups = [
+        EngineGroup("actor", [AtURL(A)]),
+        EngineGroup("ref", keepers, needs_offload=False),
+    ]
+    server = RolloutServer(groups, router=router)
+    await server.sync_router()
+    await server.offload()
+    await server.onload_weights()
+    assert sorted(router.listed) == [B, C]
+    router.calls.clear()
+    router.refuse_removal = {refuse} if refuse else set()
+    return server, router, keepers
+
+
+async def test_a_pause_is_sent_only_once_its_engines_are_out_of_the_router() -> None:
+    server, router, keepers = await keepers_paused_around_a_write()
+    listed: list[list[str]] = []
+    await server.update_weights(lambda update: listed.append(list(router.listed)))
+    assert router.paused_when_removed == {B: False, C: False}
+    assert all(e.received("pause_generation") for e in keepers)
+    assert listed == [[]]  # out while their weights were written
+    assert sorted(router.listed) == [B, C]  # and back once continued
+    assert server.state is S.WEIGHTS_RESTORED
+
+
+async def test_a_refused_removal_sends_no_pause_and_puts_back_what_was_taken_out() -> None:
+    server, router, keepers = await keepers_paused_around_a_write(refuse=C)
+    with pytest.raises(RouterError, match="503"):
+        await server.update_weights(lambda update: None)
+    assert server.state is S.WEIGHTS_RESTORED
+    assert not any(e.received("pause_generation") for e in keepers)
+    assert sorted(router.listed) == [B, C]  # B was taken out, then registered again
+    assert router.calls.index(("remove", B)) < router.calls.index(("add", B))
+    assert binding(server).failure is None  # in step again: nothing to raise later
+
+
+async def test_the_router_is_looked_at_only_after_phases_that_may_change_who_serves() -> None:
+    router = ListRouter()
+    server = RolloutServer([EngineGroup("actor", [AtURL(A)])], router=router)
+    targets = tuple(server.fleet.records())
+    ok = {r.id: EngineOutcome(Outcome.OK) for r in targets}
+    missed = {r.id: EngineOutcome(Outcome.TIMED_OUT, "no answer") for r in targets}
+    for op in Op:
+        router.calls.clear()
+        await binding(server).after(Plan(op, targets), PhaseResult(op.value, ok, 0.0, 0.0))
+        changes_who_serves = op in (Op.PAUSE, Op.CONTINUE, Op.SERVER_INFO, Op.OBSERVE)
+        assert router.count("workers") == int(changes_who_serves), op
+        # any phase in which a call did not succeed may have found an engine dead
+        await binding(server).after(Plan(op, targets), PhaseResult(op.value, missed, 0.0, 0.0))
+        assert router.count("workers") == int(changes_who_serves) + 1, op
+
+
+@pytest.mark.parametrize(
+    ("previous", "state", "looks"),
+    [
+        (S.SERVING, S.PAUSING, True),  # the offloading group stops serving
+        (S.KV_RESTORED, S.SERVING, True),  # it serves again
+        (S.PAUSING, S.FAILED, True),  # in failed, the records decide
+        (S.PAUSING, S.DRAINED, False),
+        (S.DRAINED, S.RELEASED, False),  # the memory-keeping group serves throughout
+        (S.SERVING, S.FAILED, False),
+    ],
+)
+async def test_a_state_change_is_followed_only_when_it_changes_which_groups_may_serve(
+    previous: ServerState, state: ServerState, looks: bool
+) -> None:
+    router = ListRouter()
+    groups = [
+        EngineGroup("actor", [AtURL(A)]),
+        EngineGroup("ref", [AtURL(B)], needs_offload=False),
+    ]
+    server = RolloutServer(groups, router=router)
+    await binding(server).entered(StateEntered(state, previous))
+    assert router.count("workers") == int(looks)
+    # a fleet of groups that keep their memory is never let serve or held by a state
+    keepers = ListRouter()
+    only = RolloutServer([EngineGroup("ref", [AtURL(B)], needs_offload=False)], router=keepers)
+    await binding(only).entered(StateEntered(state, previous))
+    assert keepers.calls == []
+
+
+async def test_a_router_out_of_step_fails_no_call_while_no_engine_serves() -> None:
+    engines = [AtURL(A), AtURL(B)]
+    router = ListRouter(engines=engines)
+    with capture_logs() as logs:  # (from the start: the binding binds its logger when made)
+        server = RolloutServer([EngineGroup("actor", engines)], router=router)
+        await server.sync_router()
+        router.listing_fails = True
+        await server.pause()  # the workers are taken out; the checks after cannot list
+    assert server.state is S.DRAINED and router.listed == []
+    assert isinstance(binding(server).failure, RouterError)
+    assert "router.out_of_step" in [e["event"] for e in logs]
+    router.listing_fails = False
+    await server.resume()  # in step again: the engines serve and are listed
+    assert binding(server).failure is None
+    assert sorted(router.listed) == [A, B]
+
+
+async def test_a_worker_listed_under_another_spelling_of_an_engines_address_is_its_own() -> None:
+    spelled = ["http://localhost:31001/", "http://LOCALHOST:31002"]
+    router = ListRouter(listed=spelled)
+    server = RolloutServer([EngineGroup("actor", [AtURL(A), AtURL(B)])], router=router)
+    assert await server.sync_router() == {"added": [], "removed": []}
+    first, _ = server.fleet.records()
+    first.paused = True  # (as a pause left it)
+    assert await server.sync_router() == {"added": [], "removed": [spelled[0]]}
+    assert router.listed == [spelled[1]]
+
+
+async def test_a_worker_the_binding_does_not_own_is_never_touched() -> None:
+    engines = [AtURL(A), AtURL(B)]
+    router = ListRouter(listed=[FOREIGN], engines=engines)
+    server = RolloutServer([EngineGroup("actor", engines)], router=router)
+    await server.sync_router()
+    await server.offload()
+    assert router.listed == [FOREIGN]
+    await server.onload()
+    await server.pause()
+    await server.resume()
+    assert await server.sync_router() == {"added": [], "removed": []}
+    assert sorted(router.listed) == sorted([FOREIGN, A, B])
+    assert ("remove", FOREIGN) not in router.calls
