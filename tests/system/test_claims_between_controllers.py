@@ -1,6 +1,9 @@
 """One controller per engine: a call claims every engine it drives for its whole length, across
 servers and processes on the host, and a second controller is refused at once, naming the first;
-a claim dies with its process."""
+a claim dies with its process.
+
+The claims' own rules in this process (the lock files, a refused claim keeping nothing, engines
+without an address) are ``tests/core/test_claims.py``'s."""
 
 from __future__ import annotations
 
@@ -22,7 +25,6 @@ from rollout_lifecycle import (
     RolloutServer,
     ServerState,
     SGLangHTTPEngine,
-    SimulatedEngine,
 )
 from rollout_lifecycle.core.claims import LOCK_DIR_ENV
 from rollout_lifecycle.testing import StandInServer
@@ -43,10 +45,6 @@ def lock_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     directory = tmp_path / "locks"
     monkeypatch.setenv(LOCK_DIR_ENV, str(directory))
     return directory
-
-
-def lock_files(directory: Path) -> list[str]:
-    return sorted(os.listdir(directory)) if directory.exists() else []
 
 
 def history_ops(server: StandInServer) -> list[str]:
@@ -101,14 +99,6 @@ async def test_a_second_server_is_refused_at_once_while_the_first_drives_the_eng
     await operator.pause()
     await operator.resume()
     assert operator.state is S.SERVING
-
-
-async def test_simulated_engines_without_an_address_are_not_claimed(lock_dir: Path) -> None:
-    engines = [SimulatedEngine(f"e{i}", token_latency=0.001) for i in range(2)]
-    first = RolloutServer([EngineGroup("actor", engines)], name="first")
-    await first.pause()
-    await first.resume()
-    assert lock_files(lock_dir) == []
 
 
 HOLDER = textwrap.dedent(

@@ -1,0 +1,155 @@
+"""Engine claims (``core/claims.py``) in this process: a claim locks the address of every engine
+that has one until released, another claimant is refused naming the holder and keeps nothing
+it had locked, the lock files and their directory, and engines without an address.
+
+Claims between servers driving stand-in servers, and across processes (a claim dies with its
+process), are ``tests/system/test_claims_between_controllers.py``'s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from rollout_lifecycle import (
+    EngineClaimed,
+    EngineGroup,
+    InvalidArgument,
+    RolloutServer,
+    SimulatedEngine,
+)
+from rollout_lifecycle.contract.urls import url_identity
+from rollout_lifecycle.core.claims import LOCK_DIR_ENV, Claims, describe, lock_dir
+from rollout_lifecycle.core.ledger import EngineRecord
+
+A, B = "http://127.0.0.1:31001", "http://127.0.0.1:31002"
+
+
+@pytest.fixture(autouse=True)
+def locks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test its own lock directory (the host-wide one by default)."""
+    directory = tmp_path / "locks"
+    monkeypatch.setenv(LOCK_DIR_ENV, str(directory))
+    return directory
+
+
+def mode(path: Path) -> int | None:
+    """The permission bits of ``path``; None if there is nothing there."""
+    return stat.S_IMODE(path.stat().st_mode) if path.exists() else None
+
+
+def lock_files(directory: Path) -> list[str]:
+    return sorted(os.listdir(directory)) if directory.exists() else []
+
+
+class Addresses:
+    """Each engine's worker URL, as ``WorkerUrls`` answers it (None: it has none)."""
+
+    def __init__(self, urls: dict[str, str | None]) -> None:
+        self.urls = urls
+
+    async def of(self, records: Sequence[EngineRecord]) -> dict[str, str | None]:
+        return {r.id: self.urls[r.id] for r in records}
+
+
+def claims(server: str, *urls: str | None) -> Claims:
+    """The claims of a server whose engines ``actor/<i>`` are at ``urls``."""
+    records = [EngineRecord(f"actor/{i}", "actor", None) for i in range(len(urls))]
+    addresses = Addresses({r.id: url for r, url in zip(records, urls, strict=True)})
+    return Claims(server, lambda: records, addresses)  # type: ignore[arg-type]
+
+
+async def test_a_claim_holds_every_address_until_it_is_released() -> None:
+    release = await claims("trainer", A, B).claim("offload")
+    # the same engine, spelled another way: one address
+    other = claims("operator", A.replace("127.0.0.1", "localhost"))
+    with pytest.raises(EngineClaimed) as refused:
+        await other.claim("pause")
+    error = refused.value
+    assert error.engine == url_identity(A)
+    assert (error.details["server"], error.details["call"]) == ("trainer", "offload")
+    assert error.details["pid"] == os.getpid()
+    assert f"pid {os.getpid()} on " in error.holder and "server 'trainer'" in error.holder
+    release()
+    again = await other.claim("pause")  # free once released
+    again()
+
+
+async def test_a_refused_claim_keeps_none_of_the_addresses_it_had_locked() -> None:
+    release = await claims("first", B).claim("pause")
+    with pytest.raises(EngineClaimed, match="server 'first'"):
+        await claims("second", A, B).claim("offload")  # A is locked first (sorted), then B
+    only_a = await claims("third", A).claim("offload")  # A was let go
+    only_a()
+    release()
+
+
+async def test_the_lock_file_says_who_holds_it_and_is_emptied_on_release(locks: Path) -> None:
+    release = await claims("trainer", A).claim("onload")
+    (name,) = lock_files(locks)
+    holder = json.loads((locks / name).read_text())
+    assert (holder["server"], holder["call"], holder["pid"]) == ("trainer", "onload", os.getpid())
+    assert describe(holder).startswith(f"pid {os.getpid()} on {holder['host']}, ")
+    release()
+    assert (locks / name).read_text() == ""  # a later claimant reads no stale holder
+    assert lock_files(locks) == [name]  # the file stays, for the next claim
+
+
+async def test_engines_without_an_address_are_not_claimed(locks: Path) -> None:
+    release = await claims("first", None, A, None).claim("pause")
+    assert len(lock_files(locks)) == 1
+    second = await claims("second", None).claim("pause")  # nothing to contend for
+    second()
+    release()
+
+
+async def test_simulated_engines_without_an_address_are_not_claimed(locks: Path) -> None:
+    engines = [SimulatedEngine(f"e{i}", token_latency=0.001) for i in range(2)]
+    first = RolloutServer([EngineGroup("actor", engines)], name="first")
+    await first.pause()
+    await first.resume()
+    assert lock_files(locks) == []
+
+
+def test_a_holder_is_described_by_what_it_wrote() -> None:
+    assert describe({}) == "another controller (it has not said who it is yet)"
+    assert describe({"pid": 7, "host": "h"}) == "pid 7 on h"
+    full = {
+        "pid": 7,
+        "host": "h",
+        "server": "trainer",
+        "call": "offload",
+        "command": "ctl offload",
+        "since": "2026-01-01T00:00:00Z",
+    }
+    assert describe(full) == (
+        "pid 7 on h, server 'trainer', call offload(), command 'ctl offload', "
+        "since 2026-01-01T00:00:00Z"
+    )
+
+
+async def test_the_lock_directory_is_made_for_every_user_of_the_host(
+    locks: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert lock_dir() == locks and mode(locks) is None
+    release = await claims("trainer", A).claim("pause")
+    release()
+    assert mode(locks) == 0o1777  # sticky and writable by all, as /tmp
+    monkeypatch.delenv(LOCK_DIR_ENV)
+    assert lock_dir() == Path(tempfile.gettempdir()) / "rollout-lifecycle-locks"
+
+
+async def test_a_lock_directory_that_cannot_hold_files_names_the_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+    monkeypatch.setenv(LOCK_DIR_ENV, str(not_a_directory))
+    with pytest.raises(InvalidArgument, match=f"cannot open the controller lock .*{LOCK_DIR_ENV}"):
+        await claims("trainer", A).claim("pause")
