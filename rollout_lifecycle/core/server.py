@@ -332,7 +332,9 @@ class RolloutServer:
                 self._phases.preflight_offload()
             await self._machine.perform("offload", PhaseArgs(groups=self._phases.offload_groups()))
 
-        return await self._serializer.run("offload", body)
+        metrics = await self._serializer.run("offload", body)
+        self._check_router()  # the groups that keep their memory serve on
+        return metrics
 
     async def onload_weights(self) -> dict[str, float]:
         """Resume the weights (``released -> weights_restored``); KV stays released."""

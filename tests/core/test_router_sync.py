@@ -204,6 +204,24 @@ async def test_a_router_out_of_step_fails_no_call_while_no_engine_serves() -> No
     assert sorted(router.listed) == [A, B]
 
 
+async def test_an_offload_that_leaves_keepers_serving_behind_a_router_out_of_step_raises() -> None:
+    # Every call that ends with engines serving while the router is out of step raises it,
+    # the offload too (its groups that keep their memory serve on): not the next call.
+    keepers = [AtURL(B)]
+    router = ListRouter(engines=keepers)
+    groups = [EngineGroup("actor", [AtURL(A)]), EngineGroup("ref", keepers, needs_offload=False)]
+    server = RolloutServer(groups, router=router)
+    await server.sync_router()
+    router.listing_fails = True
+    with pytest.raises(RouterError):
+        await server.offload()
+    assert server.state is S.RELEASED  # the offload itself completed
+    router.listing_fails = False
+    await server.sync_router()  # as the error says: in step again
+    assert binding(server).failure is None and router.listed == [B]
+    await server.onload_weights()
+
+
 async def test_a_worker_listed_under_another_spelling_of_an_engines_address_is_its_own() -> None:
     spelled = ["http://localhost:31001/", "http://LOCALHOST:31002"]
     router = ListRouter(listed=spelled)
