@@ -184,7 +184,9 @@ class Hooks:
         except KeyboardInterrupt:
             raise
         except BaseException as exc:
-            if task is not None and not task.done():  # this task itself was cancelled
+            if task is not None and not task.done() and not stopped:
+                # this task itself was cancelled (a hook past its deadline that ignores its
+                # cancellation is left behind, and the call fails with HookFailed below)
                 task.cancel()
                 raise
             state = self._state().value

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import pytest
 
+from rollout_lifecycle import EngineGroup, LifecycleConfig, RolloutServer, SimulatedEngine
 from rollout_lifecycle.contract.exceptions import HookFailed, InvalidArgument
 from rollout_lifecycle.core.config import Deadlines
 from rollout_lifecycle.core.hooks import HOOK_EVENTS, HOOK_PHASES, Hooks, LifecycleEvent
@@ -279,14 +280,6 @@ async def test_user_code_past_its_deadline_is_waited_for_when_there_is_no_grace(
     assert isinstance(failed.value.__cause__, TimeoutError)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TimeoutError,
-    reason="Hooks.run_user: user code that ignores its cancellation past its deadline and "
-    "outlives the grace raises a bare TimeoutError, not HookFailed (the 'this task itself "
-    "was cancelled' branch takes the left-behind task for the caller's own cancellation); "
-    "through a server the call raises TimeoutError and the server goes to failed",
-)
 async def test_user_code_past_its_deadline_that_ignores_cancellation_is_left_behind() -> None:
     rig = Rig()
     code = Stubborn()
@@ -297,6 +290,21 @@ async def test_user_code_past_its_deadline_that_ignores_cancellation_is_left_beh
             await asyncio.wait_for(call, 30)
         assert not code.returned  # left behind, still running
         assert failed.value.reason == "did not return within 0.01s and was cancelled"
+    finally:
+        code.release.set()
+        await until(lambda: code.ended, what="the code to end")
+
+
+async def test_a_server_whose_hook_ignores_its_cancellation_stays_where_it_was() -> None:
+    # Nothing was sent: the release's hook held it back, so the server is still drained.
+    code = Stubborn()
+    config = LifecycleConfig(deadlines=Deadlines(hook=0.2, probe=0.5))  # (grace: probe)
+    server = RolloutServer([EngineGroup("actor", [SimulatedEngine("e0")])], config)
+    server.on("before_release", code)
+    try:
+        with pytest.raises(HookFailed) as failed:
+            await server.offload()
+        assert failed.value.state == "drained" and server.state is ServerState.DRAINED
     finally:
         code.release.set()
         await until(lambda: code.ended, what="the code to end")
