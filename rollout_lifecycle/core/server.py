@@ -227,7 +227,9 @@ class RolloutServer:
         snapshot's state, so every guard applies as if this server had made those calls. The
         records must imply that state (``failed`` takes any). A snapshot a ``journal`` took
         mid-call (records with a call in flight: uncertain tags, a pause or session unknown)
-        is adopted as ``failed``, whatever its state: that process died with calls unanswered.
+        whose records no longer imply its state is adopted as ``failed``: that process died
+        with calls unanswered. One whose records still imply it keeps it (a weight session
+        left unknown in ``drained``: the next update closes it before opening its own).
         Raises ``InvalidArgument``, changing nothing, when the records imply another state, a
         ``pausing`` snapshot has no call in flight, or a call is in progress.
         """

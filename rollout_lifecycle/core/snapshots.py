@@ -90,7 +90,9 @@ def adopt(fleet: Fleet, snapshot: ServerSnapshot) -> ServerState:
 
     The groups must be the snapshot's (names, order, ``needs_offload``, engine ids), and the
     records must imply the snapshot's state (``failed`` takes any). A snapshot taken mid-call
-    (records with a call in flight) is adopted as ``failed``. Raises ``InvalidArgument``,
+    (records with a call in flight) whose records no longer imply its state is adopted as
+    ``failed``; one whose records still do (a weight session left unknown in ``drained``) keeps
+    its state, the records keeping what is unknown for the guards. Raises ``InvalidArgument``,
     changing nothing, otherwise.
     """
     if not isinstance(snapshot, ServerSnapshot):

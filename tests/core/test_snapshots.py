@@ -151,6 +151,19 @@ def test_a_snapshot_taken_mid_call_is_adopted_as_failed(
     assert knowledge(target) == knowledge(source)
 
 
+def test_a_session_left_unknown_in_drained_keeps_the_state_and_the_unknown() -> None:
+    # The records still imply drained: the snapshot keeps its state, and the record keeps the
+    # unknown session (the next weight update closes it before opening its own).
+    source = settle(fleet(), S.DRAINED)
+    source.records()[0].session_unknown = True
+    snapshot = ServerSnapshot.of("old", S.DRAINED, source)
+    assert snapshot.in_flight()
+    target = fleet()
+    assert adopt(target, snapshot) is S.DRAINED
+    assert target.records()[0].session_unknown
+    assert knowledge(target) == knowledge(source)
+
+
 def test_a_refused_snapshot_leaves_every_record_as_it_was() -> None:
     target = settle(fleet(), S.DRAINED)
     target.records()[0].incarnation = "mine"
