@@ -129,6 +129,7 @@ class Serializer:
         observer: CallObserver,
         check: Callable[[str], None],
         claim: Callable[[str], Awaitable[Callable[[], None]]] | None = None,
+        completed: Callable[[], None] | None = None,
     ) -> None:
         self._owner = owner
         self._name = name
@@ -137,6 +138,9 @@ class Serializer:
         self._check = check
         #: Claims the engines for a whole call (``core/claims.Claims``); returns the release.
         self._claim = claim
+        #: Runs once a lifecycle call made outside any operation has completed (a router out
+        #: of step with the engines that serve raises there: ``RouterSync.check``).
+        self._completed = completed
         self.lock = asyncio.Lock()
 
     async def run(self, call: str, body: Callable[[], Awaitable[None]]) -> dict[str, float]:
@@ -166,7 +170,7 @@ class Serializer:
             op = Operation(call)
             task = asyncio.ensure_future(self._locked(op, body))
         try:
-            return await asyncio.shield(task)
+            metrics = await asyncio.shield(task)
         except asyncio.CancelledError:
             # Settle what is in flight before letting go: the operation stops at the next phase
             # boundary (its running hook is cancelled), and the caller sees CancelledError only
@@ -181,6 +185,9 @@ class Serializer:
                     error=str(task.exception()),
                 )
             raise
+        if found is None and self._completed is not None and call in LIFECYCLE_CALLS:
+            self._completed()
+        return metrics
 
     async def _inline(
         self, op: Operation, scope: Scope, body: Callable[[], Awaitable[None]]

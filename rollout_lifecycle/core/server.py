@@ -128,7 +128,14 @@ class RolloutServer:
         by_name = {g.name: g for g in self._groups}
         self._recovery = Recovery(parts, by_name, phases, machine)
         claims = Claims(name, fleet.records, urls)
-        self._serializer = Serializer(self, name, recorder, fleet.check_live, claims.claim)
+        self._serializer = Serializer(
+            self,
+            name,
+            recorder,
+            fleet.check_live,
+            claims.claim,
+            None if self._router is None else self._router.check,
+        )
 
     def __repr__(self) -> str:
         return f"RolloutServer({self._name!r}, state={self.state.value!r}, groups={self._groups!r})"
@@ -328,15 +335,8 @@ class RolloutServer:
                 "offload() cannot use pause_mode 'in_place': requests keep their KV cache and "
                 "releasing memory under them kills the engine; use 'retract' or 'abort'"
             )
-
-        async def body() -> None:
-            if self._machine.plan("offload"):
-                self._phases.preflight_offload()
-            await self._machine.perform("offload", PhaseArgs(groups=self._phases.offload_groups()))
-
-        metrics = await self._serializer.run("offload", body)
-        self._check_router()  # the groups that keep their memory serve on
-        return metrics
+        args = PhaseArgs(groups=self._phases.offload_groups())
+        return await self._perform("offload", args, self._phases.preflight_offload)
 
     async def onload_weights(self) -> dict[str, float]:
         """Resume the weights (``released -> weights_restored``); KV stays released."""
@@ -391,9 +391,7 @@ class RolloutServer:
         records are not consistent with any state (for example engines holding different tags,
         or a tag in an unknown state).
         """
-
         await self._serializer.run("reset", self._recovery.reset)
-        self._check_router()
         return self.state
 
     async def recover(self, factory: EngineFactory) -> dict[str, EngineOutcome]:
@@ -406,9 +404,7 @@ class RolloutServer:
         """
         if not callable(factory):
             raise InvalidArgument(f"factory must be callable, got {factory!r}")
-        outcomes = await self._run("recover", lambda: self._recovery.recover(factory))
-        self._check_router()
-        return outcomes
+        return await self._run("recover", lambda: self._recovery.recover(factory))
 
     @asynccontextmanager
     async def paused(self) -> AsyncIterator[RolloutServer]:
@@ -433,11 +429,18 @@ class RolloutServer:
             if self.state is not S.FAILED:
                 await self.onload()
 
-    async def _perform(self, call: str, args: PhaseArgs = NO_ARGS) -> dict[str, float]:
-        """Run ``call``'s plan from the ``CALLS`` table under the lock."""
-        metrics = await self._serializer.run(call, lambda: self._machine.perform(call, args))
-        self._check_router()
-        return metrics
+    async def _perform(
+        self, call: str, args: PhaseArgs = NO_ARGS, check: Callable[[], None] | None = None
+    ) -> dict[str, float]:
+        """Run ``call``'s plan from the ``CALLS`` table under the lock, after ``check()`` when
+        the plan has something to do."""
+
+        async def body() -> None:
+            if check is not None and self._machine.plan(call):
+                check()
+            await self._machine.perform(call, args)
+
+        return await self._serializer.run(call, body)
 
     async def _run(self, call: str, work: Callable[[], Awaitable[T]]) -> T:
         """Run ``work`` as the public call ``call``, under the lock; what it returned."""
@@ -448,11 +451,6 @@ class RolloutServer:
 
         await self._serializer.run(call, body)
         return done[0]
-
-    def _check_router(self) -> None:
-        """``RouterSync.check``, once a public call (not one made from a hook) completed."""
-        if self._router is not None and current(self) is None:
-            self._router.check()
 
 
 def _check_groups(groups: object) -> None:
