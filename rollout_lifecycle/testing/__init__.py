@@ -28,6 +28,13 @@ from rollout_lifecycle.testing.barriers import (
     cycle_rounds,
     fatal_calls,
 )
+from rollout_lifecycle.testing.fleets import (
+    faulty_engines,
+    no_push,
+    received_ops,
+    simulated,
+    simulated_engines,
+)
 from rollout_lifecycle.testing.simulated import MAX_FLEET, SimulatedEngine, fleet_factories
 from rollout_lifecycle.testing.standin import StandInServer
 from rollout_lifecycle.testing.waits import until, until_actor_gone, until_began
@@ -144,10 +151,15 @@ __all__ = [
     "cycle_phase_of",
     "cycle_rounds",
     "fatal_calls",
+    "faulty_engines",
     "local_ray",
+    "no_push",
+    "received_ops",
     "released_ops",
     "send_to_engine",
+    "simulated",
     "simulated_engine_actors",
+    "simulated_engines",
     "simulated_multi_engine_actors",
     "until",
     "until_actor_gone",

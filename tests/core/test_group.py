@@ -27,15 +27,8 @@ from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
 from rollout_lifecycle.core.group import shown
 from rollout_lifecycle.core.runner import Calls
-from rollout_lifecycle.testing import calls_received
-
-
-def sims(n: int, label: str = "e") -> list[SimulatedEngine]:
-    return [SimulatedEngine(f"{label}{i}", token_latency=0.001) for i in range(n)]
-
-
-def ops(engine: SimulatedEngine) -> list[str]:
-    return [str(e["op"]) for e in calls_received(engine.history())]
+from rollout_lifecycle.testing.fleets import received_ops as ops
+from rollout_lifecycle.testing.fleets import simulated_engines as sims
 
 
 async def settle(calls: Calls) -> list[Any]:

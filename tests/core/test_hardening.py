@@ -40,18 +40,12 @@ from rollout_lifecycle.contract.urls import url_identity
 from rollout_lifecycle.sync import SyncCallTimeout, SyncRolloutServer
 from rollout_lifecycle.testing import simulated_engine_actors
 from rollout_lifecycle.testing.faults import FaultyEngine
+from rollout_lifecycle.testing.fleets import faulty_engines as faulty
+from rollout_lifecycle.testing.fleets import simulated_engines as sims
 
 S = ServerState
 #: An outer bound on every call that a regression could hang: far below any default deadline.
 BOUND = 30.0
-
-
-def sims(n: int, label: str = "e") -> list[SimulatedEngine]:
-    return [SimulatedEngine(f"{label}{i}", token_latency=0.001) for i in range(n)]
-
-
-def faulty(n: int, label: str = "f") -> list[FaultyEngine]:
-    return [FaultyEngine(e) for e in sims(n, label)]
 
 
 def dead(engines: list[Any]) -> list[str]:

@@ -25,24 +25,17 @@ from rollout_lifecycle import (
     RolloutServer,
     ServerState,
     SimulatedEngine,
-    WeightUpdate,
 )
 from rollout_lifecycle.backends.engine import EngineHost, incarnation_of
 from rollout_lifecycle.testing import calls_received, until
 from rollout_lifecycle.testing.faults import FaultyEngine
+from rollout_lifecycle.testing.fleets import no_push
+from rollout_lifecycle.testing.fleets import simulated_engines as sims
 
 S = ServerState
 #: An outer bound on every call a regression could hang.
 BOUND = 30.0
 CONFIG = LifecycleConfig(deadlines=Deadlines(pause=5, flush=5, release=5, resume=5, probe=5))
-
-
-def sims(n: int) -> list[SimulatedEngine]:
-    return [SimulatedEngine(f"e{i}", token_latency=0.001) for i in range(n)]
-
-
-async def no_push(update: WeightUpdate) -> None:
-    return None
 
 
 def engine_of(record_engine: Any) -> SimulatedEngine:

@@ -17,9 +17,9 @@ from rollout_lifecycle import (
     RolloutServer,
     SimulatedEngine,
     Tag,
-    WeightUpdate,
 )
 from rollout_lifecycle.testing.faults import FaultyEngine
+from rollout_lifecycle.testing.fleets import no_push
 from rollout_lifecycle.testing.simulated import DEFAULT_MEMORY_BYTES
 
 Fleet = Callable[..., list[Any]]
@@ -53,10 +53,6 @@ class NoMemoryMeter(FaultyEngine):
 
 def sims(count: int, **options: Any) -> list[SimulatedEngine]:
     return [SimulatedEngine(f"sim-{i}", token_latency=0.001, **options) for i in range(count)]
-
-
-async def no_push(update: WeightUpdate) -> None:
-    return None
 
 
 async def cycle(server: RolloutServer) -> dict[str, dict[str, float]]:

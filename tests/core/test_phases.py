@@ -27,22 +27,11 @@ from rollout_lifecycle import (
 )
 from rollout_lifecycle.testing import calls_received
 from rollout_lifecycle.testing.faults import FaultyEngine
+from rollout_lifecycle.testing.fleets import faulty_engines as faulty
+from rollout_lifecycle.testing.fleets import received_ops as ops
+from rollout_lifecycle.testing.fleets import simulated_engines as sims
 
 S = ServerState
-
-
-def sims(n: int, label: str = "e") -> list[SimulatedEngine]:
-    return [SimulatedEngine(f"{label}{i}", token_latency=0.001) for i in range(n)]
-
-
-def faulty(n: int, label: str = "f") -> list[FaultyEngine]:
-    return [FaultyEngine(e) for e in sims(n, label)]
-
-
-def ops(engine: SimulatedEngine | FaultyEngine) -> list[str]:
-    inner = engine.inner if isinstance(engine, FaultyEngine) else engine
-    assert isinstance(inner, SimulatedEngine)
-    return [str(e["op"]) for e in calls_received(inner.history())]
 
 
 def paused(engine: SimulatedEngine | FaultyEngine) -> bool:

@@ -25,30 +25,12 @@ from rollout_lifecycle import (
     ServerState,
     SimulatedEngine,
 )
-from rollout_lifecycle.backends.engine import EngineHost
-from rollout_lifecycle.testing import calls_received
 from rollout_lifecycle.testing.faults import FaultyEngine
+from rollout_lifecycle.testing.fleets import faulty_engines as faulty
+from rollout_lifecycle.testing.fleets import received_ops as ops
+from rollout_lifecycle.testing.fleets import simulated as inner
 
 S = ServerState
-
-
-def sims(n: int, label: str = "e") -> list[SimulatedEngine]:
-    return [SimulatedEngine(f"{label}{i}", token_latency=0.001) for i in range(n)]
-
-
-def faulty(n: int, label: str = "f") -> list[FaultyEngine]:
-    return [FaultyEngine(e) for e in sims(n, label)]
-
-
-def inner(engine: Any) -> SimulatedEngine:
-    found = engine.backend if isinstance(engine, EngineHost) else engine
-    found = found.inner if isinstance(found, FaultyEngine) else found
-    assert isinstance(found, SimulatedEngine)
-    return found
-
-
-def ops(engine: Any) -> list[str]:
-    return [str(e["op"]) for e in calls_received(inner(engine).history())]
 
 
 def fleet() -> tuple[RolloutServer, list[FaultyEngine], list[FaultyEngine]]:

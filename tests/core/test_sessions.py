@@ -27,31 +27,15 @@ from rollout_lifecycle import (
     SimulatedEngine,
     WeightUpdate,
 )
-from rollout_lifecycle.testing import calls_received
 from rollout_lifecycle.testing.faults import FaultyEngine
+from rollout_lifecycle.testing.fleets import faulty_engines as faulty
+from rollout_lifecycle.testing.fleets import received_ops as ops
+from rollout_lifecycle.testing.fleets import simulated as inner
 
 S = ServerState
 
 #: The calls of a weight write, as they reach an engine.
 SESSION = ["begin_weight_update", "end_weight_update", "update_weight_version"]
-
-
-def sims(n: int, label: str = "e") -> list[SimulatedEngine]:
-    return [SimulatedEngine(f"{label}{i}", token_latency=0.001) for i in range(n)]
-
-
-def faulty(n: int, label: str = "f") -> list[FaultyEngine]:
-    return [FaultyEngine(e) for e in sims(n, label)]
-
-
-def inner(engine: SimulatedEngine | FaultyEngine) -> SimulatedEngine:
-    found = engine.inner if isinstance(engine, FaultyEngine) else engine
-    assert isinstance(found, SimulatedEngine)
-    return found
-
-
-def ops(engine: SimulatedEngine | FaultyEngine) -> list[str]:
-    return [str(e["op"]) for e in calls_received(inner(engine).history())]
 
 
 def since(engine: SimulatedEngine | FaultyEngine, count: int) -> list[str]:

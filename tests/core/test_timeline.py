@@ -21,10 +21,10 @@ from rollout_lifecycle import (
     SimulatedEngine,
     Span,
     Timeline,
-    WeightUpdate,
 )
 from rollout_lifecycle.testing import calls_received, collector_load
 from rollout_lifecycle.testing.faults import FaultyEngine
+from rollout_lifecycle.testing.fleets import no_push
 
 Fleet = Callable[..., list[Any]]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -36,10 +36,6 @@ def sims(count: int, prefix: str = "sim") -> list[SimulatedEngine]:
         SimulatedEngine(f"{prefix}-{i}", token_latency=0.001, op_latency=LATENCY, seed=i)
         for i in range(count)
     ]
-
-
-async def no_push(update: WeightUpdate) -> None:
-    return None
 
 
 async def cycle(server: RolloutServer, version: str = "v1") -> None:

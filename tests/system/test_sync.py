@@ -36,15 +36,12 @@ from rollout_lifecycle.sync import (
     SyncServerClosed,
 )
 from rollout_lifecycle.testing.faults import FaultyEngine
+from rollout_lifecycle.testing.fleets import simulated_engines as sims
 from rollout_lifecycle.testing.waits import DEFAULT_DEADLINE_S
 
 S = ServerState
 #: Every facade call is bounded, so that a deadlock fails the test instead of hanging it.
 T = 10.0
-
-
-def sims(n: int, label: str = "e") -> list[SimulatedEngine]:
-    return [SimulatedEngine(f"{label}{i}", token_latency=0.001) for i in range(n)]
 
 
 def request(i: int, tokens: int = 20) -> dict[str, Any]:

@@ -1,0 +1,49 @@
+"""In-process fleets for tests of code built on the library: simulated engines (plain, or behind
+a fault injector), the calls an engine received, and a weight push that writes nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout_lifecycle.backends.engine import EngineHost
+from rollout_lifecycle.core.sessions import WeightUpdate
+from rollout_lifecycle.testing.barriers import calls_received
+from rollout_lifecycle.testing.faults import FaultyEngine
+from rollout_lifecycle.testing.simulated import SimulatedEngine
+
+
+def simulated_engines(
+    count: int, label: str = "e", *, token_latency: float = 0.001, **options: Any
+) -> list[SimulatedEngine]:
+    """``count`` simulated engines labelled ``{label}0``, ``{label}1``, ...; a token every
+    millisecond unless ``token_latency`` says otherwise; ``options`` go to each engine."""
+    return [
+        SimulatedEngine(f"{label}{i}", token_latency=token_latency, **options) for i in range(count)
+    ]
+
+
+def faulty_engines(count: int, label: str = "f", **options: Any) -> list[FaultyEngine]:
+    """``simulated_engines`` each behind a ``FaultyEngine`` (faults armed per call)."""
+    return [FaultyEngine(e) for e in simulated_engines(count, label, **options)]
+
+
+def simulated(engine: object) -> SimulatedEngine:
+    """The simulated engine itself, behind an engine host, a fault injector, both, or none."""
+    inner = engine.backend if isinstance(engine, EngineHost) else engine
+    inner = inner.inner if isinstance(inner, FaultyEngine) else inner
+    if not isinstance(inner, SimulatedEngine):
+        raise TypeError(f"{engine!r} is not a simulated engine")
+    return inner
+
+
+def received_ops(engine: object) -> list[str]:
+    """The names of the calls the engine received as the library made them, in order
+    (``calls_received``: the reads that check a call are folded into it)."""
+    return [str(e["op"]) for e in calls_received(simulated(engine).history())]
+
+
+async def no_push(update: WeightUpdate) -> None:
+    """A weight push that writes nothing (the version still changes)."""
+
+
+__all__ = ["faulty_engines", "no_push", "received_ops", "simulated", "simulated_engines"]
