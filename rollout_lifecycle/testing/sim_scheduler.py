@@ -1,24 +1,21 @@
-"""The simulated engine's machinery and scheduler: recorded ops, deaths, aborts, and the decode
-loop that admits, steps and finishes requests (what ``/generate`` runs on).
+"""The simulated engine's scheduler: the request queues and the decode loop that admits, steps
+and finishes requests (what ``/generate`` runs on), and what a pause, an abort or the death of
+the server does to them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from rollout_lifecycle.backends.engine import CHECKING
-from rollout_lifecycle.contract.exceptions import EngineDead, EngineRejected, EngineUnreachable
-from rollout_lifecycle.contract.values import ALL_TAGS, Tag
+from rollout_lifecycle.contract.exceptions import EngineDead, EngineRejected
+from rollout_lifecycle.contract.values import PauseMode
 from rollout_lifecycle.testing.sim_state import (
     FORWARD_TAGS,
     GARBAGE_TOKEN,
-    HISTORY_CHUNK,
     VOCAB,
     SimRequest,
     SimState,
@@ -27,173 +24,115 @@ from rollout_lifecycle.testing.sim_state import (
 )
 
 
-class SimScheduler(SimState):
-    """Op recording, fatal misuse, the request queues and the decode loop."""
+def abort_reason(message: str) -> dict[str, Any]:
+    """The finish reason of an aborted request."""
+    # sglang: schedule_batch.py FINISH_ABORT.to_json
+    return {"type": "abort", "message": message, "status_code": None, "err_type": None}
 
-    # ----------------------------------------------------------------------------- machinery
 
-    def _ensure_scheduler(self) -> None:
-        if self._dead or self._closed:
+def parse_request(
+    label: str, in_flight: Mapping[str, SimRequest], request: Mapping[str, Any]
+) -> SimRequest:
+    """The request a ``/generate`` body asks for; 400 (``EngineRejected``) for a bad one."""
+
+    def reject(message: str) -> EngineRejected:
+        return EngineRejected(label, "generate", message, 400)
+
+    if not isinstance(request, Mapping):
+        raise reject(f"request must be a JSON object, got {request!r}")
+    if request.get("stream"):
+        raise reject("streaming is not supported by the simulated engine")
+    input_ids = request.get("input_ids")
+    text = request.get("text")
+    if (input_ids is None) == (text is None):
+        raise reject("exactly one of 'text' or 'input_ids' must be given")
+    if input_ids is not None:
+        if not isinstance(input_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in input_ids
+        ):
+            raise reject(f"input_ids must be a list of token ids >= 0, got {input_ids!r}")
+        prompt = list(input_ids)
+    else:
+        if not isinstance(text, str):
+            raise reject(f"text must be a string, got {text!r}")
+        prompt = list(text.encode())
+    params = request.get("sampling_params") or {}
+    if not isinstance(params, Mapping):
+        raise reject(f"sampling_params must be an object, got {params!r}")
+    max_new = params.get("max_new_tokens", 16)
+    if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 0:
+        raise reject(f"max_new_tokens must be an int >= 0, got {max_new!r}")
+    rid = request.get("rid")
+    if rid is None:
+        rid = uuid.uuid4().hex
+    elif not isinstance(rid, str) or not rid:
+        raise reject(f"rid must be a non-empty string, got {rid!r}")
+    elif rid in in_flight:
+        raise reject(f"duplicate request id {rid!r}")
+    future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+    return SimRequest(rid=rid, prompt=prompt, max_new_tokens=max_new, future=future)
+
+
+class SimScheduler:
+    """The requests of one simulated server, from arrival to their answer, and the decode loop
+    (a task on the loop of the engine's first caller) that runs them."""
+
+    def __init__(self, state: SimState) -> None:
+        self._state = state
+        self._task: asyncio.Task[None] | None = None
+
+    # ----------------------------------------------------------------------------- the task
+
+    def ensure_running(self) -> None:
+        """Start the decode loop on the running loop, unless it runs there or the engine is
+        dead or closed."""
+        state = self._state
+        if state.dead or state.closed:
             return
         loop = asyncio.get_running_loop()
-        task = self._scheduler
+        task = self._task
         if task is not None and task.get_loop() is loop and not task.done():
             return
         if task is None or task.get_loop() is not loop:
             # A new loop (e.g. one per test) needs its own event; the old one is bound elsewhere.
-            self._changed = asyncio.Event()
-        self._scheduler = loop.create_task(self._schedule(), name=f"sim-scheduler-{self._label}")
+            state.changed = asyncio.Event()
+        self._task = loop.create_task(self._schedule(), name=f"sim-scheduler-{state.label}")
 
-    def _notify(self) -> None:
-        if self._changed is not None:
-            self._changed.set()
-            self._changed = asyncio.Event()
+    async def stop(self) -> None:
+        """Cancel the decode loop (and wait for it, if it runs on this loop)."""
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            if task.get_loop() is asyncio.get_running_loop():
+                await asyncio.wait({task})
 
-    async def _wait_changed(self, timeout: float | None) -> bool:
-        event = self._changed
-        if event is None:
-            event = self._changed = asyncio.Event()
-        if timeout is None:
-            await event.wait()
-            return True
-        if timeout <= 0:
-            return False
-        try:
-            await asyncio.wait_for(event.wait(), timeout)
-        except asyncio.TimeoutError:
-            return False
-        return True
-
-    def _check_alive(self, op: str) -> None:
-        if self._dead:
-            raise EngineDead(self._label, op, f"engine is dead: {self._death_reason}")
-        if self._closed:
-            raise EngineDead(self._label, op, "engine is closed")
-
-    def _draw_latency(self, op: str) -> float:
-        value = self._op_latency.get(op, 0.0)
-        if isinstance(value, tuple):
-            return self._rng.uniform(value[0], value[1])
-        return value
-
-    def _record(self, op: str, **fields: Any) -> dict[str, Any]:
-        """Append the history entry of a call that starts now; the caller fills in its end.
-
-        Entries hold only strings, numbers, None and tuples of those (``history()`` turns the
-        tuples into lists), and older finished entries are kept as tuples of tuples, which
-        CPython's collector stops tracking: a fleet of thousands of in-process engines keeps
-        millions of entries, and every full collection would otherwise visit each one.
-        """
-        entry: dict[str, Any] = {
-            "op": op,
-            "engine": self._label,
-            "tags": None,
-            "mode": None,
-            "start": time.monotonic(),
-            "end": None,
-            "outcome": "pending",
-            "detail": None,
-            **fields,
-        }
-        check = CHECKING.get()
-        if check is not None:  # a read the engine host makes to check the engine
-            entry["check_of"] = check
-        recent = self._history
-        recent.append(entry)
-        if len(recent) >= 2 * HISTORY_CHUNK:
-            chunk = recent[:HISTORY_CHUNK]
-            if all(e["end"] is not None for e in chunk):  # finished: nothing writes to them
-                self._archive.append(tuple(tuple(e.items()) for e in chunk))
-                del recent[:HISTORY_CHUNK]
-        return entry
-
-    @contextlib.asynccontextmanager
-    async def _op(self, op: str, **fields: Any) -> AsyncIterator[dict[str, Any]]:
-        entry = self._record(op, **fields)
-        process = self._process
-        try:
-            # A dead server refuses the connection at once: no latency, no effect.
-            self._check_alive(op)
-            self._ensure_scheduler()
-            delay = self._draw_latency(op)
-            if delay > 0:
-                await asyncio.sleep(delay)
-                self._check_alive(op)
-                if self._process != process:
-                    # the process that took the call is gone: its connection dropped
-                    raise EngineUnreachable(
-                        self._label, op, "connection dropped: the server restarted"
-                    )
-            yield entry
-        except EngineRejected as exc:
-            entry["outcome"] = "rejected"
-            entry["detail"] = exc.message
-            entry["status"] = exc.status
-            raise
-        except EngineDead as exc:
-            if entry["outcome"] != "fatal":
-                entry["outcome"] = "dead"
-            entry["detail"] = exc.message
-            raise
-        except EngineUnreachable as exc:
-            entry["outcome"] = "unreachable"
-            entry["detail"] = exc.message
-            raise
-        except asyncio.CancelledError:
-            entry["outcome"] = "cancelled"
-            raise
-        except BaseException as exc:
-            entry["outcome"] = "error"
-            entry["detail"] = repr(exc)
-            raise
-        else:
-            entry["outcome"] = "ok"
-        finally:
-            entry["end"] = time.monotonic()
-
-    def _fatal(self, entry: dict[str, Any], reason: str) -> EngineDead:
-        """Kill the engine because of the call ``entry`` records; return the error it raises."""
-        self._die(reason)
-        entry["outcome"] = "fatal"
-        return EngineDead(self._label, entry["op"], f"connection dropped: {reason}")
-
-    def _die(self, reason: str) -> None:
-        if self._dead:
+    def die(self, reason: str) -> None:
+        """The server dies: every request in flight fails with ``EngineDead``."""
+        state = self._state
+        if state.dead:
             return
-        self._dead = True
-        self._death_reason = reason
-        self._drop_all(f"connection dropped: engine died: {reason}")
-        self._notify()
+        state.dead = True
+        state.death_reason = reason
+        self.drop_all(f"connection dropped: engine died: {reason}")
+        state.notify()
 
-    def _drop_all(self, message: str) -> None:
-        for req in self._in_flight.values():
+    def drop_all(self, message: str) -> None:
+        """Fail every request in flight with ``EngineDead(message)`` and empty the queues."""
+        state = self._state
+        for req in state.in_flight.values():
             if not req.future.done():
-                req.future.set_exception(EngineDead(self._label, "generate", message))
-        self._in_flight.clear()
-        self._running.clear()
-        self._waiting.clear()
-        self._front.clear()
+                req.future.set_exception(EngineDead(state.label, "generate", message))
+        state.in_flight.clear()
+        state.running.clear()
+        state.waiting.clear()
+        state.front.clear()
 
-    def _is_idle(self, *, ignore_waiting: bool) -> bool:
-        """The scheduler's idleness: nothing running and, unless ignored, nothing waiting.
-
-        The front end's held requests never count: the scheduler has not seen them.
-        """
-        # sglang: scheduler.py Scheduler.is_fully_idle(ignore_waiting=...)
-        return not self._running and (ignore_waiting or not self._waiting)
-
-    def _tag_names(self, op: str, tags: Sequence[Tag | str] | None) -> list[str]:
-        if isinstance(tags, str):
-            # The server's body schema wants a list; a bare string is a 400, not per-char tags.
-            raise EngineRejected(self._label, op, f"tags must be a list, got {tags!r}", 400)
-        if not tags:
-            return [t.value for t in ALL_TAGS]
-        return [t.value if isinstance(t, Tag) else str(t) for t in tags]
+    # ----------------------------------------------------------------------------- requests
 
     def _result(self, req: SimRequest, finish_reason: dict[str, Any]) -> dict[str, Any]:
         # sglang: output_streamer.py (spans from the scheduler's current version at finish),
         # weight_versions.py add_weight_versions_to_meta_info (weight_version = last span's)
-        spans = version_spans(req.version_events, self._weight_version, len(req.output))
+        spans = version_spans(req.version_events, self._state.weight_version, len(req.output))
         return {
             "text": detokenize(req.output),
             "output_ids": list(req.output),
@@ -209,139 +148,173 @@ class SimScheduler(SimState):
             },
         }
 
-    @staticmethod
-    def _aborted(message: str) -> dict[str, Any]:
-        # sglang: schedule_batch.py FINISH_ABORT.to_json
-        return {"type": "abort", "message": message, "status_code": None, "err_type": None}
-
     def _finish(self, req: SimRequest, finish_reason: dict[str, Any]) -> None:
-        self._in_flight.pop(req.rid, None)
+        state = self._state
+        state.in_flight.pop(req.rid, None)
         aborted = finish_reason["type"] == "abort"
         if not req.internal:
-            self._counts["aborted" if aborted else "completed"] += 1
+            state.counts["aborted" if aborted else "completed"] += 1
             if not aborted:
-                self._prefix_cache.add(tuple(req.prompt))
+                state.prefix_cache.add(tuple(req.prompt))
         if not req.future.done():
             req.future.set_result(self._result(req, finish_reason))
 
-    async def _abort(self, match: Callable[[SimRequest], bool], message: str) -> int:
+    async def abort(self, match: Callable[[SimRequest], bool], message: str) -> int:
         """Abort the scheduler's requests that ``match``; those held in the front end while
         paused are out of its reach (they reach the scheduler only after continue)."""
         # sglang: scheduler.py Scheduler.abort_request walks the waiting queue and the batches
-        victims = [r for r in (*self._running, *self._waiting) if match(r)]
+        state = self._state
+        victims = [r for r in (*state.running, *state.waiting) if match(r)]
         if not victims:
             return 0
         doomed = set(map(id, victims))
-        self._running = [r for r in self._running if id(r) not in doomed]
-        self._waiting = deque(r for r in self._waiting if id(r) not in doomed)
+        state.running = [r for r in state.running if id(r) not in doomed]
+        state.waiting = deque(r for r in state.waiting if id(r) not in doomed)
         for req in victims:
-            self._finish(req, self._aborted(message))
-        self._notify()
+            self._finish(req, abort_reason(message))
+        state.notify()
         # Let the aborted generate calls return before the control call that aborted them
         # answers, as the HTTP server sends their responses first.
         await asyncio.sleep(0)
         return len(victims)
 
-    def _discard(self, req: SimRequest) -> None:
+    def discard(self, req: SimRequest) -> None:
         """Forget a request whose caller went away (SGLang aborts on a closed connection)."""
-        if self._in_flight.pop(req.rid, None) is None:
+        state = self._state
+        if state.in_flight.pop(req.rid, None) is None:
             return
-        if req in self._running:
-            self._running.remove(req)
-        if req in self._waiting:
-            self._waiting.remove(req)
-        if req in self._front:
-            self._front.remove(req)
-        self._notify()
+        if req in state.running:
+            state.running.remove(req)
+        if req in state.waiting:
+            state.waiting.remove(req)
+        if req in state.front:
+            state.front.remove(req)
+        state.notify()
 
-    def _enqueue(self, req: SimRequest) -> None:
-        self._in_flight[req.rid] = req
-        if self._paused:
-            self._counts["arrived_paused"] += 1
-        (self._front if self._paused else self._waiting).append(req)
-        self._notify()
+    def enqueue(self, req: SimRequest) -> None:
+        """Take a request: to the scheduler's waiting queue, or held in the front end while
+        paused."""
+        state = self._state
+        state.in_flight[req.rid] = req
+        if state.paused:
+            state.counts["arrived_paused"] += 1
+        (state.front if state.paused else state.waiting).append(req)
+        state.notify()
 
-    def _record_version_change(self, new_version: str | None) -> None:
+    def record_version_change(self, new_version: str | None) -> None:
         """Move the scheduler's weight version; live requests remember where it changed."""
         # sglang: scheduler.py Scheduler.record_weight_version_change
-        if new_version is None or new_version == self._weight_version:
+        state = self._state
+        if new_version is None or new_version == state.weight_version:
             return
-        for req in (*self._running, *self._waiting):
+        for req in (*state.running, *state.waiting):
             if req.output:
-                req.version_events.append((self._weight_version, len(req.output)))
-        self._weight_version = new_version
+                req.version_events.append((state.weight_version, len(req.output)))
+        state.weight_version = new_version
+
+    async def pause(self, mode: PauseMode) -> None:
+        """Pause generation: abort, retract or freeze the requests in flight."""
+        state = self._state
+        state.paused = True
+        state.pause_mode = mode
+        if mode is PauseMode.ABORT:
+            # The front end aborts until nothing is in flight and answers only then.
+            await self.abort(lambda _: True, "aborted by pause_generation(mode=abort)")
+        elif mode is PauseMode.RETRACT:
+            # Running requests give back their KV and queue up again, first in line.
+            for req in reversed(state.running):
+                req.num_retractions += 1
+                state.waiting.appendleft(req)
+            state.counts["retractions"] += len(state.running)
+            state.running = []
+        state.notify()
+
+    def unpause(self) -> None:
+        """Let the scheduler run again; the requests the front end held while paused go to it
+        now, behind the ones it already had."""
+        state = self._state
+        state.paused = False
+        state.pause_mode = None
+        state.waiting.extend(state.front)
+        state.front.clear()
+        state.notify()
 
     # ----------------------------------------------------------------------------- scheduler
 
     async def _schedule(self) -> None:
+        state = self._state
         try:
-            while not (self._dead or self._closed):
+            while not (state.dead or state.closed):
                 if not self._may_step():
-                    await self._wait_changed(None)
+                    await state.wait_changed(None)
                     continue
                 if self._forward_on_released():
                     return
                 self._admit()
-                await asyncio.sleep(self._token_latency)
+                await asyncio.sleep(state.token_latency)
                 # Control calls may have run during the step; it lands only if it still may, so
                 # a pause that arrives mid-step discards it: no token is produced while paused.
-                if self._dead or self._closed or not self._may_step():
+                if state.dead or state.closed or not self._may_step():
                     continue
                 if self._forward_on_released():
                     return
-                if self._running:
+                if state.running:
                     self._decode_step()
-                elif self._dp_dummy_batches:
-                    self._counts["dummy_steps"] += 1
-                self._notify()
+                elif state.dp_dummy_batches:
+                    state.counts["dummy_steps"] += 1
+                state.notify()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug in the simulation must not hang callers
-            self._die(f"simulated scheduler crashed: {exc!r}")
+            self.die(f"simulated scheduler crashed: {exc!r}")
 
     def _may_step(self) -> bool:
         # An idle data-parallel rank still runs dummy batches to keep its peers in lockstep.
-        work = self._running or self._waiting or self._dp_dummy_batches
-        return not self._paused and bool(work)
+        state = self._state
+        work = state.running or state.waiting or state.dp_dummy_batches
+        return not state.paused and bool(work)
 
     def _forward_on_released(self) -> bool:
         """Kill the engine if the forward pass about to run would touch released memory."""
-        released = [t for t in FORWARD_TAGS if t in self._released]
+        state = self._state
+        released = [t for t in FORWARD_TAGS if t in state.released]
         if not released:
             return False
         # Nothing in SGLang stops a forward pass on unmapped memory.
-        what = "a forward pass" if self._running or self._waiting else "a data-parallel dummy batch"
-        self._die(
+        what = "a forward pass" if state.running or state.waiting else "a data-parallel dummy batch"
+        self.die(
             f"illegal memory access: {what} ran while {', '.join(released)} released and "
             "generation not paused"
         )
         return True
 
     def _admit(self) -> None:
-        while self._waiting and len(self._running) < self._max_running:
-            req = self._waiting.popleft()
-            if tuple(req.prompt) in self._prefix_cache:
+        state = self._state
+        while state.waiting and len(state.running) < state.max_running:
+            req = state.waiting.popleft()
+            if tuple(req.prompt) in state.prefix_cache:
                 req.cached_tokens = len(req.prompt)
-                self._counts["prefix_hits"] += 1
-            self._running.append(req)
-            self._counts["prefills"] += 1
+                state.counts["prefix_hits"] += 1
+            state.running.append(req)
+            state.counts["prefills"] += 1
 
     def _decode_step(self) -> None:
-        self._counts["steps"] += 1
+        state = self._state
+        state.counts["steps"] += 1
         still: list[SimRequest] = []
         done: list[SimRequest] = []
-        for req in self._running:
+        for req in state.running:
             if len(req.output) < req.max_new_tokens:
-                if self._weights_valid:
+                if state.weights_valid:
                     token = (req.key + 7919 * (len(req.output) + 1)) % VOCAB
                 else:
                     token = GARBAGE_TOKEN
                     req.on_garbage = True
-                    self._counts["garbage_tokens"] += 1
+                    state.counts["garbage_tokens"] += 1
                 req.output.append(token)
-                self._counts["tokens"] += 1
+                state.counts["tokens"] += 1
             (done if len(req.output) >= req.max_new_tokens else still).append(req)
-        self._running = still
+        state.running = still
         for req in done:
             # sglang: schedule_batch.py FINISH_LENGTH.to_json
             self._finish(req, {"type": "length", "length": req.max_new_tokens})
@@ -349,52 +322,15 @@ class SimScheduler(SimState):
     # ----------------------------------------------------------------------------- generation
 
     async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
-        """``POST /generate``: runs to completion, or returns early with finish reason abort."""
-        self._check_alive("generate")
-        self._ensure_scheduler()
-        req = self._parse_request(request)
-        self._counts["submitted"] += 1
-        self._enqueue(req)
+        """Run ``request`` to completion, or to an early finish with reason abort."""
+        state = self._state
+        state.check_alive("generate")
+        self.ensure_running()
+        req = parse_request(state.label, state.in_flight, request)
+        state.counts["submitted"] += 1
+        self.enqueue(req)
         try:
             return await req.future
         except asyncio.CancelledError:
-            self._discard(req)
+            self.discard(req)
             raise
-
-    def _parse_request(self, request: Mapping[str, Any]) -> SimRequest:
-        def reject(message: str) -> EngineRejected:
-            return EngineRejected(self._label, "generate", message, 400)
-
-        if not isinstance(request, Mapping):
-            raise reject(f"request must be a JSON object, got {request!r}")
-        if request.get("stream"):
-            raise reject("streaming is not supported by the simulated engine")
-        input_ids = request.get("input_ids")
-        text = request.get("text")
-        if (input_ids is None) == (text is None):
-            raise reject("exactly one of 'text' or 'input_ids' must be given")
-        if input_ids is not None:
-            if not isinstance(input_ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in input_ids
-            ):
-                raise reject(f"input_ids must be a list of token ids >= 0, got {input_ids!r}")
-            prompt = list(input_ids)
-        else:
-            if not isinstance(text, str):
-                raise reject(f"text must be a string, got {text!r}")
-            prompt = list(text.encode())
-        params = request.get("sampling_params") or {}
-        if not isinstance(params, Mapping):
-            raise reject(f"sampling_params must be an object, got {params!r}")
-        max_new = params.get("max_new_tokens", 16)
-        if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 0:
-            raise reject(f"max_new_tokens must be an int >= 0, got {max_new!r}")
-        rid = request.get("rid")
-        if rid is None:
-            rid = uuid.uuid4().hex
-        elif not isinstance(rid, str) or not rid:
-            raise reject(f"rid must be a non-empty string, got {rid!r}")
-        elif rid in self._in_flight:
-            raise reject(f"duplicate request id {rid!r}")
-        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        return SimRequest(rid=rid, prompt=prompt, max_new_tokens=max_new, future=future)

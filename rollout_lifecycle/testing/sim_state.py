@@ -1,6 +1,8 @@
-"""The simulated engine's state: its options, memory per tag, requests and history, and what
-it reports of itself to tests (``state()``, ``stats()``, ``memory()``, ``history()``).
-The base of ``SimulatedEngine``; the constants and request record the other layers share.
+"""The simulated engine's state: its options, memory per tag, requests, weight version and
+history, and what it reports of itself (``state()``, ``stats()``, ``memory()``, ``history()``,
+its server arguments). The other parts of ``SimulatedEngine`` (its call front end, scheduler,
+weight and lifecycle calls) each receive this one object; the constants and request record they
+share live here too.
 """
 
 from __future__ import annotations
@@ -9,13 +11,14 @@ import asyncio
 import itertools
 import math
 import random
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_lifecycle.backends.engine import incarnation_of
-from rollout_lifecycle.contract.exceptions import InvalidArgument
+from rollout_lifecycle.backends.engine import CHECKING, incarnation_of
+from rollout_lifecycle.contract.exceptions import EngineDead, InvalidArgument
 from rollout_lifecycle.contract.values import (
     ALL_TAGS,
     PauseMode,
@@ -95,10 +98,10 @@ class SimRequest:
         self.key = sum((i + 1) * t for i, t in enumerate(self.prompt)) % VOCAB
 
 
-#: Where a process's start-up values come from (never a seeded generator: see ``_start_process``).
+#: Where a process's start-up values come from (never a seeded generator: see ``start_process``).
 _SYSTEM_RANDOM = random.SystemRandom()
 
-#: History entries per tuple of older entries (see ``SimulatedEngine._record``).
+#: History entries per tuple of older entries (see ``SimState.record``).
 HISTORY_CHUNK = 16
 
 
@@ -150,9 +153,64 @@ def version_spans(
     return [{**s, "end": min(s["end"], count)} for s in visible]
 
 
+def check_op_latency(
+    op_latency: Mapping[str, float | tuple[float, float]] | None,
+) -> dict[str, float | tuple[float, float]]:
+    """``op_latency`` checked: seconds or a (low, high) range per op of ``LIFECYCLE_OPS``."""
+    if op_latency is None:
+        return {}
+    if not isinstance(op_latency, Mapping):
+        raise InvalidArgument(f"op_latency must be a mapping, got {op_latency!r}")
+    out: dict[str, float | tuple[float, float]] = {}
+    for op, value in op_latency.items():
+        if op not in LIFECYCLE_OPS:
+            raise InvalidArgument(
+                f"unknown op {op!r} in op_latency; valid: {', '.join(LIFECYCLE_OPS)}"
+            )
+        if isinstance(value, tuple):
+            if len(value) != 2:
+                raise InvalidArgument(
+                    f"op_latency[{op!r}] must be seconds or a (low, high) pair, got {value!r}"
+                )
+            low = _check_seconds(f"op_latency[{op!r}] low", value[0])
+            high = _check_seconds(f"op_latency[{op!r}] high", value[1])
+            if low > high:
+                raise InvalidArgument(f"op_latency[{op!r}] range has low > high: {value!r}")
+            out[op] = (low, high)
+        else:
+            out[op] = _check_seconds(f"op_latency[{op!r}]", value)
+    return out
+
+
+def check_memory(memory_bytes: Mapping[str, int] | None) -> dict[str, int]:
+    """The bytes each tag holds resident: ``DEFAULT_MEMORY_BYTES`` with ``memory_bytes`` over it."""
+    capacity = dict(DEFAULT_MEMORY_BYTES)
+    if memory_bytes is None:
+        return capacity
+    if not isinstance(memory_bytes, Mapping):
+        raise InvalidArgument(f"memory_bytes must be a mapping, got {memory_bytes!r}")
+    for tag, nbytes in memory_bytes.items():
+        name = tag.value if isinstance(tag, Tag) else tag
+        if name not in KNOWN_TAGS:
+            raise InvalidArgument(
+                f"unknown memory tag {tag!r} in memory_bytes; valid: "
+                f"{', '.join(sorted(KNOWN_TAGS))}"
+            )
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise InvalidArgument(f"memory_bytes[{name!r}] must be an int >= 0, got {nbytes!r}")
+        capacity[name] = nbytes
+    return capacity
+
+
 class SimState:
-    """The state of one simulated SGLang server and what it reports; ``SimulatedEngine``'s
-    innermost base."""
+    """What one simulated SGLang server holds: its options, the process's state (memory per tag,
+    paused, weight version, session and groups, the request queues), the counters and the
+    history that outlive restarts; and what it reports of them.
+
+    The scheduler, the call front end and the weight and lifecycle calls read and write these
+    fields; ``SimState`` itself changes nothing but the history, and signals each change
+    (``notify``) to whoever waits on one (``wait_changed``).
+    """
 
     def __init__(
         self,
@@ -172,14 +230,14 @@ class SimState:
     ) -> None:
         if not isinstance(label, str) or not label:
             raise InvalidArgument(f"label must be a non-empty string, got {label!r}")
-        self._label = label
-        self._token_latency = _check_seconds("token_latency", token_latency)
-        self._health_timeout = _check_seconds("health_timeout", health_timeout)
-        self._op_latency = self._validate_op_latency(op_latency)
+        self.label = label
+        self.token_latency = _check_seconds("token_latency", token_latency)
+        self.health_timeout = _check_seconds("health_timeout", health_timeout)
+        self.op_latency = check_op_latency(op_latency)
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise InvalidArgument(f"seed must be an int or None, got {seed!r}")
-        self._rng = random.Random(seed)
-        self._capacity = self._validate_memory(memory_bytes)
+        self.rng = random.Random(seed)
+        self.capacity = check_memory(memory_bytes)
         if not isinstance(weight_version, str):
             raise InvalidArgument(f"weight_version must be a string, got {weight_version!r}")
         check_int("max_running", max_running, minimum=1, maximum=MAX_RUNNING)
@@ -191,20 +249,20 @@ class SimState:
             raise InvalidArgument(
                 f"gpu_memory_bytes must be an int >= 0 or None, got {gpu_memory_bytes!r}"
             )
-        self._gpu_memory_bytes = gpu_memory_bytes
-        self._external_bytes = 0
-        self._max_running = max_running
-        self._weights_cpu_backup = check_flag("weights_cpu_backup", weights_cpu_backup)
-        self._dp_dummy_batches = check_flag("dp_dummy_batches", dp_dummy_batches)
-        self._check_model_paths = check_flag("check_model_paths", check_model_paths)
-        self._initial_version = weight_version
-        self._closed = False
+        self.gpu_memory_bytes = gpu_memory_bytes
+        self.external_bytes = 0
+        self.max_running = max_running
+        self.weights_cpu_backup = check_flag("weights_cpu_backup", weights_cpu_backup)
+        self.dp_dummy_batches = check_flag("dp_dummy_batches", dp_dummy_batches)
+        self.check_model_paths = check_flag("check_model_paths", check_model_paths)
+        self.initial_version = weight_version
+        self.closed = False
         # The newest history entries, and older finished ones as tuples of their items, in
-        # tuples of ``HISTORY_CHUNK`` (see ``_record``). The history, like the counters, is what
+        # tuples of ``HISTORY_CHUNK`` (see ``record``). The history, like the counters, is what
         # a test sees of every process that served at this engine's place, restarts included.
-        self._history: list[dict[str, Any]] = []
-        self._archive: list[tuple[tuple[tuple[str, Any], ...], ...]] = []
-        self._counts: dict[str, int] = dict.fromkeys(
+        self.recent: list[dict[str, Any]] = []
+        self.archive: list[tuple[tuple[tuple[str, Any], ...], ...]] = []
+        self.counts: dict[str, int] = dict.fromkeys(
             (
                 "submitted",
                 # requests that arrived while the engine was paused (held in its front end)
@@ -225,34 +283,35 @@ class SimState:
             ),
             0,
         )
-        self._health_seq = 0
-        self._scheduler: asyncio.Task[None] | None = None
-        self._changed: asyncio.Event | None = None
-        self._start_process()
+        self.health_seq = 0
+        # Set and replaced at each change (``notify``); the scheduler makes a new one per loop.
+        self.changed: asyncio.Event | None = None
+        self.process = -1
+        self.start_process()
 
-    def _start_process(self) -> None:
+    def start_process(self) -> None:
         """The state of a server process that has just started: every tag resident, not
         paused, the initial weights and version, nothing queued, a new incarnation."""
         # Which process this is (0 for the first): a call a restarted process took is lost.
-        self._process: int = getattr(self, "_process", -1) + 1
+        self.process += 1
         # The front end hands the scheduler one flush at a time, in arrival order.
         # sglang: communicator.py FanOutCommunicator.queueing_call (flush_cache_communicator)
-        self._flush_queue: asyncio.Lock | None = None
+        self.flush_queue: asyncio.Lock | None = None
         # What names this process in /server_info: the durations of its start-up, and the
         # random seed drawn when none is given (sglang: observability/startup_time.py;
         # arg_groups/serving_hook.py). Drawn from the system's randomness, never the seed, so
         # that two processes (a restart, or two engines built with one seed) never share them.
         draw = _SYSTEM_RANDOM.uniform
-        self._startup_time: dict[str, Any] = {
+        self.startup_time: dict[str, Any] = {
             "load_weight": draw(0.01, 0.1),
             "kv_cache_allocation": draw(0.1, 1.0),
             "scheduler_e2e": draw(1.0, 5.0),
             "cuda_graph": {},
             "tokenizer_e2e": draw(10.0, 30.0),
         }
-        self._random_seed = _SYSTEM_RANDOM.randint(0, 1 << 30)
-        self._incarnation = incarnation_of(
-            {"startup_time": self._startup_time, "random_seed": self._random_seed}
+        self.random_seed = _SYSTEM_RANDOM.randint(0, 1 << 30)
+        self.incarnation = incarnation_of(
+            {"startup_time": self.startup_time, "random_seed": self.random_seed}
         )
         # The scheduler's version (stamped on output tokens) and the tokenizer's (what
         # /model_info reports) are kept apart: a weight update whose trailing flush fails moves
@@ -260,191 +319,198 @@ class SimState:
         # sglang: weight_updater.py update_weights_from_* (record_weight_version_after_update
         # before flush_cache_after_weight_update); tokenizer_control_mixin.py
         # _update_weight_version_if_provided only on success.
-        self._weight_version = self._initial_version
-        self._served_version = self._initial_version
-        self._weights_valid = True
-        self._released: set[str] = set()
-        self._paused = False
-        self._pause_mode: PauseMode | None = None
-        self._running: list[SimRequest] = []
-        self._waiting: deque[SimRequest] = deque()
+        self.weight_version = self.initial_version
+        self.served_version = self.initial_version
+        self.weights_valid = True
+        self.released: set[str] = set()
+        self.paused = False
+        self.pause_mode: PauseMode | None = None
+        self.running: list[SimRequest] = []
+        self.waiting: deque[SimRequest] = deque()
         # Requests that arrived while paused wait in the tokenizer front end, not in the
         # scheduler: no scheduler abort and no idleness check sees them.
         # sglang: tokenizer_manager.py generate_request (is_pause_cond.wait_for before sending)
-        self._front: list[SimRequest] = []
-        self._in_flight: dict[str, SimRequest] = {}
-        self._prefix_cache: set[tuple[int, ...]] = set()
-        self._session_open = False
-        self._session_selector: str | None = None
-        self._groups: dict[str, dict[str, Any]] = {}
-        self._flush_pending = False
-        self._healthy = True
-        self._dead = False
-        self._death_reason: str | None = None
+        self.front: list[SimRequest] = []
+        self.in_flight: dict[str, SimRequest] = {}
+        self.prefix_cache: set[tuple[int, ...]] = set()
+        self.session_open = False
+        self.session_selector: str | None = None
+        self.groups: dict[str, dict[str, Any]] = {}
+        self.flush_pending = False
+        self.healthy = True
+        self.dead = False
+        self.death_reason: str | None = None
 
-    # ----------------------------------------------------------------------------- validation
+    # ----------------------------------------------------------------------------- changes
 
-    @staticmethod
-    def _validate_op_latency(
-        op_latency: Mapping[str, float | tuple[float, float]] | None,
-    ) -> dict[str, float | tuple[float, float]]:
-        if op_latency is None:
-            return {}
-        if not isinstance(op_latency, Mapping):
-            raise InvalidArgument(f"op_latency must be a mapping, got {op_latency!r}")
-        out: dict[str, float | tuple[float, float]] = {}
-        for op, value in op_latency.items():
-            if op not in LIFECYCLE_OPS:
-                raise InvalidArgument(
-                    f"unknown op {op!r} in op_latency; valid: {', '.join(LIFECYCLE_OPS)}"
-                )
-            if isinstance(value, tuple):
-                if len(value) != 2:
-                    raise InvalidArgument(
-                        f"op_latency[{op!r}] must be seconds or a (low, high) pair, got {value!r}"
-                    )
-                low = _check_seconds(f"op_latency[{op!r}] low", value[0])
-                high = _check_seconds(f"op_latency[{op!r}] high", value[1])
-                if low > high:
-                    raise InvalidArgument(f"op_latency[{op!r}] range has low > high: {value!r}")
-                out[op] = (low, high)
-            else:
-                out[op] = _check_seconds(f"op_latency[{op!r}]", value)
-        return out
+    def notify(self) -> None:
+        """Wake whoever waits for the state to change."""
+        if self.changed is not None:
+            self.changed.set()
+            self.changed = asyncio.Event()
 
-    @staticmethod
-    def _validate_memory(memory_bytes: Mapping[str, int] | None) -> dict[str, int]:
-        capacity = dict(DEFAULT_MEMORY_BYTES)
-        if memory_bytes is None:
-            return capacity
-        if not isinstance(memory_bytes, Mapping):
-            raise InvalidArgument(f"memory_bytes must be a mapping, got {memory_bytes!r}")
-        for tag, nbytes in memory_bytes.items():
-            name = tag.value if isinstance(tag, Tag) else tag
-            if name not in KNOWN_TAGS:
-                raise InvalidArgument(
-                    f"unknown memory tag {tag!r} in memory_bytes; valid: "
-                    f"{', '.join(sorted(KNOWN_TAGS))}"
-                )
-            if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
-                raise InvalidArgument(f"memory_bytes[{name!r}] must be an int >= 0, got {nbytes!r}")
-            capacity[name] = nbytes
-        return capacity
+    async def wait_changed(self, timeout: float | None) -> bool:
+        """Wait for the next change; False if ``timeout`` seconds pass first."""
+        event = self.changed
+        if event is None:
+            event = self.changed = asyncio.Event()
+        if timeout is None:
+            await event.wait()
+            return True
+        if timeout <= 0:
+            return False
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
-    # ----------------------------------------------------------------------------- properties
+    def check_alive(self, op: str) -> None:
+        """Refuse ``op`` as a dead or closed server does: ``EngineDead``."""
+        if self.dead:
+            raise EngineDead(self.label, op, f"engine is dead: {self.death_reason}")
+        if self.closed:
+            raise EngineDead(self.label, op, "engine is closed")
 
-    @property
-    def label(self) -> str:
-        """The engine's name in errors and history."""
-        return self._label
+    def is_idle(self, *, ignore_waiting: bool) -> bool:
+        """The scheduler's idleness: nothing running and, unless ignored, nothing waiting.
 
-    @property
-    def dead(self) -> bool:
-        """True once a fatal misuse has killed the engine."""
-        return self._dead
+        The front end's held requests never count: the scheduler has not seen them.
+        """
+        # sglang: scheduler.py Scheduler.is_fully_idle(ignore_waiting=...)
+        return not self.running and (ignore_waiting or not self.waiting)
 
-    @property
-    def paused(self) -> bool:
-        """Whether generation is paused (introspection; the server shows it only as /ready 503)."""
-        return self._paused
+    # ----------------------------------------------------------------------------- history
 
-    @property
-    def pause_mode(self) -> str | None:
-        """The mode of the current pause, or None (introspection)."""
-        return self._pause_value()
+    def record(self, op: str, **fields: Any) -> dict[str, Any]:
+        """Append the history entry of a call that starts now; the caller fills in its end.
 
-    @property
-    def released_tags(self) -> list[str]:
-        """The memory tags released now, in tag order (introspection; SGLang tracks none)."""
-        return [t.value for t in ALL_TAGS if t.value in self._released]
-
-    @property
-    def weights_valid(self) -> bool:
-        """False while the weights hold garbage (resumed without a CPU backup, not rewritten)."""
-        return self._weights_valid
-
-    @property
-    def flush_pending(self) -> bool:
-        """Whether a flush with a timeout is deferred, waiting for idleness (introspection)."""
-        return self._flush_pending
-
-    @property
-    def weight_update_session_open(self) -> bool:
-        """Whether a begin/end weight-update session is open (introspection)."""
-        return self._session_open
-
-    @property
-    def death_reason(self) -> str | None:
-        """What killed the engine, or None while it lives."""
-        return self._death_reason
-
-    # ----------------------------------------------------------------------------- introspection
-
-    def _pause_value(self) -> str | None:
-        return None if self._pause_mode is None else self._pause_mode.value
-
-    def _resident_bytes(self) -> int:
-        return sum(self.memory().values())
-
-    def memory(self) -> dict[str, int]:
-        """Resident bytes per tag; a dead engine's process holds none."""
-        return {
-            t.value: 0 if self._dead or t.value in self._released else self._capacity[t.value]
-            for t in ALL_TAGS
+        Entries hold only strings, numbers, None and tuples of those (``history()`` turns the
+        tuples into lists), and older finished entries are kept as tuples of tuples, which
+        CPython's collector stops tracking: a fleet of thousands of in-process engines keeps
+        millions of entries, and every full collection would otherwise visit each one.
+        """
+        entry: dict[str, Any] = {
+            "op": op,
+            "engine": self.label,
+            "tags": None,
+            "mode": None,
+            "start": time.monotonic(),
+            "end": None,
+            "outcome": "pending",
+            "detail": None,
+            **fields,
         }
-
-    def set_external_memory(self, nbytes: int) -> None:
-        """Say how many bytes other processes (the trainer) hold on this engine's GPU."""
-        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
-            raise InvalidArgument(f"external memory must be an int >= 0, got {nbytes!r}")
-        self._external_bytes = nbytes
+        check = CHECKING.get()
+        if check is not None:  # a read the engine host makes to check the engine
+            entry["check_of"] = check
+        recent = self.recent
+        recent.append(entry)
+        if len(recent) >= 2 * HISTORY_CHUNK:
+            chunk = recent[:HISTORY_CHUNK]
+            if all(e["end"] is not None for e in chunk):  # finished: nothing writes to them
+                self.archive.append(tuple(tuple(e.items()) for e in chunk))
+                del recent[:HISTORY_CHUNK]
+        return entry
 
     def history(self) -> list[dict[str, Any]]:
         """Every lifecycle call that has returned (or raised), in order of start; a copy."""
         return [
             {k: list(v) if isinstance(v, tuple) else v for k, v in entry.items()}
             for entry in itertools.chain(
-                (dict(items) for chunk in self._archive for items in chunk), self._history
+                (dict(items) for chunk in self.archive for items in chunk), self.recent
             )
             if entry["end"] is not None
         ]
 
     def take_history(self) -> list[dict[str, Any]]:
-        """``history()``, and forget what it returns; calls still running stay for a later take.
-
-        A long run that checks its engines round by round takes each round's calls as it goes,
-        so the engine's memory, and the work of keeping it, stays flat instead of growing with
-        the run.
-        """
+        """``history()``, and forget what it returns; calls still running stay for a later take."""
         taken = self.history()
-        self._archive.clear()
-        self._history = [entry for entry in self._history if entry["end"] is None]
+        self.archive.clear()
+        self.recent = [entry for entry in self.recent if entry["end"] is None]
         return taken
 
-    def state(self) -> dict[str, Any]:
-        """What SGLang keeps to itself (its ``/server_info`` shows none of it), for tests:
-        label, dead, paused and the pause mode, released tags, whether the weights are valid,
-        a deferred flush, an open weight-update session, the lifecycle calls in flight."""
+    # ----------------------------------------------------------------------------- reports
+
+    def pause_value(self) -> str | None:
+        """The mode of the current pause as its name, or None."""
+        return None if self.pause_mode is None else self.pause_mode.value
+
+    def released_tags(self) -> list[str]:
+        """The memory tags released now, in tag order."""
+        return [t.value for t in ALL_TAGS if t.value in self.released]
+
+    def memory(self) -> dict[str, int]:
+        """Resident bytes per tag; a dead engine's process holds none."""
         return {
-            "label": self._label,
-            "dead": self._dead,
+            t.value: 0 if self.dead or t.value in self.released else self.capacity[t.value]
+            for t in ALL_TAGS
+        }
+
+    def resident_bytes(self) -> int:
+        return sum(self.memory().values())
+
+    def set_external_memory(self, nbytes: int) -> None:
+        """Say how many bytes other processes (the trainer) hold on this engine's GPU."""
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise InvalidArgument(f"external memory must be an int >= 0, got {nbytes!r}")
+        self.external_bytes = nbytes
+
+    def state(self) -> dict[str, Any]:
+        """What SGLang keeps to itself, for tests (see ``SimulatedEngine.state``)."""
+        return {
+            "label": self.label,
+            "dead": self.dead,
             "paused": self.paused,
-            "pause_mode": self.pause_mode,
-            "released_tags": self.released_tags,
+            "pause_mode": self.pause_value(),
+            "released_tags": self.released_tags(),
             "weights_valid": self.weights_valid,
             "flush_pending": self.flush_pending,
-            "weight_update_session_open": self.weight_update_session_open,
+            "weight_update_session_open": self.session_open,
             # lifecycle calls that have started and not returned (their latency included)
-            "in_flight": [e["op"] for e in self._history if e["end"] is None],
+            "in_flight": [e["op"] for e in self.recent if e["end"] is None],
         }
 
     def stats(self) -> dict[str, int]:
         """Counters of the work done so far and the current queues."""
         return {
-            **self._counts,
-            "prefix_cache_size": len(self._prefix_cache),
-            "running": len(self._running),
-            "waiting": len(self._waiting),
-            "held": len(self._front),
-            "in_flight": len(self._in_flight),
+            **self.counts,
+            "prefix_cache_size": len(self.prefix_cache),
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "held": len(self.front),
+            "in_flight": len(self.in_flight),
+        }
+
+    def server_args(self) -> dict[str, Any]:
+        """The resolved server arguments this engine stands for (a subset of SGLang's)."""
+        return {
+            "model_path": "simulated/" + self.label,
+            "tokenizer_path": "simulated/" + self.label,
+            "weight_version": self.initial_version,
+            "enable_memory_saver": True,
+            "enable_weights_cpu_backup": self.weights_cpu_backup,
+            "max_running_requests": self.max_running,
+            "api_key": None,
+            "admin_api_key": None,
+            "random_seed": self.random_seed,
+            "dp_size": 1,
+            "tp_size": 1,
+        }
+
+    def memory_usage(self) -> dict[str, Any]:
+        """``memory_usage`` of ``/server_info``'s internal state, in GB."""
+
+        # What the scheduler measured at load, in GB; a release does not change it.
+        # sglang: scheduler_components/memory_usage.py build_memory_usage
+        def gb(tag: str) -> float:
+            return round(self.capacity[tag] / GIB, 3)
+
+        return {
+            "weight": gb(Tag.WEIGHTS.value),
+            "kvcache": gb(Tag.KV_CACHE.value),
+            "startup_available": round(sum(self.capacity.values()) / GIB, 3),
+            "token_capacity": self.capacity[Tag.KV_CACHE.value] // KV_BYTES_PER_TOKEN,
+            "token_capacity_swa": None,
+            "graph": {"decode": gb(Tag.CUDA_GRAPH.value)},
         }

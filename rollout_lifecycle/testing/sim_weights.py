@@ -12,60 +12,72 @@ from typing import Any
 from rollout_lifecycle.backends.sglang_api import SELECTORS, WEIGHTS_WRITTEN_FLUSH_FAILED
 from rollout_lifecycle.contract.exceptions import EngineRejected
 from rollout_lifecycle.contract.values import DEFAULT_GROUP_NAME, Tag
+from rollout_lifecycle.testing.sim_calls import SimCalls
 from rollout_lifecycle.testing.sim_scheduler import SimScheduler
+from rollout_lifecycle.testing.sim_state import SimState
 
 
-class SimWeights(SimScheduler):
-    """Weight-update sessions and writes."""
+class SimWeights:
+    """Weight-update sessions and writes, collective groups and the weight version of one
+    simulated server: what it holds of them is in ``state``; a write that aborts requests or
+    moves the version stamped on tokens asks ``scheduler``; each call is taken by ``calls``."""
+
+    def __init__(self, state: SimState, scheduler: SimScheduler, calls: SimCalls) -> None:
+        self._state = state
+        self._scheduler = scheduler
+        self._calls = calls
 
     async def _wait_unpaused_idle(self, op: str) -> None:
         """Unpaused, a weight call takes the model-update writer lock, so it waits for every
         in-flight generate to finish; paused, whoever paused holds it and the call runs now."""
         # sglang: tokenizer_control_mixin.py _weight_update_session_call,
         # update_weights_from_tensor / _distributed (model_update_lock.writer_lock unless paused)
-        while not self._paused and (self._running or self._waiting):
-            await self._wait_changed(None)
-            self._check_alive(op)
+        state = self._state
+        while not state.paused and (state.running or state.waiting):
+            await state.wait_changed(None)
+            state.check_alive(op)
 
     def _check_selector(self, op: str, selector: str) -> str:
         if selector not in SELECTORS:
             raise EngineRejected(
-                self._label, op, f"selector must be one of {', '.join(SELECTORS)}", 400
+                self._state.label, op, f"selector must be one of {', '.join(SELECTORS)}", 400
             )
         return selector
 
     async def begin_weight_update(self, selector: str = "all") -> None:
         """``POST /begin_weight_update``: open a session (400 if one is open)."""
         # sglang: weight_updater.py SchedulerWeightUpdaterManager.begin_weight_update
+        state = self._state
         op = "begin_weight_update"
-        async with self._op(op, selector=selector):
+        async with self._calls.op(op, selector=selector):
             self._check_selector(op, selector)
             await self._wait_unpaused_idle(op)
-            if self._session_open:
+            if state.session_open:
                 raise EngineRejected(
-                    self._label,
+                    state.label,
                     op,
                     "a weight-update session is already open; call end_weight_update() first",
                     400,
                 )
-            self._session_open = True
-            self._session_selector = selector
+            state.session_open = True
+            state.session_selector = selector
 
     async def end_weight_update(self) -> None:
         """``POST /end_weight_update``: close the session (400 if none is open)."""
         # sglang: weight_updater.py SchedulerWeightUpdaterManager.end_weight_update
+        state = self._state
         op = "end_weight_update"
-        async with self._op(op):
+        async with self._calls.op(op):
             await self._wait_unpaused_idle(op)
-            if not self._session_open:
+            if not state.session_open:
                 raise EngineRejected(
-                    self._label,
+                    state.label,
                     op,
                     "no weight-update session is open; call begin_weight_update() first",
                     400,
                 )
-            self._session_open = False
-            self._session_selector = None
+            state.session_open = False
+            state.session_selector = None
 
     async def update_weights_from_disk(
         self,
@@ -77,7 +89,7 @@ class SimWeights(SimScheduler):
     ) -> None:
         """``POST /update_weights_from_disk`` (needs no session)."""
         op = "update_weights_from_disk"
-        async with self._op(
+        async with self._calls.op(
             op,
             version=weight_version,
             model_path=model_path,
@@ -85,11 +97,13 @@ class SimWeights(SimScheduler):
             abort_all_requests=abort_all_requests,
         ) as entry:
             if not isinstance(model_path, str) or not model_path:
-                raise EngineRejected(self._label, op, f"bad model_path {model_path!r}", 400)
+                raise EngineRejected(self._state.label, op, f"bad model_path {model_path!r}", 400)
             # SGLang's loader fails on a path it cannot read: success false, version kept.
             # sglang: model_runner_components/weight_updater.py update_weights_from_disk
             refuse = None
-            if self._check_model_paths and not await asyncio.to_thread(os.path.isdir, model_path):
+            if self._state.check_model_paths and not await asyncio.to_thread(
+                os.path.isdir, model_path
+            ):
                 refuse = f"Failed to get weights iterator: no model at {model_path!r}."
             await self._write_weights(
                 entry,
@@ -111,7 +125,7 @@ class SimWeights(SimScheduler):
     ) -> None:
         """``POST /update_weights_from_tensor`` (only inside a begin/end session)."""
         op = "update_weights_from_tensor"
-        async with self._op(
+        async with self._calls.op(
             op,
             version=weight_version,
             payload_type=type(payload).__name__,
@@ -142,15 +156,15 @@ class SimWeights(SimScheduler):
         """``POST /init_weights_update_group``: record the group (no collective is formed)."""
         # sglang: model_runner_components/weight_updater.py init_weights_update_group
         op = "init_weights_update_group"
-        async with self._op(op, group_name=group_name, backend=backend):
+        async with self._calls.op(op, group_name=group_name, backend=backend):
             if not isinstance(group_name, str) or not group_name:
                 raise EngineRejected(
-                    self._label,
+                    self._state.label,
                     op,
                     "Failed to initialize custom process group: Group name cannot be empty.",
                     400,
                 )
-            self._groups[group_name] = {
+            self._state.groups[group_name] = {
                 "master_address": master_address,
                 "master_port": master_port,
                 "rank_offset": rank_offset,
@@ -162,10 +176,10 @@ class SimWeights(SimScheduler):
         """``POST /destroy_weights_update_group``; 400 for a group that does not exist."""
         # sglang: model_runner_components/weight_updater.py destroy_weights_update_group
         op = "destroy_weights_update_group"
-        async with self._op(op, group_name=group_name):
-            if self._groups.pop(group_name, None) is None:
+        async with self._calls.op(op, group_name=group_name):
+            if self._state.groups.pop(group_name, None) is None:
                 raise EngineRejected(
-                    self._label, op, "The group to be destroyed does not exist.", 400
+                    self._state.label, op, "The group to be destroyed does not exist.", 400
                 )
 
     async def update_weights_from_distributed(
@@ -184,7 +198,7 @@ class SimWeights(SimScheduler):
         """``POST /update_weights_from_distributed``: inside a session, over a group that
         ``init_weights_update_group`` formed (400 naming the known groups otherwise)."""
         op = "update_weights_from_distributed"
-        async with self._op(
+        async with self._calls.op(
             op,
             version=weight_version,
             group_name=group_name,
@@ -197,10 +211,10 @@ class SimWeights(SimScheduler):
             # sglang: model_runner_components/weight_updater.py receive_weights_from_distributed
             # (the assertion is caught by update_weights_from_distributed and answered as 400)
             unknown = None
-            if group_name not in self._groups:
+            if group_name not in self._state.groups:
                 unknown = (
                     f"Failed to receive weights: Group {group_name} not in "
-                    f"{list(self._groups)}. Please call `init_weights_update_group` first."
+                    f"{list(self._state.groups)}. Please call `init_weights_update_group` first."
                 )
             await self._write_weights(
                 entry,
@@ -223,67 +237,50 @@ class SimWeights(SimScheduler):
         session: str | None = None,
         refuse: str | None = None,
     ) -> None:
+        state = self._state
         op: str = entry["op"]
         if weight_version is not None and not isinstance(weight_version, str):
-            raise EngineRejected(self._label, op, f"bad weight_version {weight_version!r}", 400)
+            raise EngineRejected(state.label, op, f"bad weight_version {weight_version!r}", 400)
         if abort_all_requests:
             # sglang: the tokenizer's abort_request(abort_all=True), before the lock is taken
-            await self._abort(lambda _: True, f"aborted by {op}(abort_all_requests=True)")
+            await self._scheduler.abort(lambda _: True, f"aborted by {op}(abort_all_requests=True)")
         await self._wait_unpaused_idle(op)
         # sglang: weight_updater.py update_weights_from_tensor / _distributed check the session
         # first, then receive, then load into the runners the request's own selector picks.
-        if session is not None and not self._session_open:
-            raise EngineRejected(self._label, op, session, 400)
+        if session is not None and not state.session_open:
+            raise EngineRejected(state.label, op, session, 400)
         if refuse is not None:
-            raise EngineRejected(self._label, op, refuse, 400)
+            raise EngineRejected(state.label, op, refuse, 400)
         # The simulated model has no speculative draft: "draft" selects no runner, so the call
         # succeeds and loads nothing (sglang: weight_updater.py _select_runners).
         if selector != "draft":
-            if Tag.WEIGHTS.value in self._released:
-                raise self._fatal(
+            if Tag.WEIGHTS.value in state.released:
+                raise self._calls.fatal(
                     entry, f"illegal memory access: {op} wrote weights while 'weights' is released"
                 )
-            self._weights_valid = True
-        self._counts["weight_updates"] += 1
-        self._record_version_change(weight_version)
-        if flush_cache and not self._is_idle(ignore_waiting=self._paused):
+            state.weights_valid = True
+        state.counts["weight_updates"] += 1
+        self._scheduler.record_version_change(weight_version)
+        if flush_cache and not state.is_idle(ignore_waiting=state.paused):
             # The weights and the scheduler's version moved; the answer is a 400 and the
             # tokenizer's version (/model_info) stays.
             # sglang: weight_updater.py flush_cache_after_weight_update
-            raise EngineRejected(self._label, op, WEIGHTS_WRITTEN_FLUSH_FAILED, 400)
+            raise EngineRejected(state.label, op, WEIGHTS_WRITTEN_FLUSH_FAILED, 400)
         if flush_cache:
-            self._prefix_cache.clear()
+            state.prefix_cache.clear()
         if weight_version is not None:
-            self._served_version = weight_version
+            state.served_version = weight_version
 
     async def update_weight_version(self, version: str, *, abort_all_requests: bool = True) -> None:
         """``POST /update_weight_version``; SGLang's default aborts every request the scheduler
         holds (the front end's, held while paused, are out of its reach)."""
         # sglang: http_server.py update_weight_version; scheduler.py handle_update_weight_version
         op = "update_weight_version"
-        async with self._op(op, version=version, abort_all_requests=abort_all_requests):
+        async with self._calls.op(op, version=version, abort_all_requests=abort_all_requests):
             if not isinstance(version, str):
-                raise EngineRejected(self._label, op, f"bad new_version {version!r}", 400)
+                raise EngineRejected(self._state.label, op, f"bad new_version {version!r}", 400)
             if abort_all_requests:
                 # Includes the requests a retract pause preserved: the field's costliest bug.
-                await self._abort(lambda _: True, "aborted by update_weight_version")
-            self._record_version_change(version)
-            self._served_version = version
-
-    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        """``POST /abort_request``: with one tokenizer worker, ``rid`` must be a live request's
-        id exactly; ``rid=""`` without ``abort_all`` does nothing; ``abort_all`` aborts every
-        request the scheduler holds."""
-        async with self._op("abort_request", rid=rid, abort_all=abort_all) as entry:
-            # sglang: tokenizer_manager.py TokenizerManager.abort_request (exact rid lookup in
-            # rid_to_state; the scheduler then aborts what starts with it:
-            # scheduler.py Scheduler.abort_request)
-            if abort_all:
-                count = await self._abort(lambda _: True, "aborted by abort_request")
-            elif rid and rid in self._in_flight:
-                count = await self._abort(
-                    lambda r: r.rid.startswith(rid), "aborted by abort_request"
-                )
-            else:
-                count = 0
-            entry["detail"] = f"{count} aborted"
+                await self._scheduler.abort(lambda _: True, "aborted by update_weight_version")
+            self._scheduler.record_version_change(version)
+            self._state.served_version = version

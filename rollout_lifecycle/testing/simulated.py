@@ -5,7 +5,6 @@ Tests, demos and benchmarks drive it instead of a GPU server; misuse kills it as
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import inspect
 import time
@@ -17,24 +16,21 @@ from rollout_lifecycle.backends.sglang_api import (
     FLUSH_TIMED_OUT,
     WEIGHTS_WRITTEN_FLUSH_FAILED,
 )
-from rollout_lifecycle.contract.exceptions import EngineRejected, EngineUnreachable, InvalidArgument
-from rollout_lifecycle.contract.values import PauseMode, Tag, check_int
+from rollout_lifecycle.contract.exceptions import EngineUnreachable, InvalidArgument
+from rollout_lifecycle.contract.values import DEFAULT_GROUP_NAME, PauseMode, Tag, check_int
+from rollout_lifecycle.testing.sim_calls import SimCalls
+from rollout_lifecycle.testing.sim_control import SimControl
+from rollout_lifecycle.testing.sim_scheduler import SimScheduler
 from rollout_lifecycle.testing.sim_state import (
     DEFAULT_MEMORY_BYTES,
     DEFAULT_WEIGHT_VERSION,
-    GIB,
-    KNOWN_TAGS,
-    KV_BYTES_PER_TOKEN,
-    RESUME_ORDER,
     SIM_VERSION,
-    SimRequest,
-    requested_tags,
-    seconds_of,
+    SimState,
 )
 from rollout_lifecycle.testing.sim_weights import SimWeights
 
 
-class SimulatedEngine(SimWeights):
+class SimulatedEngine:
     """One simulated SGLang server: generation that takes time, memory per tag, the lifecycle.
 
     Runs on the asyncio loop of its first caller (a scheduler task started lazily); no threads.
@@ -42,44 +38,151 @@ class SimulatedEngine(SimWeights):
     every later call raise ``EngineDead``.
     """
 
+    # Its parts, each given what it works on: the state the server holds and reports, the
+    # scheduler of its requests, the front end that takes each control call, and the weight
+    # and lifecycle calls. This class is the engine's face and delegates to them.
+
+    def __init__(
+        self,
+        label: str = "sim",
+        *,
+        token_latency: float = 0.005,
+        op_latency: Mapping[str, float | tuple[float, float]] | None = None,
+        seed: int | None = None,
+        memory_bytes: Mapping[str, int] | None = None,
+        weight_version: str = DEFAULT_WEIGHT_VERSION,
+        weights_cpu_backup: bool = False,
+        dp_dummy_batches: bool = False,
+        health_timeout: float = 20.0,
+        max_running: int = 1024,
+        gpu_memory_bytes: int | None = None,
+        check_model_paths: bool = False,
+    ) -> None:
+        self._state = SimState(
+            label,
+            token_latency=token_latency,
+            op_latency=op_latency,
+            seed=seed,
+            memory_bytes=memory_bytes,
+            weight_version=weight_version,
+            weights_cpu_backup=weights_cpu_backup,
+            dp_dummy_batches=dp_dummy_batches,
+            health_timeout=health_timeout,
+            max_running=max_running,
+            gpu_memory_bytes=gpu_memory_bytes,
+            check_model_paths=check_model_paths,
+        )
+        self._scheduler = SimScheduler(self._state)
+        self._calls = SimCalls(self._state, self._scheduler)
+        self._control = SimControl(self._state, self._scheduler, self._calls)
+        self._weights = SimWeights(self._state, self._scheduler, self._calls)
+
+    # ----------------------------------------------------------------------------- properties
+
+    @property
+    def label(self) -> str:
+        """The engine's name in errors and history."""
+        return self._state.label
+
+    @property
+    def dead(self) -> bool:
+        """True once a fatal misuse has killed the engine."""
+        return self._state.dead
+
+    @property
+    def paused(self) -> bool:
+        """Whether generation is paused (introspection; the server shows it only as /ready 503)."""
+        return self._state.paused
+
+    @property
+    def pause_mode(self) -> str | None:
+        """The mode of the current pause, or None (introspection)."""
+        return self._state.pause_value()
+
+    @property
+    def released_tags(self) -> list[str]:
+        """The memory tags released now, in tag order (introspection; SGLang tracks none)."""
+        return self._state.released_tags()
+
+    @property
+    def weights_valid(self) -> bool:
+        """False while the weights hold garbage (resumed without a CPU backup, not rewritten)."""
+        return self._state.weights_valid
+
+    @property
+    def flush_pending(self) -> bool:
+        """Whether a flush with a timeout is deferred, waiting for idleness (introspection)."""
+        return self._state.flush_pending
+
+    @property
+    def weight_update_session_open(self) -> bool:
+        """Whether a begin/end weight-update session is open (introspection)."""
+        return self._state.session_open
+
+    @property
+    def death_reason(self) -> str | None:
+        """What killed the engine, or None while it lives."""
+        return self._state.death_reason
+
+    # ----------------------------------------------------------------------------- introspection
+
+    def memory(self) -> dict[str, int]:
+        """Resident bytes per tag; a dead engine's process holds none."""
+        return self._state.memory()
+
+    def set_external_memory(self, nbytes: int) -> None:
+        """Say how many bytes other processes (the trainer) hold on this engine's GPU."""
+        self._state.set_external_memory(nbytes)
+
+    def history(self) -> list[dict[str, Any]]:
+        """Every lifecycle call that has returned (or raised), in order of start; a copy."""
+        return self._state.history()
+
+    def take_history(self) -> list[dict[str, Any]]:
+        """``history()``, and forget what it returns; calls still running stay for a later take.
+
+        A long run that checks its engines round by round takes each round's calls as it goes,
+        so the engine's memory, and the work of keeping it, stays flat instead of growing with
+        the run.
+        """
+        return self._state.take_history()
+
+    def state(self) -> dict[str, Any]:
+        """What SGLang keeps to itself (its ``/server_info`` shows none of it), for tests:
+        label, dead, paused and the pause mode, released tags, whether the weights are valid,
+        a deferred flush, an open weight-update session, the lifecycle calls in flight."""
+        return self._state.state()
+
+    def stats(self) -> dict[str, int]:
+        """Counters of the work done so far and the current queues."""
+        return self._state.stats()
+
+    def server_args(self) -> dict[str, Any]:
+        """The resolved server arguments this engine stands for (a subset of SGLang's)."""
+        return self._state.server_args()
+
+    def _die(self, reason: str) -> None:
+        """Kill the engine as a crash of its process would (the stand-in's injected deaths)."""
+        self._scheduler.die(reason)
+
+    # ----------------------------------------------------------------------------- generation
+
+    async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        """``POST /generate``: runs to completion, or returns early with finish reason abort."""
+        return await self._scheduler.generate(request)
+
     # ----------------------------------------------------------------------------- lifecycle
 
     async def pause_generation(self, mode: PauseMode | str) -> None:
         """``POST /pause_generation``: abort, retract or freeze in-flight requests; then paused."""
-        raw = mode.value if isinstance(mode, PauseMode) else mode
-        async with self._op("pause_generation", mode=raw):
-            try:
-                pause_mode = PauseMode(mode)
-            except ValueError:
-                valid = ", ".join(m.value for m in PauseMode)
-                raise EngineRejected(
-                    self._label, "pause_generation", f"unknown mode {mode!r}; valid: {valid}", 400
-                ) from None
-            self._paused = True
-            self._pause_mode = pause_mode
-            if pause_mode is PauseMode.ABORT:
-                # The front end aborts until nothing is in flight and answers only then.
-                await self._abort(lambda _: True, "aborted by pause_generation(mode=abort)")
-            elif pause_mode is PauseMode.RETRACT:
-                # Running requests give back their KV and queue up again, first in line.
-                for req in reversed(self._running):
-                    req.num_retractions += 1
-                    self._waiting.appendleft(req)
-                self._counts["retractions"] += len(self._running)
-                self._running = []
-            self._notify()
+        await self._control.pause_generation(mode)
 
     async def continue_generation(self) -> None:
         """``POST /continue_generation``: let the scheduler run again (harmless if not paused).
 
         Requests the front end held while paused go to the scheduler now, behind the ones it
         already had."""
-        async with self._op("continue_generation"):
-            self._paused = False
-            self._pause_mode = None
-            self._waiting.extend(self._front)
-            self._front.clear()
-            self._notify()
+        await self._control.continue_generation()
 
     async def flush_cache(self, timeout: float) -> None:
         """``POST /flush_cache?timeout=T``: clear the prefix cache; 400 (``EngineRejected``)
@@ -94,170 +197,155 @@ class SimulatedEngine(SimWeights):
         end hands them over (its scheduler's "Another flush_cache is already in progress." is
         therefore never an answer).
         """
-        # sglang: flush_wrapper.py SchedulerFlushWrapper.handle / check_pending;
-        # scheduler.py Scheduler.flush_cache (is_fully_idle(ignore_waiting=self._engine_paused))
-        op = "flush_cache"
-        if self._flush_queue is None:
-            self._flush_queue = asyncio.Lock()
-        async with self._flush_queue, self._op(op, timeout=timeout):
-            if seconds_of(timeout) is None:
-                raise EngineRejected(self._label, op, f"bad timeout {timeout!r}", 400)
-            if timeout <= 0 or self._is_idle(ignore_waiting=False):
-                self._flush_now(op)
-                return
-            self._flush_pending = True
-            try:
-                clock = asyncio.get_running_loop().time  # the clock the wait times out on
-                deadline = clock() + timeout
-                while not self._is_idle(ignore_waiting=False):
-                    remaining = deadline - clock()
-                    if remaining <= 0:
-                        raise EngineRejected(self._label, op, FLUSH_TIMED_OUT, 400)
-                    await self._wait_changed(remaining)
-                    self._check_alive(op)
-            finally:
-                self._flush_pending = False
-            self._flush_now(op)
-
-    def _flush_now(self, op: str) -> None:
-        # sglang: scheduler.py Scheduler.flush_cache
-        if not self._is_idle(ignore_waiting=self._paused):
-            raise EngineRejected(self._label, op, FLUSH_FAILED.strip(), 400)
-        self._prefix_cache.clear()
-        self._counts["flushes"] += 1
+        await self._control.flush_cache(timeout)
 
     async def release_memory_occupation(self, tags: Sequence[Tag | str] | None) -> None:
         """``POST /release_memory_occupation``; empty tags mean all three."""
-        op = "release_memory_occupation"
-        async with self._op(op, requested_tags=requested_tags(tags)) as entry:
-            # SGLang asks "is TAG in tags" once per tag, so a tag named twice is released once.
-            # sglang: weight_updater.py SchedulerWeightUpdaterManager.release_memory_occupation
-            names = list(dict.fromkeys(self._tag_names(op, tags)))
-            entry["tags"] = tuple(names)
-            if not self._is_idle(ignore_waiting=self._paused):
-                # The scheduler asserts idleness; the failed assertion takes the server down.
-                raise self._fatal(
-                    entry,
-                    f"assertion failed in release_memory_occupation: engine not idle "
-                    f"({len(self._running)} running, {len(self._waiting)} waiting, "
-                    f"paused={self._paused}, mode={self._pause_value()})",
-                )
-            for name in names:
-                if name not in KNOWN_TAGS:
-                    continue  # SGLang does not check tag names: a typo frees nothing.
-                if name in self._released:
-                    raise self._fatal(
-                        entry,
-                        f"memory saver aborted: tag {name!r} released twice (process exited)",
-                    )
-                self._released.add(name)
-                if name == Tag.KV_CACHE.value:
-                    self._prefix_cache.clear()  # releasing the KV pool flushes the cache itself
-            self._notify()
+        await self._control.release_memory_occupation(tags)
 
     async def resume_memory_occupation(self, tags: Sequence[Tag | str] | None) -> None:
         """``POST /resume_memory_occupation``; empty tags mean all three."""
-        op = "resume_memory_occupation"
-        async with self._op(op, requested_tags=requested_tags(tags)) as entry:
-            names = self._tag_names(op, tags)
-            entry["tags"] = tuple(names)
-            ordered = [t for t in RESUME_ORDER for name in names if name == t]
-            for name in ordered:
-                if name not in self._released:
-                    raise self._fatal(
-                        entry,
-                        f"KeyError in scheduler: resume of tag {name!r}, which is not released",
-                    )
-                if self._gpu_memory_bytes is not None:
-                    need = self._resident_bytes() + self._external_bytes + self._capacity[name]
-                    if need > self._gpu_memory_bytes:
-                        raise self._fatal(
-                            entry,
-                            f"CUDA out of memory resuming {name!r}: needs {need} bytes of "
-                            f"{self._gpu_memory_bytes} ({self._external_bytes} held elsewhere)",
-                        )
-                self._released.discard(name)
-                if name == Tag.WEIGHTS.value and not self._weights_cpu_backup:
-                    # Without --enable-weights-cpu-backup the remapped pages hold garbage.
-                    self._weights_valid = False
-            self._notify()
+        await self._control.resume_memory_occupation(tags)
+
+    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """``POST /abort_request``: with one tokenizer worker, ``rid`` must be a live request's
+        id exactly; ``rid=""`` without ``abort_all`` does nothing; ``abort_all`` aborts every
+        request the scheduler holds."""
+        await self._control.abort_request(rid, abort_all)
 
     async def health(self) -> None:
         """``GET /health_generate``: a real one-token generation; 503 if it does not finish."""
-        op = "health"
-        async with self._op(op):
-            self._health_seq += 1
-            self._counts["health_checks"] += 1
-            loop = asyncio.get_running_loop()
-            req = SimRequest(
-                rid=f"HEALTH_CHECK_{self._label}_{self._health_seq}",
-                prompt=[1],
-                max_new_tokens=1,
-                future=loop.create_future(),
-                internal=True,
-            )
-            self._enqueue(req)
-            try:
-                await asyncio.wait({req.future}, timeout=self._health_timeout)
-            except asyncio.CancelledError:
-                self._discard(req)
-                req.future.cancel()
-                raise
-            if not req.future.done():
-                # While paused the probe just hangs; the server gives up and calls itself sick.
-                self._discard(req)
-                req.future.cancel()
-                self._healthy = False
-                raise EngineRejected(
-                    self._label,
-                    op,
-                    f"no token within {self._health_timeout:g}s (paused={self._paused})",
-                    503,
-                )
-            exc = req.future.exception()
-            if exc is not None:
-                self._check_alive(op)
-                raise exc
-            if req.future.result()["meta_info"]["finish_reason"]["type"] == "abort":
-                self._healthy = False
-                raise EngineRejected(self._label, op, "health check request was aborted", 503)
-            self._healthy = True
+        await self._control.health()
 
     async def weight_version(self) -> str:
         """The served weight version (``GET /model_info``): ``"default"`` until an update that
         succeeded as a whole (or ``update_weight_version``) names another."""
-        # sglang: http_server.py model_info (tokenizer_manager.config_value("weight_version"))
-        async with self._op("weight_version"):
-            version = self._served_version
-        return version
+        return await self._control.weight_version()
 
     async def ready(self) -> bool:
         """``GET /ready``: True only when not paused and healthy (a health check that timed
         out marks the server unhealthy until one succeeds)."""
-        # sglang: tokenizer_manager.py TokenizerManager.is_ready (not is_pause and is_healthy)
-        async with self._op("ready"):
-            ready = not self._paused and self._healthy
-        return ready
+        return await self._control.ready()
 
     async def ping(self) -> bool:
         """``GET /ping``: True while healthy, paused or not (a health check that timed out
         marks the server unhealthy until one succeeds)."""
-        # sglang: http_server.py sagemaker_health (200 when is_healthy(); unlike /ready, a
-        # paused server answers 200)
-        async with self._op("ping"):
-            healthy = self._healthy
-        return healthy
+        return await self._control.ping()
 
     async def observe(self, *, paused: bool = True, identify: bool = True) -> dict[str, Any]:
         """What SGLang says of itself, read in one call (``EngineHost.observe``): the
         incarnation its ``/server_info`` names, and whether it is paused as ``/ping`` and
         ``/ready`` tell it (nothing while unhealthy)."""
-        async with self._op("observe"):
-            found = {
-                "incarnation": self._incarnation if identify else None,
-                "paused": self._paused if paused and self._healthy else None,
-            }
-        return found
+        return await self._control.observe(paused=paused, identify=identify)
+
+    async def server_info(self) -> dict[str, Any]:
+        """``GET /server_info`` in SGLang's shape: the resolved server arguments (keys
+        included), ``launch_command``, ``version`` and one ``internal_states`` entry per DP rank
+        with ``memory_usage`` as measured at load. Nothing in it says paused or released:
+        ``ready()`` and the introspection properties do."""
+        return await self._control.server_info()
+
+    # ----------------------------------------------------------------------------- weights
+
+    async def begin_weight_update(self, selector: str = "all") -> None:
+        """``POST /begin_weight_update``: open a session (400 if one is open)."""
+        await self._weights.begin_weight_update(selector)
+
+    async def end_weight_update(self) -> None:
+        """``POST /end_weight_update``: close the session (400 if none is open)."""
+        await self._weights.end_weight_update()
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None,
+        flush_cache: bool,
+        abort_all_requests: bool,
+    ) -> None:
+        """``POST /update_weights_from_disk`` (needs no session)."""
+        await self._weights.update_weights_from_disk(
+            model_path,
+            weight_version=weight_version,
+            flush_cache=flush_cache,
+            abort_all_requests=abort_all_requests,
+        )
+
+    async def update_weights_from_tensor(
+        self,
+        payload: Any,
+        *,
+        weight_version: str | None,
+        flush_cache: bool,
+        abort_all_requests: bool,
+        selector: str = "all",
+    ) -> None:
+        """``POST /update_weights_from_tensor`` (only inside a begin/end session)."""
+        await self._weights.update_weights_from_tensor(
+            payload,
+            weight_version=weight_version,
+            flush_cache=flush_cache,
+            abort_all_requests=abort_all_requests,
+            selector=selector,
+        )
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = DEFAULT_GROUP_NAME,
+        backend: str = "nccl",
+    ) -> None:
+        """``POST /init_weights_update_group``: record the group (no collective is formed)."""
+        await self._weights.init_weights_update_group(
+            master_address,
+            master_port,
+            rank_offset,
+            world_size,
+            group_name=group_name,
+            backend=backend,
+        )
+
+    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> None:
+        """``POST /destroy_weights_update_group``; 400 for a group that does not exist."""
+        await self._weights.destroy_weights_update_group(group_name)
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str = DEFAULT_GROUP_NAME,
+        *,
+        weight_version: str | None,
+        flush_cache: bool,
+        abort_all_requests: bool,
+        load_format: str | None = None,
+        selector: str = "all",
+    ) -> None:
+        """``POST /update_weights_from_distributed``: inside a session, over a group that
+        ``init_weights_update_group`` formed (400 naming the known groups otherwise)."""
+        await self._weights.update_weights_from_distributed(
+            names,
+            dtypes,
+            shapes,
+            group_name,
+            weight_version=weight_version,
+            flush_cache=flush_cache,
+            abort_all_requests=abort_all_requests,
+            load_format=load_format,
+            selector=selector,
+        )
+
+    async def update_weight_version(self, version: str, *, abort_all_requests: bool = True) -> None:
+        """``POST /update_weight_version``; SGLang's default aborts every request the scheduler
+        holds (the front end's, held while paused, are out of its reach)."""
+        await self._weights.update_weight_version(version, abort_all_requests=abort_all_requests)
+
+    # ----------------------------------------------------------------------------- the process
 
     async def restart(self) -> None:
         """The server process is restarted at the same place: a fresh server answers there.
@@ -268,97 +356,32 @@ class SimulatedEngine(SimWeights):
         ``server_info()``. A dead engine comes back. The history and counters run on (a
         ``restart`` entry marks the moment; ``stats()["restarts"]`` counts them).
         """
-        entry = self._record("restart", outcome="ok")
-        for req in self._in_flight.values():
+        state = self._state
+        entry = state.record("restart", outcome="ok")
+        for req in state.in_flight.values():
             if not req.future.done():
                 req.future.set_exception(
                     EngineUnreachable(
-                        self._label, "generate", "connection dropped: the server restarted"
+                        state.label, "generate", "connection dropped: the server restarted"
                     )
                 )
-        self._in_flight.clear()
-        task, self._scheduler = self._scheduler, None
-        if task is not None and not task.done():
-            task.cancel()
-            if task.get_loop() is asyncio.get_running_loop():
-                await asyncio.wait({task})
-        self._notify()
-        self._start_process()
-        self._closed = False
-        self._counts["restarts"] += 1
+        state.in_flight.clear()
+        await self._scheduler.stop()
+        state.notify()
+        state.start_process()
+        state.closed = False
+        state.counts["restarts"] += 1
         entry["end"] = time.monotonic()
-
-    def server_args(self) -> dict[str, Any]:
-        """The resolved server arguments this engine stands for (a subset of SGLang's)."""
-        return {
-            "model_path": "simulated/" + self._label,
-            "tokenizer_path": "simulated/" + self._label,
-            "weight_version": self._initial_version,
-            "enable_memory_saver": True,
-            "enable_weights_cpu_backup": self._weights_cpu_backup,
-            "max_running_requests": self._max_running,
-            "api_key": None,
-            "admin_api_key": None,
-            "random_seed": self._random_seed,
-            "dp_size": 1,
-            "tp_size": 1,
-        }
-
-    def _memory_usage(self) -> dict[str, Any]:
-        # What the scheduler measured at load, in GB; a release does not change it.
-        # sglang: scheduler_components/memory_usage.py build_memory_usage
-        def gb(tag: str) -> float:
-            return round(self._capacity[tag] / GIB, 3)
-
-        return {
-            "weight": gb(Tag.WEIGHTS.value),
-            "kvcache": gb(Tag.KV_CACHE.value),
-            "startup_available": round(sum(self._capacity.values()) / GIB, 3),
-            "token_capacity": self._capacity[Tag.KV_CACHE.value] // KV_BYTES_PER_TOKEN,
-            "token_capacity_swa": None,
-            "graph": {"decode": gb(Tag.CUDA_GRAPH.value)},
-        }
-
-    async def server_info(self) -> dict[str, Any]:
-        """``GET /server_info`` in SGLang's shape: the resolved server arguments (keys
-        included), ``launch_command``, ``version`` and one ``internal_states`` entry per DP rank
-        with ``memory_usage`` as measured at load. Nothing in it says paused or released:
-        ``ready()`` and the introspection properties do."""
-        # sglang: http_server.py server_info; utils/common.py build_server_info;
-        # scheduler_components/internal_state.py get_internal_state
-        async with self._op("server_info"):
-            args = self.server_args()
-            info = {
-                **args,
-                "launch_command": "python -m sglang.launch_server --model-path "
-                + str(args["model_path"]),
-                "startup_time": dict(self._startup_time),
-                "internal_states": [
-                    {
-                        **args,
-                        "world_size": 1,
-                        "effective_max_running_requests_per_dp": self._max_running,
-                        "last_gen_throughput": 0.0,
-                        "memory_usage": self._memory_usage(),
-                    }
-                ],
-                "version": SIM_VERSION,
-                "frontend": "python",
-            }
-        return info
 
     async def close(self) -> None:
         """Stop the scheduler; in-flight generates get ``EngineDead``. Idempotent, never raises."""
-        entry = self._record("close", outcome="ok")
-        if not self._closed:
-            self._closed = True
-            self._drop_all("engine closed")
-            self._notify()
-            task, self._scheduler = self._scheduler, None
-            if task is not None and not task.done():
-                task.cancel()
-                if task.get_loop() is asyncio.get_running_loop():
-                    await asyncio.wait({task})
+        state = self._state
+        entry = state.record("close", outcome="ok")
+        if not state.closed:
+            state.closed = True
+            self._scheduler.drop_all("engine closed")
+            state.notify()
+            await self._scheduler.stop()
         entry["end"] = time.monotonic()
 
 

@@ -60,7 +60,9 @@ def assert_records_match(server: RolloutServer) -> None:
 
 
 def sim_incarnation(sim: SimulatedEngine) -> str | None:
-    return incarnation_of({"startup_time": sim._startup_time, "random_seed": sim._random_seed})
+    return incarnation_of(
+        {"startup_time": sim._state.startup_time, "random_seed": sim._state.random_seed}
+    )
 
 
 async def full_cycle(server: RolloutServer, version: str) -> None:

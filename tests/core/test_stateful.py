@@ -789,7 +789,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         if not task.done():
             inner = engine.inner
             info = inner.stats() if isinstance(inner, SimulatedEngine) else {}
-            paused = getattr(inner, "_paused", None)
+            paused = getattr(inner, "paused", None)
             return [f"{where} hangs (engine paused={paused}, stats={info})"]
         if task.cancelled():
             return [f"{where} was cancelled"]
@@ -894,8 +894,8 @@ def state_mismatches(server: RolloutServer, write_pending: bool) -> list[str]:
             assert isinstance(inner, SimulatedEngine)
             if engine.injected_death or engine.in_flight:
                 continue
-            actual_paused: bool = inner._paused
-            actual_released = set(inner._released)
+            actual_paused: bool = inner.paused
+            actual_released = set(inner.released_tags)
             if snap.paused != actual_paused or set(snap.released) != actual_released:
                 problems.append(
                     f"{snap.id} ({engine.label}): snapshot says paused={snap.paused} "
@@ -908,7 +908,7 @@ def state_mismatches(server: RolloutServer, write_pending: bool) -> list[str]:
             # replacement that has not received them must not serve, and an engine without
             # them may stay paused whatever the state.
             expected = server.expected_version
-            version: str = inner._weight_version
+            version: str = inner._state.weight_version  # the version its tokens carry
             lacks_weights = snap.stale or (expected is not None and version != expected)
             if snap.stale and not actual_paused and state is not S.FAILED:
                 # (a bring-up the engine refused, its probe or its pause, fails the recover()
@@ -1113,7 +1113,7 @@ def small_fleet(
 def inner_paused(engine: FaultyEngine) -> bool:
     inner = engine.inner
     assert isinstance(inner, SimulatedEngine)
-    paused: bool = inner._paused
+    paused: bool = inner.paused
     return paused
 
 
@@ -1706,7 +1706,7 @@ async def test_recover_never_releases_an_engine_whose_pause_did_not_answer() -> 
     replacement = made[0].inner
     assert isinstance(replacement, SimulatedEngine)
     try:
-        released = bool(replacement._released)
+        released = bool(replacement.released_tags)
         assert not released or inner_paused(made[0]), "memory released under a serving engine"
     finally:
         await all_landed(server, *actor, *made)  # the late pause lands before closing

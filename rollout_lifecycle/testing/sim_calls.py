@@ -1,0 +1,82 @@
+"""How the simulated engine takes a control call: a history entry, the refusal of a dead or
+closed server, the call's latency, the dropped connection of a server that restarted meanwhile,
+and the outcome written back; and the death a fatal misuse causes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from rollout_lifecycle.contract.exceptions import EngineDead, EngineRejected, EngineUnreachable
+from rollout_lifecycle.testing.sim_scheduler import SimScheduler
+from rollout_lifecycle.testing.sim_state import SimState
+
+
+class SimCalls:
+    """The front end of one simulated server's control calls (``op``, ``fatal``)."""
+
+    def __init__(self, state: SimState, scheduler: SimScheduler) -> None:
+        self._state = state
+        self._scheduler = scheduler
+
+    def _draw_latency(self, op: str) -> float:
+        value = self._state.op_latency.get(op, 0.0)
+        if isinstance(value, tuple):
+            return self._state.rng.uniform(value[0], value[1])
+        return value
+
+    @contextlib.asynccontextmanager
+    async def op(self, op: str, **fields: Any) -> AsyncIterator[dict[str, Any]]:
+        """Run the body as the call ``op``, recorded in the history with ``fields``."""
+        state = self._state
+        entry = state.record(op, **fields)
+        process = state.process
+        try:
+            # A dead server refuses the connection at once: no latency, no effect.
+            state.check_alive(op)
+            self._scheduler.ensure_running()
+            delay = self._draw_latency(op)
+            if delay > 0:
+                await asyncio.sleep(delay)
+                state.check_alive(op)
+                if state.process != process:
+                    # the process that took the call is gone: its connection dropped
+                    raise EngineUnreachable(
+                        state.label, op, "connection dropped: the server restarted"
+                    )
+            yield entry
+        except EngineRejected as exc:
+            entry["outcome"] = "rejected"
+            entry["detail"] = exc.message
+            entry["status"] = exc.status
+            raise
+        except EngineDead as exc:
+            if entry["outcome"] != "fatal":
+                entry["outcome"] = "dead"
+            entry["detail"] = exc.message
+            raise
+        except EngineUnreachable as exc:
+            entry["outcome"] = "unreachable"
+            entry["detail"] = exc.message
+            raise
+        except asyncio.CancelledError:
+            entry["outcome"] = "cancelled"
+            raise
+        except BaseException as exc:
+            entry["outcome"] = "error"
+            entry["detail"] = repr(exc)
+            raise
+        else:
+            entry["outcome"] = "ok"
+        finally:
+            entry["end"] = time.monotonic()
+
+    def fatal(self, entry: dict[str, Any], reason: str) -> EngineDead:
+        """Kill the engine because of the call ``entry`` records; return the error it raises."""
+        self._scheduler.die(reason)
+        entry["outcome"] = "fatal"
+        return EngineDead(self._state.label, entry["op"], f"connection dropped: {reason}")
