@@ -6,7 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from rollout_lifecycle.backends.engine import EngineHost
+from rollout_lifecycle.core.server import RolloutServer
 from rollout_lifecycle.core.sessions import WeightUpdate
+from rollout_lifecycle.core.states import ServerState
 from rollout_lifecycle.testing.barriers import calls_received
 from rollout_lifecycle.testing.faults import FaultyEngine
 from rollout_lifecycle.testing.simulated import SimulatedEngine
@@ -46,4 +48,30 @@ async def no_push(update: WeightUpdate) -> None:
     """A weight push that writes nothing (the version still changes)."""
 
 
-__all__ = ["faulty_engines", "no_push", "received_ops", "simulated", "simulated_engines"]
+#: The public calls that bring a server from ``serving`` to each state it can be settled in
+#: outside ``failed`` and ``kv_restored`` (which continues as it is reached).
+ROUTES: dict[ServerState, tuple[str, ...]] = {
+    ServerState.SERVING: (),
+    ServerState.DRAINED: ("pause",),
+    ServerState.RELEASED: ("offload",),
+    ServerState.WEIGHTS_RESTORED: ("offload", "onload_weights"),
+}
+
+
+async def bring_to(server: RolloutServer, state: ServerState) -> None:
+    """Bring a serving ``server`` to ``state`` through the public calls of ``ROUTES``."""
+    for call in ROUTES[state]:
+        await getattr(server, call)()
+    if server.state is not state:
+        raise AssertionError(f"{ROUTES[state]} left {server.name!r} in {server.state.value!r}")
+
+
+__all__ = [
+    "ROUTES",
+    "bring_to",
+    "faulty_engines",
+    "no_push",
+    "received_ops",
+    "simulated",
+    "simulated_engines",
+]

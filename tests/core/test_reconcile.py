@@ -8,7 +8,6 @@ state (paused, released tags) is read back and compared with the records and the
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -18,34 +17,9 @@ from rollout_lifecycle.contract.outcome import Outcome
 from rollout_lifecycle.core.ledger import SETTLED_STATES
 from rollout_lifecycle.core.states import ServerState
 from rollout_lifecycle.testing.faults import FaultyEngine
+from rollout_lifecycle.testing.fleets import ROUTES, bring_to
 
 S = ServerState
-
-
-async def _serving(server: RolloutServer) -> None:
-    return None
-
-
-async def _drained(server: RolloutServer) -> None:
-    await server.pause()
-
-
-async def _released(server: RolloutServer) -> None:
-    await server.offload()
-
-
-async def _weights_restored(server: RolloutServer) -> None:
-    await server.offload()
-    await server.onload_weights()
-
-
-#: How a fleet is brought to each state it can start from through the public calls.
-STARTS: dict[ServerState, Callable[[RolloutServer], Awaitable[None]]] = {
-    S.SERVING: _serving,
-    S.DRAINED: _drained,
-    S.RELEASED: _released,
-    S.WEIGHTS_RESTORED: _weights_restored,
-}
 
 
 def fleet(wrap: bool = False) -> tuple[RolloutServer, list[Any]]:
@@ -68,12 +42,12 @@ def lifecycle_ops(engine: Any) -> list[str]:
 
 
 @pytest.mark.parametrize("goal", SETTLED_STATES)
-@pytest.mark.parametrize("start", list(STARTS))
+@pytest.mark.parametrize("start", list(ROUTES))
 async def test_any_settled_fleet_is_brought_to_any_goal(
     start: ServerState, goal: ServerState
 ) -> None:
     server, engines = fleet()
-    await STARTS[start](server)
+    await bring_to(server, start)
     assert server.state is start
     reconciler = server._phases.reconciler
     before = [len(lifecycle_ops(e)) for e in engines]

@@ -10,7 +10,6 @@ one call); what reached each engine is read from its history.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -26,6 +25,7 @@ from rollout_lifecycle import (
     SimulatedEngine,
 )
 from rollout_lifecycle.testing.faults import FaultyEngine
+from rollout_lifecycle.testing.fleets import ROUTES, bring_to
 from rollout_lifecycle.testing.fleets import faulty_engines as faulty
 from rollout_lifecycle.testing.fleets import received_ops as ops
 from rollout_lifecycle.testing.fleets import simulated as inner
@@ -38,31 +38,6 @@ def fleet() -> tuple[RolloutServer, list[FaultyEngine], list[FaultyEngine]]:
     actor, reward = faulty(2, "a"), faulty(2, "r")
     groups = [EngineGroup("actor", actor), EngineGroup("reward", reward, needs_offload=False)]
     return RolloutServer(groups, LifecycleConfig()), actor, reward
-
-
-async def _serving(server: RolloutServer) -> None:
-    return None
-
-
-async def _drained(server: RolloutServer) -> None:
-    await server.pause()
-
-
-async def _released(server: RolloutServer) -> None:
-    await server.offload()
-
-
-async def _weights_restored(server: RolloutServer) -> None:
-    await server.offload()
-    await server.onload_weights()
-
-
-STARTS: dict[ServerState, Callable[[RolloutServer], Awaitable[None]]] = {
-    S.SERVING: _serving,
-    S.DRAINED: _drained,
-    S.RELEASED: _released,
-    S.WEIGHTS_RESTORED: _weights_restored,
-}
 
 
 class Factory:
@@ -96,12 +71,12 @@ def dead_ids(server: RolloutServer, engines: tuple[FaultyEngine, ...]) -> list[s
     return [i for i, h in server.engines().items() if inner(h) in [e.inner for e in engines]]
 
 
-@pytest.mark.parametrize("start", list(STARTS))
+@pytest.mark.parametrize("start", list(ROUTES))
 async def test_dead_engines_are_replaced_at_their_target_and_healthy_ones_get_no_call(
     start: ServerState,
 ) -> None:
     server, actor, reward = fleet()
-    await STARTS[start](server)
+    await bring_to(server, start)
     await kill(server, actor[0], reward[1])
     healthy = [actor[1], reward[0]]
     before = [ops(e) for e in healthy]
