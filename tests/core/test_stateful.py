@@ -123,7 +123,7 @@ from rollout_lifecycle import (
     Tag,
     WeightUpdate,
 )
-from rollout_lifecycle.testing import barrier_violations, calls_received
+from rollout_lifecycle.testing import barrier_violations, calls_received, until
 from rollout_lifecycle.testing.faults import FAULT_KINDS, FaultyEngine
 
 S = ServerState
@@ -245,6 +245,18 @@ CALLS: tuple[str, ...] = (
 )
 
 # -- invariant 1: barriers from the op logs ----------------------------------------------------
+
+
+def sim_stats(engine: FaultyEngine) -> dict[str, int]:
+    """The counters and queues of the simulated engine inside ``engine``."""
+    inner = engine.inner
+    assert isinstance(inner, SimulatedEngine)
+    return inner.stats()
+
+
+def submitted(engine: FaultyEngine) -> int:
+    """How many generate requests the simulated engine inside ``engine`` has received."""
+    return sim_stats(engine)["submitted"]
 
 
 def gone_at(engine: FaultyEngine) -> float | None:
@@ -532,6 +544,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         max_new_tokens=st.integers(1, 24),
     )
     def submit_generates(self, slots: list[str], max_new_tokens: int) -> None:
+        sent: dict[FaultyEngine, list[asyncio.Task[dict[str, Any]]]] = {}
         for slot in slots:
             engine = self.current(slot)
             request = {
@@ -540,7 +553,20 @@ class LifecycleMachine(RuleBasedStateMachine):
             }
             task = self.loop.create_task(engine.generate(request))
             self.requests.append(Request(task, engine, max_new_tokens))
-        self.run(asyncio.sleep(0.002), "submitting generates")
+            sent.setdefault(engine, []).append(task)
+        before = {engine: submitted(engine) for engine in sent}
+
+        def arrived() -> bool:
+            # At its engine (counted submitted there), or answered already (a dead engine).
+            return all(
+                submitted(engine) >= before[engine] + len(tasks) or all(t.done() for t in tasks)
+                for engine, tasks in sent.items()
+            )
+
+        self.run(
+            until(arrived, what="the generate requests to reach their engines", deadline=10),
+            "submitting generates",
+        )
 
     @rule(
         name=st.sampled_from(
@@ -775,11 +801,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.no_engine_killed_by_the_library()
 
     async def quiesce(self) -> None:
-        for _ in range(250):  # at most 5 s
-            if not any(e.in_flight for e in self.engines.values()):
-                break
-            await asyncio.sleep(0.02)
-        await asyncio.sleep(0.05)
+        assert self.server is not None
+        await all_landed(self.server, *self.engines.values(), deadline=10)
 
     def judge(self, index: int, request: Request) -> list[str]:
         engine = request.engine
@@ -1020,7 +1043,7 @@ async def test_die_kills_the_engine_and_its_requests() -> None:
     pending = asyncio.ensure_future(
         engine.generate({"input_ids": [1], "sampling_params": {"max_new_tokens": 10_000}})
     )
-    await asyncio.sleep(0.01)
+    await until(lambda: inner.stats()["running"] == 1, what="the request to decode")
     engine.arm("flush_cache", "die")
     with pytest.raises(EngineDead):
         await engine.flush_cache(0.1)
@@ -1148,13 +1171,13 @@ async def all_landed(server: RolloutServer, *engines: FaultyEngine, deadline: fl
     """Wait until every call ``engines`` are carrying out has returned and the server keeps
     none as in flight (a late call has landed): the fact a test waits on, where a sleep would
     hope for it. Fails after ``deadline`` seconds."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + deadline
-    while any(e.in_flight for e in engines) or any(
-        r.in_flight is not None for r in server.fleet.records()
-    ):
-        assert loop.time() < end, f"calls still in flight after {deadline:g}s"
-        await asyncio.sleep(0.01)
+
+    def landed() -> bool:
+        return not any(e.in_flight for e in engines) and all(
+            r.in_flight is None for r in server.fleet.records()
+        )
+
+    await until(landed, what="every call in flight to land", deadline=deadline)
 
 
 async def test_offload_after_pause_keeps_the_memory_keeping_group_serving() -> None:
@@ -1342,7 +1365,8 @@ async def test_recover_does_not_drop_the_requests_of_an_engine_it_retires() -> N
     request = asyncio.ensure_future(
         actor[0].generate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 200}})
     )
-    await asyncio.sleep(0.02)
+    # Decoding on actor/0 (not held at a paused front end, where no pause reaches it).
+    await until(lambda: sim_stats(actor[0])["running"] == 1, what="the request to decode")
     actor[0].arm("release_memory_occupation", "drop_after")
     with pytest.raises(PhaseFailed):
         await server.offload()
@@ -1370,7 +1394,7 @@ async def test_recover_holds_the_barrier_across_replacements() -> None:
     try:
         with contextlib.suppress(PhaseFailed):
             await server.recover(factory)
-        await asyncio.sleep(0.6)
+        await all_landed(server, *actor, *fresh)  # the late pause lands
         logs = {e.label: e.calls for e in [*actor, *fresh]}
         assert barrier_violations(logs, scopes=None) == []
     finally:
