@@ -198,6 +198,7 @@ async def test_pause_abort_returns_every_request_with_partial_output(
     assert engine.stats()["in_flight"] == 0 and engine.stats()["aborted"] == 4
 
 
+@pytest.mark.looptime
 async def test_pause_retract_keeps_requests_that_finish_after_continue(
     make_engine: MakeEngine,
 ) -> None:
@@ -208,7 +209,7 @@ async def test_pause_retract_keeps_requests_that_finish_after_continue(
     assert not any(t.done() for t in tasks)
     assert (engine.stats()["running"], engine.stats()["waiting"]) == (0, 4)
     await engine.flush_cache(0.0)  # the waiting queue does not count while paused
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)  # virtual: time for 100 steps, more than any request needs
     assert not any(t.done() for t in tasks)
     await engine.continue_generation()
     results = await gather(tasks)
@@ -240,6 +241,7 @@ async def test_pause_in_place_keeps_requests_running_and_rejects_flush(
     assert all(r["meta_info"]["num_retractions"] == 0 for r in results)
 
 
+@pytest.mark.looptime
 @pytest.mark.parametrize("mode", list(PauseMode))
 async def test_generate_while_paused_waits_and_completes_after_continue(
     make_engine: MakeEngine, mode: PauseMode
@@ -247,7 +249,8 @@ async def test_generate_while_paused_waits_and_completes_after_continue(
     engine = make_engine()
     await engine.pause_generation(mode)
     task = submit(engine, 5)
-    await asyncio.sleep(0.02)
+    await until(lambda: engine.stats()["submitted"] == 1, what="the request to arrive")
+    await asyncio.sleep(0.02)  # virtual: time for 20 steps, four times what it needs
     assert not task.done()
     # Held by the front end, not queued in the scheduler.
     assert engine.stats()["held"] == 1 and engine.stats()["waiting"] == 0
@@ -257,6 +260,7 @@ async def test_generate_while_paused_waits_and_completes_after_continue(
     assert finish_type(result) == "length" and len(result["output_ids"]) == 5
 
 
+@pytest.mark.looptime
 @pytest.mark.parametrize("mode", [PauseMode.RETRACT, PauseMode.IN_PLACE])
 async def test_no_token_is_produced_while_paused(make_engine: MakeEngine, mode: PauseMode) -> None:
     engine = make_engine()
@@ -264,7 +268,7 @@ async def test_no_token_is_produced_while_paused(make_engine: MakeEngine, mode: 
     await until(lambda: engine.stats()["tokens"] >= 6)
     await engine.pause_generation(mode)
     at_pause = engine.stats()
-    await asyncio.sleep(0.03)  # about 25 steps' worth of time
+    await asyncio.sleep(0.03)  # virtual: 30 steps' worth of time, whatever the machine's speed
     after = engine.stats()
     assert (after["tokens"], after["steps"]) == (at_pause["tokens"], at_pause["steps"])
     await engine.pause_generation(PauseMode.ABORT)
@@ -313,20 +317,18 @@ async def test_flush_with_timeout_waits_for_idleness(make_engine: MakeEngine) ->
     assert task.done() and finish_type(task.result()) == "length"
 
 
+@pytest.mark.looptime
 async def test_a_second_flush_waits_its_turn_behind_a_deferred_one(make_engine: MakeEngine) -> None:
     engine = make_engine()
     task = submit(engine, 40)
     await until(lambda: engine.stats()["running"] == 1)
     first = asyncio.create_task(engine.flush_cache(2.0))
-    for _ in range(100):
-        if engine.flush_pending:
-            break
-        await asyncio.sleep(0.001)
+    await until(lambda: engine.flush_pending, what="the first flush to be deferred")
     assert not first.done()
     assert all(h["op"] != "flush_cache" for h in engine.history())  # only calls that returned
     # The second waits its turn (never "Another flush_cache is already in progress.").
     second = asyncio.create_task(engine.flush_cache(0.0))
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0.01)  # virtual: 10 of the 40 steps the request needs
     assert not second.done() and not first.done()
     await asyncio.wait_for(asyncio.gather(first, second), 2.0)
     assert task.done()
@@ -893,7 +895,7 @@ async def test_op_latency_makes_ops_take_at_least_that_long(make_engine: MakeEng
     )
     start = time.monotonic()
     pause = asyncio.create_task(engine.pause_generation(PauseMode.RETRACT))
-    await asyncio.sleep(0.01)
+    await until(lambda: engine.state()["in_flight"] == ["pause_generation"], what="the pause")
     assert await engine.ready()  # the effect comes after the delay
     await pause
     assert time.monotonic() - start >= 0.05
@@ -985,6 +987,7 @@ async def test_a_long_history_stays_in_order_and_costs_the_collector_nothing(
     assert engine.history()[2]["tags"] == ["kv_cache"]
 
 
+@pytest.mark.looptime
 async def test_take_history_gives_each_finished_call_once_and_keeps_running_ones(
     make_engine: MakeEngine,
 ) -> None:
@@ -997,7 +1000,7 @@ async def test_take_history_gives_each_finished_call_once_and_keeps_running_ones
         await engine.update_weight_version("1")
     await engine.pause_generation(PauseMode.RETRACT)
     flushing = asyncio.create_task(engine.flush_cache(1.0))
-    await asyncio.sleep(0.05)  # the flush is running
+    await until(lambda: engine.state()["in_flight"] == ["flush_cache"], what="the flush to run")
 
     taken = engine.take_history()
     assert [h["op"] for h in taken] == [h["op"] for h in taken[:5]] * 8 + ["pause_generation"]
