@@ -9,8 +9,9 @@ The stand-ins decode in their own processes, so how many requests a given pause 
 the machine's speed: the test asserts only what the library guarantees (nothing lost, every
 answer complete, the call order of every cycle). That requests are in flight during a cycle
 is made certain, not hoped for: the traffic is sent while the first offload has the engines
-paused, where every request waits until the cycle ends; each later cycle waits until requests
-are seen in flight (or all are done), and how many it caught is printed, not asserted.
+paused, where every request waits until the cycle ends; after each onload the engines decode
+(a token more is seen, or all are done), each later cycle waits until requests are seen in
+flight (or all are done), and how many it caught is printed, not asserted.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from rollout_lifecycle import (
     SGLangHTTPEngine,
     WeightUpdate,
 )
-from rollout_lifecycle.testing import cycle_order_violations
+from rollout_lifecycle.testing import cycle_order_violations, until
 from rollout_lifecycle.testing.standin import StandInServer
 
 
@@ -88,17 +89,20 @@ async def run_load(
                         return "lost"
                 return "completed" if len(output) == tokens else "lost"
 
-            async def in_flight() -> int:
+            async def total(key: str) -> int:
+                """The sum of one counter of every stand-in's stats."""
                 stats = await asyncio.gather(
                     *(http.get(f"{s.url}/_standin/stats") for s in servers)
                 )
-                return sum(a.json()["in_flight"] for a in stats)
+                return sum(a.json()[key] for a in stats)
 
-            async def poll_until(condition: Callable[[], Awaitable[bool]]) -> None:
-                # Polling servers in other processes: no event to await. No deadline: the
-                # conditions below hold in the end whatever the speed (the test's timeout bounds).
-                while not await condition():  # noqa: ASYNC110
-                    await asyncio.sleep(0.05)
+            async def in_flight() -> int:
+                return await total("in_flight")
+
+            async def poll_until(condition: Callable[[], Awaitable[bool]], what: str) -> None:
+                # Polling servers in other processes: no event to await. The conditions below
+                # hold in the end whatever the speed: the deadline only names what never came.
+                await until(condition, what=what, deadline=300, every=0.05)
 
             traffic: list[asyncio.Future[str]] = []
 
@@ -114,10 +118,10 @@ async def run_load(
                     await server.offload()
                     # Sent while paused: every request waits at its engine through this cycle.
                     traffic.extend(asyncio.ensure_future(one(i)) for i in range(requests))
-                    await poll_until(all_sent_are_waiting)
+                    await poll_until(all_sent_are_waiting, "every request to wait at its engine")
                     seen_in_flight.append(await in_flight())
                 else:
-                    await poll_until(some_in_flight_or_all_done)
+                    await poll_until(some_in_flight_or_all_done, "requests in flight")
                     seen_in_flight.append(await in_flight())
                     await server.offload()
                 await asyncio.sleep(0.01)  # the trainer's step
@@ -133,7 +137,13 @@ async def run_load(
                 await server.onload_weights()
                 await server.update_weights(push, version=f"v{cycle}")
                 await server.onload_kv()
-                await asyncio.sleep(0.05)  # some decoding between steps
+                # Some decoding between steps: a token more than at the onload (or all done).
+                decoded = await total("tokens")
+
+                async def decoding_or_all_done(since: int = decoded) -> bool:
+                    return all(t.done() for t in traffic) or await total("tokens") > since
+
+                await poll_until(decoding_or_all_done, "decoding after the onload")
             done, pending = await asyncio.wait(traffic, timeout=120)
             tally.update(t.result() for t in done)
             tally["lost"] += len(pending)
