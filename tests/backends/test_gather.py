@@ -13,6 +13,7 @@ import pytest
 import ray
 
 from rollout_lifecycle.contract import seam
+from rollout_lifecycle.testing import until
 
 
 async def _after(seconds: float, value: Any = None, error: BaseException | None = None) -> Any:
@@ -43,11 +44,17 @@ async def test_in_process_calls_land_with_their_values_errors_and_end_times() ->
 
 
 async def test_a_call_past_the_deadline_is_late_and_lands_later() -> None:
-    refs = [asyncio.ensure_future(_after(0.0, 1)), asyncio.ensure_future(_after(0.3, 2))]
-    began = time.monotonic()
-    landed = await seam.wait(refs, 0.05)
-    assert time.monotonic() - began < 0.25
+    answer = asyncio.Event()
+
+    async def held() -> int:
+        await answer.wait()  # lands only when the test lets it
+        return 2
+
+    refs = [asyncio.ensure_future(_after(0.0, 1)), asyncio.ensure_future(held())]
+    landed = await asyncio.wait_for(seam.wait(refs, 0.05), 30)
+    assert not refs[1].done()  # the wait returned at its deadline, without the call
     assert landed.ends[1] is None and set(landed.late) == {1}
+    answer.set()
     assert await landed.late[1] == 2
 
 
@@ -76,18 +83,14 @@ async def test_ray_refs_land_with_values_errors_and_late_ones(
 
 
 async def test_a_cancelled_wait_stops_its_helper_thread(fleet: Callable[..., list[Any]]) -> None:
-    (engine,) = fleet(1, op_latency={"pause_generation": 1.0})
-    task = asyncio.ensure_future(seam.wait([engine.pause_generation.remote("retract")], 30))
-    await asyncio.sleep(0.1)
-    assert _waiters() == 1
+    # The pause does not land, nor does the wait give up, before the helper must have stopped.
+    (engine,) = fleet(1, op_latency={"pause_generation": 600.0})
+    task = asyncio.ensure_future(seam.wait([engine.pause_generation.remote("retract")], 600))
+    await until(lambda: _waiters() == 1, what="the helper thread to wait")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    for _ in range(100):
-        if _waiters() == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert _waiters() == 0
+    await until(lambda: _waiters() == 0, what="the helper thread to stop")
 
 
 async def test_refs_ray_cannot_wait_for_together_are_still_waited_for(
