@@ -7,6 +7,7 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import httpx
 import pytest
 import ray
 
@@ -24,6 +25,7 @@ from rollout_lifecycle import (
     launched_sglang_factory,
     start_engine_actor,
 )
+from rollout_lifecycle.testing import until
 from rollout_lifecycle.testing.standin import StandInServer
 
 KEY = "contract-admin-key-91c7"
@@ -40,6 +42,17 @@ async def live() -> AsyncIterator[tuple[StandInServer, SGLangHTTPEngine]]:
 
 def request(tokens: int, i: int = 0) -> dict[str, Any]:
     return {"input_ids": [i, 3, 5], "sampling_params": {"max_new_tokens": tokens}}
+
+
+async def until_decoding(engine: SGLangHTTPEngine) -> None:
+    """Until the stand-in behind ``engine`` decodes a request (its scheduler runs one)."""
+    async with httpx.AsyncClient(base_url=engine.url, trust_env=False) as client:
+
+        async def decoding() -> bool:
+            stats: dict[str, int] = (await client.get("/_standin/stats")).json()
+            return stats["running"] >= 1
+
+        await until(decoding, what=f"a request to decode on {engine.url}")
 
 
 async def test_every_lifecycle_call_round_trips(
@@ -104,7 +117,7 @@ async def test_flush_answers_400_while_requests_hold_kv_under_in_place(
 ) -> None:
     server, engine = live
     task = asyncio.ensure_future(engine.generate(request(400)))
-    await asyncio.sleep(0.1)
+    await until_decoding(engine)
     await engine.pause_generation(PauseMode.IN_PLACE)
     with pytest.raises(EngineRejected) as err:
         await engine.flush_cache(0.2)
@@ -119,7 +132,7 @@ async def test_version_bump_keeps_retracted_requests_because_the_flag_is_explici
 ) -> None:
     _, engine = live
     task = asyncio.ensure_future(engine.generate(request(300)))
-    await asyncio.sleep(0.1)
+    await until_decoding(engine)
     await engine.pause_generation(PauseMode.RETRACT)
     await engine.update_weight_version("v9", abort_all_requests=False)
     await engine.continue_generation()
@@ -144,7 +157,7 @@ async def paused_idle(engine: SGLangHTTPEngine) -> None:
 
 async def release_busy(engine: SGLangHTTPEngine) -> None:
     task = asyncio.ensure_future(engine.generate(request(500)))
-    await asyncio.sleep(0.1)
+    await until_decoding(engine)
     try:
         await engine.release_memory_occupation([Tag.KV_CACHE])
     finally:
