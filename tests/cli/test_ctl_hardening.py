@@ -73,6 +73,24 @@ TO_SERVING = {
 }
 
 
+def until_signal_handled(pid: int, signum: int) -> None:
+    """Until process ``pid`` has taken ``signum`` (no longer pending) and its main thread then
+    sleeps in its event loop's epoll wait: the loop has run the handler and everything it
+    started, and waits again (Linux: read from /proc)."""
+    proc = Path(f"/proc/{pid}")
+    bit = 1 << (signum - 1)
+    deadline = time.monotonic() + BOUND
+    taken = False
+    while True:
+        if not taken:
+            status = dict(line.split(":", 1) for line in (proc / "status").read_text().splitlines())
+            taken = not (int(status["SigPnd"], 16) | int(status["ShdPnd"], 16)) & bit
+        if taken and (proc / "wchan").read_text() == "do_epoll_wait":
+            return
+        assert time.monotonic() < deadline, f"process {pid} never handled signal {signum}"
+        time.sleep(0.002)
+
+
 class Fleet:
     """Two stand-ins whose ``op`` runs ``SLOW`` seconds, and ``ctl`` run against them."""
 
@@ -248,7 +266,7 @@ def test_a_second_sigterm_does_not_abandon_the_phase(fleet_for: Any) -> None:
     proc = fleet.start("offload")
     fleet.wait_in_flight()
     proc.send_signal(signal.SIGTERM)
-    time.sleep(0.2)
+    until_signal_handled(proc.pid, signal.SIGTERM)  # the run is cancelled, the phase settling
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=BOUND)
     assert proc.returncode == ExitCode.TERMINATED
