@@ -599,7 +599,12 @@ async def run_cycles(mode: PauseMode, sims: list[Any], count: int, cycles: int) 
         await server.onload_weights()
         await server.update_weights(noop_push, version=f"v{cycle}")
         await server.onload_kv()
-        await asyncio.sleep(0.03)  # some decoding between steps
+        # Some decoding between steps: a token more than at the onload (or every request done).
+        since = engine_stat(sims, "tokens")
+        await until(
+            lambda since=since: batch.done() or engine_stat(sims, "tokens") > since,
+            what="decoding after the onload",
+        )
     results = await asyncio.wait_for(batch, 30)
     assert [len(r["output_ids"]) for r in results] == tokens
     assert all(r["meta_info"]["finish_reason"]["type"] == "length" for r in results)

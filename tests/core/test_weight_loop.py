@@ -25,12 +25,17 @@ from rollout_lifecycle import (
     WeightPushFailed,
     WeightUpdate,
 )
-from rollout_lifecycle.testing import calls_received
+from rollout_lifecycle.testing import calls_received, until
 from rollout_lifecycle.testing.faults import FaultyEngine
 
 
 def sims(n: int, label: str = "e") -> list[SimulatedEngine]:
     return [SimulatedEngine(f"{label}{i}", token_latency=0.001) for i in range(n)]
+
+
+def decoded(engines: list[SimulatedEngine]) -> int:
+    """The tokens ``engines`` have decoded so far."""
+    return sum(e.stats()["tokens"] for e in engines)
 
 
 def ops(engine: SimulatedEngine) -> list[str]:
@@ -224,7 +229,9 @@ async def test_no_request_is_lost_across_ten_update_cycles(
     ]
     batch = asyncio.ensure_future(server.generate_batch(requests))
     for cycle in range(10):
-        await asyncio.sleep(0.03)  # decoding between steps
+        # Decoding between steps: a token more than at the last onload (or every request done).
+        since = decoded(engines)
+        await until(lambda since=since: batch.done() or decoded(engines) > since, what="decoding")
         await server.offload()
         await server.onload_weights()
         await server.update_weights(FromDisk(f"/ckpt/{cycle}"), version=f"v{cycle}")
