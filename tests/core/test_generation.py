@@ -601,10 +601,11 @@ async def run_cycles(mode: PauseMode, sims: list[Any], count: int, cycles: int) 
         await server.onload_kv()
         # Some decoding between steps: a token more than at the onload (or every request done).
         since = engine_stat(sims, "tokens")
-        await until(
-            lambda since=since: batch.done() or engine_stat(sims, "tokens") > since,
-            what="decoding after the onload",
-        )
+
+        def decoding(since: int = since) -> bool:
+            return batch.done() or engine_stat(sims, "tokens") > since
+
+        await until(decoding, what="decoding after the onload")
     results = await asyncio.wait_for(batch, 30)
     assert [len(r["output_ids"]) for r in results] == tokens
     assert all(r["meta_info"]["finish_reason"]["type"] == "length" for r in results)

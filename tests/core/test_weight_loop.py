@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -36,6 +38,13 @@ def sims(n: int, label: str = "e") -> list[SimulatedEngine]:
 def decoded(engines: list[SimulatedEngine]) -> int:
     """The tokens ``engines`` have decoded so far."""
     return sum(e.stats()["tokens"] for e in engines)
+
+
+def decoding_since(
+    tokens: int, engines: list[SimulatedEngine], batch: asyncio.Future[Any]
+) -> Callable[[], bool]:
+    """Whether ``engines`` have decoded more than ``tokens`` tokens, or ``batch`` is done."""
+    return lambda: batch.done() or decoded(engines) > tokens
 
 
 def ops(engine: SimulatedEngine) -> list[str]:
@@ -230,8 +239,7 @@ async def test_no_request_is_lost_across_ten_update_cycles(
     batch = asyncio.ensure_future(server.generate_batch(requests))
     for cycle in range(10):
         # Decoding between steps: a token more than at the last onload (or every request done).
-        since = decoded(engines)
-        await until(lambda since=since: batch.done() or decoded(engines) > since, what="decoding")
+        await until(decoding_since(decoded(engines), engines, batch), what="decoding")
         await server.offload()
         await server.onload_weights()
         await server.update_weights(FromDisk(f"/ckpt/{cycle}"), version=f"v{cycle}")
