@@ -16,13 +16,13 @@ import sys
 from collections.abc import Sequence
 
 from rollout_lifecycle.cli import ctl as _ctl
-from rollout_lifecycle.cli import demo as _demo
+from rollout_lifecycle.cli import demo_args as _demo_args
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollout-lifecycle", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    _demo.add_parser(sub)
+    _demo_args.add_parser(sub)
     _add_fake_sglang(sub)
     _ctl.add_parsers(sub)
     return parser
@@ -166,5 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "fake-sglang":
         return _fake_sglang(args)
     if args.command == "demo":
-        return _demo.run(args)
+        from rollout_lifecycle.cli import demo  # (needs Ray: imported only to run it)
+
+        return demo.run(args)
     return 2  # pragma: no cover - argparse rejects unknown commands

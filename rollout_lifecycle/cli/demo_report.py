@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollout_lifecycle.cli.demo_args import OUTPUTS
 from rollout_lifecycle.core.server import RolloutServer
 from rollout_lifecycle.core.states import ServerState, mermaid
 from rollout_lifecycle.testing import barrier_violations, calls_received, fatal_calls
@@ -21,15 +22,6 @@ from rollout_lifecycle.testing.simulated import DEFAULT_MEMORY_BYTES
 
 #: The delay of the ``slow-flush`` fault.
 SLOW_FLUSH_S = 0.4
-
-
-#: The files ``--out`` receives.
-OUTPUTS = {
-    "trace": "trace.json",
-    "gantt": "timeline.png",
-    "diagram": "lifecycle.mmd",
-    "metrics": "metrics.json",
-}
 
 
 GIB = 1 << 30

@@ -142,6 +142,23 @@ def test_the_core_loads_without_ray_or_httpx() -> None:
     assert blocked.returncode != 0 and "ray" in blocked.stderr
 
 
+def test_the_command_line_and_ctl_load_without_ray() -> None:
+    """``ctl`` drives HTTP servers: building the command's parser and running ``ctl`` import no
+    Ray (only ``demo`` needs it, when it runs)."""
+    script = (
+        "import sys\n"
+        "sys.modules['ray'] = None\n"
+        "from rollout_lifecycle.cli import main\n"
+        "code = main(['diagram'])\n"
+        "print('exit', code)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    assert "stateDiagram" in done.stdout and done.stdout.strip().endswith("exit 0")
+
+
 def test_no_import_circles() -> None:
     found = modules()
     known = set(found)
