@@ -20,6 +20,7 @@ from rollout_lifecycle import (
 )
 from rollout_lifecycle.testing.faults import FaultyEngine
 from rollout_lifecycle.testing.fleets import no_push
+from rollout_lifecycle.testing.fleets import simulated_engines as sims
 from rollout_lifecycle.testing.simulated import DEFAULT_MEMORY_BYTES
 
 Fleet = Callable[..., list[Any]]
@@ -49,10 +50,6 @@ class NoMemoryMeter(FaultyEngine):
     """A backend that does not account memory (like a real SGLang server over HTTP)."""
 
     memory = None  # EngineHost.memory() finds no meter
-
-
-def sims(count: int, **options: Any) -> list[SimulatedEngine]:
-    return [SimulatedEngine(f"sim-{i}", token_latency=0.001, **options) for i in range(count)]
 
 
 async def cycle(server: RolloutServer) -> dict[str, dict[str, float]]:

@@ -22,12 +22,9 @@ from rollout_lifecycle.core.bus import Bus, PhaseSettled, RecordsChanged
 from rollout_lifecycle.core.config import DeadEnginePolicy
 from rollout_lifecycle.core.ledger import EngineRecord
 from rollout_lifecycle.core.runner import PhaseRunner, Plan, WorkerUrls, default_targets, issue
+from rollout_lifecycle.testing.fleets import simulated_engines as sims
 
 RELEASE = ([Tag.KV_CACHE.value],)
-
-
-def sims(count: int, label: str) -> list[SimulatedEngine]:
-    return [SimulatedEngine(label=f"{label}-{i}", token_latency=0.001) for i in range(count)]
 
 
 def lifecycle_ops(engine: SimulatedEngine) -> list[str]:

@@ -27,12 +27,10 @@ from rollout_lifecycle import (
     WeightPushFailed,
     WeightUpdate,
 )
-from rollout_lifecycle.testing import calls_received, until
+from rollout_lifecycle.testing import until
 from rollout_lifecycle.testing.faults import FaultyEngine
-
-
-def sims(n: int, label: str = "e") -> list[SimulatedEngine]:
-    return [SimulatedEngine(f"{label}{i}", token_latency=0.001) for i in range(n)]
+from rollout_lifecycle.testing.fleets import received_ops as ops
+from rollout_lifecycle.testing.fleets import simulated_engines as sims
 
 
 def decoded(engines: list[SimulatedEngine]) -> int:
@@ -45,10 +43,6 @@ def decoding_since(
 ) -> Callable[[], bool]:
     """Whether ``engines`` have decoded more than ``tokens`` tokens, or ``batch`` is done."""
     return lambda: batch.done() or decoded(engines) > tokens
-
-
-def ops(engine: SimulatedEngine) -> list[str]:
-    return [e["op"] for e in calls_received(engine.history())]
 
 
 async def test_generation_cannot_continue_after_the_update_while_kv_is_released() -> None:
