@@ -21,7 +21,7 @@ from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import InvalidArgument, LifecycleError
 from rollout_lifecycle.contract.outcome import EngineOutcome
 from rollout_lifecycle.contract.values import MAX_SECONDS
-from rollout_lifecycle.core.calls import PUBLIC_CALLS
+from rollout_lifecycle.core.calls import LIFECYCLE_CALLS
 from rollout_lifecycle.core.config import LifecycleConfig
 from rollout_lifecycle.core.group import EngineGroup
 from rollout_lifecycle.core.server import (
@@ -598,14 +598,12 @@ class SyncRolloutServer:
     def _call(self, call: str, make: Callable[[], Awaitable[T]], timeout: float | None = None) -> T:
         """Run ``make()`` on the loop, in a copy of the caller's context; block until settled.
 
-        A lifecycle call (``calls.PUBLIC_CALLS``) made from one of this facade's worker threads
+        A lifecycle call (``calls.LIFECYCLE_CALLS``) made from one of this facade's worker threads
         joins the operation in progress (it runs inline, under that operation's lock); it is
         bounded by that operation, never cancelled on its own: its ``timeout`` does not apply.
         """
         limit = _check_timeout(timeout)
-        public = PUBLIC_CALLS.get(call)
-        lifecycle = public is not None and public.lifecycle
-        nested = lifecycle and getattr(_LOCAL, "facade", None) is self
+        nested = call in LIFECYCLE_CALLS and getattr(_LOCAL, "facade", None) is self
         if nested:
             limit = None
         runtime = self._runtime

@@ -1,11 +1,11 @@
 """The public calls of a ``RolloutServer``, in one table.
 
 ``PUBLIC_CALLS`` names every public member of the async server: what kind of call it is, what
-it does, which of its arguments is user code, and whether ``SyncRolloutServer`` offers it. It
-feeds the refusal of lifecycle calls from inside a step (``scope.LIFECYCLE_CALLS``), the sync
-facade (which calls are serialized lifecycle calls and which user code runs in a worker thread),
-``ctl``'s actions and the table of calls in ``docs/design.md`` (``calls_table``). A test checks
-that both servers' members and signatures, and the docs, agree with it.
+it does, which of its arguments is user code, whether ``SyncRolloutServer`` offers it and which
+``ctl`` actions make it. ``LIFECYCLE_CALLS``, drawn from it, is what the scope refuses from user
+code inside a step and what the sync facade lets join the operation in progress; ``ctl`` maps
+its actions to calls through it, and ``calls_table`` draws the table in ``docs/design.md``. A
+test checks both servers' members and signatures, ``ctl`` and the doc against it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from rollout_lifecycle.core.states import CALLS, ServerState
+from rollout_lifecycle.core.states import CALLS
 
 
 class CallKind(str, Enum):
@@ -40,8 +40,8 @@ class PublicCall:
     kind: CallKind
     #: One line: what the call does.
     summary: str
-    #: The argument that is user code (a hook, a weight push, an engine factory): the sync
-    #: facade runs a sync one in a worker thread of its own.
+    #: The argument that is user code (a hook, a weight push, an engine factory; the sync
+    #: facade runs a sync one in a worker thread of its own). A test checks it names one.
     user_code: str | None = None
     #: Whether ``SyncRolloutServer`` offers it (blocking, with a ``timeout`` where it may wait).
     sync: bool = True
@@ -52,11 +52,6 @@ class PublicCall:
     def lifecycle(self) -> bool:
         """Whether the call fires transitions (serialized; refused inside a step)."""
         return self.kind is CallKind.LIFECYCLE
-
-    @property
-    def legal_in(self) -> tuple[ServerState, ...]:
-        """The states the call is legal in (empty: every state, or not a lifecycle call)."""
-        return tuple(CALLS.get(self.name, {}))
 
 
 _L, _S, _G, _R, _P = (
