@@ -59,9 +59,10 @@ S = ServerState
 TOKENS = 300
 #: Requests a pause must find decoding on every engine (a retraction shows only on a request that
 #: was running when the pause landed; a flush is refused only while one is). On this CPU the tiny
-#: model decodes a batch of four at roughly 100 tokens/s, so shorter requests can finish in the
-#: second between ``admitted()`` and the pause.
-LONG = 600
+#: model decodes a lone request at up to ~400 tokens/s, and an engine's four requests arrive up
+#: to a second or two apart, so shorter ones can finish before ``admitted()`` sees them all.
+#: Four per server fit its KV cache (``--max-total-tokens 4096``) and the model's 2048 positions.
+LONG = 900
 ALL = tuple(t.value for t in ALL_TAGS)
 KV_ONLY = ("kv_cache", "cuda_graph")
 
@@ -93,23 +94,27 @@ async def post_generate(client: httpx.AsyncClient, url: str, body: dict[str, Any
     return answer.json()
 
 
-async def admitted(urls: Sequence[str]) -> None:
-    """Return once each server's scheduler has taken every request sent to it before: a
-    one-token request sent after them finishes only after they were prefilled with it or
-    before it."""
-    async with httpx.AsyncClient(timeout=120) as client:
-        probes = [post_generate(client, url, request(99, tokens=1)) for url in urls]
-        await asyncio.gather(*probes)
-
-
-async def until_in_flight(server: RolloutServer, count: int) -> None:
-    """Wait until the server's generation client has sent ``count`` requests to engines."""
-    deadline = time.monotonic() + 60
-    while sum(server.generation.outstanding().values()) < count:
-        assert time.monotonic() < deadline, server.generation.stats()
-        await asyncio.sleep(0.05)
-    # Through a Ray actor the HTTP request leaves a little after the engine was chosen.
-    await asyncio.sleep(0.5)
+async def admitted(urls: Sequence[str], each: int) -> None:
+    """Return once every server's scheduler holds at least ``each`` requests, running or
+    waiting, in one sweep: a request still on its way to a server, or held by a paused one
+    before its scheduler, is not counted. Read from ``/v1/loads``, which a server republishes
+    after every prefill. (Requests reach a server a little apart, so its first one can finish
+    before its last arrives: ``each`` leaves room for that.)"""
+    # sglang: scheduler.py publish_load_snapshot(force=batch.forward_mode.is_extend());
+    # entrypoints/v1_loads.py get_loads (num_running_reqs, num_waiting_reqs per scheduler).
+    deadline = time.monotonic() + 120
+    async with httpx.AsyncClient(timeout=60) as client:
+        while True:
+            held = []
+            for url in urls:
+                answer = await client.get(f"{url}/v1/loads", params={"include": "core"})
+                answer.raise_for_status()
+                loads = answer.json()["loads"]
+                held.append(sum(x["num_running_reqs"] + x["num_waiting_reqs"] for x in loads))
+            if min(held) >= each:
+                return
+            assert time.monotonic() < deadline, f"servers hold {held} requests, not {each} each"
+            await asyncio.sleep(0.05)
 
 
 def assert_engines(server: RolloutServer, state: ServerState, **expected: Any) -> None:
@@ -226,7 +231,7 @@ async def test_default_offload_cycle_keeps_six_requests_in_flight_on_one_real_se
             traffic = [
                 asyncio.ensure_future(post_generate(client, real.url, request(i))) for i in range(6)
             ]
-            await admitted([real.url])
+            await admitted([real.url], 4)
             unanswered = await cycle(server, real_sglang.model, "v1", PauseMode.RETRACT, traffic)
             answers = await asyncio.wait_for(asyncio.gather(*traffic), timeout=600)
         print(tally(answers, 6, started), server.metrics)
@@ -268,8 +273,7 @@ async def test_retract_cycle_over_two_real_actors_loses_nothing_and_retracts_wha
     server = RolloutServer([EngineGroup("actor", actors)])
     started = time.monotonic()
     traffic = [asyncio.ensure_future(server.generate(request(i, LONG))) for i in range(8)]
-    await until_in_flight(server, 8)
-    await admitted([r.url for r in reals])
+    await admitted([r.url for r in reals], 3)
     unanswered = await cycle(server, real_sglang.model, "v2-retract", PauseMode.RETRACT, traffic)
     answers = await asyncio.wait_for(asyncio.gather(*traffic), timeout=600)
     print(tally(answers, 8, started), server.generation.stats())
@@ -295,8 +299,7 @@ async def test_abort_cycle_over_two_real_actors_resubmits_every_aborted_request_
     server = RolloutServer([EngineGroup("actor", actors)], config=config)
     started = time.monotonic()
     traffic = [asyncio.ensure_future(server.generate(request(i, LONG))) for i in range(8)]
-    await until_in_flight(server, 8)
-    await admitted([r.url for r in reals])
+    await admitted([r.url for r in reals], 3)
     unanswered = await cycle(server, real_sglang.model, "v3-abort", PauseMode.ABORT, traffic)
     answers = await asyncio.wait_for(asyncio.gather(*traffic), timeout=600)
     print(tally(answers, 8, started), server.generation.stats())
@@ -328,8 +331,7 @@ async def test_in_place_pause_around_a_weight_update_keeps_requests_and_their_kv
     server = RolloutServer([EngineGroup("actor", actors)], config=config)
     started = time.monotonic()
     batch = asyncio.ensure_future(server.generate_batch([request(i, LONG) for i in range(8)]))
-    await until_in_flight(server, 8)
-    await admitted([r.url for r in reals])
+    await admitted([r.url for r in reals], 3)
     async with server.paused():
         assert phase_names(server, "pause") == ["pause"]
         assert_engines(server, S.DRAINED, paused=True, pause_mode="in_place", released=())
@@ -426,6 +428,9 @@ async def test_launched_engine_in_an_actor_runs_the_cycle_with_a_shared_server_t
     try:
         # The first call starts the server and waits for /ready (a start-up of tens of seconds).
         info = await asyncio.wait_for(launched.server_info.remote(), 900)
+        # The shared server's actor is started too, or its half of the traffic arrives seconds
+        # after the launched server's (a new Ray worker), which can finish its half meanwhile.
+        assert await asyncio.wait_for(shared.ping.remote(), 120)
         assert info["version"] == "0.5.23"
         leader = launched_server_pid(port)
         assert process_group(leader)
@@ -434,8 +439,7 @@ async def test_launched_engine_in_an_actor_runs_the_cycle_with_a_shared_server_t
         )
         started = time.monotonic()
         traffic = [asyncio.ensure_future(server.generate(request(i, LONG))) for i in range(8)]
-        await until_in_flight(server, 8)
-        await admitted([url, real_servers[0].url])
+        await admitted([url, real_servers[0].url], 3)
         unanswered = await cycle(
             server, real_sglang.model, "v5-launched", PauseMode.RETRACT, traffic
         )

@@ -120,7 +120,11 @@ async def test_recover_after_a_real_server_dies_lists_exactly_the_live_servers(
             assert after == ids(keep.url, made[0].url)
             traffic = Traffic(launched.url, senders=2, tokens=4, ignore_eos=True)
             task = asyncio.ensure_future(traffic.run())
-            await asyncio.sleep(3.0)
+            # Until the replacement has answered a request through the router (bounded).
+            for _ in range(1200):
+                if traffic.completed >= 4 and '"POST /generate' in made[0].output():
+                    break
+                await asyncio.sleep(0.1)
             traffic.stop.set()
             await asyncio.wait_for(task, 120)
             assert traffic.lost == [] and traffic.completed == traffic.sent >= 4
