@@ -51,6 +51,7 @@ from rollout_lifecycle import (
     start_engine_actor,
 )
 from rollout_lifecycle.testing import cycle_order_violations, released_ops
+from rollout_lifecycle.testing.waits import until
 
 pytestmark = pytest.mark.real_sglang
 
@@ -102,19 +103,24 @@ async def admitted(urls: Sequence[str], each: int) -> None:
     before its last arrives: ``each`` leaves room for that.)"""
     # sglang: scheduler.py publish_load_snapshot(force=batch.forward_mode.is_extend());
     # entrypoints/v1_loads.py get_loads (num_running_reqs, num_waiting_reqs per scheduler).
-    deadline = time.monotonic() + 120
+    held: list[int] = []
     async with httpx.AsyncClient(timeout=60) as client:
-        while True:
-            held = []
+
+        async def holds() -> bool:
+            held.clear()
             for url in urls:
                 answer = await client.get(f"{url}/v1/loads", params={"include": "core"})
                 answer.raise_for_status()
                 loads = answer.json()["loads"]
                 held.append(sum(x["num_running_reqs"] + x["num_waiting_reqs"] for x in loads))
-            if min(held) >= each:
-                return
-            assert time.monotonic() < deadline, f"servers hold {held} requests, not {each} each"
-            await asyncio.sleep(0.05)
+            return min(held) >= each
+
+        try:
+            await until(
+                holds, what=f"every server to hold {each} requests", deadline=120, every=0.05
+            )
+        except AssertionError as error:
+            raise AssertionError(f"{error}; they hold {held}") from None
 
 
 def assert_engines(server: RolloutServer, state: ServerState, **expected: Any) -> None:
@@ -428,10 +434,10 @@ async def test_launched_engine_in_an_actor_runs_the_cycle_with_a_shared_server_t
     try:
         # The first call starts the server and waits for /ready (a start-up of tens of seconds).
         info = await asyncio.wait_for(launched.server_info.remote(), 900)
+        assert info["version"] == "0.5.23"
         # The shared server's actor is started too, or its half of the traffic arrives seconds
         # after the launched server's (a new Ray worker), which can finish its half meanwhile.
         assert await asyncio.wait_for(shared.ping.remote(), 120)
-        assert info["version"] == "0.5.23"
         leader = launched_server_pid(port)
         assert process_group(leader)
         server = RolloutServer(

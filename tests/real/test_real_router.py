@@ -27,6 +27,7 @@ from rollout_lifecycle import (
     sglang_http_factory,
     start_engine_actor,
 )
+from rollout_lifecycle.testing.waits import until
 
 pytestmark = pytest.mark.real_sglang
 
@@ -121,10 +122,12 @@ async def test_recover_after_a_real_server_dies_lists_exactly_the_live_servers(
             traffic = Traffic(launched.url, senders=2, tokens=4, ignore_eos=True)
             task = asyncio.ensure_future(traffic.run())
             # Until the replacement has answered a request through the router (bounded).
-            for _ in range(1200):
-                if traffic.completed >= 4 and '"POST /generate' in made[0].output():
-                    break
-                await asyncio.sleep(0.1)
+            await until(
+                lambda: traffic.completed >= 4 and '"POST /generate' in made[0].output(),
+                what="the replacement to answer a request through the router",
+                deadline=120,
+                every=0.1,
+            )
             traffic.stop.set()
             await asyncio.wait_for(task, 120)
             assert traffic.lost == [] and traffic.completed == traffic.sent >= 4
