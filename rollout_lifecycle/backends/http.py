@@ -1,9 +1,10 @@
 """The production ``EngineBackend``: an async HTTP client of one SGLang 0.5.23 server.
 
 Explicit bodies, a key per endpoint, retries only where repeating is harmless, one error boundary.
-This module has the engine, its lifecycle and generate calls, and URLs; the weight calls and
-probes are its base class (``http_calls``), the sending and error translation its transport
-(``http_transport``), timeouts and value checks ``http_wire``.
+This module has the engine: each lifecycle, weight and generate call checks its arguments and
+builds its body. It sends them over its link to the server (``http_link``: endpoint calls,
+probes, the attach check), which sends through its transport (``http_transport``: retries,
+error translation); timeouts and value checks are ``http_wire``.
 """
 
 from __future__ import annotations
@@ -14,21 +15,24 @@ from typing import Any
 
 import httpx
 
-from rollout_lifecycle.backends.http_calls import MIN_SGLANG_VERSION, SGLangCalls
-from rollout_lifecycle.backends.http_transport import HTTPTransport, scrub
+from rollout_lifecycle.backends.http_link import MIN_SGLANG_VERSION, WEIGHT_SELECTORS, SGLangLink
+from rollout_lifecycle.backends.http_transport import scrub
 from rollout_lifecycle.backends.http_wire import (
     HTTPTimeouts,
+    check_name,
+    check_shapes,
+    check_str,
+    check_str_list,
     parse_version,
     shown,
 )
 from rollout_lifecycle.backends.secret import Secret, as_secret
 from rollout_lifecycle.contract.exceptions import InvalidArgument
-from rollout_lifecycle.contract.urls import validate_url
 from rollout_lifecycle.contract.values import (
+    DEFAULT_GROUP_NAME,
     PauseMode,
     Tag,
     check_flag,
-    check_int,
     check_seconds,
     parse_tags,
 )
@@ -38,21 +42,15 @@ __all__ = [
     "WEIGHT_SELECTORS",
     "HTTPTimeouts",
     "SGLangHTTPEngine",
+    "SGLangLink",
     "check_seconds",
     "parse_version",
     "scrub",
     "sglang_http_factory",
 ]
 
-#: The most retries a call may be given (each waits up to ``_MAX_BACKOFF``).
-_MAX_RETRIES = 1000
-#: The runners a weight-update session and its updates apply to.
-# sglang: io_struct.py BeginWeightUpdateReqInput / UpdateWeightsFromTensorReqInput /
-# UpdateWeightsFromDistributedReqInput.selector: Literal["target", "draft", "all"] = "all"
-WEIGHT_SELECTORS: tuple[str, ...] = ("target", "draft", "all")
 
-
-class SGLangHTTPEngine(SGLangCalls):
+class SGLangHTTPEngine:
     """One SGLang 0.5.23 server over HTTP; implements ``EngineBackend``.
 
     Keys are sent as ``Authorization: Bearer``: control calls use the admin key when one is
@@ -93,81 +91,58 @@ class SGLangHTTPEngine(SGLangCalls):
         weight_selector: str = "all",
         check_version: bool = True,
     ) -> None:
-        self._admin_key = as_secret(admin_key, what="admin_key")
-        self._api_key = as_secret(api_key, what="api_key")
-        self._url = validate_url(url)
-        if timeouts is None:
-            timeouts = HTTPTimeouts()
-        elif not isinstance(timeouts, HTTPTimeouts):
-            raise InvalidArgument(f"timeouts must be an HTTPTimeouts, got {shown(timeouts)}")
-        self._timeouts = timeouts
-        self._retries = check_int("retries", retries, maximum=_MAX_RETRIES)
-        self._retry_backoff = check_seconds("retry_backoff", retry_backoff, positive=False)
-        if transport is not None and not isinstance(transport, httpx.AsyncBaseTransport):
-            raise InvalidArgument(
-                f"transport must be an httpx.AsyncBaseTransport, got {shown(transport)}"
-            )
-        self._transport = transport
-        if label is None:
-            label = self._url
-        elif not isinstance(label, str) or not label:
-            raise InvalidArgument(f"label must be a non-empty string, got {shown(label)}")
-        keys = (self._admin_key, self._api_key)
-        if scrub(label, keys) != label or scrub(self._url, keys) != self._url:
-            raise InvalidArgument("label and url must not contain a key")
-        self._label = label
-        if not isinstance(weight_selector, str) or weight_selector not in WEIGHT_SELECTORS:
-            valid = ", ".join(WEIGHT_SELECTORS)
-            raise InvalidArgument(
-                f"weight_selector must be one of {valid}, got {weight_selector!r}"
-            )
-        self._selector = weight_selector
-        self._check_version = check_flag("check_version", check_version)
-        #: The SGLang version found by the attach check, once it passed.
-        self._version: str | None = None
-        self._wire = HTTPTransport(
-            self._url,
-            label,
-            admin_key=self._admin_key,
-            api_key=self._api_key,
-            connect_timeout=timeouts.connect,
-            retries=self._retries,
-            retry_backoff=self._retry_backoff,
+        self._link = SGLangLink(
+            url,
+            admin_key=admin_key,
+            api_key=api_key,
+            timeouts=timeouts,
+            retries=retries,
+            retry_backoff=retry_backoff,
             transport=transport,
+            label=label,
+            weight_selector=weight_selector,
+            check_version=check_version,
         )
 
     # ----------------------------------------------------------------------------- properties
 
     @property
+    def link(self) -> SGLangLink:
+        """The link to the server: endpoint calls, probes, the attach check."""
+        return self._link
+
+    @property
     def label(self) -> str:
         """The engine's name in errors and events (the URL unless given)."""
-        return self._label
+        return self._link.label
 
     @property
     def url(self) -> str:
         """The server's base URL."""
-        return self._url
+        return self._link.url
 
     @property
     def timeouts(self) -> HTTPTimeouts:
         """The timeouts in force."""
-        return self._timeouts
+        return self._link.timeouts
 
     @property
     def weight_selector(self) -> str:
         """The selector sent to ``/begin_weight_update`` and every tensor/distributed update."""
-        return self._selector
+        return self._link.selector
 
     @property
     def sglang_version(self) -> str | None:
         """The SGLang version the attach check accepted (None before it ran, or when skipped)."""
-        return self._version
+        return self._link.version
 
     def __repr__(self) -> str:
-        return (
-            f"SGLangHTTPEngine({self._url!r}, label={self._label!r}, "
-            f"admin_key={self._admin_key!r}, api_key={self._api_key!r})"
-        )
+        return repr(self._link)
+
+    async def _send(self, op: str, body: dict[str, Any] | None = None, **how: Any) -> None:
+        """The attach check (once), then one call of the endpoint ``op``."""
+        await self._link.attach(op)
+        await self._link.call(op, body, **how)
 
     # ----------------------------------------------------------------------------- lifecycle
 
@@ -179,14 +154,12 @@ class SGLangHTTPEngine(SGLangCalls):
         except ValueError:
             valid = ", ".join(m.value for m in PauseMode)
             raise InvalidArgument(f"unknown pause mode {mode!r}; valid: {valid}") from None
-        await self._attach(op)
-        await self._call(op, {"mode": mode.value})
+        await self._send(op, {"mode": mode.value})
 
     async def continue_generation(self) -> None:
         """``POST /continue_generation {"torch_empty_cache": true}``; retried."""
         op = "continue_generation"
-        await self._attach(op)
-        await self._call(op, {"torch_empty_cache": True})
+        await self._send(op, {"torch_empty_cache": True})
 
     async def flush_cache(self, timeout: float) -> None:
         """``POST /flush_cache`` with no body; a 400 (not idle) raises ``EngineRejected``.
@@ -208,8 +181,7 @@ class SGLangHTTPEngine(SGLangCalls):
         # check_pending (is_fully_idle() counts the waiting queue); scheduler.py
         # Scheduler.flush_cache (is_fully_idle(ignore_waiting=self._engine_paused)).
         wait = check_seconds("flush timeout", timeout, positive=False)
-        await self._attach("flush_cache")
-        await self._call("flush_cache", flush_wait=wait)
+        await self._send("flush_cache", flush_wait=wait)
 
     async def release_memory_occupation(self, tags: Sequence[Tag]) -> None:
         """``POST /release_memory_occupation {"tags": [...]}``; sent once, never retried."""
@@ -223,8 +195,7 @@ class SGLangHTTPEngine(SGLangCalls):
         # An empty list means "all three tags" to SGLang: resuming a tag that is not released
         # kills the server, so the tags are always named, and validated before anything is sent.
         names = [t.value for t in parse_tags(tags, what=f"{op} tags")]
-        await self._attach(op)
-        await self._call(op, {"tags": names})
+        await self._send(op, {"tags": names})
 
     # ----------------------------------------------------------------------------- requests
 
@@ -236,7 +207,7 @@ class SGLangHTTPEngine(SGLangCalls):
         if request.get("stream"):
             raise InvalidArgument("generate() does not stream; send the request with stream false")
         # An object answer: a batch (a list) is garbage here.
-        data: dict[str, Any] = await self._call(op, request)
+        data: dict[str, Any] = await self._link.call(op, request)
         return data
 
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
@@ -252,11 +223,205 @@ class SGLangHTTPEngine(SGLangCalls):
         if not isinstance(rid, str):
             raise InvalidArgument(f"rid must be a string, got {shown(rid)}")
         body = {"rid": rid, "abort_all": check_flag("abort_all", abort_all)}
-        await self._call("abort_request", body)
+        await self._link.call("abort_request", body)
+
+    # ----------------------------------------------------------------------------- weights
+
+    async def begin_weight_update(self) -> None:
+        """``POST /begin_weight_update {"selector": S}`` with the client's ``weight_selector``."""
+        op = "begin_weight_update"
+        # sglang: io_struct.py BeginWeightUpdateReqInput.selector (default "all"); the updates
+        # of the session must name the same runners.
+        await self._send(op, {"selector": self._link.selector})
+
+    async def end_weight_update(self) -> None:
+        """``POST /end_weight_update {}``."""
+        op = "end_weight_update"
+        await self._send(op, {})
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None,
+        flush_cache: bool,
+        abort_all_requests: bool,
+        load_format: str | None = None,
+    ) -> None:
+        """``POST /update_weights_from_disk``; every flag is sent explicitly; sent once."""
+        op = "update_weights_from_disk"
+        if not isinstance(model_path, str) or not model_path:
+            raise InvalidArgument(f"model_path must be a non-empty string, got {model_path!r}")
+        body = {
+            "model_path": model_path,
+            "load_format": check_str("load_format", load_format, optional=True),
+            "weight_version": check_str("weight_version", weight_version, optional=True),
+            "flush_cache": check_flag("flush_cache", flush_cache),
+            "abort_all_requests": check_flag("abort_all_requests", abort_all_requests),
+        }
+        await self._send(op, body)
+
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[str],
+        *,
+        weight_version: str | None,
+        flush_cache: bool,
+        abort_all_requests: bool,
+        load_format: str | None = None,
+    ) -> None:
+        """``POST /update_weights_from_tensor`` (one base64 payload per TP rank), with the
+        client's ``weight_selector``; sent once."""
+        op = "update_weights_from_tensor"
+        body = {
+            "serialized_named_tensors": check_str_list(
+                "serialized_named_tensors", serialized_named_tensors
+            ),
+            "load_format": check_str("load_format", load_format, optional=True),
+            "weight_version": check_str("weight_version", weight_version, optional=True),
+            "flush_cache": check_flag("flush_cache", flush_cache),
+            "abort_all_requests": check_flag("abort_all_requests", abort_all_requests),
+            # sglang: io_struct.py UpdateWeightsFromTensorReqInput.selector
+            "selector": self._link.selector,
+        }
+        await self._send(op, body)
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        *,
+        weight_version: str | None,
+        flush_cache: bool,
+        abort_all_requests: bool,
+        load_format: str | None = None,
+    ) -> None:
+        """``POST /update_weights_from_distributed``, with the client's ``weight_selector``; the
+        tensors arrive over ``group_name`` (made by ``init_weights_update_group``); sent once."""
+        op = "update_weights_from_distributed"
+        names = check_str_list("names", names)
+        dtypes = check_str_list("dtypes", dtypes)
+        shape_list = check_shapes(shapes)
+        if not len(names) == len(dtypes) == len(shape_list):
+            raise InvalidArgument(
+                f"names, dtypes and shapes must have one entry per tensor, got "
+                f"{len(names)}, {len(dtypes)} and {len(shape_list)}"
+            )
+        if not isinstance(group_name, str) or not group_name:
+            raise InvalidArgument(f"group_name must be a non-empty string, got {group_name!r}")
+        body = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shape_list,
+            "group_name": group_name,
+            "load_format": check_str("load_format", load_format, optional=True),
+            "weight_version": check_str("weight_version", weight_version, optional=True),
+            "flush_cache": check_flag("flush_cache", flush_cache),
+            "abort_all_requests": check_flag("abort_all_requests", abort_all_requests),
+            # sglang: io_struct.py UpdateWeightsFromDistributedReqInput.selector
+            "selector": self._link.selector,
+        }
+        await self._send(op, body)
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = DEFAULT_GROUP_NAME,
+        backend: str = "nccl",
+    ) -> None:
+        """``POST /init_weights_update_group``: join the collective group the trainer (rank 0)
+        broadcasts weights over; this server's ranks are ``rank_offset`` and up.
+
+        It returns once the whole group has formed, so the trainer must join concurrently; sent
+        once (a second join would form a second group), and bounded by the ``weights`` timeout.
+        """
+        # sglang: io_struct.py InitWeightsUpdateGroupReqInput (master_address, master_port,
+        # rank_offset, world_size, group_name, backend); http_server.py init_weights_update_group
+        op = "init_weights_update_group"
+        if not isinstance(master_address, str) or not master_address:
+            raise InvalidArgument(
+                f"master_address must be a non-empty string, got {master_address!r}"
+            )
+        for name, value, low in (
+            ("master_port", master_port, 1),
+            ("rank_offset", rank_offset, 1),
+            ("world_size", world_size, 2),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise InvalidArgument(f"{name} must be an int >= {low}, got {value!r}")
+        if master_port > 65535:
+            raise InvalidArgument(f"master_port must be at most 65535, got {master_port!r}")
+        if rank_offset >= world_size:
+            raise InvalidArgument(
+                f"rank_offset {rank_offset} must be below world_size {world_size}"
+            )
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": check_name("group_name", group_name),
+            "backend": check_name("backend", backend),
+        }
+        await self._send(op, body)
+
+    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> None:
+        """``POST /destroy_weights_update_group {"group_name"}``: leave the collective group."""
+        # sglang: io_struct.py DestroyWeightsUpdateGroupReqInput (group_name);
+        # http_server.py destroy_weights_update_group
+        op = "destroy_weights_update_group"
+        body = {"group_name": check_name("group_name", group_name)}
+        await self._send(op, body)
+
+    async def update_weight_version(self, version: str, *, abort_all_requests: bool) -> None:
+        """``POST /update_weight_version``; ``abort_all_requests`` is always sent (server default
+        is true, which would abort the requests a retract pause preserved)."""
+        op = "update_weight_version"
+        body = {
+            "new_version": check_str("version", version, optional=False),
+            "abort_all_requests": check_flag("abort_all_requests", abort_all_requests),
+        }
+        await self._send(op, body)
+
+    # ----------------------------------------------------------------------------- probes
+
+    async def model_info(self) -> dict[str, Any]:
+        """``GET /model_info``: ``SGLangLink.model_info``."""
+        return await self._link.model_info()
+
+    async def weight_version(self) -> str | None:
+        """The loaded weight version: ``SGLangLink.weight_version``."""
+        return await self._link.weight_version()
+
+    async def server_info(self) -> dict[str, Any]:
+        """``GET /server_info``, the liveness probe, secrets masked: ``SGLangLink.server_info``."""
+        return await self._link.server_info()
+
+    async def observe(self, *, paused: bool = True, identify: bool = True) -> dict[str, Any]:
+        """What the server says of itself (``EngineHost.observe``): ``SGLangLink.observe``."""
+        return await self._link.observe(paused=paused, identify=identify)
+
+    async def ready(self, timeout: float | None = None) -> bool:
+        """One ``GET /ready`` (up and not paused): ``SGLangLink.ready``."""
+        return await self._link.ready(timeout)
+
+    async def ping(self, timeout: float | None = None) -> bool:
+        """One ``GET /ping`` (up, paused or not): ``SGLangLink.ping``."""
+        return await self._link.ping(timeout)
+
+    async def check_version(self, op: str = "check_version") -> str:
+        """The attach check on demand: ``SGLangLink.check_version``."""
+        return await self._link.check_version(op)
 
     async def close(self) -> None:
         """Close the HTTP client; later calls raise ``EngineDead``. Idempotent, never raises."""
-        await self._wire.close()
+        await self._link.close()
 
 
 def _secret_kwargs(kwargs: dict[str, Any], names: Iterable[str]) -> dict[str, Any]:

@@ -306,7 +306,7 @@ class LaunchedSGLangEngine:
     async def _spawn_and_wait(self) -> None:
         log = logger()
         # Any answer at all (a paused SGLang answers /ready with 503) means the port is taken.
-        if await self._http._ready_status() is not None:
+        if await self._http.link.ready_status() is not None:
             # Whatever answers there is not the server this engine is about to own.
             raise EngineDead(
                 self.label, "start", f"something already answers at {self.url}; port is taken"

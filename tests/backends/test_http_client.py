@@ -1465,6 +1465,6 @@ async def test_a_body_field_the_table_does_not_declare_is_refused_before_sending
     server = FakeServer()
     engine = make_engine(server)
     with pytest.raises(AssertionError, match="no field \\['modes'\\]"):
-        await engine._call("pause_generation", {"modes": "abort"})
+        await engine.link.call("pause_generation", {"modes": "abort"})
     assert server.requests == []
     await engine.close()

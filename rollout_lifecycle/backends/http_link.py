@@ -1,6 +1,8 @@
-"""The weight-update calls and the probes of ``SGLangHTTPEngine`` (its base class): weight
-sessions and updates sent exactly once with every flag explicit, ``/server_info`` and
-``/model_info`` read, and the attach check of the server's SGLang version."""
+"""One client's link to one SGLang server: the options it was made with (URL, keys, label,
+timeouts, retries, weight selector), the call of an endpoint of the table (``sglang_api``) with
+its answer read as the row says, the information reads with secrets masked, the probes, and the
+attach check of the server's SGLang version. ``SGLangHTTPEngine`` builds each lifecycle, weight
+and generate call's body and sends it over its link."""
 
 from __future__ import annotations
 
@@ -8,17 +10,12 @@ import asyncio
 from collections.abc import Awaitable
 from typing import Any
 
+import httpx
+
 from rollout_lifecycle.backends.engine import incarnation_of
-from rollout_lifecycle.backends.http_transport import RETRY_STATUSES, HTTPTransport
-from rollout_lifecycle.backends.http_wire import (
-    HTTPTimeouts,
-    check_name,
-    check_shapes,
-    check_str,
-    check_str_list,
-    parse_version,
-    shown,
-)
+from rollout_lifecycle.backends.http_transport import RETRY_STATUSES, HTTPTransport, scrub
+from rollout_lifecycle.backends.http_wire import HTTPTimeouts, parse_version, shown
+from rollout_lifecycle.backends.secret import Secret, as_secret
 from rollout_lifecycle.backends.sglang_api import ENDPOINTS
 from rollout_lifecycle.contract.exceptions import (
     EngineDead,
@@ -28,202 +25,121 @@ from rollout_lifecycle.contract.exceptions import (
     IllegalEngineOp,
     InvalidArgument,
 )
-from rollout_lifecycle.contract.values import DEFAULT_GROUP_NAME, check_flag, check_seconds
+from rollout_lifecycle.contract.urls import validate_url
+from rollout_lifecycle.contract.values import check_flag, check_int, check_seconds
 
 #: The oldest SGLang this client drives: 0.5.20 has no begin/end weight-update endpoints and its
 #: release asserts plain idleness (a retract pause that left requests waiting kills it); 0.5.21
 #: dies on a weight update with ``flush_cache: true`` on a busy engine.
 MIN_SGLANG_VERSION: tuple[int, int, int] = (0, 5, 22)
+#: The most retries a call may be given (each waits up to ``_MAX_BACKOFF``).
+_MAX_RETRIES = 1000
+#: The runners a weight-update session and its updates apply to.
+# sglang: io_struct.py BeginWeightUpdateReqInput / UpdateWeightsFromTensorReqInput /
+# UpdateWeightsFromDistributedReqInput.selector: Literal["target", "draft", "all"] = "all"
+WEIGHT_SELECTORS: tuple[str, ...] = ("target", "draft", "all")
 
 
-class SGLangCalls:
-    """Weight calls and probes over an ``HTTPTransport``; ``SGLangHTTPEngine`` sets the state."""
+class SGLangLink:
+    """The link of one ``SGLangHTTPEngine`` to its server (see the module docstring); the
+    engine's arguments are checked here, each naming the bad value."""
 
-    _url: str
-    _label: str
-    _wire: HTTPTransport
-    _timeouts: HTTPTimeouts
-    _selector: str
-    _check_version: bool
-    _version: str | None
-
-    # ----------------------------------------------------------------------------- weights
-
-    async def begin_weight_update(self) -> None:
-        """``POST /begin_weight_update {"selector": S}`` with the client's ``weight_selector``."""
-        op = "begin_weight_update"
-        await self._attach(op)
-        # sglang: io_struct.py BeginWeightUpdateReqInput.selector (default "all"); the updates
-        # of the session must name the same runners.
-        await self._call(op, {"selector": self._selector})
-
-    async def end_weight_update(self) -> None:
-        """``POST /end_weight_update {}``."""
-        op = "end_weight_update"
-        await self._attach(op)
-        await self._call(op, {})
-
-    async def update_weights_from_disk(
+    def __init__(
         self,
-        model_path: str,
+        url: str,
         *,
-        weight_version: str | None,
-        flush_cache: bool,
-        abort_all_requests: bool,
-        load_format: str | None = None,
+        admin_key: str | Secret | None = None,
+        api_key: str | Secret | None = None,
+        timeouts: HTTPTimeouts | None = None,
+        retries: int = 3,
+        retry_backoff: float = 0.2,
+        transport: httpx.AsyncBaseTransport | None = None,
+        label: str | None = None,
+        weight_selector: str = "all",
+        check_version: bool = True,
     ) -> None:
-        """``POST /update_weights_from_disk``; every flag is sent explicitly; sent once."""
-        op = "update_weights_from_disk"
-        if not isinstance(model_path, str) or not model_path:
-            raise InvalidArgument(f"model_path must be a non-empty string, got {model_path!r}")
-        body = {
-            "model_path": model_path,
-            "load_format": check_str("load_format", load_format, optional=True),
-            "weight_version": check_str("weight_version", weight_version, optional=True),
-            "flush_cache": check_flag("flush_cache", flush_cache),
-            "abort_all_requests": check_flag("abort_all_requests", abort_all_requests),
-        }
-        await self._attach(op)
-        await self._call(op, body)
-
-    async def update_weights_from_tensor(
-        self,
-        serialized_named_tensors: list[str],
-        *,
-        weight_version: str | None,
-        flush_cache: bool,
-        abort_all_requests: bool,
-        load_format: str | None = None,
-    ) -> None:
-        """``POST /update_weights_from_tensor`` (one base64 payload per TP rank), with the
-        client's ``weight_selector``; sent once."""
-        op = "update_weights_from_tensor"
-        body = {
-            "serialized_named_tensors": check_str_list(
-                "serialized_named_tensors", serialized_named_tensors
-            ),
-            "load_format": check_str("load_format", load_format, optional=True),
-            "weight_version": check_str("weight_version", weight_version, optional=True),
-            "flush_cache": check_flag("flush_cache", flush_cache),
-            "abort_all_requests": check_flag("abort_all_requests", abort_all_requests),
-            # sglang: io_struct.py UpdateWeightsFromTensorReqInput.selector
-            "selector": self._selector,
-        }
-        await self._attach(op)
-        await self._call(op, body)
-
-    async def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str,
-        *,
-        weight_version: str | None,
-        flush_cache: bool,
-        abort_all_requests: bool,
-        load_format: str | None = None,
-    ) -> None:
-        """``POST /update_weights_from_distributed``, with the client's ``weight_selector``; the
-        tensors arrive over ``group_name`` (made by ``init_weights_update_group``); sent once."""
-        op = "update_weights_from_distributed"
-        names = check_str_list("names", names)
-        dtypes = check_str_list("dtypes", dtypes)
-        shape_list = check_shapes(shapes)
-        if not len(names) == len(dtypes) == len(shape_list):
+        self._admin_key = as_secret(admin_key, what="admin_key")
+        self._api_key = as_secret(api_key, what="api_key")
+        self._url = validate_url(url)
+        if timeouts is None:
+            timeouts = HTTPTimeouts()
+        elif not isinstance(timeouts, HTTPTimeouts):
+            raise InvalidArgument(f"timeouts must be an HTTPTimeouts, got {shown(timeouts)}")
+        self._timeouts = timeouts
+        retries = check_int("retries", retries, maximum=_MAX_RETRIES)
+        retry_backoff = check_seconds("retry_backoff", retry_backoff, positive=False)
+        if transport is not None and not isinstance(transport, httpx.AsyncBaseTransport):
             raise InvalidArgument(
-                f"names, dtypes and shapes must have one entry per tensor, got "
-                f"{len(names)}, {len(dtypes)} and {len(shape_list)}"
+                f"transport must be an httpx.AsyncBaseTransport, got {shown(transport)}"
             )
-        if not isinstance(group_name, str) or not group_name:
-            raise InvalidArgument(f"group_name must be a non-empty string, got {group_name!r}")
-        body = {
-            "names": names,
-            "dtypes": dtypes,
-            "shapes": shape_list,
-            "group_name": group_name,
-            "load_format": check_str("load_format", load_format, optional=True),
-            "weight_version": check_str("weight_version", weight_version, optional=True),
-            "flush_cache": check_flag("flush_cache", flush_cache),
-            "abort_all_requests": check_flag("abort_all_requests", abort_all_requests),
-            # sglang: io_struct.py UpdateWeightsFromDistributedReqInput.selector
-            "selector": self._selector,
-        }
-        await self._attach(op)
-        await self._call(op, body)
-
-    async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        *,
-        group_name: str = DEFAULT_GROUP_NAME,
-        backend: str = "nccl",
-    ) -> None:
-        """``POST /init_weights_update_group``: join the collective group the trainer (rank 0)
-        broadcasts weights over; this server's ranks are ``rank_offset`` and up.
-
-        It returns once the whole group has formed, so the trainer must join concurrently; sent
-        once (a second join would form a second group), and bounded by the ``weights`` timeout.
-        """
-        # sglang: io_struct.py InitWeightsUpdateGroupReqInput (master_address, master_port,
-        # rank_offset, world_size, group_name, backend); http_server.py init_weights_update_group
-        op = "init_weights_update_group"
-        if not isinstance(master_address, str) or not master_address:
+        if label is None:
+            label = self._url
+        elif not isinstance(label, str) or not label:
+            raise InvalidArgument(f"label must be a non-empty string, got {shown(label)}")
+        keys = (self._admin_key, self._api_key)
+        if scrub(label, keys) != label or scrub(self._url, keys) != self._url:
+            raise InvalidArgument("label and url must not contain a key")
+        self._label = label
+        if not isinstance(weight_selector, str) or weight_selector not in WEIGHT_SELECTORS:
+            valid = ", ".join(WEIGHT_SELECTORS)
             raise InvalidArgument(
-                f"master_address must be a non-empty string, got {master_address!r}"
+                f"weight_selector must be one of {valid}, got {weight_selector!r}"
             )
-        for name, value, low in (
-            ("master_port", master_port, 1),
-            ("rank_offset", rank_offset, 1),
-            ("world_size", world_size, 2),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise InvalidArgument(f"{name} must be an int >= {low}, got {value!r}")
-        if master_port > 65535:
-            raise InvalidArgument(f"master_port must be at most 65535, got {master_port!r}")
-        if rank_offset >= world_size:
-            raise InvalidArgument(
-                f"rank_offset {rank_offset} must be below world_size {world_size}"
-            )
-        body = {
-            "master_address": master_address,
-            "master_port": master_port,
-            "rank_offset": rank_offset,
-            "world_size": world_size,
-            "group_name": check_name("group_name", group_name),
-            "backend": check_name("backend", backend),
-        }
-        await self._attach(op)
-        await self._call(op, body)
+        self._selector = weight_selector
+        self._check_version = check_flag("check_version", check_version)
+        #: The SGLang version found by the attach check, once it passed.
+        self._version: str | None = None
+        self._wire = HTTPTransport(
+            self._url,
+            label,
+            admin_key=self._admin_key,
+            api_key=self._api_key,
+            connect_timeout=timeouts.connect,
+            retries=retries,
+            retry_backoff=retry_backoff,
+            transport=transport,
+        )
 
-    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> None:
-        """``POST /destroy_weights_update_group {"group_name"}``: leave the collective group."""
-        # sglang: io_struct.py DestroyWeightsUpdateGroupReqInput (group_name);
-        # http_server.py destroy_weights_update_group
-        op = "destroy_weights_update_group"
-        body = {"group_name": check_name("group_name", group_name)}
-        await self._attach(op)
-        await self._call(op, body)
+    @property
+    def url(self) -> str:
+        """The server's base URL."""
+        return self._url
 
-    async def update_weight_version(self, version: str, *, abort_all_requests: bool) -> None:
-        """``POST /update_weight_version``; ``abort_all_requests`` is always sent (server default
-        is true, which would abort the requests a retract pause preserved)."""
-        op = "update_weight_version"
-        body = {
-            "new_version": check_str("version", version, optional=False),
-            "abort_all_requests": check_flag("abort_all_requests", abort_all_requests),
-        }
-        await self._attach(op)
-        await self._call(op, body)
+    @property
+    def label(self) -> str:
+        """The engine's name in errors and events (the URL unless given)."""
+        return self._label
+
+    @property
+    def timeouts(self) -> HTTPTimeouts:
+        """The timeouts in force."""
+        return self._timeouts
+
+    @property
+    def selector(self) -> str:
+        """The selector sent to ``/begin_weight_update`` and every tensor/distributed update."""
+        return self._selector
+
+    @property
+    def version(self) -> str | None:
+        """The SGLang version the attach check accepted (None before it ran, or when skipped)."""
+        return self._version
+
+    def __repr__(self) -> str:
+        return (
+            f"SGLangHTTPEngine({self._url!r}, label={self._label!r}, "
+            f"admin_key={self._admin_key!r}, api_key={self._api_key!r})"
+        )
+
+    async def close(self) -> None:
+        """Close the HTTP client; later calls raise ``EngineDead``. Idempotent, never raises."""
+        await self._wire.close()
 
     # ----------------------------------------------------------------------------- probes
 
     async def model_info(self) -> dict[str, Any]:
         """``GET /model_info`` (old name ``/get_model_info``); retried."""
-        return await self._info("model_info")
+        return await self.info("model_info")
 
     async def weight_version(self) -> str | None:
         """The loaded weight version, from ``GET /model_info``."""
@@ -242,7 +158,7 @@ class SGLangCalls:
         do other secret arguments and any occurrence of this client's keys.
         """
         # sglang: common.py build_server_info (server_args.resolved_dict() + launch_command)
-        return await self._info("server_info")
+        return await self.info("server_info")
 
     async def observe(self, *, paused: bool = True, identify: bool = True) -> dict[str, Any]:
         """What the server says of itself (``EngineHost.observe``), its reads sent at once:
@@ -298,7 +214,7 @@ class SGLangCalls:
         """Whether one call of the probe ``probe`` is answered 200; False for 502-504 and for a
         server that cannot answer; other refusals raise."""
         try:
-            await self._call(probe, timeout=self._probe_wait(timeout))
+            await self.call(probe, timeout=self._probe_wait(timeout))
         except (EngineDead, EngineUnreachable, EngineTimeout):
             return False
         except EngineRejected as exc:
@@ -307,7 +223,7 @@ class SGLangCalls:
             raise
         return True
 
-    async def _ready_status(self, timeout: float | None = None) -> int | None:
+    async def ready_status(self, timeout: float | None = None) -> int | None:
         """One ``GET /ready``, not retried: the status of whatever answers at the URL (503
         from a paused or warming-up SGLang), or None when nothing does."""
         try:
@@ -330,7 +246,7 @@ class SGLangCalls:
         calls does not ask again. Raises ``IllegalEngineOp`` (naming the version found) when it
         is too old, missing or unreadable; engine errors of the probe itself pass through.
         """
-        info = await self._info("server_info", op)
+        info = await self.info("server_info", op)
         found = info.get("version")
         wanted = ".".join(str(n) for n in MIN_SGLANG_VERSION)
         if found is None:
@@ -360,12 +276,12 @@ class SGLangCalls:
         self._version = found
         return found
 
-    async def _attach(self, op: str) -> None:
+    async def attach(self, op: str) -> None:
         """The attach check, once per client, before its first lifecycle call."""
         if self._check_version and self._version is None:
             await self.check_version(op)
 
-    async def _call(
+    async def call(
         self,
         name: str,
         body: dict[str, Any] | None = None,
@@ -391,7 +307,7 @@ class SGLangCalls:
         )
         return self._wire.read_answer(row.name if op is None else op, row, response)
 
-    async def _info(self, name: str, op: str | None = None) -> dict[str, Any]:
+    async def info(self, name: str, op: str | None = None) -> dict[str, Any]:
         """An information endpoint's JSON object, from its path or, on a server that predates
         it, its older alias.
 
@@ -400,7 +316,7 @@ class SGLangCalls:
         paths = ENDPOINTS[name].paths
         for i, path in enumerate(paths):
             try:
-                data = await self._call(name, op=op, path=path)
+                data = await self.call(name, op=op, path=path)
                 break
             except EngineRejected as exc:
                 if exc.status != 404 or i == len(paths) - 1:
@@ -410,4 +326,4 @@ class SGLangCalls:
         return masked
 
 
-__all__ = ["MIN_SGLANG_VERSION", "SGLangCalls"]
+__all__ = ["MIN_SGLANG_VERSION", "WEIGHT_SELECTORS", "SGLangLink"]
