@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rollout_lifecycle.contract import seam
+from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import InvalidArgument
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import Outcome
@@ -282,7 +283,7 @@ class GenerationClient:
                     self._router.saw_die(engine, handle, incarnation)
                     self._counts["engine_deaths"] += 1
                 work.avoid.add(engine)
-                self._resubmit(work, f"engine {engine} was lost ({outcome})")
+                self._resubmit(work, body["rid"], f"engine {engine} was lost ({outcome})")
                 continue
             finally:
                 self._router.outstanding[engine] -= 1
@@ -290,11 +291,15 @@ class GenerationClient:
             finish = work.absorb(engine, answer)
             self._counts["retractions"] += work.counters.get("num_retractions", 0) - retractions
             if resumable_abort(finish) and not work.budget_used():
-                self._resubmit(work, f"aborted on engine {engine}: {finish.get('message')}")
+                self._resubmit(
+                    work, body["rid"], f"aborted on engine {engine}: {finish.get('message')}"
+                )
                 continue
             return work.compose(work.whole_finish(finish))
 
-    def _resubmit(self, work: Request, why: str) -> None:
+    def _resubmit(self, work: Request, attempt: str, why: str) -> None:
+        """Count one more attempt of ``work`` (its last was the request id ``attempt``), or give
+        up past ``max_resubmissions``."""
         if work.resubmissions >= self._max_resubmissions:
             message = (
                 f"generate request gave up after {work.resubmissions} resubmission(s) "
@@ -304,6 +309,15 @@ class GenerationClient:
             raise TooManyResubmissions(message, work.compose(None, message))
         work.resubmissions += 1
         self._counts["resubmissions"] += 1
+        logger().info(
+            "generate.resubmit",
+            server=self._server.name,
+            rid=work.rid,
+            attempt=attempt,
+            resubmission=work.resubmissions,
+            engines=list(work.engines),
+            why=why,
+        )
 
     async def _call(
         self, work: Request, handle: Any, body: dict[str, Any], deadline: float

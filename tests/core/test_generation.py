@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import ray
+from structlog.testing import capture_logs
 
 from rollout_lifecycle import (
     EngineGroup,
@@ -629,10 +630,16 @@ async def test_abort_mode_resubmits_every_request_across_offload_cycles(
 ) -> None:
     sims = engines(4, token_latency=0.002)
     sims_to_close.extend(sims)
-    client, results, in_flight = await run_cycles(PauseMode.ABORT, sims, 16, 3)
+    with capture_logs() as logs:
+        client, results, in_flight = await run_cycles(PauseMode.ABORT, sims, 16, 3)
     stats = client.stats()
     resubmitted = [r["meta_info"]["num_resubmissions"] for r in results]
     assert all(n >= 1 for n in resubmitted)
+    # Each resubmission is an event naming the request, its engines so far and why.
+    events = [e for e in logs if e["event"] == "generate.resubmit"]
+    assert len(events) == sum(resubmitted)
+    assert all(e["why"].endswith(": aborted by pause_generation(mode=abort)") for e in events)
+    assert all(len(e["engines"]) == e["resubmission"] for e in events)
     assert stats["submitted"] == stats["completed"] == 16 and stats["failed"] == 0
     assert stats["resubmissions"] == sum(resubmitted) == engine_stat(sims, "aborted")
     assert engine_stat(sims, "completed") == 16
