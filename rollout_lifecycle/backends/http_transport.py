@@ -36,6 +36,14 @@ _BODY_LIMIT = 500
 _CAUSE_LIMIT = 200
 #: The longest pause between two attempts of a retried call.
 _MAX_BACKOFF = 5.0
+#: How long an idle connection stays in the pool for reuse: well below the server's own
+#: keep-alive, so that no call is written onto a connection the server is closing (a call sent
+#: once, such as generate or a release, would then fail with nothing known of its fate). httpx's
+#: default (5 s) equals SGLang's, and under load that race was seen: a resubmitted generate
+#: failed with a ReadError on a connection reused after about 5 s idle.
+# sglang: environ.py SGLANG_TIMEOUT_KEEP_ALIVE = EnvInt(5), passed to uvicorn as
+# timeout_keep_alive (entrypoints/http_server.py _setup_and_run_http_server)
+KEEPALIVE_EXPIRY_S = 2.0
 #: Server-argument fields that hold a secret (``/server_info`` publishes them in clear).
 # sglang: common.py build_server_info (server_args.resolved_dict()), arg_groups/fields/serving.py
 _SECRET_FIELD = re.compile(r"(api_key|password|secret|watermark_key)$")
@@ -91,8 +99,10 @@ class HTTPTransport:
         retries: int,
         retry_backoff: float,
         transport: httpx.AsyncBaseTransport | None,
+        keepalive_expiry: float = KEEPALIVE_EXPIRY_S,
     ) -> None:
         self._url = url
+        self._keepalive_expiry = keepalive_expiry
         self._label = label
         self._admin_key = admin_key
         self._api_key = api_key
@@ -124,7 +134,11 @@ class HTTPTransport:
                 transport=self._transport,
                 # No connection cap: control calls must never queue behind long generates
                 # (a pause waiting for a connection that a paused generate holds would hang).
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
+                limits=httpx.Limits(
+                    max_connections=None,
+                    max_keepalive_connections=32,
+                    keepalive_expiry=self._keepalive_expiry,
+                ),
                 follow_redirects=False,
                 trust_env=False,
             )

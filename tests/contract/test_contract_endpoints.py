@@ -4,11 +4,16 @@ endpoint are checked from the endpoint table, in ``test_contract_table``.)"""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 from contract.helpers import Target
+
+from rollout_lifecycle.backends.http_transport import KEEPALIVE_EXPIRY_S
 
 #: SGLang's answer to a request its schema refuses: 400 (not FastAPI's 422) with this shape.
 VALIDATION_ERROR_KEYS = {"object", "message", "type", "param", "code"}
@@ -108,3 +113,33 @@ async def test_weight_version_is_default_on_a_server_no_update_has_touched(keyed
         answer = await client.get("/model_info", headers=keyed.headers(keyed.api_key))
         assert answer.status_code == 200, answer.text
         assert answer.json()["weight_version"] == "default"
+
+
+async def test_the_server_closes_a_connection_left_idle_later_than_the_client_lets_it_go(
+    target: Target,
+) -> None:
+    """SGLang closes a kept-alive connection some seconds after its last answer (uvicorn's
+    ``timeout_keep_alive``, ``SGLANG_TIMEOUT_KEEP_ALIVE`` = 5 s): the HTTP client's pool lets
+    an idle connection go before that (``KEEPALIVE_EXPIRY_S``), so that it never writes a call
+    onto a connection the server is closing. (A lower bound: a loaded machine closes later.)"""
+    url = urlsplit(target.url)
+    assert url.hostname is not None and url.port is not None
+    reader, writer = await asyncio.open_connection(url.hostname, url.port)
+    try:
+        writer.write(b"GET /ready HTTP/1.1\r\nhost: server\r\n\r\n")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
+        length = next(
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        await asyncio.wait_for(reader.readexactly(length), 60)
+        answered = time.monotonic()
+        # the server closes the connection: end of stream, nothing more sent
+        assert await asyncio.wait_for(reader.read(), 60) == b""
+        idle = time.monotonic() - answered
+    finally:
+        writer.close()
+    print(f"{target.kind}: closed after {idle:.2f} s idle")
+    assert idle > KEEPALIVE_EXPIRY_S

@@ -130,6 +130,8 @@ def serve(
         access_log=False,
         lifespan="on",
         timeout_graceful_shutdown=2,
+        # sglang: environ.py SGLANG_TIMEOUT_KEEP_ALIVE = EnvInt(5), uvicorn's timeout_keep_alive
+        timeout_keep_alive=5,
     )
     # An injected drop raises on purpose once its response has started; it is no app error.
     uvicorn_log = logging.getLogger("uvicorn.error")

@@ -1,0 +1,94 @@
+"""The HTTP client's connection pool: a connection idle for longer than the pool's keep-alive
+expiry is not reused, so that no call is written onto a connection the server may be closing
+(SGLang closes idle connections after 5 s); one idle for less is reused."""
+
+from __future__ import annotations
+
+import asyncio
+
+from rollout_lifecycle import SGLangHTTPEngine
+from rollout_lifecycle.backends.http_transport import KEEPALIVE_EXPIRY_S, HTTPTransport
+from rollout_lifecycle.backends.sglang_api import ENDPOINTS
+
+#: SGLang's keep-alive: it closes a connection idle this long.
+# sglang: environ.py SGLANG_TIMEOUT_KEEP_ALIVE = EnvInt(5)
+SGLANG_KEEP_ALIVE_S = 5.0
+
+
+class CountingServer:
+    """An HTTP/1.1 server on loopback that answers every request ``{}`` on a kept-alive
+    connection and counts the connections opened to it."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> str:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.decode().split("\r\n"):
+                    name, _, value = line.partition(":")
+                    if name.strip().lower() == "content-length":
+                        length = int(value)
+                await reader.readexactly(length)
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                    b"content-length: 2\r\n\r\n{}"
+                )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+async def test_the_pool_lets_a_connection_go_well_before_sglang_closes_it() -> None:
+    assert KEEPALIVE_EXPIRY_S <= SGLANG_KEEP_ALIVE_S / 2
+    server = CountingServer()
+    async with server as url:
+        engine = SGLangHTTPEngine(url)
+        try:
+            assert await engine.server_info() == {}
+            assert server.connections == 1
+            # Idle past the expiry (the condition itself, not a race): a new connection.
+            await asyncio.sleep(KEEPALIVE_EXPIRY_S + 0.5)
+            assert await engine.server_info() == {}
+            assert server.connections == 2
+        finally:
+            await engine.close()
+
+
+async def test_a_connection_idle_for_less_than_the_expiry_is_reused() -> None:
+    server = CountingServer()
+    async with server as url:
+        wire = HTTPTransport(
+            url,
+            "pool",
+            admin_key=None,
+            api_key=None,
+            connect_timeout=5.0,
+            retries=0,
+            retry_backoff=0.1,
+            transport=None,
+            keepalive_expiry=60.0,
+        )
+        try:
+            for _ in range(3):
+                await wire.request(ENDPOINTS["server_info"], None, 30.0)
+                await asyncio.sleep(0.5)
+            assert server.connections == 1
+        finally:
+            await wire.close()
