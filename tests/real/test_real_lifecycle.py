@@ -35,6 +35,7 @@ from real.lifecycle_checks import (
     phase_overlaps,
 )
 from real.servers import CPU_FLAGS, RealServer, RealSGLang
+from structlog.testing import capture_logs
 
 from rollout_lifecycle import (
     ALL_TAGS,
@@ -304,23 +305,38 @@ async def test_abort_cycle_over_two_real_actors_resubmits_every_aborted_request_
     config = LifecycleConfig(pause_mode=PauseMode.ABORT)
     server = RolloutServer([EngineGroup("actor", actors)], config=config)
     started = time.monotonic()
-    traffic = [asyncio.ensure_future(server.generate(request(i, LONG))) for i in range(8)]
-    await admitted([r.url for r in reals], 3)
-    unanswered = await cycle(server, real_sglang.model, "v3-abort", PauseMode.ABORT, traffic)
-    answers = await asyncio.wait_for(asyncio.gather(*traffic), timeout=600)
+    with capture_logs() as logs:
+        sent = [dict(request(i, LONG), rid=f"abort-cycle-{i}") for i in range(8)]
+        traffic = [asyncio.ensure_future(server.generate(r)) for r in sent]
+        await admitted([r.url for r in reals], 3)
+        unanswered = await cycle(server, real_sglang.model, "v3-abort", PauseMode.ABORT, traffic)
+        answers = await asyncio.wait_for(asyncio.gather(*traffic), timeout=600)
     print(tally(answers, 8, started), server.generation.stats())
+    why = {}  # request id -> why each resubmission was made, in order
+    for event in logs:
+        if event["event"] == "generate.resubmit":
+            why.setdefault(event["rid"], []).append(event["why"])
 
     assert_full(answers, LONG)
     # What the pause found running came back aborted with part of its output, was held while
     # offloaded and resubmitted once serving again; the resubmitted part ran on the new weights.
+    # (A resubmission beyond that one is the client recovering from something else, such as a
+    # connection lost under load: allowed, and shown here with its cause.)
     assert unanswered, "every request finished before the pause; none was aborted"
     for i in unanswered:
-        meta = answers[i]["meta_info"]
-        assert meta["num_resubmissions"] == 1 and len(meta["engines"]) == 2, (i, meta)
+        meta, reasons = answers[i]["meta_info"], why.get(f"abort-cycle-{i}", [])
+        assert meta["num_resubmissions"] == len(reasons) >= 1, (i, meta["engines"], reasons)
+        assert len(meta["engines"]) == len(reasons) + 1, (i, meta["engines"], reasons)
+        assert reasons[0].startswith("aborted on engine actor/"), (i, reasons)
+        # never aborted again: nothing was sent to an engine the pause still held
+        assert all(" was lost " in r for r in reasons[1:]), (i, reasons)
         assert versions_of(answers[i])[-1] == "v3-abort"
+        if len(reasons) > 1:
+            print(f"request {i} was resubmitted {len(reasons)} times: {reasons}")
     stats = server.generation.stats()
     assert (stats["submitted"], stats["completed"], stats["failed"]) == (8, 8, 0)
-    assert stats["resubmissions"] == len(unanswered)
+    assert stats["resubmissions"] == sum(len(r) for r in why.values())
+    assert set(why) == {f"abort-cycle-{i}" for i in unanswered}
     for real in reals:
         await assert_serving(real, "v3-abort")
     assert_invariants(server, cycles=1)
