@@ -137,7 +137,7 @@ class SGLangHTTPEngine:
         return self._link.version
 
     def __repr__(self) -> str:
-        return repr(self._link)
+        return f"SGLangHTTPEngine({self._link.arguments()})"
 
     async def _send(self, op: str, body: dict[str, Any] | None = None, **how: Any) -> None:
         """The attach check (once), then one call of the endpoint ``op``."""

@@ -125,11 +125,15 @@ class SGLangLink:
         """The SGLang version the attach check accepted (None before it ran, or when skipped)."""
         return self._version
 
-    def __repr__(self) -> str:
+    def arguments(self) -> str:
+        """The link's arguments as a repr shows them (keys masked by ``Secret``)."""
         return (
-            f"SGLangHTTPEngine({self._url!r}, label={self._label!r}, "
-            f"admin_key={self._admin_key!r}, api_key={self._api_key!r})"
+            f"{self._url!r}, label={self._label!r}, "
+            f"admin_key={self._admin_key!r}, api_key={self._api_key!r}"
         )
+
+    def __repr__(self) -> str:
+        return f"SGLangLink({self.arguments()})"
 
     async def close(self) -> None:
         """Close the HTTP client; later calls raise ``EngineDead``. Idempotent, never raises."""
