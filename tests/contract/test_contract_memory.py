@@ -66,7 +66,7 @@ async def test_safe_sequence_through_the_library_keeps_every_request(target: Tar
     """pause(retract) -> flush (no timeout) -> release all -> resume weights -> update from
     disk -> resume kv_cache and cuda_graph -> continue, with requests in flight: every request
     finishes full length, retracted once, its output spanning both weight versions."""
-    tokens = 80
+    tokens = 400  # long enough to still be running when the pause lands on a loaded machine
     engine = SGLangHTTPEngine(target.url, retries=1)
     try:
         async with target.client() as client:
