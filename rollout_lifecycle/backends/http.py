@@ -254,10 +254,7 @@ class SGLangHTTPEngine:
             raise InvalidArgument(f"model_path must be a non-empty string, got {model_path!r}")
         body = {
             "model_path": model_path,
-            "load_format": check_str("load_format", load_format, optional=True),
-            "weight_version": check_str("weight_version", weight_version, optional=True),
-            "flush_cache": check_flag("flush_cache", flush_cache),
-            "abort_all_requests": check_flag("abort_all_requests", abort_all_requests),
+            **_update_flags(load_format, weight_version, flush_cache, abort_all_requests),
         }
         await self._send(op, body)
 
@@ -277,10 +274,7 @@ class SGLangHTTPEngine:
             "serialized_named_tensors": check_str_list(
                 "serialized_named_tensors", serialized_named_tensors
             ),
-            "load_format": check_str("load_format", load_format, optional=True),
-            "weight_version": check_str("weight_version", weight_version, optional=True),
-            "flush_cache": check_flag("flush_cache", flush_cache),
-            "abort_all_requests": check_flag("abort_all_requests", abort_all_requests),
+            **_update_flags(load_format, weight_version, flush_cache, abort_all_requests),
             # sglang: io_struct.py UpdateWeightsFromTensorReqInput.selector
             "selector": self._link.selector,
         }
@@ -316,10 +310,7 @@ class SGLangHTTPEngine:
             "dtypes": dtypes,
             "shapes": shape_list,
             "group_name": group_name,
-            "load_format": check_str("load_format", load_format, optional=True),
-            "weight_version": check_str("weight_version", weight_version, optional=True),
-            "flush_cache": check_flag("flush_cache", flush_cache),
-            "abort_all_requests": check_flag("abort_all_requests", abort_all_requests),
+            **_update_flags(load_format, weight_version, flush_cache, abort_all_requests),
             # sglang: io_struct.py UpdateWeightsFromDistributedReqInput.selector
             "selector": self._link.selector,
         }
@@ -422,6 +413,18 @@ class SGLangHTTPEngine:
     async def close(self) -> None:
         """Close the HTTP client; later calls raise ``EngineDead``. Idempotent, never raises."""
         await self._link.close()
+
+
+def _update_flags(
+    load_format: str | None, weight_version: str | None, flush_cache: bool, abort_all: bool
+) -> dict[str, Any]:
+    """The fields every weight update sends, checked, each stated explicitly."""
+    return {
+        "load_format": check_str("load_format", load_format, optional=True),
+        "weight_version": check_str("weight_version", weight_version, optional=True),
+        "flush_cache": check_flag("flush_cache", flush_cache),
+        "abort_all_requests": check_flag("abort_all_requests", abort_all),
+    }
 
 
 def _secret_kwargs(kwargs: dict[str, Any], names: Iterable[str]) -> dict[str, Any]:
