@@ -1,6 +1,7 @@
 """``SyncRolloutServer``: drive the lifecycle from a synchronous training loop, without asyncio.
 
-It runs a ``RolloutServer`` on an event-loop thread of its own; every method blocks until done.
+It runs a ``RolloutServer`` on an anyio blocking portal (an event loop on a thread of its own);
+every method blocks until done.
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import Future, wait
 from contextlib import contextmanager
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar, cast
+
+from anyio.from_thread import start_blocking_portal
 
 from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import InvalidArgument, LifecycleError
@@ -93,68 +97,113 @@ class SyncCallTimeout(LifecycleError, TimeoutError):
         )
 
 
-class _Call(Generic[T]):
-    """One coroutine run on the loop for a blocked caller; ``done`` is set once it settled."""
+class _Pending:
+    """One call of a blocked caller, as the loop runs it."""
 
     def __init__(self, nested: bool) -> None:
         #: Made from inside an operation of the same server (a hook, push or factory) and part
         #: of it: cancelling it alone would interrupt a phase, so it is never cancelled alone.
         self.nested = nested
-        self.done = threading.Event()
-        self.task: asyncio.Task[T] | None = None
-        self.value: list[T] = []
-        self.error: BaseException | None = None
-        self.cancelled = False
-
-    def finish(self, task: asyncio.Task[T]) -> None:
-        if task.cancelled():
-            self.cancelled = True
-        elif (error := task.exception()) is not None:
-            self.error = error
-        else:
-            self.value.append(task.result())
-        self.done.set()
-
-    def fail(self, error: BaseException) -> None:
-        self.error = error
-        self.done.set()
+        #: The task running the call, once the loop started it (set and read on the loop).
+        self.task: asyncio.Task[Any] | None = None
+        #: Cancelled before the loop started it.
+        self.cancel_first = False
+        #: What the caller waits on: the call as it settled, ``(cancelled, value, error)``.
+        self.settled: Future[tuple[bool, Any, BaseException | None]] | None = None
 
 
 class _Runtime:
     """What the loop thread shares with the facade (never the facade itself, so that a facade
-    nobody closed can still be garbage-collected, and its finalizer stop the loop)."""
+    nobody closed can still be garbage-collected, and its finalizer stop the loop).
+
+    The loop is anyio's blocking portal: an event loop on a thread of its own that other threads
+    hand coroutines to and wait on through ``concurrent.futures.Future``.
+    """
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.loop = asyncio.new_event_loop()
         self.guard = threading.Lock()
         self.closed = False
-        #: Calls scheduled and not yet settled; failed if the loop thread ever ends under them.
-        self.pending: set[_Call[Any]] = set()
+        #: Calls handed to the loop and not yet settled (under ``guard``).
+        self.pending: set[_Pending] = set()
         #: Worker threads running a sync callable; touched on the loop thread only.
         self.workers: set[threading.Thread] = set()
         #: Workers whose call was cancelled or outlived its deadline while the callable still
         #: ran: nobody waits for them any more, and ``close()`` does not join them.
         self.abandoned: set[threading.Thread] = set()
-        self.thread = threading.Thread(
-            target=_run_loop, args=(self,), name=f"rollout-sync-{name}", daemon=True
-        )
+        self.thread_name = f"rollout-sync-{name}"
+        self._portal_cm = start_blocking_portal("asyncio")
+        self.portal = self._portal_cm.__enter__()
+        self.loop_thread = self.portal.call(self._name_loop_thread)
 
-    def stop(self) -> None:
-        with self.guard:
-            self.closed = True
-        with contextlib.suppress(RuntimeError):  # the loop is closed already
-            self.loop.call_soon_threadsafe(self.loop.stop)
+    def _name_loop_thread(self) -> int:
+        threading.current_thread().name = self.thread_name
+        return threading.get_ident()
 
-    def cancel(self, pending: _Call[Any]) -> None:
-        """Cancel ``pending``'s task on the loop (a settled call has nothing to cancel)."""
+    def submit(
+        self, pending: _Pending, make: Callable[[], Awaitable[Any]], context: contextvars.Context
+    ) -> None:
+        """Start ``make()`` on the loop in ``context``; ``pending.settled`` tells how it ended."""
+        pending.settled = self.portal.start_task_soon(self._run, pending, make, context)
+
+    @staticmethod
+    async def _run(
+        pending: _Pending, make: Callable[[], Awaitable[Any]], context: contextvars.Context
+    ) -> tuple[bool, Any, BaseException | None]:
+        # The call runs as a task of its own, in its caller's context (so that a call from a
+        # hook's worker thread is seen as part of the operation that ran the hook); this task
+        # only waits for it and reports how it ended, never raising (a BaseException escaping
+        # a portal task would end the loop).
+        if pending.cancel_first:
+            return (True, None, None)
+        task = context.run(asyncio.create_task, _awaited(make))
+        pending.task = task
+        try:
+            await asyncio.wait([task])
+        except asyncio.CancelledError:  # the portal is shutting down under the call
+            task.cancel()
+            raise
+        if task.cancelled():
+            return (True, None, None)
+        if (error := task.exception()) is not None:
+            return (False, None, error)
+        return (False, task.result(), None)
+
+    def cancel(self, calls: Sequence[_Pending]) -> None:
+        """Cancel ``calls`` on the loop (a settled call has nothing to cancel)."""
 
         def cancel() -> None:
-            if pending.task is not None:
-                pending.task.cancel()
+            for pending in calls:
+                if pending.task is None:
+                    pending.cancel_first = True
+                else:
+                    pending.task.cancel()
 
-        with contextlib.suppress(RuntimeError):  # closed loop: the call has been settled
-            self.loop.call_soon_threadsafe(cancel)
+        with contextlib.suppress(RuntimeError):  # the loop has stopped: every call has settled
+            self.portal.call(cancel)
+
+    def stop(self) -> None:
+        """Stop the loop without waiting (the finalizer of a facade nobody closed)."""
+        with self.guard:
+            self.closed = True
+        with contextlib.suppress(RuntimeError):  # stopped already, or called on the loop
+            self.portal.start_task_soon(self.portal.stop, True)
+
+    def shutdown(self) -> None:
+        """Cancel the calls in flight, let them settle, stop the loop and join the threads.
+
+        Only the facade's top-level calls are cancelled: a server call settles its phase before
+        it stops (its inner tasks must not be cancelled under it), and the calls nested in an
+        operation stop with it. What is left on the loop then (engine-side work of in-process
+        engines) is cancelled as the loop closes.
+        """
+        with self.guard:
+            self.closed = True
+            running = list(self.pending)
+        self.cancel([pending for pending in running if not pending.nested])
+        wait([p.settled for p in running if p.settled is not None])
+        self._portal_cm.__exit__(None, None, None)
+        self.join_workers()
 
     def join_workers(self) -> None:
         """Join the worker threads; an abandoned one (a hook still running) gets a short grace,
@@ -174,7 +223,7 @@ class _Runtime:
         """Run ``fn(*args)`` in a new thread, in a copy of this task's context (so that a call
         back into the facade is seen as a re-entry of the operation in progress)."""
         runtime = self
-        loop = runtime.loop
+        loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         context = contextvars.copy_context()
 
@@ -199,7 +248,7 @@ class _Runtime:
         ended = [t for t in runtime.workers if not t.is_alive()]
         runtime.workers.difference_update(ended)
         runtime.abandoned.difference_update(ended)
-        thread = threading.Thread(target=work, name=f"{runtime.thread.name}-worker", daemon=True)
+        thread = threading.Thread(target=work, name=f"{runtime.thread_name}-worker", daemon=True)
         runtime.workers.add(thread)
         thread.start()
         try:
@@ -216,58 +265,6 @@ class _Runtime:
                 runtime.abandoned.add(thread)
                 logger().warning("sync.worker_left_running", server=runtime.name, fn=repr(fn))
             raise
-
-
-def _run_loop(runtime: _Runtime) -> None:
-    loop = runtime.loop
-    asyncio.set_event_loop(loop)
-    try:
-        while True:
-            try:
-                loop.run_forever()
-                break
-            except (KeyboardInterrupt, SystemExit) as exc:
-                # A task re-raises these out of the loop after handing them to its awaiter (the
-                # blocked caller gets it too); the loop itself carries on.
-                logger().warning("sync.loop_interrupted", server=runtime.name, error=repr(exc))
-        _drain(runtime)
-    finally:
-        with runtime.guard:
-            runtime.closed = True
-            stranded = list(runtime.pending)
-        for call in stranded:
-            if not call.done.is_set():
-                call.fail(SyncServerClosed(runtime.name, "(loop)", during=True))
-        asyncio.set_event_loop(None)
-        loop.close()
-
-
-def _drain(runtime: _Runtime) -> None:
-    """Cancel the calls in flight, let them settle, then cancel what is left on the loop.
-
-    Only the facade's top-level calls are cancelled first: a server call settles its phase
-    before it stops (its inner tasks must not be cancelled under it), and the calls nested in
-    an operation stop with it. Then the remaining tasks (engine-side work of in-process engines,
-    calls that missed their deadline) are cancelled.
-    """
-    loop = runtime.loop
-    with runtime.guard:
-        running = [(c.nested, c.task) for c in runtime.pending if c.task is not None]
-    tasks = [task for _, task in running]
-    for nested, task in running:
-        if not nested:
-            task.cancel()
-    if tasks:
-        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-    while True:
-        left = asyncio.all_tasks(loop)
-        if not left:
-            break
-        for task in left:
-            task.cancel()
-        loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
-    loop.run_until_complete(loop.shutdown_asyncgens())
-    loop.run_until_complete(loop.shutdown_default_executor())
 
 
 async def _now(read: Callable[[], T]) -> T:
@@ -310,9 +307,10 @@ class SyncRolloutServer:
 
     Threading design:
 
-    * **One loop thread owns the server.** The ``RolloutServer`` (its lock, its state machine,
-      its generation client) is built on that thread and only used there. A method schedules a
-      coroutine on the loop and blocks its caller on a ``threading.Event``.
+    * **One loop thread owns the server.** The loop is anyio's blocking portal (an event loop on
+      a thread of its own). The ``RolloutServer`` (its lock, its state machine, its generation
+      client) is built on that thread and only used there. A method hands the portal a
+      coroutine and blocks its caller on the ``concurrent.futures.Future`` the portal returns.
     * **Every sync callable handed over runs in a worker thread of its own**: hooks, weight
       pushes, ``recover`` factories. It may block (``ray.get``, a collective) without stalling
       the loop, and it may call the facade again; an awaitable it returns is awaited on the
@@ -366,7 +364,6 @@ class SyncRolloutServer:
 
     def _start(self, name: str | None, factory: Callable[[], Any]) -> None:
         self._runtime = _Runtime(name if isinstance(name, str) and name else "rollout")
-        self._runtime.thread.start()
         self._finalizer = weakref.finalize(self, _Runtime.stop, self._runtime)
 
         async def build() -> RolloutServer:
@@ -578,16 +575,13 @@ class SyncRolloutServer:
         self._shutdown()
 
     def _shutdown(self) -> None:
-        runtime = self._runtime
-        runtime.stop()
-        runtime.thread.join()
-        runtime.join_workers()
+        self._runtime.shutdown()
         self._finalizer.detach()
 
     # -- machinery ----------------------------------------------------------------------------
 
     def _on_loop_thread(self) -> bool:
-        return threading.get_ident() == self._runtime.thread.ident
+        return threading.get_ident() == self._runtime.loop_thread
 
     def _check_usable(self, call: str) -> None:
         if self._runtime.closed:
@@ -607,45 +601,41 @@ class SyncRolloutServer:
         if nested:
             limit = None
         runtime = self._runtime
-        pending: _Call[T] = _Call(nested)
-
-        def start() -> None:
-            if runtime.closed:
-                pending.fail(SyncServerClosed(runtime.name, call))
-                return
-            task = runtime.loop.create_task(_awaited(make))
-            pending.task = task
-            task.add_done_callback(pending.finish)
-
-        # The check and the scheduling are one step for close(): a call scheduled before it
+        pending = _Pending(nested)
+        # The check and the hand-over are one step for close(): a call handed over before it
         # marked the facade closed runs (or is cancelled) before the loop stops.
         with runtime.guard:
             self._check_usable(call)
             runtime.pending.add(pending)
-            runtime.loop.call_soon_threadsafe(start, context=contextvars.copy_context())
+            runtime.submit(pending, make, contextvars.copy_context())
+        settled = pending.settled
+        assert settled is not None
         try:
             try:
-                finished = pending.done.wait(limit)
+                finished = bool(wait([settled], timeout=limit).done)
             except BaseException:
                 # Interrupted (Ctrl-C): like a cancelled async caller, settle first, then raise.
-                self._runtime.cancel(pending)
-                pending.done.wait()
+                runtime.cancel([pending])
+                wait([settled])
                 raise
             if not finished:
-                self._runtime.cancel(pending)
-                pending.done.wait()
+                runtime.cancel([pending])
+                wait([settled])
         finally:
             with runtime.guard:
                 runtime.pending.discard(pending)
-        if pending.cancelled:
+        if settled.cancelled():  # the loop ended under the call
+            raise SyncServerClosed(runtime.name, call, during=True)
+        cancelled, value, error = settled.result()
+        if cancelled:
             if runtime.closed:
                 raise SyncServerClosed(runtime.name, call, during=True)
-            if limit is not None and not finished:
-                raise SyncCallTimeout(call, limit, self._server.state.value)
+            if not finished:
+                raise SyncCallTimeout(call, limit or 0.0, self._server.state.value)
             raise asyncio.CancelledError(f"{call} was cancelled")
-        if pending.error is not None:
-            raise pending.error
-        return pending.value[0]
+        if error is not None:
+            raise error
+        return cast(T, value)
 
     def _threaded(self, fn: Callable[..., Any], *, leave: bool = False) -> Callable[..., Any]:
         """``fn`` as the server should call it: async callables as they are, sync ones in a
