@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 import httpx
 
+from rollout_lifecycle.testing.waits import until
+
 Kind = Literal["standin", "real"]
 
 #: The stand-in's seconds per generated token: close to the real CPU server's 50-100 tokens/s,
@@ -76,21 +78,35 @@ async def generate(client: httpx.AsyncClient, body: dict[str, Any]) -> dict[str,
     return result
 
 
+async def held(client: httpx.AsyncClient, url: str = "") -> int:
+    """The requests the scheduler of the server at ``url`` (by default the client's) holds,
+    running or waiting, from ``/v1/loads`` (a request on its way, or held before the scheduler
+    by a pause, is not counted)."""
+    # sglang: entrypoints/v1_loads.py get_loads; the scheduler republishes its load after every
+    # prefill (scheduler.py publish_load_snapshot(force=batch.forward_mode.is_extend())).
+    answer = await client.get(f"{url}/v1/loads", params={"include": "core"})
+    assert answer.status_code == 200, answer.text
+    return sum(x["num_running_reqs"] + x["num_waiting_reqs"] for x in answer.json()["loads"])
+
+
 async def in_flight(
     client: httpx.AsyncClient, n: int, tokens: int, *, rids: list[str] | None = None
 ) -> list[asyncio.Task[dict[str, Any]]]:
-    """Start ``n`` generate requests and return once the scheduler holds all of them: a
-    one-token probe sent after them finishes only once they were admitted."""
+    """Start ``n`` generate requests and return once the scheduler holds all of them (``held``),
+    none finished yet."""
     tasks = [
         asyncio.create_task(
             generate(client, gen_request(tokens, i, None if rids is None else rids[i]))
         )
         for i in range(n)
     ]
-    await asyncio.sleep(0)  # let them leave first
-    await generate(client, gen_request(1, 99))
-    for task in tasks:
-        assert not task.done(), "a request finished before the scenario began: make it longer"
+
+    async def all_held() -> bool:
+        for task in tasks:
+            assert not task.done(), "a request finished before the scenario began: make it longer"
+        return await held(client) >= n
+
+    await until(all_held, what=f"the scheduler to hold {n} requests", deadline=CALL_TIMEOUT)
     return tasks
 
 

@@ -11,9 +11,10 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from contract.helpers import Target
+from contract.helpers import Target, finish_type, held, in_flight
 
 from rollout_lifecycle.backends.http_transport import KEEPALIVE_EXPIRY_S
+from rollout_lifecycle.testing.waits import until
 
 #: SGLang's answer to a request its schema refuses: 400 (not FastAPI's 422) with this shape.
 VALIDATION_ERROR_KEYS = {"object", "message", "type", "param", "code"}
@@ -90,6 +91,23 @@ async def test_model_info_carries_the_weight_version_and_model_path(target: Targ
         assert isinstance(info["weight_version"], str) and info["weight_version"]
         assert isinstance(info["model_path"], str) and info["model_path"]
         assert info["is_generation"] is True
+
+
+async def test_loads_count_the_requests_the_scheduler_holds_until_the_server_is_idle(
+    target: Target,
+) -> None:
+    """``/v1/loads``, which the scenarios wait on instead of on time: it counts each request
+    the scheduler holds (``in_flight`` returns once it counts all three, none finished), and
+    none once they have finished."""
+    async with target.client() as client:
+        tasks = await in_flight(client, 3, 200)
+        answers = await asyncio.gather(*tasks)
+        assert [finish_type(a) for a in answers] == ["length"] * 3
+
+        async def idle() -> bool:
+            return await held(client) == 0
+
+        await until(idle, what="the server to hold no request", deadline=60)
 
 
 async def test_server_info_has_version_memory_usage_and_keys(keyed: Target) -> None:

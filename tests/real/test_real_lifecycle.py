@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 import pytest
 import ray
+from contract.helpers import held
 from real.lifecycle_checks import (
     engine_calls,
     histories,
@@ -102,26 +103,19 @@ async def admitted(urls: Sequence[str], each: int) -> None:
     before its scheduler, is not counted. Read from ``/v1/loads``, which a server republishes
     after every prefill. (Requests reach a server a little apart, so its first one can finish
     before its last arrives: ``each`` leaves room for that.)"""
-    # sglang: scheduler.py publish_load_snapshot(force=batch.forward_mode.is_extend());
-    # entrypoints/v1_loads.py get_loads (num_running_reqs, num_waiting_reqs per scheduler).
-    held: list[int] = []
+    counts: list[int] = []
     async with httpx.AsyncClient(timeout=60) as client:
 
         async def holds() -> bool:
-            held.clear()
-            for url in urls:
-                answer = await client.get(f"{url}/v1/loads", params={"include": "core"})
-                answer.raise_for_status()
-                loads = answer.json()["loads"]
-                held.append(sum(x["num_running_reqs"] + x["num_waiting_reqs"] for x in loads))
-            return min(held) >= each
+            counts[:] = [await held(client, url) for url in urls]
+            return min(counts) >= each
 
         try:
             await until(
                 holds, what=f"every server to hold {each} requests", deadline=120, every=0.05
             )
         except AssertionError as error:
-            raise AssertionError(f"{error}; they hold {held}") from None
+            raise AssertionError(f"{error}; they hold {counts}") from None
 
 
 def assert_engines(server: RolloutServer, state: ServerState, **expected: Any) -> None:

@@ -16,6 +16,7 @@ import json
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
@@ -520,6 +521,27 @@ def create_app(
         except EngineRejected as exc:
             return JSONResponse({"error": {"message": exc.message}}, status_code=exc.status)
 
+    # ----------------------------------------------- a real route the library does not call
+
+    async def loads(_: Request) -> Any:
+        # sglang: entrypoints/v1_loads.py get_loads and managers/load_snapshot.py LoadSnapshot
+        # (to_dict): one entry per data-parallel rank; the core keys tests wait on are the
+        # scheduler's running and waiting requests (not those held before it while paused).
+        counts = engine.stats()
+        return {
+            "timestamp": datetime.now(timezone.utc).isoformat(),
+            "version": "0.5.23",
+            "accelerator": None,
+            "num_accelerators": 1,
+            "loads": [
+                {
+                    "dp_rank": 0,
+                    "num_running_reqs": counts["running"],
+                    "num_waiting_reqs": counts["waiting"],
+                }
+            ],
+        }
+
     # ------------------------------------------------------------------ stand-in only
 
     def standin(path: str, methods: list[str], read: Callable[[Request], Awaitable[Any]]) -> None:
@@ -558,6 +580,7 @@ def create_app(
     async def stats(_: Request) -> Any:
         return engine.stats()
 
+    standin("/v1/loads", ["GET"], loads)
     standin("/_standin/history", ["GET"], history)
     standin("/_standin/memory", ["GET"], memory)
     standin("/_standin/state", ["GET"], engine_state)
