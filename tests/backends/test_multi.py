@@ -23,6 +23,7 @@ from rollout_lifecycle.backends.hosted import (
     start_multi_engine_actor,
 )
 from rollout_lifecycle.testing import cycle_order_violations, simulated_multi_engine_actors
+from rollout_lifecycle.testing.waits import until
 
 
 @pytest.fixture
@@ -69,7 +70,12 @@ async def test_requests_in_flight_on_hosted_engines_survive_an_offload(hosted: A
     server = RolloutServer([EngineGroup("actor", engines)])
     requests = [{"input_ids": [i], "sampling_params": {"max_new_tokens": 40}} for i in range(6)]
     batch = asyncio.ensure_future(server.generate_batch(requests))
-    await asyncio.sleep(0.03)
+
+    async def all_held() -> bool:
+        stats = await asyncio.gather(*(e.send("stats") for e in engines))
+        return sum(s["running"] + s["waiting"] for s in stats) == len(requests)
+
+    await until(all_held, what="the engines' schedulers to hold every request")
     await server.offload()
     await server.onload_weights()
     await server.onload_kv()
