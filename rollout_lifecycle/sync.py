@@ -1,7 +1,7 @@
 """``SyncRolloutServer``: drive the lifecycle from a synchronous training loop, without asyncio.
 
-It runs a ``RolloutServer`` on an anyio blocking portal (an event loop on a thread of its own);
-every method blocks until done.
+It runs a ``RolloutServer`` on an event loop of its own thread, which every method hands its call
+through anyio's blocking portal; every method blocks until done.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from concurrent.futures import Future, wait
 from contextlib import contextmanager
 from typing import Any, TypeVar, cast
 
-from anyio.from_thread import start_blocking_portal
+from anyio.from_thread import BlockingPortal
 
 from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import InvalidArgument, LifecycleError
@@ -116,8 +116,9 @@ class _Runtime:
     """What the loop thread shares with the facade (never the facade itself, so that a facade
     nobody closed can still be garbage-collected, and its finalizer stop the loop).
 
-    The loop is anyio's blocking portal: an event loop on a thread of its own that other threads
-    hand coroutines to and wait on through ``concurrent.futures.Future``.
+    Calls reach the loop through anyio's blocking portal, which other threads hand coroutines
+    to and wait on through ``concurrent.futures.Future``; the loop runs on a thread of its
+    own (``_run_loop``).
     """
 
     def __init__(self, name: str) -> None:
@@ -132,13 +133,13 @@ class _Runtime:
         #: ran: nobody waits for them any more, and ``close()`` does not join them.
         self.abandoned: set[threading.Thread] = set()
         self.thread_name = f"rollout-sync-{name}"
-        self._portal_cm = start_blocking_portal("asyncio")
-        self.portal = self._portal_cm.__enter__()
-        self.loop_thread = self.portal.call(self._name_loop_thread)
-
-    def _name_loop_thread(self) -> int:
-        threading.current_thread().name = self.thread_name
-        return threading.get_ident()
+        started: Future[BlockingPortal] = Future()
+        self.thread = threading.Thread(
+            target=_run_loop, args=(self, started), name=self.thread_name, daemon=True
+        )
+        self.thread.start()
+        self.portal = started.result()
+        self.loop_thread = self.thread.ident
 
     def submit(
         self, pending: _Pending, make: Callable[[], Awaitable[Any]], context: contextvars.Context
@@ -202,7 +203,9 @@ class _Runtime:
             running = list(self.pending)
         self.cancel([pending for pending in running if not pending.nested])
         wait([p.settled for p in running if p.settled is not None])
-        self._portal_cm.__exit__(None, None, None)
+        with contextlib.suppress(RuntimeError):  # the loop has ended already
+            self.portal.call(self.portal.stop)
+        self.thread.join()
         self.join_workers()
 
     def join_workers(self) -> None:
@@ -267,6 +270,44 @@ class _Runtime:
             raise
 
 
+def _run_loop(runtime: _Runtime, started: Future[BlockingPortal]) -> None:
+    """The loop thread: an event loop running the portal until it is stopped.
+
+    A ``KeyboardInterrupt`` raised in a task (a sync hook's, which the server lets propagate)
+    leaves through the loop after the task handed it to its awaiter, and so to the blocked
+    caller; the loop is not a casualty of it, and carries on.
+    """
+
+    async def serve() -> None:
+        async with BlockingPortal() as portal:
+            started.set_result(portal)
+            await portal.sleep_until_stopped()
+
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        main = loop.create_task(serve())
+        while not main.done():
+            try:
+                loop.run_until_complete(main)
+            except (KeyboardInterrupt, SystemExit) as exc:
+                logger().warning("sync.loop_interrupted", server=runtime.name, error=repr(exc))
+        if not started.done():
+            started.set_exception(main.exception() or RuntimeError("the loop did not start"))
+        # What is left (engine-side work of in-process engines) is cancelled.
+        left = asyncio.all_tasks(loop)
+        for task in left:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.run_until_complete(loop.shutdown_default_executor())
+    finally:
+        with runtime.guard:
+            runtime.closed = True
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
 async def _now(read: Callable[[], T]) -> T:
     return read()
 
@@ -307,10 +348,10 @@ class SyncRolloutServer:
 
     Threading design:
 
-    * **One loop thread owns the server.** The loop is anyio's blocking portal (an event loop on
-      a thread of its own). The ``RolloutServer`` (its lock, its state machine, its generation
-      client) is built on that thread and only used there. A method hands the portal a
-      coroutine and blocks its caller on the ``concurrent.futures.Future`` the portal returns.
+    * **One loop thread owns the server.** The ``RolloutServer`` (its lock, its state machine,
+      its generation client) is built on that thread and only used there. A method hands the
+      coroutine to the loop through anyio's blocking portal and blocks its caller on the
+      ``concurrent.futures.Future`` the portal returns.
     * **Every sync callable handed over runs in a worker thread of its own**: hooks, weight
       pushes, ``recover`` factories. It may block (``ray.get``, a collective) without stalling
       the loop, and it may call the facade again; an awaitable it returns is awaited on the
