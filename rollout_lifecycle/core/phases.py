@@ -18,7 +18,7 @@ from rollout_lifecycle.contract.exceptions import (
 )
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
-from rollout_lifecycle.contract.values import WEIGHT_TAGS, PauseMode
+from rollout_lifecycle.contract.values import PauseMode
 from rollout_lifecycle.core.config import DeadEnginePolicy
 from rollout_lifecycle.core.ledger import EngineRecord, GroupRecords
 from rollout_lifecycle.core.machine import PhaseArgs
@@ -26,6 +26,8 @@ from rollout_lifecycle.core.parts import Client, Parts
 from rollout_lifecycle.core.reconcile import KEEPER_PHASES, Reconciler
 from rollout_lifecycle.core.runner import Plan
 from rollout_lifecycle.core.states import ServerState
+
+S = ServerState
 
 FAILED = ServerState.FAILED.value
 
@@ -65,30 +67,23 @@ class Phases(Client):
 
     async def drain(self, args: PhaseArgs) -> None:
         """Pause ``args.groups``, then flush them until idle (the idle barrier)."""
-        mode = self._config.pause_mode
-        deadlines = self._config.deadlines
-        await self._hooks.before("pause")
-        plan = Plan.over(args.groups, Op.PAUSE, (mode.value,), mode=mode)
-        outcomes = (await self._runner.run("pause", plan, deadlines.pause)).outcomes
-        if not self._runner.succeeded(outcomes):
+        groups = args.groups
+        try:
+            await self.reconciler.advance(S.SERVING, S.DRAINED, groups, Op.PAUSE, "pause")
+        except PhaseFailed as failed:
             await self.undo_pause()
-            raise PhaseFailed("pause", self._with_unattempted(outcomes), FAILED)
-        if mode is PauseMode.IN_PLACE:
+            raise PhaseFailed("pause", self._with_unattempted(failed.outcomes), FAILED) from None
+        if self._config.pause_mode is PauseMode.IN_PLACE:
             return  # requests keep their KV cache: flush would be refused, and is not needed
         try:
-            await self._hooks.before("flush")
+            await self.reconciler.advance(S.SERVING, S.DRAINED, groups, Op.FLUSH, "flush")
         except HookFailed:
             if not await self.undo_pause(always=True):
                 raise PhaseFailed("continue_after_hook", self._last_outcomes, FAILED) from None
             raise
-        interval = self._config.flush_retry_interval
-        plan = Plan.over(args.groups, Op.FLUSH, (deadlines.flush, interval))
-        # The engine retries internally until the flush deadline; the barrier allows a margin
-        # for the last attempt's answer to arrive.
-        result = await self._runner.run("flush", plan, deadlines.flush + deadlines.probe)
-        if not self._runner.succeeded(result.outcomes):
+        except PhaseFailed:
             await self.undo_pause()
-            raise PhaseFailed("flush", result.outcomes, FAILED)
+            raise
 
     async def undo_pause(self, *, always: bool = False) -> bool:
         """Continue the engines a drain paused (nothing is released); True if none stays paused.
@@ -121,51 +116,33 @@ class Phases(Client):
 
     async def release(self, args: PhaseArgs) -> None:
         """Release the release tags of the groups that offload; the others serve."""
-        tags = self._config.release_tags
         groups = self.offload_groups()
-        release = ([t.value for t in tags],)
-        Plan.over(groups, Op.RELEASE, release, tags=tags).check()
-        await self._hooks.before("release")
-        plan = Plan.over(groups, Op.RELEASE, release, tags=tags)  # (after the hooks)
-        await self._runner.require("release", plan, self._config.deadlines.release)
+        await self.reconciler.advance(S.DRAINED, S.RELEASED, groups, Op.RELEASE, "release")
         # Groups that keep their memory serve while the others are offloaded, also when
         # ``pause()`` paused them before this release.
-        await self.serve_keepers(ServerState.RELEASED)
+        await self.serve_keepers(S.RELEASED)
 
     async def restore_weights(self, args: PhaseArgs) -> None:
         """Resume the released weight tags."""
-        await self._restore("weights")
+        groups = self.offload_groups()
+        await self.reconciler.advance(
+            S.RELEASED, S.WEIGHTS_RESTORED, groups, Op.RESUME, "resume_weights"
+        )
 
     async def restore_kv(self, args: PhaseArgs) -> None:
         """Resume the released tags that are not weights (the KV cache, CUDA graphs)."""
-        await self._restore("kv")
-
-    async def _restore(self, which: str) -> None:
-        released = self._config.release_tags
-        if which == "weights":
-            tags = tuple(t for t in released if t in WEIGHT_TAGS)
-        else:
-            tags = tuple(t for t in released if t not in WEIGHT_TAGS)
-        if not tags:
-            await self._hooks.before(f"resume_{which}")
-            return
-        groups, args = self.offload_groups(), ([t.value for t in tags],)
-        Plan.over(groups, Op.RESUME, args, tags=tags).check()
-        await self._hooks.before(f"resume_{which}")
-        plan = Plan.over(groups, Op.RESUME, args, tags=tags)  # (after the hooks)
-        await self._runner.require(f"resume_{which}", plan, self._config.deadlines.resume)
+        groups = self.offload_groups()
+        await self.reconciler.advance(
+            S.WEIGHTS_RESTORED, S.KV_RESTORED, groups, Op.RESUME, "resume_kv"
+        )
 
     # -- continue -------------------------------------------------------------------------------
 
     async def continue_(self, args: PhaseArgs) -> None:
         """Continue every paused engine, once each has the expected weights."""
-        plan = Plan.over(self._fleet.groups, Op.CONTINUE)
-        plan.check()
-        await self.check_versions(plan.targets)
-        await self._hooks.before("continue")
         # (a call still in flight on a target holds the continue back: PhaseRunner.run)
-        plan = Plan.over(self._fleet.groups, Op.CONTINUE)  # (after the hooks)
-        await self._runner.require("continue", plan, self._config.deadlines.continue_)
+        groups = self._fleet.groups
+        await self.reconciler.advance(S.KV_RESTORED, S.SERVING, groups, Op.CONTINUE, "continue")
 
     async def serve_keepers(self, state: ServerState) -> None:
         """Let the groups that keep their memory serve in ``state``: reconcile their engines to

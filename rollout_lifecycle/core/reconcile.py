@@ -21,6 +21,14 @@ them are decided engine by engine, so they run whatever happened to the others. 
 reconciles its replacements and the healthy engines to the fleet's state; ``reset()`` and an
 offload's release reconcile the paused engines of the groups that keep their memory (their
 continue). A later call finishes what a failed one left.
+
+The lifecycle's forward transitions are the same steps, taken one at a time and strictly
+(``Reconciler.advance``): each step's engines and tags come from the same comparison of goal
+and records, but where recovery skips an engine that is out of place, a forward step refuses
+it (the command's guard over every engine of the call's groups, ``IllegalEngineOp``, before
+anything is sent); its ``before_`` hooks run first; an engine without the fleet's weights stops
+the continue (``StaleWeights``) instead of waiting paused; and a step that does not succeed
+everywhere raises ``PhaseFailed`` under its own name.
 """
 
 from __future__ import annotations
@@ -28,11 +36,11 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from rollout_lifecycle.contract.exceptions import PhaseFailed
+from rollout_lifecycle.contract.exceptions import PhaseFailed, StaleWeights
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import EngineOutcome
 from rollout_lifecycle.contract.values import PauseMode, Tag
-from rollout_lifecycle.core.ledger import EngineRecord, Target
+from rollout_lifecycle.core.ledger import EngineRecord, GroupRecords, Target, target
 from rollout_lifecycle.core.parts import Client
 from rollout_lifecycle.core.runner import Plan
 from rollout_lifecycle.core.states import ServerState
@@ -55,6 +63,42 @@ class _Pass:
     phase: Callable[[str], str]
     outcomes: dict[str, EngineOutcome] = field(default_factory=dict)
 
+    def held(self, record: EngineRecord) -> bool:
+        return self.targets[record.id].held
+
+    def resume_wanted(self) -> dict[str, set[Tag]]:
+        """The tags each engine holds released beyond its target."""
+        return {r.id: r.released - set(self.targets[r.id].released) for r in self.live}
+
+    def to_pause(self) -> list[EngineRecord]:
+        """Held out of serving (or stale) and not known to be paused."""
+        return [
+            r for r in self.live if (self.held(r) or r.stale) and (not r.paused or r.pause_unknown)
+        ]
+
+    def to_flush(self, asked: Collection[str]) -> tuple[EngineRecord, ...]:
+        """Paused here (``asked``) or held, and not flushed since."""
+        return tuple(
+            r for r in self.live if r.paused and not r.flushed and (r.id in asked or self.held(r))
+        )
+
+    def release_wanted(self, in_place: bool) -> dict[str, set[Tag]]:
+        """The tags each idle engine (paused and flushed) holds that its target releases."""
+        idle = [r for r in self.live if r.paused and (r.flushed or in_place)]
+        return {r.id: set(self.targets[r.id].released) - r.released for r in idle}
+
+    def to_continue(self, *, stale: bool = False) -> list[EngineRecord]:
+        """Paused with all its memory resident where the target generates (and, unless
+        ``stale``, with the fleet's weights as far as the record knows)."""
+        return [
+            r
+            for r in self.live
+            if not self.targets[r.id].paused
+            and r.paused
+            and not (r.released | r.uncertain)
+            and (stale or not r.stale)
+        ]
+
 
 class Reconciler(Client):
     """Brings engines to a state's memory targets (see the module docstring)."""
@@ -67,10 +111,10 @@ class Reconciler(Client):
     ) -> dict[str, EngineOutcome]:
         """Bring the live engines of ``records`` to ``goal``'s memory targets; the outcome of
         every call sent (empty when nothing was out of place)."""
-        live = [r for r in records if r.alive]
-        run = _Pass(live, {r.id: self._target(r, goal) for r in live}, phase)
-        extra = {r.id: r.released - set(run.targets[r.id].released) for r in live}
-        await self._by_tags(run, Op.RESUME, "resume", extra, self._config.deadlines.resume)
+        run = self._pass(goal, records, phase)
+        await self._by_tags(
+            run, Op.RESUME, "resume", run.resume_wanted(), self._deadline(Op.RESUME)
+        )
         await self._drain_and_release(run)
         await self._continue(run)
         return run.outcomes
@@ -86,11 +130,111 @@ class Reconciler(Client):
         if not self._runner.succeeded(outcomes):
             raise PhaseFailed(phase("continue"), outcomes, FAILED)
 
+    async def advance(
+        self,
+        since: ServerState,
+        goal: ServerState,
+        groups: Sequence[GroupRecords],
+        op: Op,
+        name: str,
+    ) -> None:
+        """One step of a forward transition from ``since`` toward ``goal``, strictly (module
+        docstring): ``op`` (pause, flush, release, resume or continue) to the engines of
+        ``groups`` that the goal needs it on, as phase ``name``, after the ``before_{name}``
+        hooks. A drain holds every engine of its groups (``pause()`` pauses the groups that
+        keep their memory too)."""
+        records = [r for g in groups for r in g.records]
+        hold = goal is ServerState.DRAINED
+        tags = self._moved(since, goal, op)
+        if op in (Op.RELEASE, Op.RESUME):
+            if tags:
+                args = ([t.value for t in tags],)
+                # every engine of the call's groups passes the guard, not only those planned
+                Plan.over(groups, op, args, tags=tags).check()
+        else:
+            everyone = Plan.over(groups, op)
+            everyone.check()
+            if op is Op.CONTINUE:
+                stale = await self.lacking_weights(everyone.targets)
+                if stale:
+                    raise StaleWeights(self._versions.expected, stale)
+        await self._hooks.before(name)
+        # (planned after the hooks, which may have changed the records)
+        for plan in self._forward_plans(self._pass(goal, records, str, hold=hold), op):
+            await self._runner.require(name, plan, self._deadline(op))
+
+    def _moved(self, since: ServerState, goal: ServerState, op: Op) -> tuple[Tag, ...]:
+        """The tags a release or resume from ``since`` to ``goal`` moves on a group that
+        offloads, in the configured release order."""
+        if op not in (Op.RELEASE, Op.RESUME):
+            return ()
+        order = self._config.release_tags
+        before, after = (target(state, True, order) for state in (since, goal))
+        if before is None or after is None:
+            raise ValueError(f"no memory step leads from {since.value!r} to {goal.value!r}")
+        was, now = set(before.released), set(after.released)
+        moved = now - was if op is Op.RELEASE else was - now
+        return tuple(t for t in order if t in moved)
+
+    def _forward_plans(self, run: _Pass, op: Op) -> list[Plan]:
+        """What a forward step of ``op`` sends: one plan (a release or resume, one per set of
+        tags; none when nothing is out of place)."""
+        mode = self._config.pause_mode
+        if op is Op.PAUSE:
+            return [Plan(Op.PAUSE, tuple(run.to_pause()), (mode.value,), mode=mode)]
+        if op is Op.FLUSH:
+            return [Plan(Op.FLUSH, run.to_flush(()), self._flush_args())]
+        if op is Op.CONTINUE:
+            return [Plan(Op.CONTINUE, tuple(run.to_continue()))]
+        wanted = run.resume_wanted() if op is Op.RESUME else run.release_wanted(False)
+        return self._tag_plans(run, op, wanted)
+
+    def _pass(
+        self,
+        goal: ServerState,
+        records: Sequence[EngineRecord],
+        phase: Callable[[str], str],
+        *,
+        hold: bool = False,
+    ) -> _Pass:
+        """A reconciliation of the live engines of ``records`` to ``goal`` (``hold``: each is
+        held out of serving, whatever its group)."""
+        live = [r for r in records if r.alive]
+        targets = {r.id: self._target(r, goal) for r in live}
+        if hold:
+            targets = {i: Target(t.paused, t.released, held=True) for i, t in targets.items()}
+        return _Pass(live, targets, phase)
+
     def _target(self, record: EngineRecord, goal: ServerState) -> Target:
         found = self._fleet.target(record, goal)
         if found is None:
             raise ValueError(f"{goal.value!r} implies no memory state to reconcile to")
         return found
+
+    def _deadline(self, op: Op) -> float:
+        """The barrier's deadline for a phase of ``op`` (a flush's allows a margin for its last
+        attempt's answer to arrive: the engine retries internally until the flush deadline)."""
+        deadlines = self._config.deadlines
+        return {
+            Op.PAUSE: deadlines.pause,
+            Op.FLUSH: deadlines.flush + deadlines.probe,
+            Op.RELEASE: deadlines.release,
+            Op.RESUME: deadlines.resume,
+            Op.CONTINUE: deadlines.continue_,
+        }[op]
+
+    def _flush_args(self) -> tuple[float, float]:
+        return (self._config.deadlines.flush, self._config.flush_retry_interval)
+
+    def _tag_plans(self, run: _Pass, op: Op, wanted: dict[str, set[Tag]]) -> list[Plan]:
+        """A release or resume of the tags ``wanted`` of each engine (by id), one plan per set
+        of tags, in the configured release order."""
+        records = [r for r in run.live if r.id in wanted]
+        plans = []
+        for tags in _sets(self._config.release_tags, (wanted[r.id] for r in records)):
+            chosen = tuple(r for r in records if wanted[r.id] == set(tags))
+            plans.append(Plan(op, chosen, ([t.value for t in tags],), tags=tags))
+        return plans
 
     async def _step(self, run: _Pass, step: str, plan: Plan, deadline: float) -> bool:
         """Run one phase if it has targets; whether every call of it succeeded."""
@@ -110,10 +254,7 @@ class Reconciler(Client):
     ) -> bool:
         """Release or resume the tags ``wanted`` of each engine (by id), one phase per set of
         tags; stops at the first phase that fails (False)."""
-        records = [r for r in run.live if r.id in wanted]
-        for tags in _sets(self._config.release_tags, (wanted[r.id] for r in records)):
-            chosen = tuple(r for r in records if wanted[r.id] == set(tags))
-            plan = Plan(op, chosen, ([t.value for t in tags],), tags=tags)
+        for plan in self._tag_plans(run, op, wanted):
             if not await self._step(run, step, plan, deadline):
                 return False
         return True
@@ -121,47 +262,28 @@ class Reconciler(Client):
     async def _drain_and_release(self, run: _Pass) -> None:
         """Pause, flush and release what the targets need, stopping at the first phase that
         does not succeed."""
-        deadlines, mode, targets = self._config.deadlines, self._config.pause_mode, run.targets
-        to_pause = [
-            r
-            for r in run.live
-            if (targets[r.id].held or r.stale) and (not r.paused or r.pause_unknown)
-        ]
+        mode = self._config.pause_mode
+        to_pause = run.to_pause()
         # a continue still in flight lands first (it would undo the pause)
-        await self._runner.landed(to_pause, deadlines.pause, Op.PAUSE)
+        await self._runner.landed(to_pause, self._deadline(Op.PAUSE), Op.PAUSE)
         plan = Plan(Op.PAUSE, tuple(to_pause), (mode.value,), mode=mode)
-        if not await self._step(run, "pause", plan, deadlines.pause):
+        if not await self._step(run, "pause", plan, self._deadline(Op.PAUSE)):
             return
         in_place = mode is PauseMode.IN_PLACE
         if not in_place:
-            asked = {r.id for r in to_pause}
-            to_flush = tuple(
-                r
-                for r in run.live
-                if r.paused and not r.flushed and (r.id in asked or targets[r.id].held)
-            )
-            interval = self._config.flush_retry_interval
-            plan = Plan(Op.FLUSH, to_flush, (deadlines.flush, interval))
-            if not await self._step(run, "flush", plan, deadlines.flush + deadlines.probe):
+            plan = Plan(Op.FLUSH, run.to_flush({r.id for r in to_pause}), self._flush_args())
+            if not await self._step(run, "flush", plan, self._deadline(Op.FLUSH)):
                 return
-        idle = [r for r in run.live if r.paused and (r.flushed or in_place)]
-        missing = {r.id: set(targets[r.id].released) - r.released for r in idle}
-        await self._by_tags(run, Op.RELEASE, "release", missing, deadlines.release)
+        wanted = run.release_wanted(in_place)
+        await self._by_tags(run, Op.RELEASE, "release", wanted, self._deadline(Op.RELEASE))
 
     async def _continue(self, run: _Pass) -> None:
         """Continue the paused engines the targets let generate, once a pause still in flight
         has landed, except those without the fleet's weights (they wait for an update)."""
-        deadlines = self._config.deadlines
-        paused = [
-            r
-            for r in run.live
-            if not run.targets[r.id].paused
-            and r.paused
-            and not (r.released | r.uncertain or r.stale)
-        ]
+        paused = run.to_continue()
         if not paused:
             return
-        landed = await self._runner.landed(paused, deadlines.pause, Op.CONTINUE)
+        landed = await self._runner.landed(paused, self._deadline(Op.PAUSE), Op.CONTINUE)
         lacking = await self.lacking_weights(landed)
         for record in landed:
             if record.id in lacking:
@@ -169,7 +291,7 @@ class Reconciler(Client):
                 # waits paused for an update, as a replacement does, and never serves them
                 record.stale = True
         plan = Plan(Op.CONTINUE, tuple(r for r in landed if r.id not in lacking))
-        await self._step(run, "continue", plan, deadlines.continue_)
+        await self._step(run, "continue", plan, self._deadline(Op.CONTINUE))
 
     async def lacking_weights(self, targets: Sequence[EngineRecord]) -> dict[str, str | None]:
         """The engines of ``targets`` without the expected weights, with the version each
