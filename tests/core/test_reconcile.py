@@ -12,7 +12,15 @@ from typing import Any
 
 import pytest
 
-from rollout_lifecycle import EngineGroup, LifecycleConfig, RolloutServer, SimulatedEngine
+from rollout_lifecycle import (
+    EngineGroup,
+    IllegalEngineOp,
+    LifecycleConfig,
+    PhaseFailed,
+    RolloutServer,
+    SimulatedEngine,
+)
+from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import Outcome
 from rollout_lifecycle.core.ledger import SETTLED_STATES
 from rollout_lifecycle.core.states import ServerState
@@ -125,5 +133,56 @@ async def test_an_engine_reporting_other_weights_is_not_continued_and_waits_stal
     assert actor1.paused and actor1.stale and engines[1].state()["paused"]
     assert server.fleet.settled_state() is S.SERVING
     assert not server.fleet.serves(actor1, S.SERVING)
+    for engine in engines:
+        await engine.close()
+
+
+async def test_a_forward_step_refuses_before_its_hooks_where_recovery_repairs() -> None:
+    """The same engine out of place (paused, not flushed since): the forward release
+    (``advance``) refuses the whole step before its ``before_release`` hooks and sends nothing;
+    the recovery pass (``reconcile``) flushes that engine, then releases the group."""
+    server, engines = fleet()
+    await server.pause()
+    actor = server.fleet.groups[0]
+    unflushed = actor.records[0]
+    unflushed.flushed = False
+    hooked: list[str] = []
+    server.on("before_release", lambda event: hooked.append(event.event))
+    reconciler = server._phases.reconciler
+    with pytest.raises(IllegalEngineOp, match=r"actor/0.*has not passed a flush"):
+        await reconciler.advance(S.DRAINED, S.RELEASED, [actor], Op.RELEASE, "release")
+    assert hooked == []
+    assert not any("release_memory_occupation" in lifecycle_ops(e) for e in engines)
+    outcomes = await reconciler.reconcile(S.RELEASED, list(actor.records))
+    assert all(o.ok for o in outcomes.values()), outcomes
+    memory = [[op for op in lifecycle_ops(e) if op != "observe"] for e in engines[:2]]
+    assert memory[0][-2:] == ["flush_cache", "release_memory_occupation"]
+    assert memory[1][-2:] == ["flush_cache", "release_memory_occupation"]
+    assert all(r.released for r in actor.records)
+    for engine in engines:
+        await engine.close()
+
+
+async def test_a_forward_step_runs_its_hooks_then_sends_what_the_goal_needs() -> None:
+    """A forward step runs its ``before_`` hook first, then sends its command to the engines
+    the goal needs it on, and fails under its own name: a drain's pause skips an engine the
+    records know to be paused, and a refused flush raises ``PhaseFailed('flush')``."""
+    server, engines = fleet(wrap=True)
+    reconciler = server._phases.reconciler
+    order: list[str] = []
+    server.on("before_pause", lambda event: order.append(f"hook {event.event}"))
+    already = server.fleet.records()[2]
+    await engines[2].pause_generation("retract")
+    already.paused = True
+    groups = server.fleet.groups
+    await reconciler.advance(S.SERVING, S.DRAINED, groups, Op.PAUSE, "pause")
+    assert order == ["hook before_pause"]
+    assert [lifecycle_ops(e).count("pause_generation") for e in engines] == [1, 1, 1, 1]
+    assert all(r.paused for r in server.fleet.records())
+    engines[1].arm("flush_cache", "reject")
+    with pytest.raises(PhaseFailed) as failed:
+        await reconciler.advance(S.SERVING, S.DRAINED, groups, Op.FLUSH, "flush")
+    assert failed.value.phase == "flush"
+    assert failed.value.outcomes["actor/1"].outcome is Outcome.REJECTED
     for engine in engines:
         await engine.close()
