@@ -59,16 +59,20 @@ class _Pass:
     and the outcome of every call sent so far."""
 
     live: list[EngineRecord]
+    #: Each group's target (one object a group: the target depends on the group alone).
     targets: dict[str, Target]
     phase: Callable[[str], str]
     outcomes: dict[str, EngineOutcome] = field(default_factory=dict)
 
+    def target(self, record: EngineRecord) -> Target:
+        return self.targets[record.group]
+
     def held(self, record: EngineRecord) -> bool:
-        return self.targets[record.id].held
+        return self.targets[record.group].held
 
     def resume_wanted(self) -> dict[str, set[Tag]]:
         """The tags each engine holds released beyond its target."""
-        return {r.id: r.released - set(self.targets[r.id].released) for r in self.live}
+        return {r.id: r.released.difference(self.target(r).released) for r in self.live}
 
     def to_pause(self) -> list[EngineRecord]:
         """Held out of serving (or stale) and not known to be paused."""
@@ -85,7 +89,7 @@ class _Pass:
     def release_wanted(self, in_place: bool) -> dict[str, set[Tag]]:
         """The tags each idle engine (paused and flushed) holds that its target releases."""
         idle = [r for r in self.live if r.paused and (r.flushed or in_place)]
-        return {r.id: set(self.targets[r.id].released) - r.released for r in idle}
+        return {r.id: set(self.target(r).released) - r.released for r in idle}
 
     def to_continue(self, *, stale: bool = False) -> list[EngineRecord]:
         """Paused with all its memory resident where the target generates (and, unless
@@ -93,7 +97,7 @@ class _Pass:
         return [
             r
             for r in self.live
-            if not self.targets[r.id].paused
+            if not self.target(r).paused
             and r.paused
             and not (r.released | r.uncertain)
             and (stale or not r.stale)
@@ -160,7 +164,7 @@ class Reconciler(Client):
                     raise StaleWeights(self._versions.expected, stale)
         await self._hooks.before(name)
         # (planned after the hooks, which may have changed the records)
-        for plan in self._forward_plans(self._pass(goal, records, str, hold=hold), op):
+        for plan in self._forward_plans(self._pass(goal, records, str, hold=hold), op, tags):
             await self._runner.require(name, plan, self._deadline(op))
 
     def _moved(self, since: ServerState, goal: ServerState, op: Op) -> tuple[Tag, ...]:
@@ -176,9 +180,9 @@ class Reconciler(Client):
         moved = now - was if op is Op.RELEASE else was - now
         return tuple(t for t in order if t in moved)
 
-    def _forward_plans(self, run: _Pass, op: Op) -> list[Plan]:
-        """What a forward step of ``op`` sends: one plan (a release or resume, one per set of
-        tags; none when nothing is out of place)."""
+    def _forward_plans(self, run: _Pass, op: Op, tags: tuple[Tag, ...]) -> list[Plan]:
+        """What a forward step of ``op`` sends (a release or resume moves the step's ``tags``):
+        the engines whose records differ from the goal's targets in what the step changes."""
         mode = self._config.pause_mode
         if op is Op.PAUSE:
             return [Plan(Op.PAUSE, tuple(run.to_pause()), (mode.value,), mode=mode)]
@@ -186,8 +190,17 @@ class Reconciler(Client):
             return [Plan(Op.FLUSH, run.to_flush(()), self._flush_args())]
         if op is Op.CONTINUE:
             return [Plan(Op.CONTINUE, tuple(run.to_continue()))]
-        wanted = run.resume_wanted() if op is Op.RESUME else run.release_wanted(False)
-        return self._tag_plans(run, op, wanted)
+        if not tags:
+            return []
+        if op is Op.RESUME:  # still released, and the goal holds them
+            chosen = tuple(r for r in run.live if not r.released.isdisjoint(tags))
+        else:  # none released yet, the goal releases them, and idle (the guard saw to that)
+            chosen = tuple(
+                r
+                for r in run.live
+                if r.released.isdisjoint(tags) and run.target(r).released and r.paused
+            )
+        return [Plan(op, chosen, ([t.value for t in tags],), tags=tags)]
 
     def _pass(
         self,
@@ -200,9 +213,13 @@ class Reconciler(Client):
         """A reconciliation of the live engines of ``records`` to ``goal`` (``hold``: each is
         held out of serving, whatever its group)."""
         live = [r for r in records if r.alive]
-        targets = {r.id: self._target(r, goal) for r in live}
-        if hold:
-            targets = {i: Target(t.paused, t.released, held=True) for i, t in targets.items()}
+        targets: dict[str, Target] = {}
+        for record in live:
+            if record.group not in targets:
+                found = self._target(record, goal)
+                targets[record.group] = (
+                    Target(found.paused, found.released, True) if hold else found
+                )
         return _Pass(live, targets, phase)
 
     def _target(self, record: EngineRecord, goal: ServerState) -> Target:
