@@ -68,7 +68,7 @@ class _Pass:
         return self.targets[record.group]
 
     def held(self, record: EngineRecord) -> bool:
-        return self.targets[record.group].held
+        return self.target(record).held
 
     def resume_wanted(self) -> dict[str, set[Tag]]:
         """The tags each engine holds released beyond its target."""
@@ -91,16 +91,13 @@ class _Pass:
         idle = [r for r in self.live if r.paused and (r.flushed or in_place)]
         return {r.id: set(self.target(r).released) - r.released for r in idle}
 
-    def to_continue(self, *, stale: bool = False) -> list[EngineRecord]:
-        """Paused with all its memory resident where the target generates (and, unless
-        ``stale``, with the fleet's weights as far as the record knows)."""
+    def to_continue(self) -> list[EngineRecord]:
+        """Paused with all its memory resident where the target generates, and with the
+        fleet's weights as far as the record knows."""
         return [
             r
             for r in self.live
-            if not self.target(r).paused
-            and r.paused
-            and not (r.released | r.uncertain)
-            and (stale or not r.stale)
+            if not self.target(r).paused and r.paused and not (r.released | r.uncertain or r.stale)
         ]
 
 
@@ -243,16 +240,6 @@ class Reconciler(Client):
     def _flush_args(self) -> tuple[float, float]:
         return (self._config.deadlines.flush, self._config.flush_retry_interval)
 
-    def _tag_plans(self, run: _Pass, op: Op, wanted: dict[str, set[Tag]]) -> list[Plan]:
-        """A release or resume of the tags ``wanted`` of each engine (by id), one plan per set
-        of tags, in the configured release order."""
-        records = [r for r in run.live if r.id in wanted]
-        plans = []
-        for tags in _sets(self._config.release_tags, (wanted[r.id] for r in records)):
-            chosen = tuple(r for r in records if wanted[r.id] == set(tags))
-            plans.append(Plan(op, chosen, ([t.value for t in tags],), tags=tags))
-        return plans
-
     async def _step(self, run: _Pass, step: str, plan: Plan, deadline: float) -> bool:
         """Run one phase if it has targets; whether every call of it succeeded."""
         if not plan.targets:
@@ -271,7 +258,10 @@ class Reconciler(Client):
     ) -> bool:
         """Release or resume the tags ``wanted`` of each engine (by id), one phase per set of
         tags; stops at the first phase that fails (False)."""
-        for plan in self._tag_plans(run, op, wanted):
+        records = [r for r in run.live if r.id in wanted]
+        for tags in _sets(self._config.release_tags, (wanted[r.id] for r in records)):
+            chosen = tuple(r for r in records if wanted[r.id] == set(tags))
+            plan = Plan(op, chosen, ([t.value for t in tags],), tags=tags)
             if not await self._step(run, step, plan, deadline):
                 return False
         return True
