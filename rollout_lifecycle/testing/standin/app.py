@@ -35,6 +35,7 @@ from rollout_lifecycle.contract.exceptions import (
     InvalidArgument,
     LifecycleError,
 )
+from rollout_lifecycle.testing.sim_state import SIM_VERSION
 from rollout_lifecycle.testing.simulated import SimulatedEngine
 from rollout_lifecycle.testing.standin.auth import AuthMiddleware
 from rollout_lifecycle.testing.standin.bodies import BadRequest, error, read
@@ -530,7 +531,7 @@ def create_app(
         counts = engine.stats()
         return {
             "timestamp": datetime.now(timezone.utc).isoformat(),
-            "version": "0.5.23",
+            "version": SIM_VERSION,
             "accelerator": None,
             "num_accelerators": 1,
             "loads": [
