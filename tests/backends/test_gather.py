@@ -66,10 +66,16 @@ async def test_no_calls_return_at_once() -> None:
 async def test_ray_refs_land_with_values_errors_and_late_ones(
     fleet: Callable[..., list[Any]],
 ) -> None:
-    fast, slow = fleet(2, op_latency={"pause_generation": 0.6})
-    refs = [
+    fast, slow = fleet(2, op_latency={"pause_generation": 3.0})
+    early = [
         fast.server_info.remote(),
         fast.release_memory_occupation.remote("kv_cache"),  # a string, not a list: raises
+    ]
+    # The two fast calls have landed (a fact, however loaded the machine) before the slow one
+    # starts, so only the slow one can be past the short deadline below.
+    await asyncio.to_thread(ray.wait, early, num_returns=2, timeout=120)
+    refs = [
+        *early,
         slow.pause_generation.remote("retract"),
         asyncio.ensure_future(_after(0.0, "local")),  # one phase may mix both kinds
     ]
@@ -78,7 +84,7 @@ async def test_ray_refs_land_with_values_errors_and_late_ones(
     assert isinstance(landed.errors[1], ray.exceptions.RayTaskError)
     assert landed.values[3] == "local"
     assert [i for i, e in enumerate(landed.ends) if e is None] == [2]
-    assert await asyncio.wait_for(landed.late[2], 5) is None
+    assert await asyncio.wait_for(landed.late[2], 60) is None
     assert _waiters() == 0
 
 
