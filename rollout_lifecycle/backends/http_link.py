@@ -40,6 +40,50 @@ _MAX_RETRIES = 1000
 WEIGHT_SELECTORS: tuple[str, ...] = ("target", "draft", "all")
 
 
+def open_wire(
+    url: str,
+    label: str | None,
+    *,
+    admin_key: Secret | None,
+    api_key: Secret | None,
+    timeouts: HTTPTimeouts | None,
+    retries: int,
+    retry_backoff: float,
+    transport: httpx.AsyncBaseTransport | None,
+) -> tuple[HTTPTransport, HTTPTimeouts]:
+    """The transport of one engine client, from its options checked (each error names the bad
+    value; the label defaults to the URL, and neither may contain a key), and the timeouts."""
+    url = validate_url(url)
+    if timeouts is None:
+        timeouts = HTTPTimeouts()
+    elif not isinstance(timeouts, HTTPTimeouts):
+        raise InvalidArgument(f"timeouts must be an HTTPTimeouts, got {shown(timeouts)}")
+    retries = check_int("retries", retries, maximum=_MAX_RETRIES)
+    retry_backoff = check_seconds("retry_backoff", retry_backoff, positive=False)
+    if transport is not None and not isinstance(transport, httpx.AsyncBaseTransport):
+        raise InvalidArgument(
+            f"transport must be an httpx.AsyncBaseTransport, got {shown(transport)}"
+        )
+    if label is None:
+        label = url
+    elif not isinstance(label, str) or not label:
+        raise InvalidArgument(f"label must be a non-empty string, got {shown(label)}")
+    keys = (admin_key, api_key)
+    if scrub(label, keys) != label or scrub(url, keys) != url:
+        raise InvalidArgument("label and url must not contain a key")
+    wire = HTTPTransport(
+        url,
+        label,
+        admin_key=admin_key,
+        api_key=api_key,
+        connect_timeout=timeouts.connect,
+        retries=retries,
+        retry_backoff=retry_backoff,
+        transport=transport,
+    )
+    return wire, timeouts
+
+
 class SGLangLink:
     """The link of one ``SGLangHTTPEngine`` to its server (see the module docstring); the
     engine's arguments are checked here, each naming the bad value."""
@@ -60,26 +104,17 @@ class SGLangLink:
     ) -> None:
         self._admin_key = as_secret(admin_key, what="admin_key")
         self._api_key = as_secret(api_key, what="api_key")
-        self._url = validate_url(url)
-        if timeouts is None:
-            timeouts = HTTPTimeouts()
-        elif not isinstance(timeouts, HTTPTimeouts):
-            raise InvalidArgument(f"timeouts must be an HTTPTimeouts, got {shown(timeouts)}")
-        self._timeouts = timeouts
-        retries = check_int("retries", retries, maximum=_MAX_RETRIES)
-        retry_backoff = check_seconds("retry_backoff", retry_backoff, positive=False)
-        if transport is not None and not isinstance(transport, httpx.AsyncBaseTransport):
-            raise InvalidArgument(
-                f"transport must be an httpx.AsyncBaseTransport, got {shown(transport)}"
-            )
-        if label is None:
-            label = self._url
-        elif not isinstance(label, str) or not label:
-            raise InvalidArgument(f"label must be a non-empty string, got {shown(label)}")
-        keys = (self._admin_key, self._api_key)
-        if scrub(label, keys) != label or scrub(self._url, keys) != self._url:
-            raise InvalidArgument("label and url must not contain a key")
-        self._label = label
+        self._wire, self._timeouts = open_wire(
+            url,
+            label,
+            admin_key=self._admin_key,
+            api_key=self._api_key,
+            timeouts=timeouts,
+            retries=retries,
+            retry_backoff=retry_backoff,
+            transport=transport,
+        )
+        self._url, self._label = self._wire.url, self._wire.label
         if not isinstance(weight_selector, str) or weight_selector not in WEIGHT_SELECTORS:
             valid = ", ".join(WEIGHT_SELECTORS)
             raise InvalidArgument(
@@ -89,16 +124,6 @@ class SGLangLink:
         self._check_version = check_flag("check_version", check_version)
         #: The SGLang version found by the attach check, once it passed.
         self._version: str | None = None
-        self._wire = HTTPTransport(
-            self._url,
-            label,
-            admin_key=self._admin_key,
-            api_key=self._api_key,
-            connect_timeout=timeouts.connect,
-            retries=retries,
-            retry_backoff=retry_backoff,
-            transport=transport,
-        )
 
     @property
     def url(self) -> str:
@@ -330,4 +355,4 @@ class SGLangLink:
         return masked
 
 
-__all__ = ["MIN_SGLANG_VERSION", "WEIGHT_SELECTORS", "SGLangLink"]
+__all__ = ["MIN_SGLANG_VERSION", "WEIGHT_SELECTORS", "SGLangLink", "open_wire"]

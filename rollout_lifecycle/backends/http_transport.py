@@ -9,7 +9,7 @@ import asyncio
 import re
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -114,6 +114,16 @@ class HTTPTransport:
         self._client_loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
 
+    @property
+    def url(self) -> str:
+        """The server's base URL."""
+        return self._url
+
+    @property
+    def label(self) -> str:
+        """The engine's name in errors and events."""
+        return self._label
+
     async def close(self) -> None:
         """Close the HTTP client; later calls raise ``EngineDead``. Idempotent, never raises."""
         self._closed = True
@@ -122,6 +132,14 @@ class HTTPTransport:
         if client is not None and loop is asyncio.get_running_loop():
             await client.aclose()
         # A client bound to another (finished) loop cannot be closed from this one; it is dropped.
+
+    async def drop_connections(self) -> None:
+        """Close the pooled connections (the next call opens new ones): after an answer that
+        ends the server's side of a connection without saying so, a reused one fails."""
+        client, loop = self._client, self._client_loop
+        self._client = self._client_loop = None
+        if client is not None and loop is asyncio.get_running_loop():
+            await client.aclose()
 
     def client_for_loop(self, op: str) -> httpx.AsyncClient:
         if self._closed:
@@ -186,13 +204,15 @@ class HTTPTransport:
         op: str | None = None,
         path: str | None = None,
         flush_wait: float | None = None,
+        query: Mapping[str, str | list[str]] | None = None,
     ) -> httpx.Response:
         """Send one call to ``row``'s endpoint (``path``: one of its aliases), with the key,
         method and retries its row of the table gives; a 2xx answer or a translated error.
 
         ``body`` None sends no body (GETs and flush only: SGLang answers a bodiless POST with 400).
         With a ``flush_wait`` > 0 the query carries ``timeout``: what is left of it on each
-        attempt; with 0 it carries none.
+        attempt; with 0 it carries none. ``query`` adds fields sent in the URL (a list value
+        repeats its name, as ``?tags=a&tags=b``).
         """
         op = row.name if op is None else op
         method, path, retry = row.method, row.path if path is None else path, row.repeatable
@@ -205,13 +225,13 @@ class HTTPTransport:
         attempts = 1 + self._retries if retry else 1
         first = time.monotonic()
         for attempt in range(1, attempts + 1):
-            params: dict[str, str] | None = None
+            params: dict[str, str | list[str]] | None = None if query is None else dict(query)
             timeout = read_timeout
             if flush_wait is not None and wait_field is not None:  # (refused above otherwise)
                 left = max(0.0, flush_wait - (time.monotonic() - first))
                 if flush_wait > 0:
                     # A deferred flush; with no timeout (0) the query is left out altogether.
-                    params = {wait_field: _seconds_param(left)}
+                    params = {**(params or {}), wait_field: _seconds_param(left)}
                 timeout = left + read_timeout
             started = time.monotonic()
             response: httpx.Response | None = None

@@ -56,7 +56,7 @@ class Answer(str, Enum):
 #: failed.
 ACKNOWLEDGED: frozenset[Answer] = frozenset({Answer.STATUS_OK, Answer.NULL})
 
-FieldKind = Literal["str", "int", "bool", "list", "choice", "tags", "number"]
+FieldKind = Literal["str", "int", "bool", "list", "choice", "tags", "number", "object"]
 #: Which ``HTTPTimeouts`` field bounds a call's wait for its answer.
 TimeoutClass = Literal["control", "memory", "weights", "probe", "generate", "flush_margin"]
 
