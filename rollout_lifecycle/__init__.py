@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from rollout_lifecycle.backends.ports import free_port
     from rollout_lifecycle.backends.router import LaunchedRouter, RouterWorker, SGLangRouter
     from rollout_lifecycle.backends.secret import Secret
+    from rollout_lifecycle.backends.vllm_http import VLLMHTTPEngine, vllm_http_factory
     from rollout_lifecycle.backends.weights import (
         FromDisk,
         FromDistributed,
@@ -88,6 +89,8 @@ _LAZY: dict[str, str] = {
     "RouterWorker": "rollout_lifecycle.backends.router",
     "SGLangRouter": "rollout_lifecycle.backends.router",
     "Secret": "rollout_lifecycle.backends.secret",
+    "VLLMHTTPEngine": "rollout_lifecycle.backends.vllm_http",
+    "vllm_http_factory": "rollout_lifecycle.backends.vllm_http",
     "FromDisk": "rollout_lifecycle.backends.weights",
     "FromDistributed": "rollout_lifecycle.backends.weights",
     "FromTensor": "rollout_lifecycle.backends.weights",
@@ -158,6 +161,7 @@ __all__ = [
     "Tag",
     "Timeline",
     "TooManyResubmissions",
+    "VLLMHTTPEngine",
     "WeightPushFailed",
     "WeightUpdate",
     "__version__",
@@ -167,6 +171,7 @@ __all__ = [
     "mermaid",
     "sglang_http_factory",
     "start_engine_actor",
+    "vllm_http_factory",
 ]
 
 

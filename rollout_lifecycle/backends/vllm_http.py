@@ -1,0 +1,529 @@
+"""An ``EngineBackend`` for vLLM: an async HTTP client of one vLLM 0.32 server started with
+``VLLM_SERVER_DEV_MODE=1``, mapping the library's lifecycle onto vLLM's routes (``vllm_api``).
+
+How each operation lands on vLLM (see ``docs/vllm-contract.md``):
+
+* pause: ``/pause?mode=`` with ``retract`` and ``in_place`` as vLLM's ``keep`` (running requests
+  freeze and go on after the continue; nothing is lost) and ``abort`` as ``abort``.
+* flush, the idle barrier: ``/reset_prefix_cache``, which answers ``success: false`` while
+  requests hold KV blocks; that is reported as the refusal (400) of a busy engine.
+* release: ``/sleep?level=1`` (weights to host memory, KV cache dropped) or ``level=2`` (both
+  dropped; the weights must be pushed again), always with ``mode=keep`` so a release never
+  aborts. vLLM releases weights and KV cache together, so a release must name both.
+* resume: ``/wake_up?tags=weights`` at once. The KV cache's wake is held back until the
+  continue: vLLM resumes generation as soon as every allocation is resident again
+  (``EngineCore.wake_up``), so the wake that completes it *is* the continue, and it is sent only
+  when the lifecycle continues, after every barrier before it.
+* weights from disk: ``/collective_rpc`` ``reload_weights`` (in place), then
+  ``/update_weight_version``. A reload that fails leaves the model half-loaded, and vLLM dies on
+  its next forward pass (``model_loader/reload/inplace.py reload_weights``): the client then
+  refuses the continue, the KV wake and generation, naming the path and vLLM's error, until a
+  reload succeeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import httpx
+
+from rollout_lifecycle.backends.engine import incarnation_of
+from rollout_lifecycle.backends.http_link import open_wire
+from rollout_lifecycle.backends.http_transport import HTTPTransport
+from rollout_lifecycle.backends.http_wire import HTTPTimeouts, check_str, parse_version, shown
+from rollout_lifecycle.backends.secret import Secret, as_secret
+from rollout_lifecycle.backends.vllm_api import ENDPOINTS
+from rollout_lifecycle.contract.exceptions import (
+    EngineDead,
+    EngineRejected,
+    EngineTimeout,
+    EngineUnreachable,
+    IllegalEngineOp,
+    InvalidArgument,
+)
+from rollout_lifecycle.contract.values import (
+    PauseMode,
+    Tag,
+    check_flag,
+    check_seconds,
+    parse_tags,
+)
+
+#: The oldest vLLM this client drives: 0.32 has the RL routes (``/pause`` modes, ``/resume``,
+#: ``/weight_info``, ``/weight_checker``) it relies on.
+MIN_VLLM_VERSION: tuple[int, int, int] = (0, 32, 0)
+#: The library's pause modes as vLLM's: both memory-keeping modes freeze running requests.
+_PAUSE_MODES: Mapping[PauseMode, str] = {
+    PauseMode.RETRACT: "keep",
+    PauseMode.IN_PLACE: "keep",
+    PauseMode.ABORT: "abort",
+}
+#: What vLLM calls a weight version nobody has set.
+# vllm: v1/engine/async_llm.py (weight version "default" until update_weight_version)
+_UNSET_VERSION = "default"
+#: How often a flush with a wait asks again whether the engine went idle.
+_FLUSH_POLL_S = 0.05
+#: SGLang's finish reasons by vLLM's (the generation client reads SGLang's shape).
+_FINISH = {"length": "length", "stop": "stop", "abort": "abort"}
+
+
+class VLLMHTTPEngine:
+    """One vLLM server over HTTP; implements ``EngineBackend`` (module docstring: the mapping).
+
+    ``api_key`` is sent (``Authorization: Bearer``) to the routes vLLM guards with it, the
+    OpenAI API; vLLM asks no key of its lifecycle routes, so keep the server on loopback or a
+    private network. ``sleep_level`` 1 (default) keeps released weights in host memory; 2 drops
+    them, and then every release must be followed by a weight push. ``weight_transfer`` says
+    the server runs vLLM's weight-transfer engine (``--weight-transfer-config``): only then do
+    the session calls reach ``/start_weight_update`` and ``/finish_weight_update``; a reload
+    from disk needs no session. ``model`` is the served model name sent with generations (the
+    server's only model when None).
+
+    Attach check: before the first lifecycle call the client reads ``/version`` and
+    ``/is_paused`` once, and refuses a vLLM older than 0.32 or one without the RL routes
+    (started without ``VLLM_SERVER_DEV_MODE=1``), with ``IllegalEngineOp`` naming what it found.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | Secret | None = None,
+        timeouts: HTTPTimeouts | None = None,
+        retries: int = 3,
+        retry_backoff: float = 0.2,
+        transport: httpx.AsyncBaseTransport | None = None,
+        label: str | None = None,
+        sleep_level: int = 1,
+        weight_transfer: bool = False,
+        model: str | None = None,
+        check_version: bool = True,
+    ) -> None:
+        self._api_key = as_secret(api_key, what="api_key")
+        self._wire, self._timeouts = open_wire(
+            url,
+            label,
+            admin_key=None,
+            api_key=self._api_key,
+            timeouts=timeouts,
+            retries=retries,
+            retry_backoff=retry_backoff,
+            transport=transport,
+        )
+        self._url, self._label = self._wire.url, self._wire.label
+        if sleep_level not in (1, 2) or isinstance(sleep_level, bool):
+            raise InvalidArgument(f"sleep_level must be 1 or 2, got {shown(sleep_level)}")
+        self._sleep_level = sleep_level
+        self._weight_transfer = check_flag("weight_transfer", weight_transfer)
+        self._model = check_str("model", model, optional=True)
+        self._check_version = check_flag("check_version", check_version)
+        #: The vLLM version the attach check accepted.
+        self._version: str | None = None
+        #: The KV cache was resumed and its wake waits for the continue.
+        self._kv_wake_due = False
+        #: Why the weights are unusable (a reload failed), until a reload succeeds.
+        self._broken: str | None = None
+
+    # ----------------------------------------------------------------------------- properties
+
+    @property
+    def label(self) -> str:
+        """The engine's name in errors and events (the URL unless given)."""
+        return self._label
+
+    @property
+    def url(self) -> str:
+        """The server's base URL."""
+        return self._url
+
+    @property
+    def vllm_version(self) -> str | None:
+        """The vLLM version the attach check accepted (None before it ran, or when skipped)."""
+        return self._version
+
+    @property
+    def broken(self) -> str | None:
+        """Why this engine must not run a forward pass (a failed reload), else None."""
+        return self._broken
+
+    def __repr__(self) -> str:
+        return f"VLLMHTTPEngine({self._url!r}, label={self._label!r}, api_key={self._api_key!r})"
+
+    # ----------------------------------------------------------------------------- calls
+
+    async def _call(
+        self,
+        name: str,
+        body: dict[str, Any] | None = None,
+        *,
+        query: Mapping[str, str | list[str]] | None = None,
+        op: str | None = None,
+    ) -> Any:
+        """One call of the row ``name``: its method, key, timeout and retries from the table,
+        its answer read as the row's shape says (a JSON object, else None)."""
+        row = ENDPOINTS[name]
+        op = name if op is None else op
+        wait = getattr(self._timeouts, row.timeout)
+        response = await self._wire.request(row, body, wait, op=op, query=query)
+        return self._wire.read_answer(op, row, response)
+
+    async def _send(
+        self, op: str, name: str, body: dict[str, Any] | None = None, **how: Any
+    ) -> Any:
+        """The attach check (once), then one call."""
+        await self.attach(op)
+        return await self._call(name, body, op=op, **how)
+
+    def _refuse_forward(self, op: str) -> None:
+        if self._broken is not None:
+            raise IllegalEngineOp(
+                self._label,
+                op,
+                f"its weights are unusable since a reload failed ({self._broken}); vLLM would "
+                "die on the next forward pass, so nothing that runs one is sent until a reload "
+                "succeeds",
+            )
+
+    # ----------------------------------------------------------------------------- attach
+
+    async def check_version(self, op: str = "check_version") -> str:
+        """Read ``/version`` and ``/is_paused``; refuse a vLLM older than 0.32 or without the
+        RL routes (``IllegalEngineOp`` naming what was found). Returns the version found."""
+        self._version = await _vllm_version(self._call, self._label, op)
+        return self._version
+
+    async def attach(self, op: str) -> None:
+        """The attach check, once per client, before its first lifecycle call."""
+        if self._check_version and self._version is None:
+            await self.check_version(op)
+
+    # ----------------------------------------------------------------------------- lifecycle
+
+    async def pause_generation(self, mode: PauseMode) -> None:
+        """``POST /pause?mode=keep|abort``; retried (pausing twice does no harm)."""
+        try:
+            mode = PauseMode(mode)
+        except ValueError:
+            valid = ", ".join(m.value for m in PauseMode)
+            raise InvalidArgument(f"unknown pause mode {mode!r}; valid: {valid}") from None
+        # vllm: rl/online/api_router.py pause_generation -> EngineCoreProc.pause_scheduler
+        await self._send("pause_generation", "pause", query={"mode": _PAUSE_MODES[mode]})
+
+    async def continue_generation(self) -> None:
+        """The KV cache's wake when one is due (it resumes the scheduler), then ``/resume``."""
+        op = "continue_generation"
+        self._refuse_forward(op)
+        if self._kv_wake_due:
+            # vllm: v1/engine/core.py EngineCore.wake_up (fully awake -> resume_scheduler)
+            await self._send(op, "wake_up", query={"tags": ["kv_cache"]})
+            self._kv_wake_due = False
+        await self._send(op, "resume")
+
+    async def flush_cache(self, timeout: float) -> None:
+        """``POST /reset_prefix_cache``; ``success: false`` (requests hold KV blocks) raises
+        ``EngineRejected`` with status 400, as a busy SGLang's flush does. With ``timeout`` T >
+        0 the client asks again until the engine is idle or T has passed."""
+        op = "flush_cache"
+        wait = check_seconds("flush timeout", timeout, positive=False)
+        deadline = time.monotonic() + wait
+        while not await self._reset_prefix_cache(op):
+            if time.monotonic() >= deadline:
+                raise EngineRejected(
+                    self._label,
+                    op,
+                    "/reset_prefix_cache answered success=false: requests still hold KV "
+                    "blocks (the engine is not idle)",
+                    400,
+                )
+            await asyncio.sleep(_FLUSH_POLL_S)
+
+    async def _reset_prefix_cache(self, op: str) -> bool:
+        """One ``/reset_prefix_cache``: whether it succeeded (false: requests hold blocks)."""
+        # vllm: serve/dev/cache/api_router.py reset_prefix_cache ({"success": false} while
+        # blocks are held, e.g. by running requests)
+        try:
+            await self._send(op, "reset_prefix_cache")
+        except EngineRejected as exc:
+            if exc.status != 200:
+                raise
+            return False
+        return True
+
+    async def release_memory_occupation(self, tags: Sequence[Tag]) -> None:
+        """``POST /sleep?level=L&mode=keep``; the tags must name the weights and the KV cache
+        (vLLM releases both together); sent once."""
+        op = "release_memory_occupation"
+        names = {t.value for t in parse_tags(tags, what=f"{op} tags")}
+        if not {Tag.WEIGHTS.value, Tag.KV_CACHE.value} <= names:
+            raise IllegalEngineOp(
+                self._label,
+                op,
+                f"vLLM releases the weights and the KV cache together (/sleep), got tags "
+                f"{sorted(names)}; release both, or neither",
+            )
+        # vllm: serve/dev/sleep/api_router.py sleep -> EngineCore.sleep (pause, then
+        # executor.sleep(level)); mode keep: a release never aborts what a pause kept.
+        level = str(self._sleep_level)
+        await self._send(op, "sleep", query={"level": level, "mode": "keep"})
+        self._kv_wake_due = False
+
+    async def resume_memory_occupation(self, tags: Sequence[Tag]) -> None:
+        """``POST /wake_up?tags=weights`` for the weights; the KV cache's wake waits for the
+        continue (see the module docstring); sent once."""
+        op = "resume_memory_occupation"
+        names = {t.value for t in parse_tags(tags, what=f"{op} tags")}
+        if Tag.WEIGHTS.value in names:
+            await self._send(op, "wake_up", query={"tags": ["weights"]})
+        if Tag.KV_CACHE.value in names:
+            self._refuse_forward(op)
+            await self.attach(op)
+            self._kv_wake_due = True
+
+    # ----------------------------------------------------------------------------- weights
+
+    async def begin_weight_update(self) -> None:
+        """``POST /start_weight_update`` with a weight-transfer engine; else no session."""
+        if self._weight_transfer:
+            await self._send("begin_weight_update", "start_weight_update")
+
+    async def end_weight_update(self) -> None:
+        """``POST /finish_weight_update {}`` with a weight-transfer engine; else no session."""
+        if self._weight_transfer:
+            await self._send("end_weight_update", "finish_weight_update", {})
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None,
+        flush_cache: bool,
+        abort_all_requests: bool,
+        load_format: str | None = None,
+    ) -> None:
+        """``/collective_rpc reload_weights {"weights_path"}`` (in place), then the version and
+        the flush asked for. A failed reload marks the weights unusable (see ``broken``)."""
+        op = "update_weights_from_disk"
+        if not isinstance(model_path, str) or not model_path:
+            raise InvalidArgument(f"model_path must be a non-empty string, got {model_path!r}")
+        if load_format is not None:
+            raise InvalidArgument(f"vLLM's reload takes no load_format, got {load_format!r}")
+        version = check_str("weight_version", weight_version, optional=True)
+        if check_flag("abort_all_requests", abort_all_requests):
+            await self._send(op, "abort_requests", {})
+        body = {"method": "reload_weights", "kwargs": {"weights_path": model_path}}
+        try:
+            # vllm: serve/dev/rpc/api_router.py collective_rpc -> Worker.reload_weights ->
+            # model_executor/model_loader/reload/inplace.py reload_weights
+            await self._send(op, "collective_rpc", body)
+        except EngineRejected as exc:
+            # vLLM drops the connection behind a failed collective_rpc's 500 without a
+            # "Connection: close"; a call that reused it would fail with its effect unknown.
+            await self._wire.drop_connections()
+            self._broken = f"reload from {model_path!r}: {exc}"
+            raise EngineRejected(
+                self._label,
+                op,
+                f"the reload from {model_path!r} failed and left the weights unusable until a "
+                f"reload succeeds: {exc}",
+                exc.status,
+            ) from None
+        self._broken = None
+        if version is not None:
+            await self._send(op, "update_weight_version", {"new_version": version})
+        if check_flag("flush_cache", flush_cache) and not await self._reset_prefix_cache(op):
+            raise EngineRejected(
+                self._label,
+                op,
+                "the weights were reloaded, but the prefix cache was not reset because requests "
+                "still hold KV blocks; pause and flush, then reset it",
+                400,
+            )
+
+    async def update_weight_version(self, version: str, *, abort_all_requests: bool) -> None:
+        """``POST /update_weight_version {"new_version"}`` (a label; vLLM aborts nothing), after
+        ``/abort_requests {}`` when ``abort_all_requests``."""
+        op = "update_weight_version"
+        new = check_str("version", version, optional=False)
+        if check_flag("abort_all_requests", abort_all_requests):
+            await self._send(op, "abort_requests", {})
+        await self._send(op, "update_weight_version", {"new_version": new})
+
+    async def weight_version(self) -> str | None:
+        """The loaded weight version (``GET /weight_info``); None while vLLM says ``default``."""
+        info = await self._call("weight_info")
+        version = info.get("weight_version")
+        if version is not None and not isinstance(version, str):
+            self._wire.garbage("weight_version", "/weight_info", "weight_version is no string")
+        return None if version == _UNSET_VERSION else version
+
+    async def weight_checksums(self) -> dict[str, str]:
+        """``POST /weight_checker {"action": "checksum"}``: sha256 per tensor."""
+        answer = await self._call("weight_checker", {"action": "checksum"})
+        sums = answer.get("checksums")
+        if not isinstance(sums, dict):
+            self._wire.garbage("weight_checksums", "/weight_checker", "no checksums object")
+        return {str(k): str(v) for k, v in sums.items()}
+
+    # ----------------------------------------------------------------------------- requests
+
+    async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        """One SGLang-shaped request (``input_ids`` or ``text``, ``sampling_params``, ``rid``)
+        as ``POST /v1/completions``; the answer in SGLang's shape (``text``, ``output_ids``,
+        ``meta_info`` with ``finish_reason``). Sent once."""
+        op = "generate"
+        self._refuse_forward(op)
+        if not isinstance(request, dict):
+            raise InvalidArgument(f"request must be a dict, got {shown(request)}")
+        if request.get("stream"):
+            raise InvalidArgument("generate() does not stream; send the request with stream false")
+        answer = await self._call("completions", _completion(request, self._model), op=op)
+        return _as_sglang(self._wire, answer)
+
+    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """``POST /abort_requests``: the request ``rid``, or every request with ``abort_all``."""
+        if not isinstance(rid, str):
+            raise InvalidArgument(f"rid must be a string, got {shown(rid)}")
+        if check_flag("abort_all", abort_all):
+            await self._call("abort_requests", {})
+        elif rid:
+            await self._call("abort_requests", {"request_ids": [rid]})
+
+    # ----------------------------------------------------------------------------- probes
+
+    async def server_info(self) -> dict[str, Any]:
+        """The liveness probe, safe while paused: ``/version`` and the API server's start time
+        (``process_start_time_seconds`` in ``/metrics``), as ``startup_time``, which names this
+        process's incarnation."""
+        version = await self._call("version", op="server_info")
+        row = ENDPOINTS["metrics"]
+        response = await self._wire.request(row, None, self._timeouts.probe, op="server_info")
+        started = None
+        for line in response.text.splitlines():
+            if line.startswith("process_start_time_seconds "):
+                started = line.split()[1]
+        return {"engine_kind": "vllm", "version": version.get("version"), "startup_time": started}
+
+    async def observe(self, *, paused: bool = True, identify: bool = True) -> dict[str, Any]:
+        """What the server says of itself: its incarnation and whether it is paused."""
+        found: dict[str, Any] = {"incarnation": None, "paused": None}
+        if identify:
+            found["incarnation"] = incarnation_of(await self.server_info())
+        if paused:
+            try:
+                answer = await self._call("is_paused", op="observe")
+            except (EngineDead, EngineUnreachable, EngineTimeout):
+                return found
+            if isinstance(answer.get("is_paused"), bool):
+                found["paused"] = answer["is_paused"]
+        return found
+
+    async def ping(self, timeout: float | None = None) -> bool:
+        """One ``GET /health``: True on 200 (paused or not)."""
+        try:
+            await self._call("health", op="ping")
+        except (EngineDead, EngineUnreachable, EngineTimeout, EngineRejected):
+            return False
+        return True
+
+    async def ready(self, timeout: float | None = None) -> bool:
+        """Healthy and not paused."""
+        if not await self.ping(timeout):
+            return False
+        found = await self.observe(identify=False)
+        return found["paused"] is False
+
+    async def close(self) -> None:
+        """Close the HTTP client; later calls raise ``EngineDead``. Idempotent, never raises."""
+        await self._wire.close()
+
+
+async def _vllm_version(call: Callable[..., Awaitable[Any]], label: str, op: str) -> str:
+    """The attach check's reads: the version, and that the RL routes are there."""
+    info = await call("version", op=op)
+    found = info.get("version")
+    wanted = ".".join(str(n) for n in MIN_VLLM_VERSION)
+    parsed = parse_version(found) if isinstance(found, str) else None
+    if parsed is None or parsed < MIN_VLLM_VERSION:
+        raise IllegalEngineOp(
+            label, op, f"/version reports vLLM {shown(found)}; this client needs vLLM >= {wanted}"
+        )
+    try:
+        await call("is_paused", op=op)
+    except EngineRejected as exc:
+        if exc.status != 404:
+            raise
+        raise IllegalEngineOp(
+            label,
+            op,
+            "the server has no /is_paused route: start vLLM with VLLM_SERVER_DEV_MODE=1, "
+            "without which it serves none of the lifecycle routes",
+        ) from None
+    assert isinstance(found, str)
+    return found
+
+
+def _completion(request: dict[str, Any], model: str | None) -> dict[str, Any]:
+    """An SGLang ``/generate`` body as a vLLM ``/v1/completions`` body."""
+    if "input_ids" in request:
+        prompt: Any = request["input_ids"]
+    elif "text" in request:
+        prompt = request["text"]
+    else:
+        raise InvalidArgument("request needs input_ids or text")
+    params = dict(request.get("sampling_params") or {})
+    body: dict[str, Any] = {"prompt": prompt, "return_token_ids": True}
+    if model is not None:
+        body["model"] = model
+    if "max_new_tokens" in params:
+        body["max_tokens"] = params.pop("max_new_tokens")
+    for name in ("temperature", "top_p", "top_k", "stop", "ignore_eos", "seed", "min_tokens"):
+        if name in params:
+            body[name] = params.pop(name)
+    if params:
+        raise InvalidArgument(f"sampling_params vLLM is not sent: {sorted(params)}")
+    rid = request.get("rid")
+    if isinstance(rid, str) and rid:
+        body["request_id"] = rid
+    return body
+
+
+def _as_sglang(wire: HTTPTransport, answer: dict[str, Any]) -> dict[str, Any]:
+    """A ``/v1/completions`` answer in the shape of SGLang's ``/generate``."""
+    choices = answer.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        wire.garbage("generate", "/v1/completions", "expected one choice")
+    choice = choices[0]
+    ids = choice.get("token_ids")
+    if not isinstance(ids, list):
+        wire.garbage("generate", "/v1/completions", "no token_ids (return_token_ids)")
+    usage = answer.get("usage") or {}
+    reason = _FINISH.get(str(choice.get("finish_reason")), str(choice.get("finish_reason")))
+    finish: dict[str, Any] = {"type": reason}
+    if reason == "length":
+        finish["length"] = len(ids)
+    return {
+        "text": choice.get("text", ""),
+        "output_ids": ids,
+        "meta_info": {
+            "id": answer.get("id"),
+            "finish_reason": finish,
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "completion_tokens": usage.get("completion_tokens", len(ids)),
+        },
+    }
+
+
+def vllm_http_factory(url: str, **kwargs: Any) -> Callable[[], VLLMHTTPEngine]:
+    """A picklable zero-argument factory of ``VLLMHTTPEngine(url, **kwargs)``, for Ray actors;
+    the arguments are checked now."""
+    if "api_key" in kwargs:
+        kwargs = {**kwargs, "api_key": as_secret(kwargs["api_key"], what="api_key")}
+    VLLMHTTPEngine(url, **kwargs)
+    return functools.partial(VLLMHTTPEngine, url, **kwargs)
+
+
+__all__ = ["MIN_VLLM_VERSION", "VLLMHTTPEngine", "vllm_http_factory"]

@@ -1,0 +1,216 @@
+"""``VLLMHTTPEngine``: how each lifecycle call lands on vLLM's routes, shown against a recording
+transport that answers as vLLM 0.32.0 does (``tests/real/test_real_vllm.py`` shows the same
+against a real server)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from rollout_lifecycle.backends.vllm_http import VLLMHTTPEngine, vllm_http_factory
+from rollout_lifecycle.contract.exceptions import EngineRejected, IllegalEngineOp, InvalidArgument
+from rollout_lifecycle.contract.values import ALL_TAGS, PauseMode, Tag
+
+URL = "http://127.0.0.1:8000"
+Answer = Callable[[httpx.Request], httpx.Response]
+
+
+class FakeVLLM:
+    """Records every request (method, path, query) and answers as vLLM 0.32.0 does."""
+
+    def __init__(self, **answers: Answer) -> None:
+        self.sent: list[tuple[str, str, str]] = []
+        self.bodies: list[Any] = []
+        self.headers: list[httpx.Headers] = []
+        self.answers = answers
+        self.version = "0.32.0"
+        self.reset_answers: list[bool] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        self.sent.append((request.method, path, request.url.query.decode()))
+        self.bodies.append(json.loads(request.content) if request.content else None)
+        self.headers.append(request.headers)
+        name = path.strip("/").replace("/", "_")
+        if name in self.answers:
+            return self.answers[name](request)
+        if path == "/version":
+            return httpx.Response(200, json={"version": self.version})
+        if path == "/is_paused":
+            return httpx.Response(200, json={"is_paused": False})
+        if path == "/reset_prefix_cache":
+            ok = self.reset_answers.pop(0) if self.reset_answers else True
+            return httpx.Response(200, json={"success": ok})
+        if path == "/weight_info":
+            return httpx.Response(200, json={"weight_version": "default"})
+        if path == "/wake_up":
+            return httpx.Response(200, json={"status": "sleeping", "tags": None})
+        if path == "/v1/completions":
+            return httpx.Response(200, json=_completion())
+        if path == "/update_weight_version":
+            return httpx.Response(200, json={"success": True, "new_version": "x"})
+        if path == "/abort_requests":
+            return httpx.Response(200, json={"status": "aborted", "aborted": 0})
+        if path == "/collective_rpc":
+            return httpx.Response(200, json={"results": [None]})
+        status = {"/pause": "paused", "/resume": "resumed", "/sleep": "sleeping"}[path]
+        return httpx.Response(200, json={"status": status})
+
+    def calls(self) -> list[str]:
+        """The lifecycle calls sent, attach-check reads left out."""
+        return [
+            f"{method} {path}" + (f"?{query}" if query else "")
+            for method, path, query in self.sent
+            if path not in ("/version", "/is_paused")
+        ]
+
+
+def _completion(ids: tuple[int, ...] = (5, 6), reason: str = "length") -> dict[str, Any]:
+    return {
+        "id": "cmpl-1",
+        "choices": [{"text": "ab", "token_ids": list(ids), "finish_reason": reason}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": len(ids)},
+    }
+
+
+def engine(fake: FakeVLLM, **options: Any) -> VLLMHTTPEngine:
+    return VLLMHTTPEngine(URL, transport=httpx.MockTransport(fake), **options)
+
+
+@pytest.mark.parametrize(
+    ("mode", "sent"),
+    [(PauseMode.RETRACT, "keep"), (PauseMode.IN_PLACE, "keep"), (PauseMode.ABORT, "abort")],
+)
+async def test_a_pause_is_vllms_keep_or_abort(mode: PauseMode, sent: str) -> None:
+    fake = FakeVLLM()
+    await engine(fake).pause_generation(mode)
+    assert fake.calls() == [f"POST /pause?mode={sent}"]
+
+
+async def test_the_attach_check_refuses_an_old_vllm_and_one_without_dev_mode() -> None:
+    old = FakeVLLM()
+    old.version = "0.31.2"
+    with pytest.raises(IllegalEngineOp, match=r"vLLM '0\.31\.2'; this client needs vLLM >= 0\.32"):
+        await engine(old).pause_generation(PauseMode.RETRACT)
+    assert old.calls() == []
+    plain = FakeVLLM(is_paused=lambda r: httpx.Response(404, json={"detail": "Not Found"}))
+    with pytest.raises(IllegalEngineOp, match="VLLM_SERVER_DEV_MODE=1"):
+        await engine(plain).pause_generation(PauseMode.RETRACT)
+    assert plain.calls() == []
+
+
+async def test_a_busy_flush_is_a_400_refusal_and_a_flush_with_a_wait_asks_again() -> None:
+    fake = FakeVLLM()
+    fake.reset_answers = [False]
+    with pytest.raises(EngineRejected, match="success=false") as refused:
+        await engine(fake).flush_cache(0)
+    assert refused.value.status == 400
+    fake.reset_answers = [False, False, True]
+    await engine(fake).flush_cache(30)
+    assert fake.calls().count("POST /reset_prefix_cache") == 1 + 3
+
+
+async def test_a_release_sleeps_with_keep_and_must_name_weights_and_kv_together() -> None:
+    fake = FakeVLLM()
+    with pytest.raises(IllegalEngineOp, match="weights and the KV cache together"):
+        await engine(fake).release_memory_occupation([Tag.KV_CACHE])
+    assert fake.calls() == []
+    await engine(fake).release_memory_occupation(list(ALL_TAGS))
+    await engine(fake, sleep_level=2).release_memory_occupation([Tag.WEIGHTS, Tag.KV_CACHE])
+    assert fake.calls() == ["POST /sleep?level=1&mode=keep", "POST /sleep?level=2&mode=keep"]
+
+
+async def test_the_kv_cache_wakes_with_the_continue_and_not_before() -> None:
+    fake = FakeVLLM()
+    client = engine(fake)
+    await client.resume_memory_occupation([Tag.WEIGHTS])
+    await client.resume_memory_occupation([Tag.KV_CACHE, Tag.CUDA_GRAPH])
+    assert fake.calls() == ["POST /wake_up?tags=weights"]
+    await client.continue_generation()
+    await client.continue_generation()  # the wake is sent once
+    assert fake.calls()[1:] == ["POST /wake_up?tags=kv_cache", "POST /resume", "POST /resume"]
+
+
+async def test_a_failed_reload_refuses_every_forward_pass_until_a_reload_succeeds() -> None:
+    broken = FakeVLLM(
+        collective_rpc=lambda r: httpx.Response(500, json={"error": {"message": "no such file"}})
+    )
+    client = engine(broken)
+    with pytest.raises(EngineRejected, match=r"reload from '/bad' failed .*no such file"):
+        await client.update_weights_from_disk(
+            "/bad", weight_version="v1", flush_cache=True, abort_all_requests=False
+        )
+    assert broken.calls() == ["POST /collective_rpc"]  # no version, no flush after it
+    for refused in (
+        client.continue_generation(),
+        client.generate({"input_ids": [1]}),
+        client.resume_memory_occupation([Tag.KV_CACHE]),
+    ):
+        with pytest.raises(IllegalEngineOp, match="a reload failed"):
+            await refused
+    assert broken.calls() == ["POST /collective_rpc"]
+    del broken.answers["collective_rpc"]
+    await client.update_weights_from_disk(
+        "/good", weight_version="v2", flush_cache=True, abort_all_requests=True
+    )
+    assert client.broken is None
+    assert broken.calls()[1:] == [
+        "POST /abort_requests",
+        "POST /collective_rpc",
+        "POST /update_weight_version",
+        "POST /reset_prefix_cache",
+    ]
+    reload_body = broken.bodies[-3]
+    assert reload_body == {"method": "reload_weights", "kwargs": {"weights_path": "/good"}}
+    await client.continue_generation()
+
+
+async def test_a_generate_goes_out_as_a_completion_and_comes_back_in_sglangs_shape() -> None:
+    fake = FakeVLLM()
+    client = engine(fake, api_key="sk-test", model="tiny")
+    answer = await client.generate(
+        {"input_ids": [1, 2, 3], "rid": "r-7",
+         "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}}
+    )  # fmt: skip
+    assert fake.bodies[-1] == {
+        "prompt": [1, 2, 3], "return_token_ids": True, "model": "tiny", "max_tokens": 2,
+        "temperature": 0, "ignore_eos": True, "request_id": "r-7",
+    }  # fmt: skip
+    assert answer == {
+        "text": "ab",
+        "output_ids": [5, 6],
+        "meta_info": {
+            "id": "cmpl-1",
+            "finish_reason": {"type": "length", "length": 2},
+            "prompt_tokens": 3,
+            "completion_tokens": 2,
+        },
+    }
+    # The key goes to the OpenAI route only; vLLM asks none of its lifecycle routes.
+    await client.pause_generation(PauseMode.RETRACT)
+    keyed = [
+        p for (_, p, _), h in zip(fake.sent, fake.headers, strict=True) if "authorization" in h
+    ]
+    assert keyed == ["/v1/completions"]
+    with pytest.raises(InvalidArgument, match=r"sampling_params vLLM is not sent: \['regex'\]"):
+        await client.generate({"text": "x", "sampling_params": {"regex": "a+"}})
+
+
+async def test_vllms_default_version_reads_as_none_and_a_set_one_as_itself() -> None:
+    fake = FakeVLLM()
+    assert await engine(fake).weight_version() is None
+    fake.answers["weight_info"] = lambda r: httpx.Response(200, json={"weight_version": "v3"})
+    assert await engine(fake).weight_version() == "v3"
+
+
+def test_bad_arguments_are_refused_by_name() -> None:
+    with pytest.raises(InvalidArgument, match="sleep_level must be 1 or 2, got 3"):
+        VLLMHTTPEngine(URL, sleep_level=3)
+    with pytest.raises(InvalidArgument, match="label and url must not contain a key"):
+        VLLMHTTPEngine(URL, api_key="sk-secret", label="sk-secret")
+    factory = vllm_http_factory(URL, api_key="sk-secret")
+    assert "sk-secret" not in repr(factory) and factory().url == URL
