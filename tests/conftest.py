@@ -84,5 +84,6 @@ REAL_SGLANG_TIMEOUT_S = 1200
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if item.get_closest_marker("real_sglang") and not item.get_closest_marker("timeout"):
+        real = item.get_closest_marker("real_sglang") or item.get_closest_marker("real_vllm")
+        if real and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(REAL_SGLANG_TIMEOUT_S))

