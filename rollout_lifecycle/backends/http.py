@@ -34,6 +34,7 @@ from rollout_lifecycle.contract.values import (
     Tag,
     check_flag,
     check_seconds,
+    member,
     parse_tags,
 )
 
@@ -149,11 +150,7 @@ class SGLangHTTPEngine:
     async def pause_generation(self, mode: PauseMode) -> None:
         """``POST /pause_generation {"mode": ...}``; retried (a repeated pause does no harm)."""
         op = "pause_generation"
-        try:
-            mode = PauseMode(mode)
-        except ValueError:
-            valid = ", ".join(m.value for m in PauseMode)
-            raise InvalidArgument(f"unknown pause mode {mode!r}; valid: {valid}") from None
+        mode = member(PauseMode, mode, "pause mode")
         await self._send(op, {"mode": mode.value})
 
     async def continue_generation(self) -> None:
@@ -250,10 +247,8 @@ class SGLangHTTPEngine:
     ) -> None:
         """``POST /update_weights_from_disk``; every flag is sent explicitly; sent once."""
         op = "update_weights_from_disk"
-        if not isinstance(model_path, str) or not model_path:
-            raise InvalidArgument(f"model_path must be a non-empty string, got {model_path!r}")
         body = {
-            "model_path": model_path,
+            "model_path": check_name("model_path", model_path),
             **_update_flags(load_format, weight_version, flush_cache, abort_all_requests),
         }
         await self._send(op, body)

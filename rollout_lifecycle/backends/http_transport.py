@@ -127,11 +127,8 @@ class HTTPTransport:
     async def close(self) -> None:
         """Close the HTTP client; later calls raise ``EngineDead``. Idempotent, never raises."""
         self._closed = True
-        client, loop = self._client, self._client_loop
-        self._client = self._client_loop = None
-        if client is not None and loop is asyncio.get_running_loop():
-            await client.aclose()
         # A client bound to another (finished) loop cannot be closed from this one; it is dropped.
+        await self.drop_connections()
 
     async def drop_connections(self) -> None:
         """Close the pooled connections (the next call opens new ones): after an answer that

@@ -12,7 +12,7 @@ vLLM 0.32.0 server.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 from rollout_lifecycle.backends.sglang_api import (
     Answer,
@@ -27,12 +27,6 @@ from rollout_lifecycle.backends.sglang_api import (
 #: running request at once with ``finish_reason: "abort"``; wait blocks until they finish; keep
 #: freezes them, and they go on after ``/resume``.
 PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")
-#: ``/sleep``'s levels: 0 pauses only; 1 moves the weights to host memory and drops the KV cache;
-#: 2 drops both (the weights must be pushed again before serving).
-SLEEP_LEVELS: tuple[int, ...] = (0, 1, 2)
-#: The memory ``/wake_up?tags=`` names (``CuMemAllocator`` tags); no tag wakes all.
-WAKE_TAGS: tuple[str, ...] = ("weights", "kv_cache")
-
 #: vLLM's key guards only these prefixes: ``serve/middleware/authenticate.py GUARDED_PREFIX``.
 GUARDED_PREFIXES: tuple[str, ...] = ("/v1", "/v2", "/inference", "/cohere")
 
@@ -112,6 +106,8 @@ _ROWS: tuple[Endpoint, ...] = (
         _query("level", "int", 1),
         _query("mode", "choice", "abort", PAUSE_MODES),
         reads_body=False,
+        # Levels: 0 pauses only; 1 moves the weights to host memory and drops the KV cache; 2
+        # drops both (the weights must be pushed again before serving).
         source="serve/dev/sleep/api_router.py sleep -> v1/engine/core.py EngineCore.sleep",
     ),
     _route(
@@ -230,25 +226,4 @@ _ROWS: tuple[Endpoint, ...] = (
 ENDPOINTS: Mapping[str, Endpoint] = {row.name: row for row in _ROWS}
 
 
-def endpoint(name: str) -> Endpoint:
-    """The row called ``name``."""
-    try:
-        return ENDPOINTS[name]
-    except KeyError:
-        raise KeyError(f"no vLLM endpoint {name!r}; known: {', '.join(ENDPOINTS)}") from None
-
-
-def rows() -> Iterator[Endpoint]:
-    """Every row, in the table's order."""
-    return iter(_ROWS)
-
-
-__all__ = [
-    "ENDPOINTS",
-    "GUARDED_PREFIXES",
-    "PAUSE_MODES",
-    "SLEEP_LEVELS",
-    "WAKE_TAGS",
-    "endpoint",
-    "rows",
-]
+__all__ = ["ENDPOINTS", "GUARDED_PREFIXES", "PAUSE_MODES"]

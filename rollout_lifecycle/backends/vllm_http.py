@@ -32,9 +32,16 @@ from typing import Any
 import httpx
 
 from rollout_lifecycle.backends.engine import incarnation_of
+from rollout_lifecycle.backends.http import _secret_kwargs
 from rollout_lifecycle.backends.http_link import open_wire
 from rollout_lifecycle.backends.http_transport import HTTPTransport
-from rollout_lifecycle.backends.http_wire import HTTPTimeouts, check_str, parse_version, shown
+from rollout_lifecycle.backends.http_wire import (
+    HTTPTimeouts,
+    check_name,
+    check_str,
+    parse_version,
+    shown,
+)
 from rollout_lifecycle.backends.secret import Secret, as_secret
 from rollout_lifecycle.backends.vllm_api import ENDPOINTS
 from rollout_lifecycle.contract.exceptions import (
@@ -50,6 +57,7 @@ from rollout_lifecycle.contract.values import (
     Tag,
     check_flag,
     check_seconds,
+    member,
     parse_tags,
 )
 
@@ -67,8 +75,6 @@ _PAUSE_MODES: Mapping[PauseMode, str] = {
 _UNSET_VERSION = "default"
 #: How often a flush with a wait asks again whether the engine went idle.
 _FLUSH_POLL_S = 0.05
-#: SGLang's finish reasons by vLLM's (the generation client reads SGLang's shape).
-_FINISH = {"length": "length", "stop": "stop", "abort": "abort"}
 
 
 class VLLMHTTPEngine:
@@ -205,11 +211,7 @@ class VLLMHTTPEngine:
 
     async def pause_generation(self, mode: PauseMode) -> None:
         """``POST /pause?mode=keep|abort``; retried (pausing twice does no harm)."""
-        try:
-            mode = PauseMode(mode)
-        except ValueError:
-            valid = ", ".join(m.value for m in PauseMode)
-            raise InvalidArgument(f"unknown pause mode {mode!r}; valid: {valid}") from None
+        mode = member(PauseMode, mode, "pause mode")
         # vllm: rl/online/api_router.py pause_generation -> EngineCoreProc.pause_scheduler
         await self._send("pause_generation", "pause", query={"mode": _PAUSE_MODES[mode]})
 
@@ -307,8 +309,7 @@ class VLLMHTTPEngine:
         """``/collective_rpc reload_weights {"weights_path"}`` (in place), then the version and
         the flush asked for. A failed reload marks the weights unusable (see ``broken``)."""
         op = "update_weights_from_disk"
-        if not isinstance(model_path, str) or not model_path:
-            raise InvalidArgument(f"model_path must be a non-empty string, got {model_path!r}")
+        model_path = check_name("model_path", model_path)
         if load_format is not None:
             raise InvalidArgument(f"vLLM's reload takes no load_format, got {load_format!r}")
         version = check_str("weight_version", weight_version, optional=True)
@@ -501,7 +502,8 @@ def _as_sglang(wire: HTTPTransport, answer: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(ids, list):
         wire.garbage("generate", "/v1/completions", "no token_ids (return_token_ids)")
     usage = answer.get("usage") or {}
-    reason = _FINISH.get(str(choice.get("finish_reason")), str(choice.get("finish_reason")))
+    # vLLM's finish reasons (length, stop, abort) are SGLang's names for the same ends.
+    reason = str(choice.get("finish_reason"))
     finish: dict[str, Any] = {"type": reason}
     if reason == "length":
         finish["length"] = len(ids)
@@ -520,8 +522,7 @@ def _as_sglang(wire: HTTPTransport, answer: dict[str, Any]) -> dict[str, Any]:
 def vllm_http_factory(url: str, **kwargs: Any) -> Callable[[], VLLMHTTPEngine]:
     """A picklable zero-argument factory of ``VLLMHTTPEngine(url, **kwargs)``, for Ray actors;
     the arguments are checked now."""
-    if "api_key" in kwargs:
-        kwargs = {**kwargs, "api_key": as_secret(kwargs["api_key"], what="api_key")}
+    kwargs = _secret_kwargs(kwargs, ("api_key",))
     VLLMHTTPEngine(url, **kwargs)
     return functools.partial(VLLMHTTPEngine, url, **kwargs)
 
