@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from threading import Thread
-from typing import IO
+from typing import IO, NoReturn
 
 import httpx
 import pytest
@@ -92,30 +92,40 @@ HOW_TO_GET_VLLM = (
 )
 
 
+def _installed(venv_name: str) -> tuple[str, str] | None:
+    """The interpreter of the environment ``venv_name`` in the cache and the tiny model, once
+    both are complete."""
+    venv, model = CACHE / venv_name, CACHE / "tiny-gpt2"
+    if not (venv / ".complete").exists() or not (model / ".complete").exists():
+        return None
+    return str(venv / "bin" / "python"), str(model)
+
+
+def _missing(kind: str, how: str) -> NoReturn:
+    """A skip that says how to get the environment; a failure under CI."""
+    if under_ci():
+        pytest.fail(f"real {kind} environment missing under CI: {how}")
+    pytest.skip(how)
+
+
 def require_real_vllm() -> RealVLLM:
     """The vLLM environment, or a skip (a failure under CI) that says how to get it."""
-    venv, model = CACHE / "vllm-0.32.0", CACHE / "tiny-gpt2"
-    if not (venv / ".complete").exists() or not (model / ".complete").exists():
-        if under_ci():
-            pytest.fail(f"real vLLM environment missing under CI: {HOW_TO_GET_VLLM}")
-        pytest.skip(HOW_TO_GET_VLLM)
-    return RealVLLM(python=str(venv / "bin" / "python"), model=str(model))
+    found = _installed("vllm-0.32.0")
+    if found is None:
+        _missing("vLLM", HOW_TO_GET_VLLM)
+    return RealVLLM(*found)
 
 
 def find_real_sglang() -> RealSGLang | None:
-    venv, model = CACHE / "sglang-0.5.23", CACHE / "tiny-gpt2"
-    if not (venv / ".complete").exists() or not (model / ".complete").exists():
-        return None
-    return RealSGLang(python=str(venv / "bin" / "python"), model=str(model))
+    found = _installed("sglang-0.5.23")
+    return None if found is None else RealSGLang(*found)
 
 
 def require_real_sglang() -> RealSGLang:
     """The environment, or a skip (a failure under CI) that says how to get it."""
     found = find_real_sglang()
     if found is None:
-        if under_ci():
-            pytest.fail(f"real SGLang environment missing under CI: {HOW_TO_GET_IT}")
-        pytest.skip(HOW_TO_GET_IT)
+        _missing("SGLang", HOW_TO_GET_IT)
     return found
 
 

@@ -58,8 +58,10 @@ def real_vllm(tmp_path_factory: pytest.TempPathFactory) -> RealVLLM:
     return dataclasses.replace(env, model=long_model(env, tmp_path_factory.mktemp("long")))
 
 
-def rewrite_weights(env: RealVLLM, source: str, folder: Path, change: str) -> str:
-    """A copy of the model in ``source`` whose tensors ``t`` (a dict) ``change`` rewrites."""
+def rewrite_weights(env: RealVLLM, folder: Path, change: str) -> str:
+    """A copy of ``env``'s model in ``folder`` whose tensors ``t`` (a dict) ``change``
+    rewrites."""
+    source = env.model
     for item in Path(source).iterdir():
         if item.name != "model.safetensors":
             shutil.copy(item, folder / item.name)
@@ -79,7 +81,6 @@ def long_model(env: RealVLLM, folder: Path) -> str:
     before a control call gets through the busy server."""
     path = rewrite_weights(
         env,
-        env.model,
         folder,
         "t['transformer.wpe.weight'] = t['transformer.wpe.weight'].repeat(4, 1)",
     )
@@ -110,9 +111,7 @@ def mixed_sglang(real_sglang: RealSGLang, real_vllm: RealVLLM) -> Iterator[RealS
 def other_weights(real_vllm: RealVLLM, tmp_path_factory: pytest.TempPathFactory) -> str:
     """A checkpoint of the same shapes with every weight changed: it generates differently."""
     folder = tmp_path_factory.mktemp("other-weights")
-    return rewrite_weights(
-        real_vllm, real_vllm.model, folder, "t = {k: v * 1.7 + 0.01 for k, v in t.items()}"
-    )
+    return rewrite_weights(real_vllm, folder, "t = {k: v * 1.7 + 0.01 for k, v in t.items()}")
 
 
 @pytest.fixture(autouse=True)
@@ -168,17 +167,16 @@ class Streamed:
     """One streamed completion: ``decoding`` is set once its first token arrived (the request
     is then running in the scheduler), ``done`` holds its finish reason and token count."""
 
-    def __init__(self, url: str, key: str | None = None) -> None:
+    def __init__(self, url: str) -> None:
         self.decoding = asyncio.Event()
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self.done = asyncio.ensure_future(self._run(url, headers))
+        self.done = asyncio.ensure_future(self._run(url))
 
-    async def _run(self, url: str, headers: dict[str, str]) -> tuple[str | None, int]:
+    async def _run(self, url: str) -> tuple[str | None, int]:
         body = {"prompt": [1, 2, 3, 4], "max_tokens": TOKENS, "ignore_eos": True,
                 "temperature": 0, "stream": True, "return_token_ids": True}  # fmt: skip
         tokens, reason = 0, None
         client = httpx.AsyncClient(timeout=600)
-        sent = client.stream("POST", f"{url}/v1/completions", json=body, headers=headers)
+        sent = client.stream("POST", f"{url}/v1/completions", json=body)
         async with client, sent as answer:
             async for line in answer.aiter_lines():
                 # A fast stream always has data ready, and reading it never yields: let the
@@ -196,6 +194,7 @@ class Streamed:
     async def started(self) -> None:
         waiting = asyncio.ensure_future(self.decoding.wait())
         await asyncio.wait([waiting, self.done], timeout=300, return_when="FIRST_COMPLETED")
+        waiting.cancel()
         assert self.decoding.is_set(), f"the stream never decoded: {self.done!r}"
 
 
