@@ -81,8 +81,24 @@ class RealVLLM:
     model: str
 
     def child_env(self) -> dict[str, str]:
-        """What a vLLM server needs: the RL and developer routes, and 1 GiB of KV cache."""
-        return {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        """What a vLLM server needs: the RL and developer routes, 1 GiB of KV cache, and the model
+        run inside the engine-core process on one thread (``--distributed-executor-backend uni``).
+
+        With vLLM's default executor on a CPU the worker is a process of its own, and while a
+        request decodes the worker and the engine core both spin on their shared-memory queue
+        (vllm: distributed/device_communicators/shm_broadcast.py, ``SpinCondition.wait`` yields
+        in a loop for a second after each read): on a 2-core machine every other process then
+        waited up to 5 s for a core (a 50 ms sleep in a bystander process took 5.35 s). In one
+        process only the engine core's step loop is busy and a core stays free; decode speed is
+        the same (6,000 tokens in 14.5 s either way)."""
+        return {
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            # vllm: platforms/cpu.py check_and_update_config turns "uni" into "mp" unless this
+            # is 0; the API server still runs the engine core in a process of its own.
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "OMP_NUM_THREADS": "1",
+        }
 
 
 HOW_TO_GET_VLLM = (
@@ -243,6 +259,7 @@ class RealVLLMServer(RealServer):
         cmd += ["--model", self.env.model, "--host", "127.0.0.1", "--port", str(self.port)]
         # float32: the CPU kernels for bfloat16 die with SIGILL on some x86 machines.
         cmd += ["--max-model-len", "8192", "--enforce-eager", "--dtype", "float32"]
+        cmd += ["--distributed-executor-backend", "uni"]  # see RealVLLM.child_env
         # GET /load: the requests the server holds, answered at once (its /metrics lags).
         cmd += ["--enable-server-load-tracking"]
         if self.api_key is not None:
