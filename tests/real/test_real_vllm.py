@@ -1,9 +1,10 @@
 """vLLM 0.32.0's contract and the library's cycle on a real vLLM server (CPU build, tiny model):
 each row of ``docs/vllm-contract.md`` marked "real server" names a test here.
 
-One server for the session (its API key guards the OpenAI routes only, which the first test
-shows), one more for the tests that change its weights. Requests are held in flight by their
-length; a test waits until the server's ``/metrics`` counts them running before it acts.
+Two servers for the session: one with an API key (which guards the OpenAI routes only, as the
+first test shows) and one that the other tests drive, restart and reload. Requests are held in
+flight by their length; a test waits until the server holds them (``GET /load``) or a streamed
+one has decoded a token before it acts, and fails at once if one ended first.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from contract.helpers import held
+from core.test_identity import once
 from real.servers import (
     RealServer,
     RealSGLang,
@@ -30,11 +32,15 @@ from real.servers import (
 )
 
 from rollout_lifecycle import (
+    Deadlines,
     EngineGroup,
     FromDisk,
     LifecycleConfig,
+    Outcome,
     PauseMode,
+    PhaseFailed,
     RolloutServer,
+    ServerState,
     SGLangHTTPEngine,
 )
 from rollout_lifecycle.backends.vllm_http import VLLMHTTPEngine
@@ -45,8 +51,8 @@ from rollout_lifecycle.testing.waits import until
 pytestmark = pytest.mark.real_vllm
 
 API_KEY = "real-vllm-key-3f9a"
-#: Long enough (several seconds here) that a request is seen running before it ends.
-TOKENS = 6000
+#: Long enough (seconds here: ~450 tokens/s) that a request is seen running before it ends.
+TOKENS = 3000
 #: SGLang on a CPU decodes tens of tokens a second.
 SGLANG_TOKENS = 150
 
@@ -127,8 +133,7 @@ async def left_serving(vllm_servers: list[RealVLLMServer]) -> AsyncIterator[None
 
 @pytest.fixture
 async def engine(vllm_servers: list[RealVLLMServer]) -> AsyncIterator[VLLMHTTPEngine]:
-    """A client of the server without a key (streamed answers from the keyed one arrived
-    only at their end here)."""
+    """A client of the server without a key."""
     client = VLLMHTTPEngine(vllm_servers[1].url)
     yield client
     await client.close()
@@ -143,7 +148,7 @@ def request(tokens: int = TOKENS) -> dict[str, Any]:
 
 async def load(url: str) -> int:
     """The requests the server holds from arrival to answer (``GET /load``, with
-    ``--enable-server-load-tracking``; its ``/metrics`` gauges lag by seconds while it decodes)."""
+    ``--enable-server-load-tracking``), counted by the API server itself."""
     # vllm: entrypoints/serve/instrumentator/basic.py get_server_load_metrics
     async with httpx.AsyncClient(timeout=30) as client:
         count: int = (await client.get(f"{url}/load")).json()["server_load"]
@@ -179,9 +184,6 @@ class Streamed:
         sent = client.stream("POST", f"{url}/v1/completions", json=body)
         async with client, sent as answer:
             async for line in answer.aiter_lines():
-                # A fast stream always has data ready, and reading it never yields: let the
-                # test's own calls run between lines.
-                await asyncio.sleep(0)
                 if not line.startswith("data: {"):
                     continue
                 choice = json.loads(line[6:])["choices"][0]
@@ -374,19 +376,103 @@ async def test_the_default_cycle_keeps_every_decoding_request_on_a_real_vllm_ser
         await engine.close()
 
 
-async def test_a_mixed_sglang_and_vllm_fleet_runs_three_cycles_with_requests_in_flight(
+async def test_an_abort_cycle_resubmits_every_request_the_pause_aborted_to_full_length(
+    vllm_servers: list[RealVLLMServer], real_vllm: RealVLLM
+) -> None:
+    """The abort pause answers the four decoding requests with their partial output; the
+    generation client holds them while offloaded and resubmits each once serving again, so each
+    ends full length with one answer."""
+    url = vllm_servers[1].url
+    engine = VLLMHTTPEngine(url)
+    config = LifecycleConfig(pause_mode=PauseMode.ABORT)
+    server = RolloutServer([EngineGroup("vllm", [engine])], config=config)
+    try:
+        sent = [dict(request(), rid=f"vllm-abort-{i}") for i in range(4)]
+        traffic = [asyncio.ensure_future(server.generate(body)) for body in sent]
+        await holding(url, 4, traffic)
+        await server.offload()
+        await server.onload_weights()
+        await server.update_weights(FromDisk(real_vllm.model), version="abort-1")
+        await server.onload_kv()
+        answers = await asyncio.wait_for(asyncio.gather(*traffic), 600)
+        assert [len(a["output_ids"]) for a in answers] == [TOKENS] * 4
+        assert {a["meta_info"]["finish_reason"]["type"] for a in answers} == {"length"}
+        assert all(a["meta_info"]["num_resubmissions"] >= 1 for a in answers)
+        stats = server.generation.stats()
+        assert (stats["submitted"], stats["completed"], stats["failed"]) == (4, 4, 0)
+        assert await engine.weight_version() == "abort-1"
+    finally:
+        await engine.close()
+
+
+S = ServerState
+#: A restart of a vLLM server takes tens of seconds, more on a loaded machine.
+RESTART_CONFIG = LifecycleConfig(
+    deadlines=Deadlines(pause=60, flush=60, release=60, resume=60, continue_=60, probe=30)
+)
+
+
+@pytest.mark.parametrize(
+    ("boundary", "phase"), [("after_pause", "release"), ("after_release", "resume_weights")]
+)
+async def test_a_server_restarted_mid_cycle_is_never_acted_on_and_recover_brings_it_back(
+    vllm_servers: list[RealVLLMServer], real_vllm: RealVLLM, boundary: str, phase: str
+) -> None:
+    """The vLLM server restarts at its URL after the pause (before the flush) or after the
+    release: the next call sees another process there and acts on nothing; the record learns a
+    fresh server; ``recover()`` and a cycle bring it back with the fleet's weights."""
+    victim = vllm_servers[1]
+    engine = VLLMHTTPEngine(victim.url)
+    server = RolloutServer([EngineGroup("vllm", [engine])], RESTART_CONFIG)
+    try:
+        before = (await engine.observe())["incarnation"]
+        with pytest.raises(PhaseFailed) as failed:
+            if boundary == "after_pause":
+                server.on("before_flush", once(lambda: asyncio.to_thread(victim.restart)))
+                await server.offload()
+            else:
+                await server.offload()
+                await asyncio.to_thread(victim.restart)
+                await server.onload_weights()
+        error = failed.value
+        assert error.phase == phase and error.failed_engines == ["vllm/0"]
+        assert error.outcomes["vllm/0"].outcome is Outcome.RESTARTED
+        assert server.state is S.FAILED and victim.alive()
+        record = server.snapshot().engines()["vllm/0"]
+        assert record.stale and record.incarnation != before
+        assert record.incarnation == (await engine.observe())["incarnation"]
+        await server.recover(lambda engine_id: server.engines()[engine_id])
+        if server.state is S.RELEASED:
+            await server.onload_weights()
+        elif server.state is S.SERVING:
+            await server.pause()
+        await server.update_weights(FromDisk(real_vllm.model), version="recovered")
+        await (server.onload() if server.state is not S.SERVING else server.resume())
+        assert server.state is S.SERVING and not await paused(victim.url)
+        assert await engine.weight_version() == "recovered"
+        assert len((await server.generate(request(8)))["output_ids"]) == 8
+    finally:
+        await engine.close()
+
+
+#: The mixed fleet's cycles, each with requests decoding on both servers.
+MIXED_CYCLES = 10
+
+
+async def test_a_mixed_sglang_and_vllm_fleet_runs_ten_cycles_with_traffic_and_loses_nothing(
     vllm_servers: list[RealVLLMServer],
     real_vllm: RealVLLM,
     mixed_sglang: RealServer,
 ) -> None:
-    """One server, an SGLang group and a vLLM group: each cycle starts with requests decoding on
-    both servers, every barrier spans both kinds, and every request finishes full length."""
+    """One server, an SGLang group and a vLLM group, traffic through its generation client: each
+    cycle starts with requests decoding on both servers, every barrier spans both kinds, and
+    every request finishes full length on the cycle's weights."""
     vllm = VLLMHTTPEngine(vllm_servers[1].url)
     sglang = SGLangHTTPEngine(mixed_sglang.url)
     server = RolloutServer([EngineGroup("sglang", [sglang]), EngineGroup("vllm", [vllm])])
     try:
         async with httpx.AsyncClient(base_url=mixed_sglang.url, timeout=30) as client:
-            for step in range(3):
+            for step in range(MIXED_CYCLES):
                 traffic = [
                     *(asyncio.ensure_future(server.generate(request(), "vllm")) for _ in range(2)),
                     *(
@@ -404,12 +490,16 @@ async def test_a_mixed_sglang_and_vllm_fleet_runs_three_cycles_with_requests_in_
                 await server.onload_kv()
                 answers = await asyncio.wait_for(asyncio.gather(*traffic), 600)
                 lengths = [len(a["output_ids"]) for a in answers]
-                assert lengths == [TOKENS] * 2 + [SGLANG_TOKENS] * 2
+                assert lengths == [TOKENS] * 2 + [SGLANG_TOKENS] * 2, step
                 assert (
                     await vllm.weight_version()
                     == await sglang.weight_version()
                     == (f"mixed-{step}")
                 )
+        stats = server.generation.stats()
+        print(f"{MIXED_CYCLES} mixed cycles: {stats}")
+        sent = 4 * MIXED_CYCLES
+        assert (stats["submitted"], stats["completed"], stats["failed"]) == (sent, sent, 0)
     finally:
         await vllm.close()
         await sglang.close()
