@@ -255,13 +255,7 @@ class SGLangLink:
     async def ready_status(self, timeout: float | None = None) -> int | None:
         """One ``GET /ready``, not retried: the status of whatever answers at the URL (503
         from a paused or warming-up SGLang), or None when nothing does."""
-        try:
-            response = await self._wire.request(ENDPOINTS["ready"], None, self._probe_wait(timeout))
-        except (EngineDead, EngineUnreachable, EngineTimeout):
-            return None
-        except EngineRejected as exc:
-            return exc.status
-        return response.status_code
+        return await self._wire.status(ENDPOINTS["ready"], self._probe_wait(timeout))
 
     def _probe_wait(self, timeout: float | None) -> float:
         if timeout is None:

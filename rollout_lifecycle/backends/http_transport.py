@@ -192,6 +192,17 @@ class HTTPTransport:
             return _SECRET_FLAG.sub(lambda m: m.group(1) + MASK, self.scrub(value))
         return value
 
+    async def status(self, row: Endpoint, read_timeout: float) -> int | None:
+        """One call to ``row``'s endpoint as ``request`` sends it: the status of whatever
+        answers at the URL (an error status too), or None when nothing does."""
+        try:
+            response = await self.request(row, None, read_timeout)
+        except (EngineDead, EngineUnreachable, EngineTimeout):
+            return None
+        except EngineRejected as exc:
+            return exc.status
+        return response.status_code
+
     async def request(
         self,
         row: Endpoint,

@@ -430,6 +430,11 @@ class VLLMHTTPEngine:
             return False
         return True
 
+    async def health_status(self) -> int | None:
+        """One ``GET /health``: the status of whatever answers at the URL, or None when nothing
+        does."""
+        return await self._wire.status(ENDPOINTS["health"], self._timeouts.probe)
+
     async def ready(self, timeout: float | None = None) -> bool:
         """Healthy and not paused."""
         if not await self.ping(timeout):
