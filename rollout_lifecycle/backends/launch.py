@@ -1,7 +1,9 @@
-"""An ``EngineBackend`` that starts its own SGLang server as a child process, then drives it.
+"""Engine backends that start their own server as a child process, then drive it.
 
-Start-up waits for ``/ready`` (200 only once SGLang is up, after warm-up), then checks the SGLang
-version; output becomes events, close stops the whole process group.
+``LaunchedServer`` owns the process: start-up waits for the server's readiness probe, then runs
+its client's attach check; output becomes events; close stops the whole process group; a call
+that meets a dead process names its exit code. ``LaunchedSGLangEngine`` starts SGLang
+(``/ready``: 200 only once it is up, after warm-up); ``vllm_launch.LaunchedVLLMEngine`` vLLM.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from rollout_lifecycle.backends.http import (
     HTTPTimeouts,
@@ -40,6 +42,7 @@ __all__ = [
     "ADMIN_KEY_ENV",
     "API_KEY_ENV",
     "LaunchedSGLangEngine",
+    "LaunchedServer",
     "launched_sglang_factory",
     "sglang_http_factory",
 ]
@@ -94,6 +97,38 @@ def _str_list(name: str, value: object, *, allow_empty: bool) -> list[str]:
     return items
 
 
+def check_launch(
+    model_path: object, port: object, host: object, extra_args: object, key_flags: Sequence[str]
+) -> tuple[list[str], str]:
+    """A launcher's checked arguments: ``extra_args`` as a list (never one of ``key_flags``:
+    a key there would show in the process list) and the server's base URL."""
+    if not isinstance(model_path, str) or not model_path:
+        raise InvalidArgument(f"model_path must be a non-empty string, got {model_path!r}")
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise InvalidArgument(f"port must be an int between 1 and 65535, got {port!r}")
+    if not isinstance(host, str) or not host:
+        raise InvalidArgument(f"host must be a non-empty string, got {host!r}")
+    extra = _str_list("extra_args", extra_args, allow_empty=True)
+    for arg in extra:
+        if arg.split("=", 1)[0] in key_flags:
+            # Not echoed: the next argument is probably the key.
+            raise InvalidArgument(
+                f"extra_args must not contain {arg.split('=', 1)[0]} (it would show the key "
+                "in the process list); pass the key as a keyword argument instead"
+            )
+    url_host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return extra, f"http://{url_host}:{port}"
+
+
+def interpreter(python: object) -> str:
+    """The interpreter a server starts with: ``python``, or this one when None."""
+    if python is None:
+        return sys.executable
+    if not isinstance(python, str) or not python:
+        raise InvalidArgument(f"python must be a non-empty string, got {python!r}")
+    return python
+
+
 #: The calls a launched engine passes to its server's HTTP client: the backend protocol's
 #: operations (``close`` and ``label`` are its own) and ``model_info``.
 DELEGATED = frozenset(
@@ -108,104 +143,53 @@ DELEGATED = frozenset(
 )
 
 
-class LaunchedSGLangEngine:
-    """An SGLang server this object starts, owns and stops; implements ``EngineBackend``.
+class ServerClient(Protocol):
+    """What a launcher needs of its server's HTTP client (and passes every call to)."""
 
-    The default command is ``PYTHON -m sglang.launch_server --model-path M --host H --port P
-    --enable-memory-saver *extra_args`` with ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` (without it
-    releasing ``cuda_graph`` frees nothing). ``python`` is the interpreter that has sglang
-    installed (this one by default; SGLang often lives in a virtual environment of its own).
-    ``memory_saver=False`` leaves ``--enable-memory-saver`` out: the memory saver needs CUDA
-    (its preloaded library loads libcuda, and the server exits without it), so a server on a
-    machine without a GPU must run without it; release and resume then free nothing.
-    ``command`` replaces the whole command line.
+    @property
+    def label(self) -> str: ...
 
-    Keys reach the server through its environment, never its command line, which every user of
-    the machine can read (the environment only the same user and root): ``ADMIN_KEY_ENV`` and
-    ``API_KEY_ENV`` are set for the child. With the default command a small bootstrap
-    (``python -c``) hands them to SGLang's argument parser in-process and removes them from the
-    environment before SGLang starts its workers. A custom ``command`` reads them itself (the
-    stand-in server: ``--admin-key-env ROLLOUT_LIFECYCLE_ADMIN_API_KEY``). Output lines are
-    scrubbed of the keys before they become events (SGLang prints its arguments at start-up).
+    @property
+    def url(self) -> str: ...
 
+    async def check_version(self, op: str = "check_version") -> str: ...
+
+    async def close(self) -> None: ...
+
+
+class LaunchedServer:
+    """A server process this object starts, owns and stops, and the HTTP client that drives it.
+
+    Subclasses build the command line and the client, and say how to probe the server:
+    ``_port_taken`` (anything answering at the address before the start), ``_probe`` (ready to
+    serve) and ``_server_env`` (what the child needs beyond this process's environment).
+    ``EVENT`` prefixes the events (``<EVENT>.start``, ``.ready``, ``.log``, ``.exit``).
     Every operation starts the server first if needed (``start()``). The child runs in its own
-    process group so that ``close()`` stops SGLang's worker processes with it.
-
-    ``weight_selector`` is the client's (see ``SGLangHTTPEngine``): the one selector of every
-    weight-update session and its updates.
+    process group so that ``close()`` stops the server's worker processes with it.
     """
+
+    EVENT: ClassVar[str]
 
     def __init__(
         self,
-        model_path: str,
+        http: ServerClient,
+        command: list[str],
+        env: Mapping[str, str] | None,
         *,
-        port: int,
-        host: str = "127.0.0.1",
-        extra_args: Sequence[str] = (),
-        python: str | None = None,
-        memory_saver: bool = True,
-        command: Sequence[str] | None = None,
-        env: Mapping[str, str] | None = None,
-        admin_key: str | Secret | None = None,
-        api_key: str | Secret | None = None,
-        startup_timeout: float = 600.0,
-        timeouts: HTTPTimeouts | None = None,
-        label: str | None = None,
-        stop_grace: float = 10.0,
-        weight_selector: str = "all",
+        secrets: Sequence[Secret | None],
+        startup_timeout: float,
+        stop_grace: float,
     ) -> None:
-        if not isinstance(model_path, str) or not model_path:
-            raise InvalidArgument(f"model_path must be a non-empty string, got {model_path!r}")
-        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-            raise InvalidArgument(f"port must be an int between 1 and 65535, got {port!r}")
-        if not isinstance(host, str) or not host:
-            raise InvalidArgument(f"host must be a non-empty string, got {host!r}")
-        extra = _str_list("extra_args", extra_args, allow_empty=True)
-        for arg in extra:
-            if arg.split("=", 1)[0] in _KEY_FLAGS:
-                # Not echoed: the next argument is probably the key.
-                raise InvalidArgument(
-                    f"extra_args must not contain {arg.split('=', 1)[0]} (it would show the key "
-                    "in the process list); pass admin_key= or api_key= instead"
-                )
         if env is not None and (
             not isinstance(env, Mapping)
             or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
         ):
             raise InvalidArgument(f"env must be a mapping of strings to strings, got {env!r}")
-        self._admin_key = as_secret(admin_key, what="admin_key")
-        self._api_key = as_secret(api_key, what="api_key")
-        self._model_path = model_path
+        self._http_client = http
+        self._command = command
+        self._secrets = tuple(secrets)
         self._startup_timeout = check_seconds("startup_timeout", startup_timeout, positive=True)
         self._stop_grace = check_seconds("stop_grace", stop_grace, positive=True)
-        url_host = f"[{host}]" if ":" in host and not host.startswith("[") else host
-        self._http = SGLangHTTPEngine(
-            f"http://{url_host}:{port}",
-            admin_key=self._admin_key,
-            api_key=self._api_key,
-            timeouts=timeouts,
-            label=label,
-            weight_selector=weight_selector,
-        )
-        if python is None:
-            python = sys.executable
-        elif not isinstance(python, str) or not python:
-            raise InvalidArgument(f"python must be a non-empty string, got {python!r}")
-        if not isinstance(memory_saver, bool):
-            raise InvalidArgument(f"memory_saver must be True or False, got {memory_saver!r}")
-        if command is None:
-            args = ["--model-path", model_path, "--host", host, "--port", str(port)]
-            if memory_saver:
-                args.append("--enable-memory-saver")
-            args += extra
-            if self._admin_key is None and self._api_key is None:
-                self._command = [python, "-m", "sglang.launch_server", *args]
-            else:
-                self._command = [python, "-c", _KEYED_LAUNCH, *args]
-        else:
-            if python != sys.executable or not memory_saver:
-                raise InvalidArgument("python and memory_saver do not apply to a custom command")
-            self._command = _str_list("command", command, allow_empty=False)
         self._env = dict(env or {})
         self._proc: asyncio.subprocess.Process | None = None
         self._readers: list[asyncio.Task[None]] = []
@@ -220,12 +204,12 @@ class LaunchedSGLangEngine:
     @property
     def label(self) -> str:
         """The engine's name in errors and events (the server URL unless given)."""
-        return self._http.label
+        return self._http_client.label
 
     @property
     def url(self) -> str:
         """The server's base URL."""
-        return self._http.url
+        return self._http_client.url
 
     @property
     def command(self) -> list[str]:
@@ -242,32 +226,33 @@ class LaunchedSGLangEngine:
         """The server's exit code once it has exited, else None."""
         return None if self._proc is None else self._proc.returncode
 
-    @property
-    def http(self) -> SGLangHTTPEngine:
-        """The HTTP client of the server."""
-        return self._http
+    # ----------------------------------------------------------------------------- the kind
 
-    def __repr__(self) -> str:
-        return (
-            f"LaunchedSGLangEngine({self._model_path!r}, url={self.url!r}, "
-            f"label={self.label!r}, pid={self.pid!r})"
-        )
+    def _server_env(self) -> dict[str, str]:
+        """Variables the child needs beyond this process's environment and ``env``."""
+        return {}
+
+    async def _port_taken(self) -> bool:
+        """Whether anything answers at the server's address already."""
+        raise NotImplementedError
+
+    async def _probe(self, timeout: float) -> bool:
+        """One readiness probe: True once the server serves."""
+        raise NotImplementedError
+
+    def _shown_command(self) -> str:
+        """The command line as events show it."""
+        return " ".join(self._command)
 
     # ----------------------------------------------------------------------------- process
 
     def _child_env(self) -> dict[str, str]:
-        env = {**os.environ, **self._env}
-        env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = "1"
+        env = {**os.environ, **self._env, **self._server_env()}
         env.setdefault("PYTHONUNBUFFERED", "1")
-        for name, key in ((ADMIN_KEY_ENV, self._admin_key), (API_KEY_ENV, self._api_key)):
-            # A variable inherited from this process must not configure a key nobody asked for.
-            env.pop(name, None)
-            if key is not None:
-                env[name] = key.reveal()
         return env
 
     def _scrub(self, text: str) -> str:
-        return scrub(text, (self._admin_key, self._api_key))
+        return scrub(text, self._secrets)
 
     def _last_output(self) -> str:
         if not self._tail:
@@ -275,16 +260,15 @@ class LaunchedSGLangEngine:
         return "last output:\n" + "\n".join(self._tail)
 
     async def start(self) -> None:
-        """Start the server, wait until ``GET /ready`` answers 200, then check its version.
+        """Start the server, wait until its readiness probe passes, then run the client's
+        attach check (``check_version``).
 
-        ``/ready`` is SGLang's readiness probe: 503 until the server is up (after warm-up);
-        ``/model_info`` answers before warm-up. Raises ``EngineDead`` if the process cannot
-        start or exits first (with its exit code and last output), ``EngineTimeout`` if it is
-        not ready within ``startup_timeout``, ``IllegalEngineOp`` naming the version if the
-        server runs an SGLang older than 0.5.22 (or reports none); the process is then killed.
-        A start that failed is not tried again.
+        Raises ``EngineDead`` if the process cannot start or exits first (with its exit code
+        and last output), or if something already answers at the address; ``EngineTimeout`` if
+        it is not ready within ``startup_timeout``; ``IllegalEngineOp`` naming what was found if
+        the attach check refuses the server. The process is then killed. A start that failed is
+        not tried again.
         """
-        # sglang: http_server.py ready() -> tokenizer_manager.py TokenizerManager.is_ready
         if self._closed:
             raise EngineDead(self.label, "start", "the engine is closed")
         if self._ready:
@@ -305,17 +289,15 @@ class LaunchedSGLangEngine:
 
     async def _spawn_and_wait(self) -> None:
         log = logger()
-        # Any answer at all (a paused SGLang answers /ready with 503) means the port is taken.
-        if await self._http.link.ready_status() is not None:
+        if await self._port_taken():
             # Whatever answers there is not the server this engine is about to own.
             raise EngineDead(
                 self.label, "start", f"something already answers at {self.url}; port is taken"
             )
-        shown = ["<keyed launch>" if arg == _KEYED_LAUNCH else arg for arg in self._command]
         log.info(
-            "sglang.start",
+            f"{self.EVENT}.start",
             engine=self.label,
-            command=self._scrub(" ".join(shown)),
+            command=self._scrub(self._shown_command()),
             startup_timeout=self._startup_timeout,
         )
         started = time.monotonic()
@@ -343,14 +325,14 @@ class LaunchedSGLangEngine:
                 # close() ran while the process was being created, before it could see it.
                 raise EngineDead(self.label, "start", "the engine was closed during start-up")
             await self._wait_ready(proc)
-            # The attach check: refuse an SGLang older than 0.5.22 before anything is sent.
-            await self._http.check_version("start")
+            # The attach check: refuse a server the client cannot drive before anything is sent.
+            await self._http_client.check_version("start")
         except BaseException:
             await self._stop()
             raise
         self._ready = True
         log.info(
-            "sglang.ready",
+            f"{self.EVENT}.ready",
             engine=self.label,
             pid=proc.pid,
             duration_s=round(time.monotonic() - started, 3),
@@ -378,7 +360,7 @@ class LaunchedSGLangEngine:
                         f"server not ready within {self._startup_timeout:g}s; "
                         f"{self._last_output()}",
                     )
-                probe = asyncio.ensure_future(self._http.ready(timeout=remaining))
+                probe = asyncio.ensure_future(self._probe(remaining))
                 await asyncio.wait({probe, exited}, return_when=asyncio.FIRST_COMPLETED)
                 if not probe.done():
                     probe.cancel()
@@ -394,7 +376,7 @@ class LaunchedSGLangEngine:
                 exited.cancel()
 
     async def _forward(self, stream: asyncio.StreamReader, name: str) -> None:
-        """Turn each line the server prints into an ``sglang.log`` event, keys masked."""
+        """Turn each line the server prints into an ``<EVENT>.log`` event, keys masked."""
         log = logger()
         while True:
             try:
@@ -408,7 +390,7 @@ class LaunchedSGLangEngine:
             self._tail.append(
                 line if len(line) <= _TAIL_LINE_CHARS else f"{line[:_TAIL_LINE_CHARS]}..."
             )
-            log.info("sglang.log", engine=self.label, stream=name, line=line)
+            log.info(f"{self.EVENT}.log", engine=self.label, stream=name, line=line)
 
     def _signal_group(self, proc: asyncio.subprocess.Process, sig: signal.Signals) -> None:
         try:
@@ -434,7 +416,7 @@ class LaunchedSGLangEngine:
                 try:
                     await asyncio.wait_for(proc.wait(), _KILL_TIMEOUT)
                 except asyncio.TimeoutError:
-                    logger().warning("sglang.unkillable", engine=self.label, pid=proc.pid)
+                    logger().warning(f"{self.EVENT}.unkillable", engine=self.label, pid=proc.pid)
         # Workers that outlived their parent still hold GPU memory: end the rest of the group.
         self._signal_group(proc, signal.SIGKILL)
         readers, self._readers = self._readers, []
@@ -444,7 +426,9 @@ class LaunchedSGLangEngine:
                 task.cancel()
             if pending:
                 await asyncio.wait(pending)
-        logger().info("sglang.exit", engine=self.label, pid=proc.pid, returncode=proc.returncode)
+        logger().info(
+            f"{self.EVENT}.exit", engine=self.label, pid=proc.pid, returncode=proc.returncode
+        )
 
     async def close(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL after ``stop_grace``) and close the client.
@@ -457,14 +441,14 @@ class LaunchedSGLangEngine:
         # start sees the process exit, or sees the flag if the process was not there yet).
         self._closed = True
         await self._stop()
-        await self._http.close()
+        await self._http_client.close()
 
     # ----------------------------------------------------------------------------- delegation
 
-    async def _call(self, op: str, call: Callable[[SGLangHTTPEngine], Awaitable[_T]]) -> _T:
+    async def _call(self, op: str, call: Callable[[Any], Awaitable[_T]]) -> _T:
         await self.start()
         try:
-            return await call(self._http)
+            return await call(self._http_client)
         except (EngineDead, EngineUnreachable) as exc:
             proc = self._proc
             if proc is None:
@@ -477,23 +461,152 @@ class LaunchedSGLangEngine:
         raise EngineDead(self.label, op, message)
 
 
-def _delegated(name: str) -> Callable[..., Awaitable[Any]]:
-    """``LaunchedSGLangEngine``'s method for the call ``name``: started on first use, passed to
-    the server's ``SGLangHTTPEngine`` with the same arguments; a connection lost because the
-    process exited is ``EngineDead`` naming its exit code."""
+class LaunchedSGLangEngine(LaunchedServer):
+    """An SGLang server this object starts, owns and stops; implements ``EngineBackend``.
 
-    async def call(self: LaunchedSGLangEngine, *args: Any, **kwargs: Any) -> Any:
+    The default command is ``PYTHON -m sglang.launch_server --model-path M --host H --port P
+    --enable-memory-saver *extra_args`` with ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` (without it
+    releasing ``cuda_graph`` frees nothing). ``python`` is the interpreter that has sglang
+    installed (this one by default; SGLang often lives in a virtual environment of its own).
+    ``memory_saver=False`` leaves ``--enable-memory-saver`` out: the memory saver needs CUDA
+    (its preloaded library loads libcuda, and the server exits without it), so a server on a
+    machine without a GPU must run without it; release and resume then free nothing.
+    ``command`` replaces the whole command line.
+
+    Keys reach the server through its environment, never its command line, which every user of
+    the machine can read (the environment only the same user and root): ``ADMIN_KEY_ENV`` and
+    ``API_KEY_ENV`` are set for the child. With the default command a small bootstrap
+    (``python -c``) hands them to SGLang's argument parser in-process and removes them from the
+    environment before SGLang starts its workers. A custom ``command`` reads them itself (the
+    stand-in server: ``--admin-key-env ROLLOUT_LIFECYCLE_ADMIN_API_KEY``). Output lines are
+    scrubbed of the keys before they become events (SGLang prints its arguments at start-up).
+
+    Start-up waits for ``GET /ready`` to answer 200 (SGLang's readiness probe: 503 until the
+    server is up, after warm-up; ``/model_info`` answers before warm-up), then refuses an SGLang
+    older than 0.5.22.
+
+    ``weight_selector`` is the client's (see ``SGLangHTTPEngine``): the one selector of every
+    weight-update session and its updates.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        port: int,
+        host: str = "127.0.0.1",
+        extra_args: Sequence[str] = (),
+        python: str | None = None,
+        memory_saver: bool = True,
+        command: Sequence[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        admin_key: str | Secret | None = None,
+        api_key: str | Secret | None = None,
+        startup_timeout: float = 600.0,
+        timeouts: HTTPTimeouts | None = None,
+        label: str | None = None,
+        stop_grace: float = 10.0,
+        weight_selector: str = "all",
+    ) -> None:
+        extra, url = check_launch(model_path, port, host, extra_args, _KEY_FLAGS)
+        self._admin_key = as_secret(admin_key, what="admin_key")
+        self._api_key = as_secret(api_key, what="api_key")
+        self._model_path = model_path
+        self._http = SGLangHTTPEngine(
+            url,
+            admin_key=self._admin_key,
+            api_key=self._api_key,
+            timeouts=timeouts,
+            label=label,
+            weight_selector=weight_selector,
+        )
+        if not isinstance(memory_saver, bool):
+            raise InvalidArgument(f"memory_saver must be True or False, got {memory_saver!r}")
+        if command is None:
+            python = interpreter(python)
+            args = ["--model-path", model_path, "--host", host, "--port", str(port)]
+            if memory_saver:
+                args.append("--enable-memory-saver")
+            args += extra
+            if self._admin_key is None and self._api_key is None:
+                cmd = [python, "-m", "sglang.launch_server", *args]
+            else:
+                cmd = [python, "-c", _KEYED_LAUNCH, *args]
+        else:
+            if python not in (None, sys.executable) or not memory_saver:
+                raise InvalidArgument("python and memory_saver do not apply to a custom command")
+            cmd = _str_list("command", command, allow_empty=False)
+        super().__init__(
+            self._http,
+            cmd,
+            env,
+            secrets=(self._admin_key, self._api_key),
+            startup_timeout=startup_timeout,
+            stop_grace=stop_grace,
+        )
+
+    @property
+    def http(self) -> SGLangHTTPEngine:
+        """The HTTP client of the server."""
+        return self._http
+
+    def __repr__(self) -> str:
+        return (
+            f"LaunchedSGLangEngine({self._model_path!r}, url={self.url!r}, "
+            f"label={self.label!r}, pid={self.pid!r})"
+        )
+
+    # ----------------------------------------------------------------------------- the kind
+
+    EVENT = "sglang"
+
+    def _child_env(self) -> dict[str, str]:
+        env = super()._child_env()
+        for name, key in ((ADMIN_KEY_ENV, self._admin_key), (API_KEY_ENV, self._api_key)):
+            # A variable inherited from this process must not configure a key nobody asked for.
+            env.pop(name, None)
+            if key is not None:
+                env[name] = key.reveal()
+        return env
+
+    def _server_env(self) -> dict[str, str]:
+        return {"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1"}
+
+    async def _port_taken(self) -> bool:
+        # Any answer at all (a paused SGLang answers /ready with 503) means the port is taken.
+        return await self._http.link.ready_status() is not None
+
+    async def _probe(self, timeout: float) -> bool:
+        # sglang: http_server.py ready() -> tokenizer_manager.py TokenizerManager.is_ready
+        return await self._http.ready(timeout=timeout)
+
+    def _shown_command(self) -> str:
+        return " ".join("<keyed launch>" if a == _KEYED_LAUNCH else a for a in self._command)
+
+
+def _delegated(owner: str, client: str, name: str) -> Callable[..., Awaitable[Any]]:
+    """A launcher's method for the call ``name``: started on first use, passed to the server's
+    HTTP client with the same arguments; a connection lost because the process exited is
+    ``EngineDead`` naming its exit code."""
+
+    async def call(self: LaunchedServer, *args: Any, **kwargs: Any) -> Any:
         return await self._call(name, lambda h: getattr(h, name)(*args, **kwargs))
 
     call.__name__ = name
-    call.__qualname__ = f"LaunchedSGLangEngine.{name}"
-    call.__doc__ = f"``SGLangHTTPEngine.{name}`` on the launched server."
+    call.__qualname__ = f"{owner}.{name}"
+    call.__doc__ = f"``{client}.{name}`` on the launched server."
     return call
 
 
-# One method per call of the backend protocol, declared from DELEGATED rather than by hand.
-for _name in sorted(DELEGATED):
-    setattr(LaunchedSGLangEngine, _name, _delegated(_name))
+def delegate(launcher: type[LaunchedServer], client: type[Any]) -> None:
+    """Give ``launcher`` one method per call of the backend protocol that ``client`` has,
+    declared from ``DELEGATED`` rather than by hand."""
+    for name in sorted(DELEGATED):
+        if hasattr(client, name):
+            setattr(launcher, name, _delegated(launcher.__name__, client.__name__, name))
+
+
+delegate(LaunchedSGLangEngine, SGLangHTTPEngine)
 
 
 def launched_sglang_factory(model_path: str, **kwargs: Any) -> Callable[[], LaunchedSGLangEngine]:
