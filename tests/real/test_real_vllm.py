@@ -23,6 +23,7 @@ import pytest
 from contract.helpers import held
 from core.test_identity import once
 from real.servers import (
+    VLLM_CPU_FLAGS,
     RealServer,
     RealSGLang,
     RealVLLM,
@@ -35,6 +36,7 @@ from rollout_lifecycle import (
     Deadlines,
     EngineGroup,
     FromDisk,
+    LaunchedVLLMEngine,
     LifecycleConfig,
     Outcome,
     PauseMode,
@@ -42,6 +44,7 @@ from rollout_lifecycle import (
     RolloutServer,
     ServerState,
     SGLangHTTPEngine,
+    free_port,
 )
 from rollout_lifecycle.backends.vllm_http import VLLMHTTPEngine
 from rollout_lifecycle.contract.exceptions import EngineRejected, IllegalEngineOp
@@ -403,6 +406,52 @@ async def test_an_abort_cycle_resubmits_every_request_the_pause_aborted_to_full_
         assert await engine.weight_version() == "abort-1"
     finally:
         await engine.close()
+
+
+async def test_the_launcher_starts_a_real_vllm_server_runs_the_cycle_on_it_and_stops_it(
+    real_vllm: RealVLLM,
+) -> None:
+    """``LaunchedVLLMEngine`` starts vLLM with dev mode (its attach check passes), the first
+    call starts it, the library's cycle runs on it, and ``close()`` ends its process group."""
+    engine = LaunchedVLLMEngine(
+        real_vllm.model,
+        port=free_port(),
+        python=real_vllm.python,
+        extra_args=VLLM_CPU_FLAGS,
+        env=real_vllm.child_env(),
+    )
+    server = RolloutServer([EngineGroup("launched", [engine])])
+    try:
+        assert len((await server.generate(request(8)))["output_ids"]) == 8
+        await server.offload()
+        assert await paused(engine.url)
+        await server.onload_weights()
+        await server.update_weights(FromDisk(real_vllm.model), version="launched-1")
+        await server.onload_kv()
+        assert await engine.weight_version() == "launched-1"
+        assert len((await server.generate(request(8)))["output_ids"]) == 8
+        pid = engine.pid
+    finally:
+        await engine.close()
+    assert pid is not None and engine.returncode is not None
+    # The whole group ends (the engine core is a child of the API server); a zombie that
+    # nobody has reaped yet is not running.
+    await until(
+        lambda: not running_in_group(pid), deadline=60, every=0.2, what=f"group {pid} ended"
+    )
+
+
+def running_in_group(group: int) -> list[int]:
+    """The processes of the process group ``group`` that are not zombies (Linux ``/proc``)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # ended while read
+        if fields[0] != "Z" and int(fields[2]) == group:
+            found.append(int(stat.parent.name))
+    return found
 
 
 S = ServerState
