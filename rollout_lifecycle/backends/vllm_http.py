@@ -385,13 +385,14 @@ class VLLMHTTPEngine:
         return _as_sglang(self._wire, answer)
 
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        """``POST /abort_requests``: the request ``rid``, or every request with ``abort_all``."""
+        """``POST /abort_requests``: the request this client's ``generate`` sent as ``rid``, or
+        every request with ``abort_all``."""
         if not isinstance(rid, str):
             raise InvalidArgument(f"rid must be a string, got {shown(rid)}")
         if check_flag("abort_all", abort_all):
             await self._call("abort_requests", {})
         elif rid:
-            await self._call("abort_requests", {"request_ids": [rid]})
+            await self._call("abort_requests", {"request_ids": [completion_id(rid)]})
 
     # ----------------------------------------------------------------------------- probes
 
@@ -470,6 +471,15 @@ async def _vllm_version(call: Callable[..., Awaitable[Any]], label: str, op: str
         ) from None
     assert isinstance(found, str)
     return found
+
+
+def completion_id(rid: str) -> str:
+    """The id vLLM knows a ``/v1/completions`` request by, when it was sent with ``request_id``
+    ``rid`` and one prompt; ``/abort_requests`` matches this id, not ``rid``."""
+    # vllm: entrypoints/openai/completion/serving.py create_completion: the request's id is
+    # "cmpl-" + its request_id, and prompt i runs as f"{request_id}-{i}";
+    # entrypoints/rl/online/api_router.py abort_requests -> AsyncLLM.abort(external ids)
+    return f"cmpl-{rid}-0"
 
 
 def _completion(request: dict[str, Any], model: str | None) -> dict[str, Any]:

@@ -214,3 +214,14 @@ def test_bad_arguments_are_refused_by_name() -> None:
         VLLMHTTPEngine(URL, api_key="sk-secret", label="sk-secret")
     factory = vllm_http_factory(URL, api_key="sk-secret")
     assert "sk-secret" not in repr(factory) and factory().url == URL
+
+
+async def test_an_abort_names_the_id_vllm_gave_the_completion_sent_with_that_rid() -> None:
+    fake = FakeVLLM()
+    client = engine(fake)
+    await client.generate({"input_ids": [1], "rid": "r-7"})
+    await client.abort_request("r-7")
+    await client.abort_request(abort_all=True)
+    await client.abort_request("")  # no id: nothing to abort, nothing sent
+    assert fake.bodies[-3]["request_id"] == "r-7"
+    assert fake.bodies[-2:] == [{"request_ids": ["cmpl-r-7-0"]}, {}]
