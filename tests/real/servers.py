@@ -104,11 +104,14 @@ class RealVLLM:
 #: The flags of every real vLLM server here.
 VLLM_CPU_FLAGS = [
     # float32: the CPU kernels for bfloat16 die with SIGILL on some x86 machines.
-    *("--max-model-len", "8192", "--enforce-eager", "--dtype", "float32"),
+    *("--enforce-eager", "--dtype", "float32"),
     *("--distributed-executor-backend", "uni"),  # see RealVLLM.child_env
     # GET /load: the requests the API server holds, counted by itself.
     "--enable-server-load-tracking",
 ]
+
+#: The context of the tier's vLLM servers (``test_real_vllm.long_model`` has 8,192 positions).
+LONG_CONTEXT = ["--max-model-len", "8192"]
 
 HOW_TO_GET_VLLM = (
     "the real-vLLM tier needs `bash ci/sglang-env` (the tiny model) and `bash ci/vllm-env` (a "
@@ -257,7 +260,8 @@ class RealServer:
 
 
 class RealVLLMServer(RealServer):
-    """One real vLLM server process on loopback (``api_key`` guards its OpenAI routes only)."""
+    """One real vLLM server process on loopback serving a model with 8,192 positions
+    (``api_key`` guards its OpenAI routes only)."""
 
     KIND = "vLLM"
     # vLLM's /health answers 200 paused or not, once the engine core is up.
@@ -266,7 +270,7 @@ class RealVLLMServer(RealServer):
     def command(self) -> list[str]:
         cmd = [self.env.python, "-m", "vllm.entrypoints.openai.api_server"]
         cmd += ["--model", self.env.model, "--host", "127.0.0.1", "--port", str(self.port)]
-        cmd += VLLM_CPU_FLAGS
+        cmd += [*VLLM_CPU_FLAGS, *LONG_CONTEXT]
         if self.api_key is not None:
             cmd += ["--api-key", self.api_key]
         return cmd

@@ -23,6 +23,7 @@ import pytest
 from contract.helpers import held
 from core.test_identity import once
 from real.servers import (
+    LONG_CONTEXT,
     VLLM_CPU_FLAGS,
     RealServer,
     RealSGLang,
@@ -261,6 +262,24 @@ async def test_an_abort_pause_answers_the_running_request_with_its_partial_outpu
     await engine.continue_generation()
 
 
+async def test_an_abort_by_request_id_ends_that_request_and_no_other(
+    engine: VLLMHTTPEngine, vllm_servers: list[RealVLLMServer]
+) -> None:
+    """Two requests decoding with the library's request ids; an abort of one id answers that
+    one with ``abort`` and part of its tokens, and the other runs on to full length."""
+    url = vllm_servers[1].url
+    jobs = [
+        asyncio.ensure_future(engine.generate(dict(request(), rid=f"by-id-{i}"))) for i in (0, 1)
+    ]
+    await holding(url, 2, jobs)
+    await engine.abort_request("by-id-0")
+    aborted, kept = await asyncio.wait_for(asyncio.gather(*jobs), 300)
+    assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(aborted["output_ids"]) < TOKENS
+    assert kept["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(kept["output_ids"]) == TOKENS
+
+
 async def test_a_full_wake_continues_generation_so_the_client_holds_the_kv_wake_back(
     engine: VLLMHTTPEngine,
 ) -> None:
@@ -417,7 +436,7 @@ async def test_the_launcher_starts_a_real_vllm_server_runs_the_cycle_on_it_and_s
         real_vllm.model,
         port=free_port(),
         python=real_vllm.python,
-        extra_args=VLLM_CPU_FLAGS,
+        extra_args=[*VLLM_CPU_FLAGS, *LONG_CONTEXT],
         env=real_vllm.child_env(),
     )
     server = RolloutServer([EngineGroup("launched", [engine])])
