@@ -138,9 +138,8 @@ def machine() -> str:
     )
 
 
-def cpu_sglang_setup() -> tuple[list[str], dict[str, str]]:
-    """The real-server test tier's CPU flags and device-shim environment for SGLang servers
-    (``tests/real/servers.py``, read by path: the tests are not a package)."""
+def _real_servers() -> Any:
+    """``tests/real/servers.py``, read by path: the tests are not a package."""
     path = Path(__file__).resolve().parent.parent / "tests" / "real" / "servers.py"
     spec = importlib.util.spec_from_file_location("_real_servers", path)
     if spec is None or spec.loader is None:
@@ -148,8 +147,22 @@ def cpu_sglang_setup() -> tuple[list[str], dict[str, str]]:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
+    return module
+
+
+def cpu_sglang_setup() -> tuple[list[str], dict[str, str]]:
+    """The real-server test tier's CPU flags and device-shim environment for SGLang servers."""
+    module = _real_servers()
     env: dict[str, str] = module.RealSGLang(python="", model="").child_env()
     return list(module.CPU_FLAGS), env
+
+
+def cpu_vllm_setup() -> tuple[list[str], dict[str, str]]:
+    """The real-vLLM tier's CPU flags and environment for vLLM servers (dev mode, one process
+    for the engine core and the model)."""
+    module = _real_servers()
+    env: dict[str, str] = module.RealVLLM(python="", model="").child_env()
+    return list(module.VLLM_CPU_FLAGS), env
 
 
 class Profile:
