@@ -6,7 +6,8 @@ aborts, the health check and the probes (``/ready``, ``/ping``, ``/model_info``,
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import contextlib
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from rollout_lifecycle.backends.sglang_api import FLUSH_FAILED, FLUSH_TIMED_OUT
@@ -70,9 +71,7 @@ class SimControl:
         # scheduler.py Scheduler.flush_cache (is_fully_idle(ignore_waiting=self._engine_paused))
         state = self._state
         op = "flush_cache"
-        if state.flush_queue is None:
-            state.flush_queue = asyncio.Lock()
-        async with state.flush_queue, self._calls.op(op, timeout=timeout):
+        async with self._flush_turn(), self._calls.op(op, timeout=timeout):
             if seconds_of(timeout) is None:
                 raise EngineRejected(state.label, op, f"bad timeout {timeout!r}", 400)
             if timeout <= 0 or state.is_idle(ignore_waiting=False):
@@ -91,6 +90,23 @@ class SimControl:
             finally:
                 state.flush_pending = False
             self._flush_now(op)
+
+    @contextlib.asynccontextmanager
+    async def _flush_turn(self) -> AsyncIterator[None]:
+        """One flush at a time, as SGLang's front end queues them; ``flush_waiters`` counts the
+        flushes waiting for their turn."""
+        state = self._state
+        if state.flush_queue is None:
+            state.flush_queue = asyncio.Lock()
+        state.flush_waiters += 1
+        try:
+            await state.flush_queue.acquire()
+        finally:
+            state.flush_waiters -= 1
+        try:
+            yield
+        finally:
+            state.flush_queue.release()
 
     def _flush_now(self, op: str) -> None:
         # sglang: scheduler.py Scheduler.flush_cache

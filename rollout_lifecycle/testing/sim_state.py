@@ -297,6 +297,7 @@ class SimState:
         # The front end hands the scheduler one flush at a time, in arrival order.
         # sglang: communicator.py FanOutCommunicator.queueing_call (flush_cache_communicator)
         self.flush_queue: asyncio.Lock | None = None
+        self.flush_waiters = 0  # flushes waiting for the one running to end
         # What names this process in /server_info: the durations of its start-up, and the
         # random seed drawn when none is given (sglang: observability/startup_time.py;
         # arg_groups/serving_hook.py). Drawn from the system's randomness, never the seed, so
@@ -466,6 +467,7 @@ class SimState:
             "released_tags": self.released_tags(),
             "weights_valid": self.weights_valid,
             "flush_pending": self.flush_pending,
+            "flush_waiters": self.flush_waiters,
             "weight_update_session_open": self.session_open,
             # lifecycle calls that have started and not returned (their latency included)
             "in_flight": [e["op"] for e in self.recent if e["end"] is None],

@@ -91,6 +91,10 @@ async def flush_pending(client: httpx.AsyncClient) -> bool:
     return bool((await client.get("/_standin/state")).json()["flush_pending"])
 
 
+async def one_flush_waits(client: httpx.AsyncClient) -> bool:
+    return bool((await client.get("/_standin/state")).json()["flush_waiters"] == 1)
+
+
 def validation_error(response: httpx.Response) -> str:
     assert response.status_code == 400, response.text
     body = response.json()
@@ -206,8 +210,8 @@ async def test_flush_is_400_plain_text_while_requests_hold_kv_under_in_place_pau
         waiting = asyncio.ensure_future(client.post("/flush_cache", params={"timeout": 5}))
         await until(lambda: flush_pending(client), what="the first flush to be deferred")
         second = asyncio.ensure_future(client.post("/flush_cache"))
-        await asyncio.sleep(0.1)
-        assert not second.done()
+        await until(lambda: one_flush_waits(client), what="the second flush to wait its turn")
+        assert not second.done()  # the server holds it: it cannot have been answered
         aborted = await client.post("/abort_request", json={"rid": "frozen-1"})
         assert aborted.status_code == 200 and aborted.content == b""
         result = (await asyncio.wait_for(request, 5)).json()
@@ -348,7 +352,8 @@ async def test_update_weight_version_defaults_to_aborting_what_retract_preserved
             "/update_weight_version", json={"new_version": "v-kept", "abort_all_requests": False}
         )
         assert answer.status_code == 200 and answer.json()["success"] is True
-        await asyncio.sleep(0.1)
+        # Still held by the server (in its waiting queue), so not answered and not aborted.
+        assert (await client.get("/_standin/stats")).json()["waiting"] == 1
         assert not kept.done()
         assert (await client.post("/continue_generation", json={})).is_success
         meta = (await asyncio.wait_for(kept, 5)).json()["meta_info"]
