@@ -16,7 +16,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from rollout_lifecycle.backends.http import (
     HTTPTimeouts,
@@ -157,7 +157,10 @@ class ServerClient(Protocol):
     async def close(self) -> None: ...
 
 
-class LaunchedServer:
+_C = TypeVar("_C", bound=ServerClient)
+
+
+class LaunchedServer(Generic[_C]):
     """A server process this object starts, owns and stops, and the HTTP client that drives it.
 
     Subclasses build the command line and the client, and say how to probe the server:
@@ -172,7 +175,8 @@ class LaunchedServer:
 
     def __init__(
         self,
-        http: ServerClient,
+        model_path: str,
+        http: _C,
         command: list[str],
         env: Mapping[str, str] | None,
         *,
@@ -185,7 +189,8 @@ class LaunchedServer:
             or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
         ):
             raise InvalidArgument(f"env must be a mapping of strings to strings, got {env!r}")
-        self._http_client = http
+        self._model_path = model_path
+        self._http = http
         self._command = command
         self._secrets = tuple(secrets)
         self._startup_timeout = check_seconds("startup_timeout", startup_timeout, positive=True)
@@ -204,12 +209,12 @@ class LaunchedServer:
     @property
     def label(self) -> str:
         """The engine's name in errors and events (the server URL unless given)."""
-        return self._http_client.label
+        return self._http.label
 
     @property
     def url(self) -> str:
         """The server's base URL."""
-        return self._http_client.url
+        return self._http.url
 
     @property
     def command(self) -> list[str]:
@@ -225,6 +230,17 @@ class LaunchedServer:
     def returncode(self) -> int | None:
         """The server's exit code once it has exited, else None."""
         return None if self._proc is None else self._proc.returncode
+
+    @property
+    def http(self) -> _C:
+        """The HTTP client of the server."""
+        return self._http
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self._model_path!r}, url={self.url!r}, "
+            f"label={self.label!r}, pid={self.pid!r})"
+        )
 
     # ----------------------------------------------------------------------------- the kind
 
@@ -326,7 +342,7 @@ class LaunchedServer:
                 raise EngineDead(self.label, "start", "the engine was closed during start-up")
             await self._wait_ready(proc)
             # The attach check: refuse a server the client cannot drive before anything is sent.
-            await self._http_client.check_version("start")
+            await self._http.check_version("start")
         except BaseException:
             await self._stop()
             raise
@@ -441,14 +457,14 @@ class LaunchedServer:
         # start sees the process exit, or sees the flag if the process was not there yet).
         self._closed = True
         await self._stop()
-        await self._http_client.close()
+        await self._http.close()
 
     # ----------------------------------------------------------------------------- delegation
 
     async def _call(self, op: str, call: Callable[[Any], Awaitable[_T]]) -> _T:
         await self.start()
         try:
-            return await call(self._http_client)
+            return await call(self._http)
         except (EngineDead, EngineUnreachable) as exc:
             proc = self._proc
             if proc is None:
@@ -461,7 +477,7 @@ class LaunchedServer:
         raise EngineDead(self.label, op, message)
 
 
-class LaunchedSGLangEngine(LaunchedServer):
+class LaunchedSGLangEngine(LaunchedServer[SGLangHTTPEngine]):
     """An SGLang server this object starts, owns and stops; implements ``EngineBackend``.
 
     The default command is ``PYTHON -m sglang.launch_server --model-path M --host H --port P
@@ -511,8 +527,7 @@ class LaunchedSGLangEngine(LaunchedServer):
         extra, url = check_launch(model_path, port, host, extra_args, _KEY_FLAGS)
         self._admin_key = as_secret(admin_key, what="admin_key")
         self._api_key = as_secret(api_key, what="api_key")
-        self._model_path = model_path
-        self._http = SGLangHTTPEngine(
+        http = SGLangHTTPEngine(
             url,
             admin_key=self._admin_key,
             api_key=self._api_key,
@@ -537,23 +552,13 @@ class LaunchedSGLangEngine(LaunchedServer):
                 raise InvalidArgument("python and memory_saver do not apply to a custom command")
             cmd = _str_list("command", command, allow_empty=False)
         super().__init__(
-            self._http,
+            model_path,
+            http,
             cmd,
             env,
             secrets=(self._admin_key, self._api_key),
             startup_timeout=startup_timeout,
             stop_grace=stop_grace,
-        )
-
-    @property
-    def http(self) -> SGLangHTTPEngine:
-        """The HTTP client of the server."""
-        return self._http
-
-    def __repr__(self) -> str:
-        return (
-            f"LaunchedSGLangEngine({self._model_path!r}, url={self.url!r}, "
-            f"label={self.label!r}, pid={self.pid!r})"
         )
 
     # ----------------------------------------------------------------------------- the kind
@@ -589,7 +594,7 @@ def _delegated(owner: str, client: str, name: str) -> Callable[..., Awaitable[An
     HTTP client with the same arguments; a connection lost because the process exited is
     ``EngineDead`` naming its exit code."""
 
-    async def call(self: LaunchedServer, *args: Any, **kwargs: Any) -> Any:
+    async def call(self: LaunchedServer[Any], *args: Any, **kwargs: Any) -> Any:
         return await self._call(name, lambda h: getattr(h, name)(*args, **kwargs))
 
     call.__name__ = name
@@ -598,7 +603,7 @@ def _delegated(owner: str, client: str, name: str) -> Callable[..., Awaitable[An
     return call
 
 
-def delegate(launcher: type[LaunchedServer], client: type[Any]) -> None:
+def delegate(launcher: type[LaunchedServer[Any]], client: type[Any]) -> None:
     """Give ``launcher`` one method per call of the backend protocol that ``client`` has,
     declared from ``DELEGATED`` rather than by hand."""
     for name in sorted(DELEGATED):

@@ -36,7 +36,7 @@ VLLM_API_KEY_ENV = "VLLM_API_KEY"
 DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}
 
 
-class LaunchedVLLMEngine(LaunchedServer):
+class LaunchedVLLMEngine(LaunchedServer[VLLMHTTPEngine]):
     """A vLLM server this object starts, owns and stops; implements ``EngineBackend``.
 
     The default command is ``PYTHON -m vllm.entrypoints.openai.api_server --model M --host H
@@ -70,8 +70,7 @@ class LaunchedVLLMEngine(LaunchedServer):
     ) -> None:
         extra, url = check_launch(model_path, port, host, extra_args, ("--api-key",))
         self._api_key = as_secret(api_key, what="api_key")
-        self._model_path = model_path
-        self._http = VLLMHTTPEngine(
+        http = VLLMHTTPEngine(
             url,
             api_key=self._api_key,
             timeouts=timeouts,
@@ -88,23 +87,13 @@ class LaunchedVLLMEngine(LaunchedServer):
                 raise InvalidArgument("python does not apply to a custom command")
             cmd = _str_list("command", command, allow_empty=False)
         super().__init__(
-            self._http,
+            model_path,
+            http,
             cmd,
             env,
             secrets=(self._api_key,),
             startup_timeout=startup_timeout,
             stop_grace=stop_grace,
-        )
-
-    @property
-    def http(self) -> VLLMHTTPEngine:
-        """The HTTP client of the server."""
-        return self._http
-
-    def __repr__(self) -> str:
-        return (
-            f"LaunchedVLLMEngine({self._model_path!r}, url={self.url!r}, "
-            f"label={self.label!r}, pid={self.pid!r})"
         )
 
     def _child_env(self) -> dict[str, str]:

@@ -6,7 +6,6 @@ No network: the client tests open no socket; the launcher tests use loopback onl
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import pickle
@@ -14,7 +13,7 @@ import signal
 import sys
 import textwrap
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -983,18 +982,6 @@ def gone(pid: int) -> bool:
     except ProcessLookupError:
         return True
     return False
-
-
-@pytest.fixture
-def engines() -> Iterator[list[LaunchedSGLangEngine]]:
-    """Launched engines of a test; any process still running at the end is killed."""
-    started: list[LaunchedSGLangEngine] = []
-    yield started
-    for engine in started:
-        pid = engine.pid
-        if pid is not None and engine.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
 
 
 async def test_a_launched_server_starts_forwards_its_output_and_stops_on_close(

@@ -5,13 +5,10 @@ it."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
-import signal
 import sys
 import textwrap
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -80,18 +77,6 @@ def launched(port: int, mode: str, **kwargs: Any) -> LaunchedVLLMEngine:
         timeouts=HTTPTimeouts(probe=2.0, connect=1.0),
         **kwargs,
     )
-
-
-@pytest.fixture
-def engines() -> Iterator[list[LaunchedVLLMEngine]]:
-    """Launched engines of a test; any process still running at the end is killed."""
-    started: list[LaunchedVLLMEngine] = []
-    yield started
-    for engine in started:
-        pid = engine.pid
-        if pid is not None and engine.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
 
 
 def test_the_default_command_runs_the_api_server_on_loopback_without_the_key() -> None:
