@@ -166,6 +166,8 @@ class LaunchedServer(Generic[_C]):
     Subclasses build the command line and the client, and say how to probe the server:
     ``_port_taken`` (anything answering at the address before the start), ``_probe`` (ready to
     serve) and ``_server_env`` (what the child needs beyond this process's environment).
+    ``keys`` names the variable each key reaches the child in (a key of None: the variable is
+    removed, so one inherited from this process configures nothing); output is scrubbed of them.
     ``EVENT`` prefixes the events (``<EVENT>.start``, ``.ready``, ``.log``, ``.exit``).
     Every operation starts the server first if needed (``start()``). The child runs in its own
     process group so that ``close()`` stops the server's worker processes with it.
@@ -180,7 +182,7 @@ class LaunchedServer(Generic[_C]):
         command: list[str],
         env: Mapping[str, str] | None,
         *,
-        secrets: Sequence[Secret | None],
+        keys: Mapping[str, Secret | None],
         startup_timeout: float,
         stop_grace: float,
     ) -> None:
@@ -192,7 +194,7 @@ class LaunchedServer(Generic[_C]):
         self._model_path = model_path
         self._http = http
         self._command = command
-        self._secrets = tuple(secrets)
+        self._keys = dict(keys)
         self._startup_timeout = check_seconds("startup_timeout", startup_timeout, positive=True)
         self._stop_grace = check_seconds("stop_grace", stop_grace, positive=True)
         self._env = dict(env or {})
@@ -265,10 +267,15 @@ class LaunchedServer(Generic[_C]):
     def _child_env(self) -> dict[str, str]:
         env = {**os.environ, **self._env, **self._server_env()}
         env.setdefault("PYTHONUNBUFFERED", "1")
+        for name, key in self._keys.items():
+            # A variable inherited from this process must not configure a key nobody asked for.
+            env.pop(name, None)
+            if key is not None:
+                env[name] = key.reveal()
         return env
 
     def _scrub(self, text: str) -> str:
-        return scrub(text, self._secrets)
+        return scrub(text, self._keys.values())
 
     def _last_output(self) -> str:
         if not self._tail:
@@ -525,12 +532,12 @@ class LaunchedSGLangEngine(LaunchedServer[SGLangHTTPEngine]):
         weight_selector: str = "all",
     ) -> None:
         extra, url = check_launch(model_path, port, host, extra_args, _KEY_FLAGS)
-        self._admin_key = as_secret(admin_key, what="admin_key")
-        self._api_key = as_secret(api_key, what="api_key")
+        admin = as_secret(admin_key, what="admin_key")
+        api = as_secret(api_key, what="api_key")
         http = SGLangHTTPEngine(
             url,
-            admin_key=self._admin_key,
-            api_key=self._api_key,
+            admin_key=admin,
+            api_key=api,
             timeouts=timeouts,
             label=label,
             weight_selector=weight_selector,
@@ -543,7 +550,7 @@ class LaunchedSGLangEngine(LaunchedServer[SGLangHTTPEngine]):
             if memory_saver:
                 args.append("--enable-memory-saver")
             args += extra
-            if self._admin_key is None and self._api_key is None:
+            if admin is None and api is None:
                 cmd = [python, "-m", "sglang.launch_server", *args]
             else:
                 cmd = [python, "-c", _KEYED_LAUNCH, *args]
@@ -556,7 +563,7 @@ class LaunchedSGLangEngine(LaunchedServer[SGLangHTTPEngine]):
             http,
             cmd,
             env,
-            secrets=(self._admin_key, self._api_key),
+            keys={ADMIN_KEY_ENV: admin, API_KEY_ENV: api},
             startup_timeout=startup_timeout,
             stop_grace=stop_grace,
         )
@@ -564,15 +571,6 @@ class LaunchedSGLangEngine(LaunchedServer[SGLangHTTPEngine]):
     # ----------------------------------------------------------------------------- the kind
 
     EVENT = "sglang"
-
-    def _child_env(self) -> dict[str, str]:
-        env = super()._child_env()
-        for name, key in ((ADMIN_KEY_ENV, self._admin_key), (API_KEY_ENV, self._api_key)):
-            # A variable inherited from this process must not configure a key nobody asked for.
-            env.pop(name, None)
-            if key is not None:
-                env[name] = key.reveal()
-        return env
 
     def _server_env(self) -> dict[str, str]:
         return {"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1"}

@@ -424,12 +424,9 @@ class VLLMHTTPEngine:
         return found
 
     async def ping(self, timeout: float | None = None) -> bool:
-        """One ``GET /health``: True on 200 (paused or not)."""
-        try:
-            await self._call("health", op="ping")
-        except (EngineDead, EngineUnreachable, EngineTimeout, EngineRejected):
-            return False
-        return True
+        """One ``GET /health``: True on a 2xx answer (paused or not)."""
+        status = await self.health_status()
+        return status is not None and 200 <= status < 300
 
     async def health_status(self) -> int | None:
         """One ``GET /health``: the status of whatever answers at the URL, or None when nothing

@@ -69,10 +69,10 @@ class LaunchedVLLMEngine(LaunchedServer[VLLMHTTPEngine]):
         weight_transfer: bool = False,
     ) -> None:
         extra, url = check_launch(model_path, port, host, extra_args, ("--api-key",))
-        self._api_key = as_secret(api_key, what="api_key")
+        api = as_secret(api_key, what="api_key")
         http = VLLMHTTPEngine(
             url,
-            api_key=self._api_key,
+            api_key=api,
             timeouts=timeouts,
             label=label,
             sleep_level=sleep_level,
@@ -91,18 +91,10 @@ class LaunchedVLLMEngine(LaunchedServer[VLLMHTTPEngine]):
             http,
             cmd,
             env,
-            secrets=(self._api_key,),
+            keys={VLLM_API_KEY_ENV: api},
             startup_timeout=startup_timeout,
             stop_grace=stop_grace,
         )
-
-    def _child_env(self) -> dict[str, str]:
-        env = super()._child_env()
-        # A variable inherited from this process must not configure a key nobody asked for.
-        env.pop(VLLM_API_KEY_ENV, None)
-        if self._api_key is not None:
-            env[VLLM_API_KEY_ENV] = self._api_key.reveal()
-        return env
 
     def _server_env(self) -> dict[str, str]:
         return dict(DEV_MODE)
@@ -113,7 +105,7 @@ class LaunchedVLLMEngine(LaunchedServer[VLLMHTTPEngine]):
     async def _probe(self, timeout: float) -> bool:
         # vllm: entrypoints/serve/instrumentator/health.py health: 200 once the engine core
         # answers (paused or not), 503 once it died
-        return await self._http.health_status() == 200
+        return await self._http.ping()
 
 
 delegate(LaunchedVLLMEngine, VLLMHTTPEngine)
