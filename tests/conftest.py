@@ -4,13 +4,24 @@ left as each test found it."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import ray
 import structlog
-from real.servers import RealServer, RealServerPool, RealSGLang, require_real_sglang
+from real.servers import (
+    RealServer,
+    RealServerPool,
+    RealSGLang,
+    RealVLLM,
+    RealVLLMServer,
+    require_real_sglang,
+    require_real_vllm,
+    start_all,
+)
+from real.vllm_models import API_KEY, long_model
 
 from rollout_lifecycle.testing import simulated_engine_actors
 
@@ -76,6 +87,24 @@ def disposable_real_server(real_pool: RealServerPool) -> Iterator[RealServer]:
     server = real_pool.disposable()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def real_vllm(tmp_path_factory: pytest.TempPathFactory) -> RealVLLM:
+    """The vLLM environment, serving the tiny model with 8,192 positions (``long_model``);
+    skips (fails under CI) without it."""
+    env = require_real_vllm()
+    return dataclasses.replace(env, model=long_model(env, tmp_path_factory.mktemp("long")))
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(real_vllm: RealVLLM) -> Iterator[list[RealVLLMServer]]:
+    """Two real vLLM servers, started together once: the first with an API key (``API_KEY``).
+    Leave them awake, unpaused and generating."""
+    servers = start_all([RealVLLMServer(real_vllm, api_key=API_KEY), RealVLLMServer(real_vllm)])
+    yield servers  # type: ignore[misc]
+    for server in servers:
+        server.stop()
 
 
 #: Seconds a real-server test may take, its share of the pool's start-up included.

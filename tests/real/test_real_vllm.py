@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import shutil
-import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,9 +27,8 @@ from real.servers import (
     RealSGLang,
     RealVLLM,
     RealVLLMServer,
-    require_real_vllm,
-    start_all,
 )
+from real.vllm_models import API_KEY, rewrite_weights
 
 from rollout_lifecycle import (
     Deadlines,
@@ -54,58 +51,10 @@ from rollout_lifecycle.testing.waits import until
 
 pytestmark = pytest.mark.real_vllm
 
-API_KEY = "real-vllm-key-3f9a"
 #: Long enough (seconds here: ~450 tokens/s) that a request is seen running before it ends.
 TOKENS = 3000
 #: SGLang on a CPU decodes tens of tokens a second.
 SGLANG_TOKENS = 150
-
-
-@pytest.fixture(scope="session")
-def real_vllm(tmp_path_factory: pytest.TempPathFactory) -> RealVLLM:
-    """The vLLM environment, serving the tiny model with 8,192 positions (``long_model``)."""
-    env = require_real_vllm()
-    return dataclasses.replace(env, model=long_model(env, tmp_path_factory.mktemp("long")))
-
-
-def rewrite_weights(env: RealVLLM, folder: Path, change: str) -> str:
-    """A copy of ``env``'s model in ``folder`` whose tensors ``t`` (a dict) ``change``
-    rewrites."""
-    source = env.model
-    for item in Path(source).iterdir():
-        if item.name != "model.safetensors":
-            shutil.copy(item, folder / item.name)
-    script = (
-        "import sys, torch; from safetensors.torch import load_file, save_file; "
-        f"t = load_file(sys.argv[1]); {change}; "
-        "save_file({k: v.contiguous() for k, v in t.items()}, sys.argv[2])"
-    )
-    weights = (f"{source}/model.safetensors", str(folder / "model.safetensors"))
-    subprocess.run([env.python, "-c", script, *weights], check=True)
-    return str(folder)
-
-
-def long_model(env: RealVLLM, folder: Path) -> str:
-    """The tiny model with its 2,048 position embeddings repeated to 8,192, so a request can
-    decode for seconds: at ~500 tokens/s here, one that ends within 2,048 tokens can finish
-    before a control call gets through the busy server."""
-    path = rewrite_weights(
-        env,
-        folder,
-        "t['transformer.wpe.weight'] = t['transformer.wpe.weight'].repeat(4, 1)",
-    )
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "n_positions": 8192}))
-    return path
-
-
-@pytest.fixture(scope="session")
-def vllm_servers(real_vllm: RealVLLM) -> Iterator[list[RealVLLMServer]]:
-    """Two real vLLM servers, started together once: the first with an API key."""
-    servers = start_all([RealVLLMServer(real_vllm, api_key=API_KEY), RealVLLMServer(real_vllm)])
-    yield servers  # type: ignore[misc]
-    for server in servers:
-        server.stop()
 
 
 @pytest.fixture(scope="session")
