@@ -13,7 +13,8 @@ How each operation lands on vLLM (see ``docs/vllm-contract.md``):
 * resume: ``/wake_up?tags=weights`` at once. The KV cache's wake is held back until the
   continue: vLLM resumes generation as soon as every allocation is resident again
   (``EngineCore.wake_up``), so the wake that completes it *is* the continue, and it is sent only
-  when the lifecycle continues, after every barrier before it.
+  when the lifecycle continues, after every barrier before it (at every continue: vLLM ignores
+  the wake of a tag that is not asleep).
 * weights from disk: ``/collective_rpc`` ``reload_weights`` (in place), then
   ``/update_weight_version``. A reload that fails leaves the model half-loaded, and vLLM dies on
   its next forward pass (``model_loader/reload/inplace.py reload_weights``): the client then
@@ -129,9 +130,8 @@ class VLLMHTTPEngine:
         self._check_version = check_flag("check_version", check_version)
         #: The vLLM version the attach check accepted.
         self._version: str | None = None
-        #: The KV cache was resumed and its wake waits for the continue.
-        self._kv_wake_due = False
-        #: Why the weights are unusable (a reload failed), until a reload succeeds.
+        #: Why the weights are unusable (a reload failed, or a level-2 sleep discarded them),
+        #: until weights are pushed: a reload that succeeds, or a weight-transfer session.
         self._broken: str | None = None
 
     # ----------------------------------------------------------------------------- properties
@@ -153,7 +153,8 @@ class VLLMHTTPEngine:
 
     @property
     def broken(self) -> str | None:
-        """Why this engine must not run a forward pass (a failed reload), else None."""
+        """Why this engine must not run a forward pass (a failed reload, or weights a level-2
+        sleep discarded and no push has replaced), else None."""
         return self._broken
 
     def __repr__(self) -> str:
@@ -189,9 +190,9 @@ class VLLMHTTPEngine:
             raise IllegalEngineOp(
                 self._label,
                 op,
-                f"its weights are unusable since a reload failed ({self._broken}); vLLM would "
-                "die on the next forward pass, so nothing that runs one is sent until a reload "
-                "succeeds",
+                f"its weights are unusable: {self._broken}; nothing that runs a forward pass is "
+                "sent until weights are pushed (a reload that succeeds, or a weight-transfer "
+                "session)",
             )
 
     # ----------------------------------------------------------------------------- attach
@@ -216,13 +217,16 @@ class VLLMHTTPEngine:
         await self._send("pause_generation", "pause", query={"mode": _PAUSE_MODES[mode]})
 
     async def continue_generation(self) -> None:
-        """The KV cache's wake when one is due (it resumes the scheduler), then ``/resume``."""
+        """``POST /wake_up?tags=kv_cache`` (it resumes the scheduler), then ``/resume``.
+
+        The wake is sent at every continue, not only after this client resumed the KV cache: the
+        resume may have been recorded by another process (a ``ctl onload-kv`` run before this
+        ``ctl resume``), and vLLM ignores a wake of a tag that is not asleep
+        (``v1/executor/abstract.py Executor.wake_up`` returns at once, with a warning)."""
         op = "continue_generation"
         self._refuse_forward(op)
-        if self._kv_wake_due:
-            # vllm: v1/engine/core.py EngineCore.wake_up (fully awake -> resume_scheduler)
-            await self._send(op, "wake_up", query={"tags": ["kv_cache"]})
-            self._kv_wake_due = False
+        # vllm: v1/engine/core.py EngineCore.wake_up (fully awake -> resume_scheduler)
+        await self._send(op, "wake_up", query={"tags": ["kv_cache"]})
         await self._send(op, "resume")
 
     async def flush_cache(self, timeout: float) -> None:
@@ -271,7 +275,11 @@ class VLLMHTTPEngine:
         # executor.sleep(level)); mode keep: a release never aborts what a pause kept.
         level = str(self._sleep_level)
         await self._send(op, "sleep", query={"level": level, "mode": "keep"})
-        self._kv_wake_due = False
+        if self._sleep_level == 2:
+            # vllm: v1/worker/gpu_worker.py Worker.sleep keeps no copy of the weights at level
+            # 2, and Worker.wake_up brings back their memory, not their values: a forward pass
+            # before a push would run on whatever that memory holds.
+            self._broken = "a level-2 sleep discarded them and no push has replaced them"
 
     async def resume_memory_occupation(self, tags: Sequence[Tag]) -> None:
         """``POST /wake_up?tags=weights`` for the weights; the KV cache's wake waits for the
@@ -281,9 +289,10 @@ class VLLMHTTPEngine:
         if Tag.WEIGHTS.value in names:
             await self._send(op, "wake_up", query={"tags": ["weights"]})
         if Tag.KV_CACHE.value in names:
+            # Nothing is sent: the continue wakes the KV cache. Checked now, so that a resume
+            # vLLM could not honour fails in its own phase, before any engine continues.
             self._refuse_forward(op)
             await self.attach(op)
-            self._kv_wake_due = True
 
     # ----------------------------------------------------------------------------- weights
 
@@ -296,6 +305,7 @@ class VLLMHTTPEngine:
         """``POST /finish_weight_update {}`` with a weight-transfer engine; else no session."""
         if self._weight_transfer:
             await self._send("end_weight_update", "finish_weight_update", {})
+            self._broken = None  # the session wrote every weight
 
     async def update_weights_from_disk(
         self,
@@ -324,7 +334,7 @@ class VLLMHTTPEngine:
             # vLLM drops the connection behind a failed collective_rpc's 500 without a
             # "Connection: close"; a call that reused it would fail with its effect unknown.
             await self._wire.drop_connections()
-            self._broken = f"reload from {model_path!r}: {exc}"
+            self._broken = f"a reload failed (from {model_path!r}: {exc})"
             raise EngineRejected(
                 self._label,
                 op,

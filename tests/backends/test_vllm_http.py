@@ -131,8 +131,57 @@ async def test_the_kv_cache_wakes_with_the_continue_and_not_before() -> None:
     await client.resume_memory_occupation([Tag.KV_CACHE, Tag.CUDA_GRAPH])
     assert fake.calls() == ["POST /wake_up?tags=weights"]
     await client.continue_generation()
-    await client.continue_generation()  # the wake is sent once
-    assert fake.calls()[1:] == ["POST /wake_up?tags=kv_cache", "POST /resume", "POST /resume"]
+    assert fake.calls()[1:] == ["POST /wake_up?tags=kv_cache", "POST /resume"]
+
+
+async def test_every_continue_wakes_the_kv_cache_even_from_a_new_client() -> None:
+    # A ctl run may record the KV cache's resume and a later run (a new client) continue.
+    fake = FakeVLLM()
+    await engine(fake).continue_generation()
+    await engine(fake).continue_generation()
+    assert fake.calls() == ["POST /wake_up?tags=kv_cache", "POST /resume"] * 2
+
+
+async def test_a_level_2_release_refuses_every_forward_pass_until_weights_are_pushed() -> None:
+    fake = FakeVLLM()
+    client = engine(fake, sleep_level=2)
+    await client.release_memory_occupation(list(ALL_TAGS))
+    await client.resume_memory_occupation([Tag.WEIGHTS])
+    assert client.broken is not None and "level-2 sleep discarded them" in client.broken
+    for refused in (
+        client.resume_memory_occupation([Tag.KV_CACHE]),
+        client.continue_generation(),
+        client.generate({"input_ids": [1]}),
+    ):
+        with pytest.raises(IllegalEngineOp, match="level-2 sleep discarded them"):
+            await refused
+    assert fake.calls() == ["POST /sleep?level=2&mode=keep", "POST /wake_up?tags=weights"]
+    await client.update_weights_from_disk(
+        "/step-2", weight_version="v2", flush_cache=False, abort_all_requests=False
+    )
+    assert client.broken is None
+    await client.continue_generation()
+    assert fake.calls()[-2:] == ["POST /wake_up?tags=kv_cache", "POST /resume"]
+
+
+async def test_a_weight_transfer_session_is_the_push_a_level_2_release_waits_for() -> None:
+    fake = FakeVLLM(
+        start_weight_update=lambda r: httpx.Response(200, json={}),
+        finish_weight_update=lambda r: httpx.Response(200, json={}),
+    )
+    client = engine(fake, sleep_level=2, weight_transfer=True)
+    await client.release_memory_occupation(list(ALL_TAGS))
+    await client.begin_weight_update()
+    assert client.broken is not None  # a session begun is not a push done
+    await client.end_weight_update()
+    assert client.broken is None
+    await client.continue_generation()
+
+
+async def test_a_level_1_release_keeps_the_weights_usable() -> None:
+    client = engine(FakeVLLM())
+    await client.release_memory_occupation(list(ALL_TAGS))
+    assert client.broken is None
 
 
 async def test_a_failed_reload_refuses_every_forward_pass_until_a_reload_succeeds() -> None:
