@@ -277,6 +277,9 @@ class SimScheduler:
     def _forward_on_released(self) -> bool:
         """Kill the engine if the forward pass about to run would touch released memory."""
         state = self._state
+        if state.forward_fault is not None:
+            self.die(f"a forward pass ran on unusable weights: {state.forward_fault}")
+            return True
         released = [t for t in FORWARD_TAGS if t in state.released]
         if not released:
             return False

@@ -323,6 +323,9 @@ class SimState:
         self.weight_version = self.initial_version
         self.served_version = self.initial_version
         self.weights_valid = True
+        # Why the next forward pass kills the process (a backend's half-loaded weights), or
+        # None: the default, under which no forward pass dies for this reason.
+        self.forward_fault: str | None = None
         self.released: set[str] = set()
         self.paused = False
         self.pause_mode: PauseMode | None = None

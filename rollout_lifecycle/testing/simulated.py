@@ -17,7 +17,13 @@ from rollout_lifecycle.backends.sglang_api import (
     WEIGHTS_WRITTEN_FLUSH_FAILED,
 )
 from rollout_lifecycle.contract.exceptions import EngineUnreachable, InvalidArgument
-from rollout_lifecycle.contract.values import DEFAULT_GROUP_NAME, PauseMode, Tag, check_int
+from rollout_lifecycle.contract.values import (
+    DEFAULT_GROUP_NAME,
+    PauseMode,
+    Tag,
+    check_flag,
+    check_int,
+)
 from rollout_lifecycle.testing.sim_calls import SimCalls
 from rollout_lifecycle.testing.sim_control import SimControl
 from rollout_lifecycle.testing.sim_scheduler import SimScheduler
@@ -160,6 +166,26 @@ class SimulatedEngine:
     def server_args(self) -> dict[str, Any]:
         """The resolved server arguments this engine stands for (a subset of SGLang's)."""
         return self._state.server_args()
+
+    def output_so_far(self, rid: str) -> list[int] | None:
+        """The tokens the request ``rid`` has generated so far (a copy), or None once it is no
+        longer in flight: what a streaming front end sends as they come."""
+        req = self._state.in_flight.get(rid)
+        return None if req is None else list(req.output)
+
+    def set_forward_fault(self, reason: str | None) -> None:
+        """With a ``reason``, the next forward pass kills the engine (weights a backend left
+        half loaded); None lifts it. No SGLang call sets one."""
+        if reason is not None and (not isinstance(reason, str) or not reason):
+            raise InvalidArgument(f"reason must be a non-empty string or None, got {reason!r}")
+        self._state.forward_fault = reason
+        self._state.notify()
+
+    def set_weights_cpu_backup(self, backup: bool) -> None:
+        """Whether a later release of the weights keeps a host copy (a resume restores them)
+        or not (a resume leaves garbage until a weight write): ``weights_cpu_backup`` changed
+        for the releases that follow."""
+        self._state.weights_cpu_backup = check_flag("backup", backup)
 
     def _die(self, reason: str) -> None:
         """Kill the engine as a crash of its process would (the stand-in's injected deaths)."""

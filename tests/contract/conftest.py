@@ -1,5 +1,7 @@
 """The contract suite's servers: every scenario runs once on a stand-in SGLang server and once on
 a real SGLang 0.5.23 server (CPU), through one small ``Target`` object, with the same assertions.
+The vLLM scenarios (``vllm_target``) run on a stand-in vLLM server and on the keyless real vLLM
+0.32.0 server of ``vllm_servers`` (marked ``real_vllm``), which they leave awake and resumed.
 
 The real half is marked ``real_sglang`` (deselected by default; ``bash ci/real`` or
 ``-m real_sglang``). Shared servers are left serving, unpaused, with all memory resident; a test
@@ -16,10 +18,16 @@ from typing import Any
 
 import httpx
 import pytest
-from contract.helpers import STANDIN_TOKEN_LATENCY, Kind, Target
+from contract.helpers import (
+    STANDIN_TOKEN_LATENCY,
+    VLLM_STANDIN_TOKEN_LATENCY,
+    Kind,
+    Target,
+    VLLMTarget,
+)
 from real.servers import RealServer, RealServerPool
 
-from rollout_lifecycle.testing.standin import StandInServer
+from rollout_lifecycle.testing.standin import StandInServer, VLLMStandInServer
 
 
 def _standin(**keys: str) -> StandInServer:
@@ -127,3 +135,56 @@ def keyed(request: pytest.FixtureRequest) -> Iterator[Target]:
         target = _real_target(pool.keyed(), **keys)
     yield target
     _restore(target.url, target.headers())
+
+
+# ------------------------------------------------------------------ vLLM
+
+
+def contract_model_dir() -> str:
+    """A directory the vLLM stand-in serves and reloads from (any directory is a checkpoint)."""
+    model = Path(tempfile.gettempdir()) / "rollout-lifecycle-contract-vllm-model"
+    model.mkdir(exist_ok=True)
+    return str(model)
+
+
+def vllm_standin(**options: Any) -> VLLMStandInServer:
+    """A started vLLM stand-in serving ``contract_model_dir()``."""
+    options.setdefault("token_latency", VLLM_STANDIN_TOKEN_LATENCY)
+    return VLLMStandInServer(model_path=contract_model_dir(), **options).start()
+
+
+def _restore_vllm(url: str) -> None:
+    """Leave a shared vLLM server awake and resumed (harmless on a serving one)."""
+    with contextlib.suppress(httpx.HTTPError):
+        metrics = httpx.get(f"{url}/metrics", timeout=60.0).text
+        if 'sleep_state="awake"} 0.0' in metrics:
+            httpx.post(f"{url}/wake_up", timeout=60.0)
+        httpx.post(f"{url}/resume", timeout=60.0)
+
+
+@pytest.fixture(scope="session")
+def shared_vllm_standin() -> Iterator[list[VLLMStandInServer]]:
+    """The session's vLLM stand-in (replaced when a test left it dead)."""
+    holder: list[VLLMStandInServer] = []
+    yield holder
+    for server in holder:
+        server.stop()
+
+
+@pytest.fixture(params=["standin", pytest.param("real", marks=pytest.mark.real_vllm)])
+def vllm_target(request: pytest.FixtureRequest) -> Iterator[VLLMTarget]:
+    """A shared keyless vLLM server, awake, resumed and serving; left so."""
+    if request.param == "standin":
+        holder: list[VLLMStandInServer] = request.getfixturevalue("shared_vllm_standin")
+        if not holder or not holder[-1].alive():
+            holder.append(vllm_standin())
+        server = holder[-1]
+        target = VLLMTarget(
+            "standin", server.url, _exited=server.wait_dead, model_path=contract_model_dir()
+        )
+    else:
+        real = request.getfixturevalue("vllm_servers")[1]
+        model = request.getfixturevalue("real_vllm").model
+        target = VLLMTarget("real", real.url, _exited=real.exited, model_path=str(model))
+    yield target
+    _restore_vllm(target.url)

@@ -113,3 +113,80 @@ async def in_flight(
 def finish_type(answer: dict[str, Any]) -> str:
     kind: str = answer["meta_info"]["finish_reason"]["type"]
     return kind
+
+
+# ------------------------------------------------------------------ vLLM
+
+#: The vLLM stand-in's seconds per generated token, and the tokens of a request that must be
+#: seen running: short on the stand-in; on the real CPU server (~450 tokens/s) 3,000 tokens are
+#: needed for a request to be seen decoding before it ends.
+VLLM_STANDIN_TOKEN_LATENCY = 0.005
+VLLM_TOKENS: dict[Kind, int] = {"standin": 400, "real": 3000}
+
+
+@dataclass
+class VLLMTarget(Target):
+    """One vLLM server under test: a ``Target`` that also names a checkpoint a reload from disk
+    succeeds from, and the tokens of a request long enough to be seen running."""
+
+    model_path: str = ""
+
+    @property
+    def tokens(self) -> int:
+        return VLLM_TOKENS[self.kind]
+
+
+class Streamed:
+    """One streamed ``/v1/completions`` request: ``decoding`` is set once its first token came
+    back (the request is running in the scheduler), ``done`` holds its finish reason and the
+    number of tokens it streamed."""
+
+    def __init__(self, url: str, tokens: int, request_id: str | None = None) -> None:
+        self.tokens = tokens
+        self.decoding = asyncio.Event()
+        body: dict[str, Any] = {
+            "prompt": [1, 2, 3, 4],
+            "max_tokens": tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        if request_id is not None:
+            body["request_id"] = request_id
+        self.done: asyncio.Future[tuple[str | None, int]] = asyncio.ensure_future(
+            self._run(url, body)
+        )
+
+    async def _run(self, url: str, body: dict[str, Any]) -> tuple[str | None, int]:
+        import json
+
+        count, reason = 0, None
+        async with (
+            httpx.AsyncClient(timeout=CALL_TIMEOUT, trust_env=False) as client,
+            client.stream("POST", f"{url}/v1/completions", json=body) as answer,
+        ):
+            assert answer.status_code == 200, await answer.aread()
+            async for line in answer.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                count += len(choice.get("token_ids") or [])
+                reason = choice.get("finish_reason") or reason
+                if count:
+                    self.decoding.set()
+        return reason, count
+
+    async def started(self) -> Streamed:
+        """Return once a token has come back; fail at once if the request ended first."""
+        waiting = asyncio.ensure_future(self.decoding.wait())
+        await asyncio.wait(
+            [waiting, self.done], timeout=CALL_TIMEOUT, return_when="FIRST_COMPLETED"
+        )
+        waiting.cancel()
+        assert self.decoding.is_set(), f"the stream never decoded: {self.done!r}"
+        assert not self.done.done(), "the request ended before the scenario began: make it longer"
+        return self
+
+    async def result(self) -> tuple[str | None, int]:
+        return await asyncio.wait_for(self.done, CALL_TIMEOUT)

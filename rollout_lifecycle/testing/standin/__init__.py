@@ -11,7 +11,9 @@ the server misbehaves.
 - ``auth``: which key a request carries, and the 401 before a route;
 - ``bodies``: request fields checked against the table, and SGLang's error answer;
 - ``faults``: the injected faults;
-- ``process``: ``serve`` (in this process) and ``StandInServer`` (a subprocess).
+- ``process``: ``serve`` (in this process), ``StandInServer`` and ``VLLMStandInServer``
+  (subprocesses);
+- ``vllm_app``, ``vllm_engine``: the vLLM 0.32.0 stand-in's routes and engine.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from rollout_lifecycle.testing.standin.process import (
     READY_PREFIX,
     StandInFailed,
     StandInServer,
+    VLLMStandInServer,
     serve,
 )
 
@@ -44,6 +47,7 @@ __all__ = [
     "StandInDied",
     "StandInFailed",
     "StandInServer",
+    "VLLMStandInServer",
     "auth_level",
     "create_app",
     "request_allowed",

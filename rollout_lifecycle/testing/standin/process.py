@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import json
 import logging
 import os
 import socket
@@ -72,13 +73,17 @@ def serve(
     model_path: str = DEFAULT_MODEL_PATH,
     print_ready: bool = True,
     allow_remote: bool = False,
+    kind: str = "sglang",
+    weight_transfer: bool = False,
 ) -> int:
     """Run a stand-in server in this process until it is stopped or its engine dies.
 
     ``port=0`` lets the OS pick one. Once connections are accepted it prints
     ``FAKE_SGLANG_READY port=<N>`` on stdout. When the engine dies the process exits at once
     with status ``DEATH_EXIT_CODE``: in-flight connections drop and the port closes, as with
-    SGLang. Only loopback hosts are allowed unless ``allow_remote``.
+    SGLang. Only loopback hosts are allowed unless ``allow_remote``. ``kind="vllm"`` serves
+    vLLM's routes instead (``vllm_app``; ``weight_transfer`` for ``--weight-transfer-config``),
+    with no admin key.
     """
     try:
         import uvicorn
@@ -97,24 +102,41 @@ def serve(
         )
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise InvalidArgument(f"port must be an int in 0..65535, got {port!r}")
+    if kind not in ("sglang", "vllm"):
+        raise InvalidArgument(f"kind must be 'sglang' or 'vllm', got {kind!r}")
+    check_flag("weight_transfer", weight_transfer)
     engine = SimulatedEngine(**check_engine_options(engine_options or {}))
 
     def on_death() -> None:
         sys.stderr.write(
-            f"fake-sglang: engine {engine.label} died: {engine.death_reason}; "
-            f"exiting with status {DEATH_EXIT_CODE} like a crashed SGLang server\n"
+            f"fake-{kind}: engine {engine.label} died: {engine.death_reason}; "
+            f"exiting with status {DEATH_EXIT_CODE} like a crashed server\n"
         )
         sys.stderr.flush()
         os._exit(DEATH_EXIT_CODE)
 
-    app = create_app(
-        engine,
-        api_key=api_key,
-        admin_key=admin_key,
-        on_death=on_death,
-        history_file=history_file,
-        model_path=model_path,
-    )
+    if kind == "vllm":
+        from rollout_lifecycle.testing.standin.vllm_app import create_vllm_app
+
+        if admin_key is not None:
+            raise InvalidArgument("vLLM has no admin key; pass api_key only")
+        app = create_vllm_app(
+            engine,
+            api_key=api_key,
+            on_death=on_death,
+            history_file=history_file,
+            model_path=model_path,
+            weight_transfer=weight_transfer,
+        )
+    else:
+        app = create_app(
+            engine,
+            api_key=api_key,
+            admin_key=admin_key,
+            on_death=on_death,
+            history_file=history_file,
+            model_path=model_path,
+        )
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -533,6 +555,62 @@ class StandInServer:
         self.stop()
 
 
+class VLLMStandInServer(StandInServer):
+    """A stand-in vLLM 0.32.0 server in a subprocess (``vllm_app``) on loopback: vLLM's routes
+    over the simulated engine. ``api_key`` guards the ``/v1`` routes only, as vLLM's does;
+    ``weight_transfer`` stands for ``--weight-transfer-config``. Everything else is
+    ``StandInServer``'s (start, stop, restart, faults, history, ``state()``)."""
+
+    def __init__(
+        self,
+        *,
+        api_key: str | Secret | None = None,
+        weight_transfer: bool = False,
+        history_file: str | os.PathLike[str] | None = None,
+        startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
+        model_path: str | None = None,
+        port: int = 0,
+        **engine_options: Any,
+    ) -> None:
+        engine_options.setdefault("label", "fake-vllm")
+        super().__init__(
+            api_key=api_key,
+            history_file=history_file,
+            startup_timeout=startup_timeout,
+            model_path=model_path,
+            port=port,
+            **engine_options,
+        )
+        self._weight_transfer = check_flag("weight_transfer", weight_transfer)
+        options = dict(engine_options)
+        if "memory_bytes" in options:
+            memory = dict(options["memory_bytes"])
+            options["memory_bytes"] = {getattr(t, "value", t): n for t, n in memory.items()}
+        self._engine_json = json.dumps(options)
+
+    def _argv(self) -> list[str]:
+        argv = [sys.executable, "-m", "rollout_lifecycle.testing.standin.vllm_app"]
+        argv += ["--port", str(self._port_asked), "--engine-options", self._engine_json]
+        if self._api_key is not None:
+            argv += ["--api-key-env", API_KEY_ENV]
+        if self._history_file is not None:
+            argv += ["--history-file", self._history_file]
+        if self._model_path is not None:
+            argv += ["--model-path", self._model_path]
+        if self._weight_transfer:
+            argv.append("--weight-transfer")
+        return argv
+
+    def __repr__(self) -> str:
+        where = self.url if self._port is not None else "not started"
+        return f"VLLMStandInServer(label={self.label!r}, {where}, alive={self.alive()})"
+
+    def memory(self) -> dict[str, Any]:
+        """Device bytes per tag and host bytes of offloaded weights (``/_standin/memory``)."""
+        result: dict[str, Any] = self._standin_call("GET", "/_standin/memory")
+        return result
+
+
 __all__ = [
     "ADMIN_KEY_ENV",
     "API_KEY_ENV",
@@ -541,5 +619,6 @@ __all__ = [
     "READY_PREFIX",
     "StandInFailed",
     "StandInServer",
+    "VLLMStandInServer",
     "serve",
 ]
