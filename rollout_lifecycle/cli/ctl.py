@@ -1,8 +1,10 @@
-"""``rollout-lifecycle ctl`` drives real SGLang servers from a shell; ``diagram`` draws the machine.
+"""``rollout-lifecycle ctl`` drives real SGLang or vLLM servers from a shell; ``diagram`` draws
+the machine.
 
 Each ``ctl`` run is one lifecycle call of a ``RolloutServer`` whose engines are
-``SGLangHTTPEngine`` backends in this process (no Ray), so every guard applies. SGLang cannot say
-which memory tags it holds released, so the server's ledger lives in a state file between runs:
+``SGLangHTTPEngine`` backends, or ``VLLMHTTPEngine`` ones with ``--engine-kind vllm``, in this
+process (no Ray), so every guard applies. SGLang cannot say which memory tags it holds
+released, so the server's ledger lives in a state file between runs:
 each run adopts it (``RolloutServer.adopt``), makes its call and writes it back atomically, and
 during the call the server's journal rewrites it before every send that must not repeat and
 after every outcome, so that a run killed at any instant (SIGKILL included) leaves a ledger that
@@ -16,14 +18,12 @@ import asyncio
 import json
 import signal
 import sys
+import textwrap
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from rollout_lifecycle.backends.engine import incarnation_of
-from rollout_lifecycle.backends.http import (
-    SGLangHTTPEngine,
-)
 from rollout_lifecycle.cli.ctl_output import (
     emit,
     events_to_stderr,
@@ -34,9 +34,12 @@ from rollout_lifecycle.cli.ctl_output import (
 from rollout_lifecycle.cli.ctl_state import (
     ACTIONS,
     DEADLINES,
-    GROUP,
+    ENGINE_KINDS,
+    KIND_NAMES,
     PAUSING_ACTIONS,
     STATE_FORMAT,
+    VLLM_KEY_WARNING,
+    Backend,
     CtlError,
     ExitCode,
     Setup,
@@ -56,7 +59,7 @@ from rollout_lifecycle.cli.ctl_state import (
     utc_now,
     write_ledger,
 )
-from rollout_lifecycle.cli.ctl_status import ready_status, recorded_row, run_status
+from rollout_lifecycle.cli.ctl_status import SERVING_PROBE, recorded_row, run_status, serving
 from rollout_lifecycle.contract.exceptions import (
     EngineClaimed,
     EngineError,
@@ -76,13 +79,22 @@ from rollout_lifecycle.core.group import EngineGroup
 from rollout_lifecycle.core.server import RolloutServer, ServerSnapshot
 from rollout_lifecycle.core.states import ServerState, mermaid
 
-_CTL_DESCRIPTION = """\
-Drive SGLang servers (started with --enable-memory-saver) through the lifecycle, one call per
-run, through the same RolloutServer and guards as the library (in this process, no Ray).
+_CTL_DESCRIPTION = f"""\
+Drive SGLang servers (started with --enable-memory-saver) or, with --engine-kind vllm, vLLM
+servers (>= 0.32, started with VLLM_SERVER_DEV_MODE=1, and on a GPU with --enable-sleep-mode,
+without which a release frees nothing) through the lifecycle, one call per run, through the
+same RolloutServer and guards as the library (in this process, no Ray).
 
 Engines: --engine URL (repeatable) and/or --engines-file PATH (one URL per line, '#' comments).
 Keys: --admin-key-env VAR / --api-key-env VAR name environment variables; keys are never taken
 from the command line and never printed.
+
+vLLM (--engine-kind vllm): engine ids are vllm/<n>; a vLLM older than 0.32 or one without the
+lifecycle routes (VLLM_SERVER_DEV_MODE=1) is refused before anything is sent; status reads
+/health, /is_paused and the sleep state in /metrics. The state file records the engine kind,
+and a run of another --engine-kind than the file's is refused (state). --admin-key-env,
+--router and --router-key-env are SGLang's and refused with vllm.
+{textwrap.fill(VLLM_KEY_WARNING + ".", width=95)}
 
 The ledger (which engines are paused, flushed, which tags each holds released, the server
 state) is kept in a JSON state file, rewritten atomically after every call: --state-file PATH,
@@ -90,7 +102,8 @@ or by default $XDG_STATE_HOME/rollout-lifecycle/ctl-<hash of the engine set>.jso
 (~/.local/state/... without XDG_STATE_HOME). The same engines in any order, and under any
 spelling of their URLs (localhost, 127.0.0.1), share it. A state file recording other engines
 is refused. With no state file the engines are taken to be serving, which a pausing action
-first checks on /ready; delete a state file only when every engine is serving again.
+first checks on /ready (vLLM: /health and /is_paused); delete a state file only when every
+engine is serving again.
 
 During a call the state file is rewritten before every call that must not repeat is sent
 (a release or resume: its tags become uncertain) and after every outcome, with the state
@@ -111,8 +124,8 @@ exit codes:
       changed
   4   failed: a phase failed on some engine; the state file records what happened
   5   unreachable: an engine could not be reached (or a phase failed only on that)
-  6   state: the state file is for other engines or corrupt, or there is none and an
-      engine is not serving
+  6   state: the state file is for other engines (or another --engine-kind) or corrupt, or
+      there is none and an engine is not serving
   7   busy: another ctl run holds the state file, or another controller drives an engine
   130 interrupted (Ctrl-C) once the phase in flight settled; the state file is written
   143 terminated (SIGTERM) once the phase in flight settled; the state file is written
@@ -132,13 +145,22 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     diagram.add_argument("--out", metavar="FILE", help="write the diagram to FILE instead")
     ctl = sub.add_parser(
         "ctl",
-        help="drive real SGLang servers through the lifecycle, one call per run",
+        help="drive real SGLang or vLLM servers through the lifecycle, one call per run",
         description=_CTL_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
-        "--engine", action="append", default=[], metavar="URL", help="an SGLang server's URL"
+        "--engine", action="append", default=[], metavar="URL", help="a server's URL"
+    )
+    common.add_argument(
+        "--engine-kind",
+        choices=ENGINE_KINDS,
+        default=ENGINE_KINDS[0],
+        help=(
+            f"what the engines are (default {ENGINE_KINDS[0]}); every engine of a run is one "
+            "kind, and the state file records it"
+        ),
     )
     common.add_argument("--engines-file", metavar="PATH", help="a file of URLs, one per line")
     common.add_argument(
@@ -147,7 +169,14 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         help="the ledger (default: see rollout-lifecycle ctl --help)",
     )
     common.add_argument("--admin-key-env", metavar="VAR", help="env var holding the admin key")
-    common.add_argument("--api-key-env", metavar="VAR", help="env var holding the API key")
+    common.add_argument(
+        "--api-key-env",
+        metavar="VAR",
+        help=(
+            "env var holding the API key (vLLM's guards only its OpenAI routes, not the "
+            "lifecycle routes: keep vLLM on loopback or a private network)"
+        ),
+    )
     common.add_argument(
         "--router",
         metavar="URL",
@@ -195,7 +224,8 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
                 default=[],
                 metavar="URL",
                 help=(
-                    "an engine restarted since the ledger was written (its /ready must be 200): "
+                    "an engine restarted since the ledger was written (its /ready must be 200; "
+                    "vLLM's /health 200 and /is_paused false): "
                     "recorded as serving with all memory resident; repeatable"
                 ),
             )
@@ -209,6 +239,8 @@ def run(args: argparse.Namespace) -> int:
         setup = make_setup(args)
     except CtlError as exc:
         return report_error(args.action, bool(args.json), exc.code, exc.message, None)
+    if setup.engine_kind == "vllm" and setup.api_key is not None:
+        print(f"rollout-lifecycle ctl {setup.action}: {VLLM_KEY_WARNING}", file=sys.stderr)
     with events_to_stderr(args.verbose):
         try:
             if setup.action == "status":
@@ -289,21 +321,22 @@ def _diagram(out: str | None) -> int:
 
 
 async def _check_serving(setup: Setup, urls: Sequence[str]) -> None:
-    """With no ledger, an engine counts as serving (all memory resident) only if ``/ready``
-    says so; a paused one may hold tags released, and releasing them again would kill it."""
-    answers = await asyncio.gather(*(ready_status(u, setup.timeouts) for u in urls))
-    down = [
-        f"{u} ({why})" for u, (status, why) in zip(urls, answers, strict=True) if status is None
-    ]
+    """With no ledger, an engine counts as serving (all memory resident) only if its probe
+    (SGLang's ``/ready``; vLLM's ``/health`` and ``/is_paused``) says so; a paused one may hold
+    tags released, and releasing them again would kill it."""
+    answers = await serving(setup, urls)
+    down = [f"{u} ({why})" for u, (ok, why) in zip(urls, answers, strict=True) if ok is None]
     if down:
         raise CtlError(ExitCode.UNREACHABLE, f"engines not reachable: {', '.join(down)}")
-    busy = [f"{u} ({s})" for u, (s, _) in zip(urls, answers, strict=True) if s != 200]
+    busy = [f"{u} ({why})" for u, (ok, why) in zip(urls, answers, strict=True) if ok is False]
     if busy:
+        probe = SERVING_PROBE[setup.engine_kind]
         raise CtlError(
             ExitCode.STATE,
-            f"no state file at {setup.state_path}, and /ready of {', '.join(busy)} is not 200 "
-            f"(paused or unhealthy): what memory it holds released is unknown. Give the state "
-            f"file that recorded it, or bring every engine back to serving first",
+            f"no state file at {setup.state_path}, and by {probe} these engines do not serve "
+            f"(paused or unhealthy): {', '.join(busy)}; what memory they hold released is "
+            f"unknown. "
+            f"Give the state file that recorded it, or bring every engine back to serving first",
         )
 
 
@@ -312,17 +345,13 @@ async def _restarted(
 ) -> dict[str, str | None]:
     """The incarnation each ``--restarted`` engine shows now, once each shows it is a new
     process (not the one the state file records) that serves with all its memory resident."""
-    answers = await asyncio.gather(*(ready_status(u, setup.timeouts) for u in setup.restarted))
-    busy = [
-        f"{u} ({s or why})"
-        for u, (s, why) in zip(setup.restarted, answers, strict=True)
-        if s != 200
-    ]
+    answers = await serving(setup, setup.restarted)
+    busy = [f"{u} ({why})" for u, (ok, why) in zip(setup.restarted, answers, strict=True) if not ok]
     if busy:
         raise CtlError(
             ExitCode.STATE,
-            f"--restarted: /ready of {', '.join(busy)} is not 200; a restarted server "
-            f"serves with all its memory resident",
+            f"--restarted: by {SERVING_PROBE[setup.engine_kind]} these engines do not serve: "
+            f"{', '.join(busy)}; a restarted server serves with all its memory resident",
         )
     backends = make_backends(setup, setup.restarted, retries=0)
     try:
@@ -334,7 +363,7 @@ async def _restarted(
         if isinstance(info, BaseException):
             raise CtlError(ExitCode.UNREACHABLE, f"--restarted: {url}: {info}")
         found = incarnation_of(info)
-        if found is not None and found == recorded_incarnation(ledger, urls, url):
+        if found is not None and found == recorded_incarnation(ledger, urls, url, setup.group):
             raise CtlError(
                 ExitCode.STATE,
                 f"--restarted: {url} was not restarted: it is the process the state file "
@@ -345,10 +374,12 @@ async def _restarted(
     return seen
 
 
-async def _check_versions(backends: Sequence[SGLangHTTPEngine]) -> None:
-    """The attach check on every engine before the call: an SGLang older than 0.5.22 (or one
-    that reports no version) is refused and nothing is sent. An engine that cannot be asked is
-    left to the call, which reports it as unreachable or dead."""
+async def _check_versions(kind: str, backends: Sequence[Backend]) -> None:
+    """The attach check on every engine before the call, and nothing is sent when one is
+    refused: an SGLang older than 0.5.22 (or one that reports no version); a vLLM older than
+    0.32 or one without the lifecycle routes (no ``VLLM_SERVER_DEV_MODE=1``:
+    ``VLLMHTTPEngine.check_version``). An engine that cannot be asked is left to the call,
+    which reports it as unreachable or dead."""
     results = await asyncio.gather(*(b.check_version() for b in backends), return_exceptions=True)
     refused = [r.reason for r in results if isinstance(r, IllegalEngineOp)]
     if refused:
@@ -356,7 +387,7 @@ async def _check_versions(backends: Sequence[SGLangHTTPEngine]) -> None:
             b.url for b, r in zip(backends, results, strict=True) if isinstance(r, IllegalEngineOp)
         ]
         detail = "; ".join(f"{u}: {why}" for u, why in zip(names, refused, strict=True))
-        raise CtlError(ExitCode.REFUSED, f"unsupported SGLang: {detail}")
+        raise CtlError(ExitCode.REFUSED, f"unsupported {KIND_NAMES[kind]}: {detail}")
     for result in results:
         if isinstance(result, BaseException) and not isinstance(result, EngineError):
             raise result
@@ -382,7 +413,7 @@ async def _reset(server: RolloutServer) -> dict[str, float]:
             ", ".join(sorted(unknown)),
             "reset",
             f"tags may or may not be released ({detail}): a call to them was in flight when a "
-            f"run stopped, and SGLang cannot report them. Restart each such server, then run "
+            f"run stopped, and the engine cannot report them. Restart each such server, then run "
             f"'ctl reset --restarted URL' for it",
         )
     try:
@@ -414,7 +445,7 @@ _CALLS: dict[str, Callable[[RolloutServer], Awaitable[dict[str, float]]]] = {
 
 async def _drive(setup: Setup) -> tuple[ExitCode, dict[str, Any]]:
     """Adopt the ledger, make the action's call, write the ledger; the exit code and report."""
-    urls, ledger = read_ledger(setup.state_path, setup.urls)
+    urls, ledger = read_ledger(setup.state_path, setup.urls, setup.engine_kind)
     if ledger is not None:
         unstale(ledger)
     if setup.restarted:
@@ -422,17 +453,17 @@ async def _drive(setup: Setup) -> tuple[ExitCode, dict[str, Any]]:
             raise CtlError(
                 ExitCode.STATE, f"--restarted: there is no state file at {setup.state_path}"
             )
-        record_restarted(ledger, urls, await _restarted(setup, urls, ledger))
+        record_restarted(ledger, urls, await _restarted(setup, urls, ledger), setup.group)
     backends = make_backends(setup, urls)
     recording: list[dict[str, Any]] = []
 
     def journal(snapshot: ServerSnapshot) -> None:
         # before every send that must not repeat, and after every outcome
         for last in recording:
-            write_ledger(setup.state_path, urls, journal_entry(snapshot), last)
+            write_ledger(setup.state_path, urls, journal_entry(snapshot), last, setup.engine_kind)
 
     server = RolloutServer(
-        [EngineGroup(GROUP, backends)],
+        [EngineGroup(setup.group, backends)],
         setup.config,
         name="ctl",
         journal=journal,
@@ -446,10 +477,12 @@ async def _drive(setup: Setup) -> tuple[ExitCode, dict[str, Any]]:
                 raise CtlError(
                     ExitCode.STATE, f"state file {setup.state_path} is unusable: {exc}"
                 ) from None
-        elif setup.action in PAUSING_ACTIONS:
-            await _check_serving(setup, urls)
+        # The attach check first: a vLLM without the lifecycle routes is named as such, not
+        # taken for an engine that does not serve.
         if setup.action != "reset":
-            await _check_versions(backends)
+            await _check_versions(setup.engine_kind, backends)
+        if ledger is None and setup.action in PAUSING_ACTIONS:
+            await _check_serving(setup, urls)
         # Without a ledger only a checked fleet is recorded: a refused or idle call proves
         # nothing about the engines.
         record = ledger is not None or setup.action in PAUSING_ACTIONS
@@ -506,7 +539,7 @@ async def _drive(setup: Setup) -> tuple[ExitCode, dict[str, Any]]:
                 last = {"action": setup.action, "at": utc_now(), "exit_code": int(code)}
                 last["error"] = error["message"] if error else None
                 try:
-                    write_ledger(setup.state_path, urls, server.snapshot(), last)
+                    write_ledger(setup.state_path, urls, server.snapshot(), last, setup.engine_kind)
                 except OSError as exc:
                     raise CtlError(
                         ExitCode.STATE, f"cannot write state file {setup.state_path}: {exc}"
@@ -515,6 +548,7 @@ async def _drive(setup: Setup) -> tuple[ExitCode, dict[str, Any]]:
             "action": setup.action,
             "exit_code": int(code),
             "ok": code is ExitCode.OK,
+            "engine_kind": setup.engine_kind,
             "previous_state": before.value,
             "state": server.state.value,
             "state_file": str(setup.state_path),

@@ -120,6 +120,9 @@ def render_status(report: Mapping[str, Any]) -> str:
         )
     else:
         head = "recorded state: none (no state file: engines are taken to be serving)"
+    if report.get("engine_kind") == "vllm":
+        table = _vllm_status_table(report["engines"])
+        return "\n".join([head, table, f"state file: {report['state_file']}"])
     rows = []
     for e in report["engines"]:
         rec = e["recorded"]
@@ -150,6 +153,41 @@ def render_status(report: Mapping[str, Any]) -> str:
     ]
     lines = [head, _table(headers, rows), f"state file: {report['state_file']}"]
     return "\n".join(lines)
+
+
+def _vllm_status_table(engines: Sequence[Mapping[str, Any]]) -> str:
+    """vLLM's status rows: ``/health``, ``/is_paused`` and the sleep state of ``/metrics``."""
+    rows = []
+    for e in engines:
+        rec = e["recorded"]
+        health = e["health_status"]
+        rows.append(
+            [
+                e["id"],
+                e["url"],
+                _yes(e["reachable"]),
+                "-" if health is None else f"{_yes(e['ready'])} ({health})",
+                _yes(e["paused"]),
+                e["sleep_state"] or "-",
+                "-" if e["weight_version"] is None else str(e["weight_version"]),
+                "-" if rec is None else _paused(rec),
+                "-" if rec is None else _tags(rec["released"]),
+                "-" if e["agrees"] is None else _yes(e["agrees"]),
+            ]
+        )
+    headers = [
+        "ENGINE",
+        "URL",
+        "REACHABLE",
+        "READY (HEALTH)",
+        "PAUSED",
+        "SLEEP",
+        "WEIGHTS",
+        "REC PAUSED",
+        "REC RELEASED",
+        "AGREES",
+    ]
+    return _table(headers, rows)
 
 
 @contextlib.contextmanager

@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 from rollout_lifecycle.backends.http import HTTPTimeouts, SGLangHTTPEngine, check_seconds
 from rollout_lifecycle.backends.router import SGLangRouter
 from rollout_lifecycle.backends.secret import Secret
+from rollout_lifecycle.backends.vllm_api import GUARDED_PREFIXES
+from rollout_lifecycle.backends.vllm_http import VLLMHTTPEngine
 from rollout_lifecycle.contract.exceptions import InvalidArgument
 from rollout_lifecycle.contract.urls import url_identity
 from rollout_lifecycle.contract.values import PauseMode, parse_tags, short_repr
@@ -34,8 +36,38 @@ from rollout_lifecycle.core.states import ServerState
 T = TypeVar("T")
 
 
-#: The one group every ``ctl`` fleet forms; engine ids are ``sglang/<index in the ledger>``.
+#: The engine kinds ``ctl`` drives (``--engine-kind``); the first is the default, and the kind
+#: of a state file that records none (one written before the field existed).
+ENGINE_KINDS = ("sglang", "vllm")
+
+#: The one group an SGLang fleet forms; engine ids are ``sglang/<index in the ledger>``. A vLLM
+#: fleet's group is ``vllm`` (``group_of``): a fleet's group is its engine kind.
 GROUP = "sglang"
+
+#: Each engine kind as its users spell it, for messages.
+KIND_NAMES = {"sglang": "SGLang", "vllm": "vLLM"}
+
+#: Options ``--engine-kind vllm`` refuses: what each is for on SGLang, and why vLLM has none.
+SGLANG_ONLY = {
+    "admin_key_env": (
+        "--admin-key-env",
+        "vLLM has no admin key: its lifecycle routes take no key at all",
+    ),
+    "router": ("--router", "it drives an sglang-router, which does not route to vLLM here"),
+    "router_key_env": ("--router-key-env", "it is the key of an sglang-router (--router)"),
+}
+
+#: What ``--engine-kind vllm`` with a key says on stderr (and ``ctl --help`` says too).
+VLLM_KEY_WARNING = (
+    f"warning: vLLM's API key guards only the routes under {', '.join(GUARDED_PREFIXES)}; the "
+    "lifecycle routes ctl calls (/pause, /sleep, /wake_up, ...) answer anyone who reaches the "
+    "port without it. Keep vLLM on loopback or a private network"
+)
+
+
+def group_of(kind: str) -> str:
+    """The group name, and so the engine-id prefix, of a fleet of ``kind`` engines."""
+    return GROUP if kind == "sglang" else kind
 
 
 #: The ``format`` field of a state file this version reads and writes.
@@ -70,8 +102,9 @@ class ExitCode(IntEnum):
 #: The ``ctl`` actions and what each does.
 ACTIONS: dict[str, str] = {
     "status": (
-        "show every engine as observed (only /server_info, /model_info and /ready, never "
-        "/health) next to the recorded ledger"
+        "show every engine as observed next to the recorded ledger, by safe reads only "
+        "(SGLang: /server_info, /model_info and /ready, never /health; vLLM: /version, "
+        "/metrics, /weight_info, /health and /is_paused)"
     ),
     "pause": (
         "pause generation on every engine, then pass the flush barrier unless --pause-mode is "
@@ -140,9 +173,33 @@ class Setup:
     restarted: tuple[str, ...] = ()
     #: ``--router``: the sglang-router whose workers follow the engines that serve.
     router: SGLangRouter | None = None
+    #: ``--engine-kind``: what the engines are (one of ``ENGINE_KINDS``).
+    engine_kind: str = "sglang"
+
+    @property
+    def group(self) -> str:
+        """The fleet's group name: engine ids are ``<group>/<index in the ledger>``."""
+        return group_of(self.engine_kind)
+
+
+#: An engine client ``ctl`` drives.
+Backend = SGLangHTTPEngine | VLLMHTTPEngine
 
 
 def make_setup(args: argparse.Namespace) -> Setup:
+    engine_kind = getattr(args, "engine_kind", ENGINE_KINDS[0])
+    if engine_kind not in ENGINE_KINDS:
+        raise CtlError(
+            ExitCode.USAGE,
+            f"--engine-kind {engine_kind!r} is not one of {', '.join(ENGINE_KINDS)}",
+        )
+    if engine_kind != "sglang":
+        for dest, (option, why) in SGLANG_ONLY.items():
+            if getattr(args, dest, None) is not None:
+                raise CtlError(
+                    ExitCode.USAGE,
+                    f"{option} is for SGLang, not --engine-kind {engine_kind}: {why}",
+                )
     urls = _engine_urls(args.engine, args.engines_file)
     keys: dict[str, Secret | None] = {}
     for kind, var in (
@@ -227,6 +284,7 @@ def make_setup(args: argparse.Namespace) -> Setup:
         state_path=state,
         lock_timeout=lock_timeout,
         json=bool(args.json),
+        engine_kind=engine_kind,
     )
 
 
@@ -268,13 +326,16 @@ def default_state_path(urls: Sequence[str]) -> Path:
     return root / "rollout-lifecycle" / f"ctl-{digest}.json"
 
 
-def read_ledger(path: Path, urls: Sequence[str]) -> tuple[list[str], dict[str, Any] | None]:
+def read_ledger(
+    path: Path, urls: Sequence[str], kind: str = "sglang"
+) -> tuple[list[str], dict[str, Any] | None]:
     """The engines in ledger order and the state file's content (None when there is none).
 
     Anything but a whole, well-typed state file of this version and of these engines is
     refused with ``CtlError(STATE)``, one line naming the file and what is wrong: bytes that
     are not UTF-8 or not JSON, JSON nested deeper than any ledger (``MAX_DEPTH``), a field
-    missing or of another type (``_ledger_problem``), a ledger of other engines. So every
+    missing or of another type (``_ledger_problem``), a ledger of other engines or of another
+    engine kind than ``kind`` (a file without ``engine_kind`` is SGLang's). So every
     reader after this one (``adopt``, ``status``, ``--restarted``) gets a ledger of the shape
     ``write_ledger`` writes.
     """
@@ -299,6 +360,14 @@ def read_ledger(path: Path, urls: Sequence[str]) -> tuple[list[str], dict[str, A
     problem = _ledger_problem(data)
     if problem is not None:
         raise CtlError(ExitCode.STATE, f"state file {path} {_cut(problem)}")
+    recorded_kind = data.get("engine_kind", ENGINE_KINDS[0])
+    if recorded_kind != kind:
+        raise CtlError(
+            ExitCode.STATE,
+            f"state file {path} records {KIND_NAMES[recorded_kind]} engines (engine_kind "
+            f"{recorded_kind}), but this run was given --engine-kind {kind}; nothing was sent. "
+            f"Give --engine-kind {recorded_kind}, or another --state-file",
+        )
     recorded: list[str] = data["engines"]
     try:
         keys = [url_identity(u) for u in recorded]
@@ -359,6 +428,11 @@ def _ledger_problem(data: object) -> str | None:
         return shape
     if not isinstance(data, dict) or data.get("format") != STATE_FORMAT:
         return f"is not a ledger of this version (format {STATE_FORMAT})"
+    if "engine_kind" in data and data["engine_kind"] not in ENGINE_KINDS:
+        return (
+            f"has engine_kind {short_repr(data['engine_kind'])}, not one of "
+            f"{', '.join(ENGINE_KINDS)}"
+        )
     engines = data.get("engines")
     if not isinstance(engines, list) or not engines or not all(isinstance(u, str) for u in engines):
         return f"has no engine list (engines: {short_repr(engines)})"
@@ -434,11 +508,16 @@ def _cut(text: str, limit: int = 300) -> str:
 
 
 def write_ledger(
-    path: Path, urls: Sequence[str], snapshot: ServerSnapshot, last_call: Mapping[str, Any]
+    path: Path,
+    urls: Sequence[str],
+    snapshot: ServerSnapshot,
+    last_call: Mapping[str, Any],
+    engine_kind: str = "sglang",
 ) -> None:
     """Write the state file atomically: a temporary file in its directory, then a rename."""
     data = {
         "format": STATE_FORMAT,
+        "engine_kind": engine_kind,
         "engines": list(urls),
         "updated_at": utc_now(),
         "last_call": dict(last_call),
@@ -495,7 +574,15 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
-def make_backends(setup: Setup, urls: Sequence[str], *, retries: int = 3) -> list[SGLangHTTPEngine]:
+def make_backends(setup: Setup, urls: Sequence[str], *, retries: int = 3) -> list[Backend]:
+    """One client per engine, of the run's ``--engine-kind``."""
+    if setup.engine_kind == "vllm":
+        # vLLM's key guards only the OpenAI routes (vllm_api.GUARDED_PREFIXES); it is sent
+        # there only, and ctl calls none of them.
+        return [
+            VLLMHTTPEngine(url, api_key=setup.api_key, timeouts=setup.timeouts, retries=retries)
+            for url in urls
+        ]
     return [
         SGLangHTTPEngine(
             url,
@@ -508,7 +595,7 @@ def make_backends(setup: Setup, urls: Sequence[str], *, retries: int = 3) -> lis
     ]
 
 
-async def close_backends(backends: Sequence[SGLangHTTPEngine]) -> None:
+async def close_backends(backends: Sequence[Backend]) -> None:
     await asyncio.gather(*(b.close() for b in backends))
 
 
@@ -524,9 +611,11 @@ def _engine_records(ledger: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
                 yield engine
 
 
-def recorded_incarnation(ledger: Mapping[str, Any], urls: Sequence[str], url: str) -> Any:
+def recorded_incarnation(
+    ledger: Mapping[str, Any], urls: Sequence[str], url: str, group: str = GROUP
+) -> Any:
     """The incarnation the ledger records for the engine at ``url`` (None if none)."""
-    engine_id = f"{GROUP}/{urls.index(url)}"
+    engine_id = f"{group}/{urls.index(url)}"
     for engine in _engine_records(ledger):
         if engine["id"] == engine_id:
             return engine.get("incarnation")
@@ -542,7 +631,10 @@ def unstale(ledger: Mapping[str, Any]) -> None:
 
 
 def record_restarted(
-    ledger: dict[str, Any], urls: Sequence[str], restarted: Mapping[str, str | None]
+    ledger: dict[str, Any],
+    urls: Sequence[str],
+    restarted: Mapping[str, str | None],
+    group: str = GROUP,
 ) -> None:
     """Record each ``restarted`` engine (URL -> the incarnation it shows now) in ``ledger`` as
     a new server: alive, serving, every tag resident; the server state becomes ``failed``, for
@@ -550,7 +642,7 @@ def record_restarted(
     server = ledger.get("server")
     if not isinstance(server, dict) or not isinstance(server.get("groups"), list):
         return  # ServerSnapshot.from_dict refuses it
-    ids = {f"{GROUP}/{urls.index(u)}": seen for u, seen in restarted.items()}
+    ids = {f"{group}/{urls.index(u)}": seen for u, seen in restarted.items()}
     for engine in _engine_records(ledger):
         if engine["id"] in ids:
             engine.update(

@@ -1,21 +1,20 @@
 """``ctl status``: what the state file records of every engine beside what each server says now
-(``/ready``, ``/server_info``), without changing anything.
+(SGLang: ``/ready``, ``/server_info``; vLLM: ``/health``, ``/is_paused``, ``/metrics``), without
+changing anything; and the check that an engine serves with all its memory resident.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 
 import httpx
 
-from rollout_lifecycle.backends.http import (
-    HTTPTimeouts,
-    SGLangHTTPEngine,
-)
+from rollout_lifecycle.backends.http import HTTPTimeouts
+from rollout_lifecycle.backends.vllm_http import VLLMHTTPEngine
 from rollout_lifecycle.cli.ctl_state import (
-    GROUP,
+    Backend,
     CtlError,
     ExitCode,
     Setup,
@@ -42,6 +41,48 @@ async def ready_status(url: str, timeouts: HTTPTimeouts) -> tuple[int | None, st
     return answer.status_code, None
 
 
+#: The probe that says an engine serves, per engine kind, for messages.
+SERVING_PROBE = {"sglang": "/ready", "vllm": "/health and /is_paused"}
+
+
+async def serving(setup: Setup, urls: Sequence[str]) -> list[tuple[bool | None, str]]:
+    """Whether each engine serves with all its memory resident, as safe probes say: True,
+    False and what it answered, or None and why nothing answered.
+
+    SGLang: ``/ready`` 200 (503 while paused). vLLM: ``/health`` 200 and ``/is_paused`` false
+    (a sleeping vLLM is paused: ``EngineCore.sleep`` pauses the scheduler and only the wake that
+    makes it fully awake resumes it, vllm/v1/engine/core.py ``EngineCore.wake_up``).
+    """
+    if setup.engine_kind != "vllm":
+        answers = await asyncio.gather(*(ready_status(u, setup.timeouts) for u in urls))
+        return [
+            (None, why or "") if status is None else (status == 200, f"/ready {status}")
+            for status, why in answers
+        ]
+    backends = make_backends(setup, urls, retries=0)
+    try:
+        return list(await asyncio.gather(*(_vllm_serving(b) for b in backends)))
+    finally:
+        await close_backends(backends)
+
+
+async def _vllm_serving(backend: Backend) -> tuple[bool | None, str]:
+    assert isinstance(backend, VLLMHTTPEngine)
+    health = await backend.health_status()
+    if health is None:
+        return None, "/health: no answer"
+    if health != 200:
+        return False, f"/health {health}"
+    try:
+        # vllm: entrypoints/rl/online/api_router.py is_paused ({"is_paused": bool})
+        paused = (await backend.observe(identify=False))["paused"]
+    except EngineError as exc:
+        return False, f"/is_paused: {exc.message}"
+    if paused is not False:
+        return False, "/is_paused " + ("true" if paused else "unknown")
+    return True, "/health 200, /is_paused false"
+
+
 def recorded_row(engine: EngineSnapshot, url: str | None) -> dict[str, Any]:
     return {
         "id": engine.id,
@@ -60,7 +101,7 @@ def recorded_row(engine: EngineSnapshot, url: str | None) -> dict[str, Any]:
 
 async def run_status(setup: Setup) -> tuple[ExitCode, dict[str, Any]]:
     """Probe every engine (safe probes only) and set it beside the ledger; changes nothing."""
-    urls, ledger = read_ledger(setup.state_path, setup.urls)
+    urls, ledger = read_ledger(setup.state_path, setup.urls, setup.engine_kind)
     snapshot: ServerSnapshot | None = None
     if ledger is not None:
         try:
@@ -74,11 +115,13 @@ async def run_status(setup: Setup) -> tuple[ExitCode, dict[str, Any]]:
     try:
         # Each probe is bounded by its HTTP timeouts; this bounds the lot.
         limit = 3 * (setup.timeouts.probe + setup.timeouts.connect) + 5
+        probe = _vllm_probe if setup.engine_kind == "vllm" else _probe
+        ids = [f"{setup.group}/{i}" for i in range(len(backends))]
         probes = asyncio.wait_for(
             asyncio.gather(
                 *(
-                    _probe(f"{GROUP}/{i}", b, setup.timeouts, recorded.get(f"{GROUP}/{i}"))
-                    for i, b in enumerate(backends)
+                    probe(engine_id, b, setup.timeouts, recorded.get(engine_id))
+                    for engine_id, b in zip(ids, backends, strict=True)
                 )
             ),
             limit,
@@ -93,6 +136,7 @@ async def run_status(setup: Setup) -> tuple[ExitCode, dict[str, Any]]:
         "action": "status",
         "exit_code": 0,
         "ok": True,
+        "engine_kind": setup.engine_kind,
         "state_file": str(setup.state_path),
         "ledger": ledger is not None,
         "recorded_state": snapshot.state.value if snapshot else None,
@@ -113,24 +157,24 @@ async def run_status(setup: Setup) -> tuple[ExitCode, dict[str, Any]]:
     return code, report
 
 
+async def _attempt(call: Awaitable[Any]) -> tuple[Any, str | None]:
+    try:
+        return await call, None
+    except EngineError as exc:
+        return None, exc.message
+
+
 async def _probe(
     engine_id: str,
-    backend: SGLangHTTPEngine,
+    backend: Backend,
     timeouts: HTTPTimeouts,
     recorded: EngineSnapshot | None,
 ) -> dict[str, Any]:
     """One engine as observed: ``/server_info`` (reachable, memory), ``/model_info`` (weight
     version) and ``/ready`` (200 serving; 503 paused or unhealthy)."""
-
-    async def attempt(call: Awaitable[Any]) -> tuple[Any, str | None]:
-        try:
-            return await call, None
-        except EngineError as exc:
-            return None, exc.message
-
     (info, info_error), (version, _), (ready, ready_error) = await asyncio.gather(
-        attempt(backend.server_info()),
-        attempt(backend.weight_version()),
+        _attempt(backend.server_info()),
+        _attempt(backend.weight_version()),
         ready_status(backend.url, timeouts),
     )
     reachable = info is not None
@@ -148,6 +192,74 @@ async def _probe(
         "agrees": agrees,
         "error": info_error or ready_error,
     }
+
+
+async def _vllm_probe(
+    engine_id: str,
+    backend: Backend,
+    timeouts: HTTPTimeouts,
+    recorded: EngineSnapshot | None,
+) -> dict[str, Any]:
+    """One vLLM engine as observed: ``/version`` and ``/metrics`` (reachable; the sleep state
+    gauge), ``/weight_info`` (weight version), ``/health`` (200 paused or not, 503 once the
+    engine core died) and ``/is_paused``. ``ready``: healthy and not paused."""
+    assert isinstance(backend, VLLMHTTPEngine)
+    (info, info_error), (version, _), health, (seen, paused_error), sleep = await asyncio.gather(
+        _attempt(backend.server_info()),
+        _attempt(backend.weight_version()),
+        backend.health_status(),
+        _attempt(backend.observe(identify=False)),
+        sleep_state(backend.url, timeouts),
+    )
+    paused = seen.get("paused") if isinstance(seen, dict) else None
+    recorded_paused = recorded.paused if recorded is not None else False
+    return {
+        "id": engine_id,
+        "url": backend.url,
+        "reachable": info is not None,
+        "ready": None if health is None else health == 200 and paused is False,
+        "health_status": health,
+        "paused": paused,
+        "sleep_state": sleep,
+        "weight_version": version,
+        "memory": None,
+        "recorded": None if recorded is None else recorded_row(recorded, backend.url),
+        "agrees": None if paused is None else paused == recorded_paused,
+        "error": info_error or paused_error,
+    }
+
+
+#: ``vllm:engine_sleep_state``'s labels (vllm/v1/metrics/loggers.py ``record_sleep_state``):
+#: ``awake`` 1 once fully awake; else ``weights_offloaded`` 1 at sleep level 1, ``discard_all``
+#: 1 at level 2. vLLM sets the gauge at a sleep and at the wake that leaves it fully awake
+#: (vllm/v1/engine/async_llm.py ``AsyncLLM.wake_up``), so it says "asleep" until then.
+_SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+
+
+async def sleep_state(url: str, timeouts: HTTPTimeouts) -> str | None:
+    """vLLM's sleep state from ``GET /metrics`` (open, no key): ``awake``,
+    ``weights_offloaded`` (sleep level 1) or ``discard_all`` (level 2); None when not shown."""
+    timeout = httpx.Timeout(timeouts.probe, connect=timeouts.connect)
+    try:
+        async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
+            answer = await client.get(f"{url}/metrics")
+    except httpx.HTTPError:
+        return None
+    if answer.status_code != 200:
+        return None
+    return parse_sleep_state(answer.text)
+
+
+def parse_sleep_state(text: str) -> str | None:
+    """The label of ``vllm:engine_sleep_state`` whose value is 1 in a ``/metrics`` text."""
+    for line in text.splitlines():
+        if not line.startswith("vllm:engine_sleep_state{"):
+            continue
+        labels, _, value = line.rpartition(" ")
+        for state in _SLEEP_STATES:
+            if f'sleep_state="{state}"' in labels and value.strip() in ("1", "1.0"):
+                return state
+    return None
 
 
 def _memory(info: Mapping[str, Any]) -> dict[str, float] | None:
