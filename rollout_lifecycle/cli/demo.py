@@ -8,19 +8,20 @@ import asyncio
 import contextlib
 import functools
 import shlex
+import shutil
 import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 import ray
 
 from rollout_lifecycle.backends.actor import EngineActorBody, start_engine_actor
 from rollout_lifecycle.backends.ports import free_port
 from rollout_lifecycle.backends.weights import FromDisk
-from rollout_lifecycle.cli.demo_args import FAULTS, OUTPUTS, add_parser
+from rollout_lifecycle.cli.demo_args import FAULTS, KIND_NAMES, OUTPUTS, REAL_KINDS, add_parser
 from rollout_lifecycle.cli.demo_report import (
     SLOW_FLUSH_S,
     DemoReport,
@@ -46,9 +47,10 @@ from rollout_lifecycle.testing import local_ray
 from rollout_lifecycle.testing.faults import FaultyEngine
 from rollout_lifecycle.testing.simulated import SimulatedEngine
 
-#: Engines per group and groups when none are given: simulated, and real servers (each holds
-#: a whole SGLang server's memory, ~3 GB for a tiny model on a CPU).
-DEFAULT_LAYOUT = {"simulated": (2, 2), "real": (1, 2)}
+#: Groups and engines per group when none are given: simulated, real servers (each holds a
+#: whole server's memory, ~3 GB for a tiny model on a CPU), and a mixed fleet (one SGLang
+#: group and one vLLM group).
+DEFAULT_LAYOUT = {"simulated": (2, 2), "real": (1, 2), "mixed": (2, 1)}
 
 
 #: Requests per step when none are given, and their new tokens (real: long enough to be
@@ -56,11 +58,17 @@ DEFAULT_LAYOUT = {"simulated": (2, 2), "real": (1, 2)}
 DEFAULT_REQUESTS = {"simulated": 16, "real": 6}
 
 
-_REAL_NEW_TOKENS = 96
+#: (vLLM decodes a tiny model on a CPU ~10x faster than SGLang: its requests are longer, within
+#: the tiny model's 2,048 positions.)
+_REAL_NEW_TOKENS = {"sglang": 96, "vllm": 1200}
 
 
 #: Seconds the demo lets real requests decode before the offload.
 _REAL_WARMUP_S = 1.0
+
+
+#: The engine a real group runs, as the progress lines name it.
+_ENGINE = {"sglang": "SGLang", "vllm": "vLLM"}
 
 
 _TOKEN_LATENCY = 0.004
@@ -99,59 +107,134 @@ def _positive(name: str, value: int, limit: int) -> None:
         raise SystemExit(f"rollout-lifecycle: --{name} must be between 1 and {limit}, got {value}")
 
 
-def _real_options(args: argparse.Namespace) -> None:
-    """Check the real-server options; ``args.real`` says whether the demo uses real servers."""
-    real = args.sglang_python is not None or args.model is not None
-    if real and (args.sglang_python is None or args.model is None):
-        raise SystemExit("rollout-lifecycle: --sglang-python and --model go together")
-    if not real and (args.sglang_args or args.sglang_env):
-        raise SystemExit(
-            "rollout-lifecycle: --sglang-args and --sglang-env need --sglang-python and --model"
-        )
+def _fail(text: str) -> NoReturn:
+    raise SystemExit(f"rollout-lifecycle: {text}")
+
+
+def _server_options(args: argparse.Namespace, kind: str) -> tuple[dict[str, str], list[str]]:
+    """``--KIND-env`` as a mapping and ``--KIND-args`` as a list, checked."""
+    env: dict[str, str] = {}
+    for item in getattr(args, f"{kind}_env"):
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            _fail(f"--{kind}-env wants NAME=VALUE, got {item!r}")
+        env[name] = value
+    argv: list[str] = []
+    for chunk in getattr(args, f"{kind}_args"):
+        try:
+            argv += shlex.split(chunk)
+        except ValueError as exc:
+            _fail(f"--{kind}-args {chunk!r}: {exc}")
+    return env, argv
+
+
+def _launcher(args: argparse.Namespace, kind: str, port: int, label: str) -> Any:
+    """A zero-argument factory of one real server of ``kind`` (checked now, started later)."""
+    options: dict[str, Any] = {
+        "port": port,
+        "python": args.python_of[kind],
+        "env": args.server_env[kind],
+        "extra_args": args.server_argv[kind],
+        "label": label,
+    }
+    if kind == "vllm":
+        from rollout_lifecycle.backends.vllm_launch import launched_vllm_factory
+
+        return launched_vllm_factory(args.model, **options)
+    from rollout_lifecycle.backends.launch import launched_sglang_factory
+
+    return launched_sglang_factory(args.model, memory_saver=False, **options)
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Check the parsed options (``SystemExit`` naming a bad value); sets ``args.kinds`` (the
+    real servers' kinds, none for simulated engines), ``args.real`` and the layout."""
+    kinds = [k for k in REAL_KINDS if getattr(args, f"{k}_python") is not None]
+    for kind in REAL_KINDS:
+        given = [f"--{kind}-{what}" for what in ("args", "env") if getattr(args, f"{kind}_{what}")]
+        if given and kind not in kinds:
+            _fail(f"{' and '.join(given)} need --{kind}-python and --model")
+    if kinds and args.model is None:
+        flags = ", ".join(f"--{k}-python {getattr(args, f'{k}_python')}" for k in kinds)
+        _fail(f"{flags}: needs --model (the model the servers load)")
+    if args.model is not None and not kinds:
+        _fail(f"--model {args.model}: needs --sglang-python and/or --vllm-python")
+    real = bool(kinds)
     if real:
         clashes = [
             name
             for name, used in (
                 ("--http", args.http),
-                ("--inject-fault", args.inject_fault != "none"),
+                (f"--inject-fault {args.inject_fault}", args.inject_fault != "none"),
                 ("--sabotage", args.sabotage),
             )
             if used
         ]
+        names = " and ".join({"sglang": "SGLang", "vllm": "vLLM"}[k] for k in kinds)
         if clashes:
-            raise SystemExit(
-                f"rollout-lifecycle: not with real SGLang servers: {', '.join(clashes)} (fault "
-                "injection is designed for the simulated engines)"
+            _fail(
+                f"not with real {names} servers: {', '.join(clashes)} (fault injection is "
+                "designed for the simulated engines)"
             )
-        env: dict[str, str] = {}
-        for item in args.sglang_env:
-            name, sep, value = item.partition("=")
-            if not sep or not name:
-                raise SystemExit(f"rollout-lifecycle: --sglang-env wants NAME=VALUE, got {item!r}")
-            env[name] = value
-        args.sglang_env_map = env
-        args.sglang_argv = [a for chunk in args.sglang_args for a in shlex.split(chunk)]
+        if "vllm" in kinds and args.router is not None:
+            _fail(
+                f"--router {args.router}: not with real vLLM servers (sglang-router sends "
+                "SGLang's /generate to its workers)"
+            )
+        args.python_of = {k: getattr(args, f"{k}_python") for k in kinds}
+        args.server_env, args.server_argv = {}, {}
+        for kind in kinds:
+            args.server_env[kind], args.server_argv[kind] = _server_options(args, kind)
+            python = args.python_of[kind]
+            if shutil.which(python) is None:
+                _fail(f"--{kind}-python {python}: no such interpreter")
+            try:  # the launcher's own checks (a key flag in the arguments, ...), before Ray
+                _launcher(args, kind, 1, "check")
+            except InvalidArgument as exc:
+                _fail(f"--{kind}-python/--{kind}-args/--{kind}-env: {exc}")
+    args.kinds = kinds
     args.real = real
     if args.router is not None and not (real or args.http):
-        raise SystemExit(
-            "rollout-lifecycle: --router needs engines with URLs: --http, or real servers"
+        _fail("--router needs engines with URLs: --http, or real servers")
+    layout = "mixed" if len(kinds) > 1 else "real" if real else "simulated"
+    groups, engines = DEFAULT_LAYOUT[layout]
+    if layout == "mixed" and args.groups not in (None, groups):
+        _fail(
+            f"--groups {args.groups}: a mixed fleet has one SGLang group and one vLLM group "
+            "(use --engines for more servers in each)"
         )
-    kind = "real" if real else "simulated"
-    groups, engines = DEFAULT_LAYOUT[kind]
     args.groups = groups if args.groups is None else args.groups
     args.engines = engines if args.engines is None else args.engines
-    args.requests = DEFAULT_REQUESTS[kind] if args.requests is None else args.requests
+    if args.requests is None:
+        args.requests = DEFAULT_REQUESTS["real" if real else "simulated"]
+    _positive("steps", args.steps, 1000)
+    _positive("groups", args.groups, 8)
+    _positive("engines", args.engines, 16)
+    _positive("requests", args.requests, 10_000)
+
+
+def group_kinds(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """Each engine group's name and kind (``KIND_NAMES``), in order, for checked ``args``.
+
+    Simulated engines and stand-ins are ``group0``, ``group1``, ...; a group of real servers
+    is named after its kind (``sglang0``, ``vllm0``): a mixed fleet is ``sglang0`` and
+    ``vllm0``.
+    """
+    if not args.kinds:
+        kind = "standin" if args.http else "simulated"
+        return [(f"group{g}", kind) for g in range(args.groups)]
+    found: list[tuple[str, str]] = []
+    for g in range(args.groups):
+        kind = args.kinds[g % len(args.kinds)]
+        found.append((f"{kind}{sum(k == kind for _, k in found)}", kind))
+    return found
 
 
 def run(
     args: argparse.Namespace, *, stdout: TextIO | None = None, stderr: TextIO | None = None
 ) -> int:
     """Run the demo on a local Ray cluster (one already running is used and left running)."""
-    _real_options(args)
-    _positive("steps", args.steps, 1000)
-    _positive("groups", args.groups, 8)
-    _positive("engines", args.engines, 16)
-    _positive("requests", args.requests, 10_000)
+    check_options(args)
     out = stdout or sys.stdout
     started = time.monotonic()
     with local_ray():
@@ -160,7 +243,71 @@ def run(
     return code
 
 
-class _Demo(DemoReport, DemoRouting):
+class _RealServers:
+    """The real servers the demo launches and stops; ``_Demo`` sets the attributes below."""
+
+    args: argparse.Namespace
+    engines: list[StartedEngine]
+    group_kinds: list[tuple[str, str]]
+
+    def progress(self, text: str) -> None:
+        raise NotImplementedError
+
+    async def launch_real(self, slots: Sequence[tuple[str, str, int]]) -> None:
+        """Launch one real server per slot, of its group's kind, all together, and an HTTP
+        engine actor for each."""
+        kind_of = dict(self.group_kinds)
+        for slot, label, _ in slots:
+            kind = kind_of[slot.partition("/")[0]]
+            server = _launcher(self.args, kind, free_port(), label)()
+            self.engines.append(StartedEngine(slot, label, None, 0, launched=server, kind=kind))
+        by_kind: dict[str, list[Any]] = {}
+        for engine in self.engines:
+            by_kind.setdefault(engine.kind, []).append(engine.launched)
+        for kind, servers in by_kind.items():
+            self.progress(
+                f"starting {len(servers)} {_ENGINE[kind]} server(s): "
+                f"{shlex.join(servers[0].command)}"
+            )
+        began = time.monotonic()
+
+        async def start(kind: str, servers: list[Any]) -> None:
+            await asyncio.gather(*(e.start() for e in servers))
+            self.progress(
+                f"{len(servers)} {_ENGINE[kind]} server(s) ready in "
+                f"{time.monotonic() - began:.1f}s: "
+                + ", ".join(f"{e.url} (pid {e.pid})" for e in servers)
+            )
+
+        await asyncio.gather(*(start(kind, servers) for kind, servers in by_kind.items()))
+        for started in self.engines:
+            started.handle = self.http_actor(started.launched.url, started.kind)
+
+    def http_actor(self, url: str, kind: str) -> Any:
+        """An engine actor driving the server at ``url`` (vLLM's API for ``vllm``, else
+        SGLang's)."""
+        if kind == "vllm":
+            from rollout_lifecycle.backends.vllm_http import vllm_http_factory
+
+            return start_engine_actor(vllm_http_factory(url))
+        from rollout_lifecycle.backends.http import sglang_http_factory
+
+        return start_engine_actor(sglang_http_factory(url))
+
+    async def stop_launched(self) -> None:
+        """Stop every real server launched (its whole process group) and say so."""
+        launched = [e for e in self.engines if e.launched is not None]
+        await asyncio.gather(*(e.launched.close() for e in launched), return_exceptions=True)
+        for kind in REAL_KINDS:
+            stopped = [e.launched for e in launched if e.kind == kind]
+            if stopped:
+                self.progress(
+                    f"stopped {len(stopped)} {_ENGINE[kind]} server(s): "
+                    + ", ".join(f"pid {e.pid} exit {e.returncode}" for e in stopped)
+                )
+
+
+class _Demo(DemoReport, DemoRouting, _RealServers):
     def __init__(self, args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
         self.args = args
         self.out = out
@@ -180,6 +327,8 @@ class _Demo(DemoReport, DemoRouting):
         self.step = 0
         self.started = time.monotonic()
         self.server: RolloutServer | None = None
+        #: Each group's name and kind.
+        self.group_kinds = group_kinds(args)
         self.histories_dir: tempfile.TemporaryDirectory[str] | None = None
         self.no_router_yet()
 
@@ -202,14 +351,21 @@ class _Demo(DemoReport, DemoRouting):
         args = self.args
         self.dir.mkdir(parents=True, exist_ok=True)
         where = "behind stand-in SGLang servers (HTTP)" if args.http else "on local Ray"
-        kind = "simulated engine(s)"
+        kinds = [KIND_NAMES[k] for k in args.kinds] or [KIND_NAMES[self.group_kinds[0][1]]]
+        fleet = f"{args.groups} group(s) x {args.engines} {kinds[0]}(s)"
         if args.real:
-            where = f"(model {args.model}, launched with {args.sglang_python})"
-            kind = "real SGLang server(s)"
+            launched = ", ".join(f"{k} with {args.python_of[k]}" for k in args.kinds)
+            where = f"(model {args.model}, launched: {launched})"
+        if len(kinds) > 1:
+            fleet = "a mixed fleet: " + " and ".join(f"{args.engines} {k}(s)" for k in kinds)
         self.say(
-            f"demo: {args.groups} group(s) x {args.engines} {kind} {where}, pause "
-            f"mode {args.pause_mode}, {args.steps} step(s), {args.requests} requests per step, "
-            f"fault: {args.inject_fault}"
+            f"demo: {fleet} {where}, pause mode {args.pause_mode}, {args.steps} step(s), "
+            f"{args.requests} requests per step, fault: {args.inject_fault}"
+        )
+        self.say(
+            "demo: groups: "
+            + ", ".join(f"{name} = {KIND_NAMES[k]}s" for name, k in self.group_kinds)
+            + (" (in one RolloutServer: every barrier spans both)" if len(kinds) > 1 else "")
         )
         if args.real:
             self.say(
@@ -244,6 +400,7 @@ class _Demo(DemoReport, DemoRouting):
                 with contextlib.suppress(LifecycleError):  # (an unreachable router: reported)
                     await self.check_router()
                 self.table()
+                self.groups_report(self.server)
                 self.write_outputs(self.server)
                 await self.check(self.server)
         finally:
@@ -269,15 +426,26 @@ class _Demo(DemoReport, DemoRouting):
             await self.arm_fault(step)
             if args.sabotage:
                 self.sabotage(server)
-        base = _REAL_NEW_TOKENS if args.real else 40
-        requests: list[dict[str, Any]] = [
-            {"input_ids": [number, i], "sampling_params": {"max_new_tokens": base + i % 24}}
+        # A real fleet's requests go to its groups in turn (each kind gets its own length);
+        # simulated ones to any engine, least outstanding first.
+        groups: list[str | None] = [
+            self.group_kinds[i % len(self.group_kinds)][0] if args.real else None
             for i in range(args.requests)
+        ]
+        kind_of = dict(self.group_kinds)
+        requests: list[dict[str, Any]] = [
+            {
+                "input_ids": [number, i],
+                "sampling_params": {
+                    "max_new_tokens": (_REAL_NEW_TOKENS[kind_of[g]] if g else 40) + i % 24
+                },
+            }
+            for i, g in enumerate(groups)
         ]
         if args.real:  # a real model may stop early at its end-of-text token
             for request in requests:
                 request["sampling_params"]["ignore_eos"] = True
-        batch = asyncio.ensure_future(self.send(server, requests))
+        batch = asyncio.ensure_future(self.send(server, requests, groups))
         try:
             # Decoding has started: the offload meets requests in flight.
             await asyncio.sleep(_REAL_WARMUP_S if args.real else 0.05)
@@ -298,18 +466,28 @@ class _Demo(DemoReport, DemoRouting):
                 with contextlib.suppress(BaseException):
                     await batch
             self.windows.append((number, start, time.monotonic()))
-        self.count_answers(step, requests, answers)
+        self.count_answers(step, requests, answers, groups)
 
     def count_answers(
-        self, step: Step, requests: Sequence[dict[str, Any]], answers: Sequence[dict[str, Any]]
+        self,
+        step: Step,
+        requests: Sequence[dict[str, Any]],
+        answers: Sequence[dict[str, Any]],
+        groups: Sequence[str | None],
     ) -> None:
         lost_engine = any(e.joined == step.number for e in self.engines)
-        for request, answer in zip(requests, answers, strict=True):
+        for request, answer, group in zip(requests, answers, groups, strict=True):
             meta = answer["meta_info"]
             wanted = request["sampling_params"]["max_new_tokens"]
             finish = (meta.get("finish_reason") or {}).get("type")
+            served = meta.get("engines") or []
+            # The group it was sent to, else the one whose engine answered it.
+            name = group or (str(served[-1]).partition("/")[0] if served else "?")
+            counts = step.by_group.setdefault(name, [0, 0])
+            counts[1] += 1
             if finish == "length" and len(answer["output_ids"]) == wanted:
                 step.done += 1
+                counts[0] += 1
             else:
                 self.problems.append(
                     f"step {step.number}: request {request['input_ids']} ended {finish!r} with "
@@ -405,8 +583,8 @@ class _Demo(DemoReport, DemoRouting):
     async def start_engines(self) -> None:
         args = self.args
         slots = [
-            (f"group{g}/{i}", f"g{g}-{i}", self.args.seed + 100 * g + i)
-            for g in range(args.groups)
+            (f"{name}/{i}", f"{name}-{i}" if args.real else f"g{g}-{i}", args.seed + 100 * g + i)
+            for g, (name, _) in enumerate(self.group_kinds)
             for i in range(args.engines)
         ]
         if args.real:
@@ -426,7 +604,8 @@ class _Demo(DemoReport, DemoRouting):
                 ],
             )
             for (slot, label, _), standin in zip(slots, servers, strict=True):
-                engine = StartedEngine(slot, label, self.http_actor(standin.url), 0, standin)
+                handle = self.http_actor(standin.url, "standin")
+                engine = StartedEngine(slot, label, handle, 0, standin)
                 self.engines.append(engine)
         else:
             for slot, label, seed in slots:
@@ -437,42 +616,6 @@ class _Demo(DemoReport, DemoRouting):
         await asyncio.wait_for(
             asyncio.gather(*(e.handle.ping.remote() for e in self.engines)), timeout=60
         )
-
-    async def launch_real(self, slots: Sequence[tuple[str, str, int]]) -> None:
-        """Launch one real SGLang server per slot, together, and an HTTP engine actor for each."""
-        from rollout_lifecycle.backends.launch import launched_sglang_factory
-
-        args = self.args
-        launched = [
-            launched_sglang_factory(
-                args.model,
-                port=free_port(),
-                python=args.sglang_python,
-                memory_saver=False,
-                env=args.sglang_env_map,
-                extra_args=args.sglang_argv,
-                label=label,
-            )()
-            for _, label, _ in slots
-        ]
-        for (slot, label, _), server in zip(slots, launched, strict=True):
-            self.engines.append(StartedEngine(slot, label, None, 0, launched=server))
-        self.progress(
-            f"starting {len(launched)} SGLang server(s): {shlex.join(launched[0].command)}"
-        )
-        began = time.monotonic()
-        await asyncio.gather(*(e.start() for e in launched))
-        self.progress(
-            f"{len(launched)} SGLang server(s) ready in {time.monotonic() - began:.1f}s: "
-            + ", ".join(e.url for e in launched)
-        )
-        for started in self.engines:
-            started.handle = self.http_actor(started.launched.url)
-
-    def http_actor(self, url: str) -> Any:
-        from rollout_lifecycle.backends.http import sglang_http_factory
-
-        return start_engine_actor(sglang_http_factory(url))
 
     async def replacement(self, slot: str) -> Any:
         """``recover()``'s factory: a new engine for ``slot``, up and answering."""
@@ -489,7 +632,8 @@ class _Demo(DemoReport, DemoRouting):
                 **self.options(label, seed),
             )
             await asyncio.to_thread(standin.start)
-            engine = StartedEngine(slot, label, self.http_actor(standin.url), self.step, standin)
+            handle = self.http_actor(standin.url, "standin")
+            engine = StartedEngine(slot, label, handle, self.step, standin)
         else:
             factory = functools.partial(_faulty_simulated, **self.options(label, seed))
             handle = DemoEngine.options(num_cpus=0).remote(factory)
@@ -554,8 +698,7 @@ class _Demo(DemoReport, DemoRouting):
         for engine in self.engines:
             with contextlib.suppress(Exception):
                 ray.kill(engine.handle)
-        launched = [e.launched for e in self.engines if e.launched is not None]
-        await asyncio.gather(*(e.close() for e in launched), return_exceptions=True)
+        await self.stop_launched()
         standins = [e.standin for e in self.engines if e.standin is not None]
         await asyncio.gather(*(asyncio.to_thread(s.stop, 2.0) for s in standins))
         if self.histories_dir is not None:
@@ -564,4 +707,13 @@ class _Demo(DemoReport, DemoRouting):
     # -- results -------------------------------------------------------------------------------
 
 
-__all__ = ["FAULTS", "OUTPUTS", "DemoEngine", "DemoEngineBody", "add_parser", "run"]
+__all__ = [
+    "FAULTS",
+    "OUTPUTS",
+    "DemoEngine",
+    "DemoEngineBody",
+    "add_parser",
+    "check_options",
+    "group_kinds",
+    "run",
+]

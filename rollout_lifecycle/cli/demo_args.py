@@ -27,7 +27,30 @@ when it ends; ``--sglang-args`` and ``--sglang-env`` add server flags and enviro
 machine needs e.g. ``--sglang-args "--device cpu --disable-cuda-graph ..."``). A real server
 keeps no history of the ops it received, so the barriers are checked on the calls the
 library's timeline recorded; the fault injection needs the simulated engines and is left out.
+
+With ``--vllm-python PY --model PATH`` the engines are real vLLM (0.32 or newer) servers
+(``launched_vllm_factory``; ``VLLM_SERVER_DEV_MODE=1`` is always set), with ``--vllm-args`` and
+``--vllm-env`` for their flags and environment. A CPU machine needs e.g. ``--vllm-args
+"--enforce-eager --dtype float32 --distributed-executor-backend uni" --vllm-env
+VLLM_CPU_KVCACHE_SPACE=1 --vllm-env VLLM_ENABLE_V1_MULTIPROCESSING=0 --vllm-env
+OMP_NUM_THREADS=1``: the demo adds none of these itself. With both ``--sglang-python`` and
+``--vllm-python`` the fleet is mixed: one SGLang group and one vLLM group (``--engines``
+servers each) in the same ``RolloutServer``, every barrier across both. A real engine group is
+named after its kind (``sglang0``, ``vllm0``): its engines are ``sglang0/0``, ``vllm0/0`` in
+the trace, the chart and the table.
 """
+
+#: The kinds of real servers the demo launches, in the order of their groups.
+REAL_KINDS: tuple[str, ...] = ("sglang", "vllm")
+
+
+#: What the output calls each kind of engine.
+KIND_NAMES = {
+    "simulated": "simulated engine",
+    "standin": "stand-in SGLang server",
+    "sglang": "real SGLang server",
+    "vllm": "real vLLM server",
+}
 
 #: What ``--inject-fault`` can do to one engine (engine 0 of group 0, in step 2 or the last).
 FAULTS: tuple[str, ...] = ("none", "slow-flush", "flush-reject", "engine-death")
@@ -55,7 +78,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     """Add the ``demo`` subcommand to the ``rollout-lifecycle`` parser."""
     demo = sub.add_parser(
         "demo",
-        help="run colocated RL steps on local Ray with simulated engines",
+        help="run colocated RL steps on local Ray: simulated engines, or real SGLang/vLLM servers",
         description=DESCRIPTION.replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="faults:\n"
@@ -64,9 +87,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     demo.add_argument("--steps", type=int, default=3, help="RL steps to run (default 3)")
     demo.add_argument(
-        "--groups", type=int, default=None, help="engine groups (default 2; real servers 1)"
+        "--groups",
+        type=int,
+        default=None,
+        help="engine groups (default 2; real servers 1; a mixed fleet has 2)",
     )
-    demo.add_argument("--engines", type=int, default=None, help="engines per group (default 2)")
+    demo.add_argument(
+        "--engines", type=int, default=None, help="engines per group (default 2; a mixed fleet 1)"
+    )
     demo.add_argument(
         "--requests",
         type=int,
@@ -96,30 +124,41 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "servers, and the router extra",
     )
     real = demo.add_argument_group(
-        "real SGLang servers",
-        "run the steps on real SGLang servers the demo launches and stops (no fault injection)",
+        "real servers",
+        "run the steps on real SGLang and/or vLLM servers the demo launches and stops (no fault "
+        "injection); with both interpreters, one SGLang group and one vLLM group",
     )
     real.add_argument(
         "--sglang-python",
         metavar="PY",
-        help="the interpreter that has sglang installed; with --model, use real servers",
+        help="the interpreter that has sglang installed; with --model, use real SGLang servers",
+    )
+    real.add_argument(
+        "--vllm-python",
+        metavar="PY",
+        help="the interpreter that has vllm (0.32 or newer) installed; with --model, use real "
+        "vLLM servers",
     )
     real.add_argument("--model", metavar="PATH", help="the model every server loads")
-    real.add_argument(
-        "--sglang-args",
-        action="append",
-        default=[],
-        metavar="ARGS",
-        help="extra sglang.launch_server arguments, split like a shell does; repeatable (use "
-        "--sglang-args=--flag for a single flag)",
-    )
-    real.add_argument(
-        "--sglang-env",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="an environment variable for every server process; repeatable",
-    )
+    for kind, module in (
+        ("sglang", "sglang.launch_server"),
+        ("vllm", "vllm.entrypoints.openai.api_server"),
+    ):
+        real.add_argument(
+            f"--{kind}-args",
+            action="append",
+            default=[],
+            metavar="ARGS",
+            help=f"extra {module} arguments, split like a shell does; repeatable (use "
+            f"--{kind}-args=--flag for a single flag)",
+        )
+        real.add_argument(
+            f"--{kind}-env",
+            action="append",
+            default=[],
+            metavar="NAME=VALUE",
+            help=f"an environment variable for every {kind} server process; repeatable",
+        )
     demo.add_argument(
         "--out",
         default="demo-output",
@@ -132,4 +171,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     demo.add_argument("--sabotage", action="store_true", help=argparse.SUPPRESS)
 
 
-__all__ = ["DESCRIPTION", "FAULTS", "FAULT_HELP", "OUTPUTS", "add_parser"]
+__all__ = [
+    "DESCRIPTION",
+    "FAULTS",
+    "FAULT_HELP",
+    "KIND_NAMES",
+    "OUTPUTS",
+    "REAL_KINDS",
+    "add_parser",
+]

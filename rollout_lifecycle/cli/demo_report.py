@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollout_lifecycle.cli.demo_args import OUTPUTS
+from rollout_lifecycle.cli.demo_args import KIND_NAMES, OUTPUTS
+from rollout_lifecycle.contract.outcome import Outcome
 from rollout_lifecycle.core.server import RolloutServer
 from rollout_lifecycle.core.states import ServerState, mermaid
 from rollout_lifecycle.testing import barrier_violations, calls_received, fatal_calls
@@ -30,6 +31,18 @@ GIB = 1 << 30
 TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
+#: The ops every engine receives in one full cycle (offload, onload weights, onload KV).
+CYCLE_OPS = frozenset(
+    {
+        "pause_generation",
+        "flush_cache",
+        "release_memory_occupation",
+        "resume_memory_occupation",
+        "continue_generation",
+    }
+)
+
+
 @dataclass(eq=False)
 class StartedEngine:
     """One engine the demo started: the slot it fills and, once replaced, its history."""
@@ -41,8 +54,10 @@ class StartedEngine:
     joined: int
     standin: Any = None
     history: list[dict[str, Any]] | None = None
-    #: The real SGLang server behind it, when the demo launched one.
+    #: The real server behind it, when the demo launched one, and its kind (``sglang``,
+    #: ``vllm``).
     launched: Any = None
+    kind: str = ""
 
 
 @dataclass
@@ -55,6 +70,8 @@ class Step:
     retracted: int = 0
     aborted: int = 0
     notes: list[str] = field(default_factory=list)
+    #: Each group's requests: [done, sent].
+    by_group: dict[str, list[int]] = field(default_factory=dict)
 
 
 def merge_metrics(into: dict[str, float], metrics: Mapping[str, float]) -> None:
@@ -107,6 +124,8 @@ class DemoReport:
     windows: list[tuple[int, float, float]]
     problems: list[str]
     fault_seen: list[str]
+    #: Each group's name and kind (``KIND_NAMES``).
+    group_kinds: list[tuple[str, str]]
 
     def say(self, text: str) -> None:
         raise NotImplementedError
@@ -146,6 +165,32 @@ class DemoReport:
                 f"{self.memory(step, 'onload_kv'):>11}  {'; '.join(step.notes)}"
             )
 
+    def groups_report(self, server: RolloutServer) -> None:
+        """A line per group: its kind, the steps in which every engine of it ran the whole
+        cycle without a failure (on the server's timeline), and its requests done and lost.
+        Without a fault, a group that missed a cycle or lost a request breaks an invariant."""
+        spans = [s for s in server.timeline.spans("engine_call") if s.outcome == Outcome.OK]
+        engines = self.args.engines
+        for name, kind in self.group_kinds:
+            cycled = 0
+            for _, start, end in self.windows:
+                ops: dict[str, set[str]] = {}
+                for span in spans:
+                    if span.group == name and start <= span.start <= end:
+                        ops.setdefault(str(span.engine), set()).add(str(span.op))
+                cycled += len(ops) == engines and all(o >= CYCLE_OPS for o in ops.values())
+            done = sum(s.by_group.get(name, [0, 0])[0] for s in self.steps)
+            sent = sum(s.by_group.get(name, [0, 0])[1] for s in self.steps)
+            self.say(
+                f"group {name} ({KIND_NAMES[kind]} x{engines}): cycled in {cycled}/"
+                f"{len(self.windows)} step(s), {done}/{sent} requests done, {sent - done} lost"
+            )
+            faultless = self.args.inject_fault == "none" and not self.args.sabotage
+            if faultless and cycled != len(self.windows):
+                self.problems.append(
+                    f"group {name}: every engine cycled in {cycled} of {len(self.windows)} step(s)"
+                )
+
     @staticmethod
     def memory(step: Step, call: str) -> str:
         found = [step.metrics.get(f"lifecycle/{call}/{tag}_bytes_after") for tag in TAGS]
@@ -155,12 +200,19 @@ class DemoReport:
 
     def write_outputs(self, server: RolloutServer) -> None:
         paths = {name: self.dir / file for name, file in OUTPUTS.items()}
-        server.timeline.export_chrome_trace(paths["trace"])
+        # The trace names each group's engine kind (its processes are the groups).
+        trace = server.timeline.chrome_trace()
+        trace["otherData"]["engine_kinds"] = {n: KIND_NAMES[k] for n, k in self.group_kinds}
+        paths["trace"].write_text(json.dumps(trace), encoding="utf-8")
         paths["diagram"].write_text(mermaid(), encoding="utf-8")
         paths["metrics"].write_text(
             json.dumps(
                 {
-                    "steps": [{"step": s.number, "metrics": s.metrics} for s in self.steps],
+                    "groups": {name: kind for name, kind in self.group_kinds},
+                    "steps": [
+                        {"step": s.number, "metrics": s.metrics, "requests": s.by_group}
+                        for s in self.steps
+                    ],
                     "slowest_engines": server.slowest_engines,
                 },
                 indent=2,

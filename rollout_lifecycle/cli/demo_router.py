@@ -44,12 +44,36 @@ class DemoRouting:
             self.say(f"demo: router {self.router.url}: registered {len(added)} worker(s)")
 
     def send(
-        self, server: RolloutServer, requests: Sequence[dict[str, Any]]
+        self,
+        server: RolloutServer,
+        requests: Sequence[dict[str, Any]],
+        groups: Sequence[str | None],
     ) -> Awaitable[list[dict[str, Any]]]:
-        """The step's traffic: through the router, else the server's own generation client."""
+        """The step's traffic: through the router, else the server's own generation client
+        (each request to its group in ``groups``, or to any engine where that is None)."""
         if self.router_url is not None:
             return self.via_router(requests)
-        return server.generate_batch(requests)
+        if not any(groups):
+            return server.generate_batch(requests)
+        return self.by_group(server, requests, groups)
+
+    @staticmethod
+    async def by_group(
+        server: RolloutServer,
+        requests: Sequence[dict[str, Any]],
+        groups: Sequence[str | None],
+    ) -> list[dict[str, Any]]:
+        """One ``generate_batch`` per group, all at once; answers in request order."""
+        order: dict[str | None, list[int]] = {}
+        for index, group in enumerate(groups):
+            order.setdefault(group, []).append(index)
+        batches = await asyncio.gather(
+            *(server.generate_batch([requests[i] for i in at], g) for g, at in order.items())
+        )
+        answers: dict[int, dict[str, Any]] = {}
+        for at, batch in zip(order.values(), batches, strict=True):
+            answers.update(zip(at, batch, strict=True))
+        return [answers[i] for i in range(len(requests))]
 
     async def start_router(self) -> SGLangRouter | None:
         """The router the server keeps in step (``--router``; ``launch`` starts one)."""

@@ -3,6 +3,7 @@ exits non-zero when an invariant really breaks."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -14,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from rollout_lifecycle import mermaid
-from rollout_lifecycle.cli import main
+from rollout_lifecycle.cli import _parser, main
+from rollout_lifecycle.cli.demo import _launcher, check_options, group_kinds
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -185,3 +187,136 @@ def test_the_demo_through_a_router_survives_an_engine_death(
 def test_the_demo_refuses_a_router_without_engine_urls() -> None:
     with pytest.raises(SystemExit, match="--router needs engines with URLs"):
         main(["demo", "--router", "launch"])
+
+
+# ------------------------------------------------------------------ real servers: SGLang, vLLM
+
+
+def checked(*argv: str) -> argparse.Namespace:
+    """The demo's options for ``argv``, parsed and checked as ``run`` checks them."""
+    args = _parser().parse_args(["demo", *argv])
+    check_options(args)
+    return args
+
+
+PY = sys.executable
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--vllm-python", PY], f"--vllm-python {PY}: needs --model"),
+        (["--model", "/m"], "--model /m: needs --sglang-python and/or --vllm-python"),
+        (["--vllm-args=--enforce-eager"], "--vllm-args need --vllm-python and --model"),
+        (["--vllm-env", "A=1"], "--vllm-env need --vllm-python and --model"),
+        (["--vllm-python", PY, "--model", "/m", "--vllm-env", "NOVALUE"], "got 'NOVALUE'"),
+        (["--vllm-python", "/no/such/python", "--model", "/m"], "/no/such/python: no such"),
+        (["--vllm-python", PY, "--model", "/m", "--vllm-args", "'open"], "'open\": No closing"),
+        (["--vllm-python", PY, "--model", "/m", "--vllm-args=--api-key k"], "--api-key"),
+        (
+            ["--vllm-python", PY, "--model", "/m", "--inject-fault", "engine-death"],
+            "not with real vLLM servers: --inject-fault engine-death",
+        ),
+        (["--vllm-python", PY, "--model", "/m", "--http"], "not with real vLLM servers: --http"),
+        (
+            ["--sglang-python", PY, "--vllm-python", PY, "--model", "/m", "--sabotage"],
+            "not with real SGLang and vLLM servers: --sabotage",
+        ),
+        (["--vllm-python", PY, "--model", "/m", "--router", "launch"], "--router launch: not"),
+        (
+            ["--sglang-python", PY, "--vllm-python", PY, "--model", "/m", "--groups", "3"],
+            "--groups 3: a mixed fleet has one SGLang group and one vLLM group",
+        ),
+    ],
+)
+def test_bad_real_server_options_are_refused_naming_the_value(
+    argv: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        checked(*argv)
+
+
+def test_each_group_of_real_servers_is_named_after_its_kind_and_launched_as_one() -> None:
+    from rollout_lifecycle import LaunchedSGLangEngine, LaunchedVLLMEngine
+
+    assert group_kinds(checked()) == [("group0", "simulated"), ("group1", "simulated")]
+    assert group_kinds(checked("--http", "--groups", "1")) == [("group0", "standin")]
+    mixed = checked(
+        "--sglang-python", PY, "--vllm-python", PY, "--model", "/m",
+        "--vllm-args", "--enforce-eager --dtype float32", "--vllm-env", "OMP_NUM_THREADS=1",
+    )  # fmt: skip
+    assert group_kinds(mixed) == [("sglang0", "sglang"), ("vllm0", "vllm")]
+    assert (mixed.groups, mixed.engines, mixed.requests) == (2, 1, 6)
+    vllm = _launcher(mixed, "vllm", 8000, "vllm0-0")()
+    assert isinstance(vllm, LaunchedVLLMEngine)
+    assert vllm.command == [
+        PY, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m",
+        "--host", "127.0.0.1", "--port", "8000", "--enforce-eager", "--dtype", "float32",
+    ]  # fmt: skip
+    assert mixed.server_env == {"sglang": {}, "vllm": {"OMP_NUM_THREADS": "1"}}
+    assert isinstance(_launcher(mixed, "sglang", 8001, "sglang0-0")(), LaunchedSGLangEngine)
+    two = checked("--vllm-python", PY, "--model", "/m", "--groups", "2")
+    assert group_kinds(two) == [("vllm0", "vllm"), ("vllm1", "vllm")]
+    assert (two.engines, two.requests) == (2, 6)
+
+
+#: An interpreter for the demo to launch "servers" with: it runs the library's stand-ins of
+#: vLLM and SGLang where the demo asks for ``vllm.entrypoints.openai.api_server`` or
+#: ``sglang.launch_server``, after writing down how it was started.
+FAKE_PYTHON = """\
+#!{python}
+import json, os, sys
+argv = sys.argv[1:]
+module, port = argv[1], argv[argv.index("--port") + 1]
+with open(os.path.join({log!r}, port + ".json"), "w") as f:
+    json.dump({{"argv": argv, "env": os.environ.get("DEMO_TEST_ENV"), "pid": os.getpid()}}, f)
+if module == "vllm.entrypoints.openai.api_server":
+    assert os.environ["VLLM_SERVER_DEV_MODE"] == "1"
+    run = ["rollout_lifecycle.testing.standin.vllm_app", "--engine-options",
+           json.dumps({{"token_latency": 0.004}})]
+else:
+    run = ["rollout_lifecycle.cli", "fake-sglang", "--token-latency", "0.004"]
+os.execv({python!r}, [{python!r}, "-m", *run, "--port", port])
+"""
+
+
+def test_a_mixed_fleet_runs_an_sglang_group_and_a_vllm_group_and_stops_their_servers(
+    ray_cluster: None, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    log = tmp_path / "launched"
+    log.mkdir()
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON.format(python=sys.executable, log=str(log)))
+    fake.chmod(0o755)
+    model = tmp_path / "model"  # (the vLLM stand-in reloads weights from a folder)
+    model.mkdir()
+    code, out, err = demo(
+        capsys, "--sglang-python", str(fake), "--vllm-python", str(fake), "--model", str(model),
+        "--vllm-env", "DEMO_TEST_ENV=vllm", "--sglang-env", "DEMO_TEST_ENV=sglang",
+        "--vllm-args=--enforce-eager", "--steps", "2", "--requests", "4", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert code == 0, out + err
+    assert "demo: a mixed fleet: 1 real SGLang server(s) and 1 real vLLM server(s)" in out
+    assert "groups: sglang0 = real SGLang servers, vllm0 = real vLLM servers" in out
+    for group in ("sglang0 (real SGLang server x1)", "vllm0 (real vLLM server x1)"):
+        assert f"group {group}: cycled in 2/2 step(s), 4/4 requests done, 0 lost" in out, out
+    assert re.search(r"checked \d+ engine ops across 2 engines .*: all invariants held", out)
+    launched = [json.loads(p.read_text()) for p in log.iterdir()]
+    assert sorted((r["argv"][1], r["env"]) for r in launched) == [
+        ("sglang.launch_server", "sglang"),
+        ("vllm.entrypoints.openai.api_server", "vllm"),
+    ]
+    assert all(r["argv"][-1] == "--enforce-eager" for r in launched if r["env"] == "vllm")
+    files = assert_outputs(tmp_path)
+    trace, metrics = files["trace"], files["metrics"]
+    assert isinstance(trace, dict) and isinstance(metrics, dict)
+    kinds = {"sglang0": "real SGLang server", "vllm0": "real vLLM server"}
+    assert trace["otherData"]["engine_kinds"] == kinds
+    groups = {e["args"]["group"] for e in trace["traceEvents"] if e.get("cat") == "engine_call"}
+    assert groups == {"sglang0", "vllm0"}
+    assert metrics["groups"] == {"sglang0": "sglang", "vllm0": "vllm"}
+    stopped = re.findall(r"stopped 1 (SGLang|vLLM) server\(s\): pid (\d+) exit", err)
+    assert sorted(kind for kind, _ in stopped) == ["SGLang", "vLLM"], err
+    assert {int(pid) for _, pid in stopped} == {r["pid"] for r in launched}
+    for _, pid in stopped:  # the demo ended the processes it launched
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
