@@ -3,8 +3,10 @@ its commands are first."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -14,9 +16,11 @@ from typing import Any
 
 import pytest
 import ray
+from real.servers import CPU_FLAGS, SHIM_DIR, VLLM_CPU_FLAGS, RealSGLang, RealVLLM
 
 from rollout_lifecycle import RolloutServer, mermaid
 from rollout_lifecycle.testing import StandInServer
+from rollout_lifecycle.testing.standin import VLLMStandInServer
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 DESIGN = README.parent / "docs" / "design.md"
@@ -81,14 +85,28 @@ def command_path(tmp_path: Path) -> str:
     return f"{shim.parent}{os.pathsep}{path}"
 
 
+@pytest.fixture(scope="module")
+def vllm_fleet() -> Iterator[list[VLLMStandInServer]]:
+    servers = [VLLMStandInServer(token_latency=0.002).start() for _ in range(2)]
+    yield servers
+    for server in servers:
+        server.stop()
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("index", range(2, len(blocks("bash"))))
 def test_readme_shell_block_runs(
-    index: int, ray_cluster: None, fleet: list[StandInServer], tmp_path: Path
+    index: int,
+    ray_cluster: None,
+    fleet: list[StandInServer],
+    vllm_fleet: list[VLLMStandInServer],
+    tmp_path: Path,
 ) -> None:
     """Each shell block after the two opening commands runs as written, in a folder with an
-    ``engines.txt`` that lists three stand-in SGLang servers."""
+    ``engines.txt`` that lists three stand-in SGLang servers and a ``vllm-engines.txt`` that
+    lists two stand-in vLLM servers. (``sh`` blocks need real engines: see below.)"""
     (tmp_path / "engines.txt").write_text("".join(f"{s.url}\n" for s in fleet))
+    (tmp_path / "vllm-engines.txt").write_text("".join(f"{s.url}\n" for s in vllm_fleet))
     env = {
         **os.environ,
         "PATH": command_path(tmp_path),
@@ -106,3 +124,25 @@ def test_readme_shell_block_runs(
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert ADMIN_KEY not in done.stdout + done.stderr
+
+
+def test_readme_real_demo_command_passes_what_the_real_tier_passes() -> None:
+    """The README's demo on real servers (an ``sh`` block: it needs both engines' environments)
+    gives each kind the arguments and environment the real tiers start their servers with, so
+    it runs as the real demo test does."""
+    (block,) = blocks("sh")
+    words = shlex.split(block.replace("\\\n", " "))
+    demo = words[words.index("rollout-lifecycle") :]
+    given: dict[str, list[str]] = {}
+    for flag, value in itertools.pairwise(demo):
+        if flag.startswith("--"):
+            given.setdefault(flag, []).append(value)
+    assert shlex.split(given["--sglang-args"][0]) == list(CPU_FLAGS)
+    assert shlex.split(given["--vllm-args"][0]) == list(VLLM_CPU_FLAGS)
+    sglang_env = dict(pair.split("=", 1) for pair in given["--sglang-env"])
+    sglang_env["PYTHONPATH"] = sglang_env["PYTHONPATH"].replace("$PWD", str(README.parent))
+    assert sglang_env == RealSGLang("python", "model").child_env() | {"PYTHONPATH": str(SHIM_DIR)}
+    vllm_env = dict(pair.split("=", 1) for pair in given["--vllm-env"])
+    # The launcher sets VLLM_SERVER_DEV_MODE=1 itself.
+    assert vllm_env | {"VLLM_SERVER_DEV_MODE": "1"} == RealVLLM("python", "model").child_env()
+    assert given["--model"] == ["$c/tiny-gpt2"] and given["--steps"] == ["2"]
