@@ -53,6 +53,19 @@ HOW_TO_GET_IT = (
 )
 
 
+def running_in_group(group: int) -> list[int]:
+    """The processes of the process group ``group`` that are not zombies (Linux ``/proc``)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # ended while read
+        if fields[0] != "Z" and int(fields[2]) == group:
+            found.append(int(stat.parent.name))
+    return found
+
+
 def under_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from real.servers import CPU_FLAGS, VLLM_CPU_FLAGS, RealSGLang, require_real_vllm
+from real.servers import CPU_FLAGS, VLLM_CPU_FLAGS, RealSGLang, require_real_vllm, running_in_group
 
 from rollout_lifecycle import mermaid
 
@@ -37,19 +37,6 @@ CYCLE = {
     "resume_memory_occupation": 4,
     "continue_generation": 2,
 }
-
-
-def running_in_group(group: int) -> list[int]:
-    """The processes of the process group ``group`` that are not zombies (Linux ``/proc``)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # ended while read
-        if fields[0] != "Z" and int(fields[2]) == group:
-            found.append(int(stat.parent.name))
-    return found
 
 
 def test_the_demo_runs_a_mixed_sglang_and_vllm_fleet_it_launches_and_stops(

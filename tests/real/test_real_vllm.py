@@ -13,7 +13,6 @@ import asyncio
 import dataclasses
 import json
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -27,6 +26,7 @@ from real.servers import (
     RealSGLang,
     RealVLLM,
     RealVLLMServer,
+    running_in_group,
 )
 from real.vllm_models import API_KEY, rewrite_weights
 
@@ -407,19 +407,6 @@ async def test_the_launcher_starts_a_real_vllm_server_runs_the_cycle_on_it_and_s
     await until(
         lambda: not running_in_group(pid), deadline=60, every=0.2, what=f"group {pid} ended"
     )
-
-
-def running_in_group(group: int) -> list[int]:
-    """The processes of the process group ``group`` that are not zombies (Linux ``/proc``)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # ended while read
-        if fields[0] != "Z" and int(fields[2]) == group:
-            found.append(int(stat.parent.name))
-    return found
 
 
 S = ServerState

@@ -254,6 +254,30 @@ def _refused(row: Endpoint, exc: EngineRejected) -> Response:
     return error(exc.message, exc.status)
 
 
+def standin_app(state: StandInState) -> FastAPI:
+    """A stand-in's FastAPI app over ``state``: the death watcher for its lifetime, the state at
+    ``app.state.standin`` and the fault middleware. The caller adds its key check after, so that
+    a request passes it before it can meet an injected fault (the last added runs first)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        label = state.engine.label
+        watcher = asyncio.create_task(state.watch(), name=f"standin-watch-{label}")
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+
+    from fastapi import FastAPI  # the standin extra; create_app said so if it is missing
+
+    app = FastAPI(lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.standin = state
+    app.add_middleware(FaultMiddleware, state=state)
+    return app
+
+
 def create_app(
     engine: SimulatedEngine,
     *,
@@ -274,7 +298,6 @@ def create_app(
     ``FAULT_KINDS``); each applied fault is logged in the history as op ``"fault"``.
     """
     try:
-        from fastapi import FastAPI
         from starlette.responses import JSONResponse, Response
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(NEEDS) from exc
@@ -291,21 +314,8 @@ def create_app(
     state = StandInState(
         engine, on_death=on_death, history_file=history_file, model_path=model_path
     )
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        watcher = asyncio.create_task(state.watch(), name=f"standin-watch-{engine.label}")
-        try:
-            yield
-        finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
-
-    app = FastAPI(lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
-    app.state.standin = state
+    app = standin_app(state)
     # The last added runs first: a request passes auth before it can meet an injected fault.
-    app.add_middleware(FaultMiddleware, state=state)
     app.add_middleware(AuthMiddleware, api_key=api, admin_key=admin)
 
     def serves(name: str) -> Callable[[_Handler], _Handler]:

@@ -284,6 +284,12 @@ class StandInServer:
         argv += self._engine_argv
         if self._admin_key is not None:
             argv += ["--admin-key-env", ADMIN_KEY_ENV]
+        return argv + self._shared_argv()
+
+    def _shared_argv(self) -> list[str]:
+        """The arguments every stand-in's command line takes: its key variable, history file
+        and model path."""
+        argv = []
         if self._api_key is not None:
             argv += ["--api-key-env", API_KEY_ENV]
         if self._history_file is not None:
@@ -591,12 +597,7 @@ class VLLMStandInServer(StandInServer):
     def _argv(self) -> list[str]:
         argv = [sys.executable, "-m", "rollout_lifecycle.testing.standin.vllm_app"]
         argv += ["--port", str(self._port_asked), "--engine-options", self._engine_json]
-        if self._api_key is not None:
-            argv += ["--api-key-env", API_KEY_ENV]
-        if self._history_file is not None:
-            argv += ["--history-file", self._history_file]
-        if self._model_path is not None:
-            argv += ["--model-path", self._model_path]
+        argv += self._shared_argv()
         if self._weight_transfer:
             argv.append("--weight-transfer")
         return argv

@@ -35,12 +35,12 @@ from rollout_lifecycle.testing.standin.app import (
     StandInState,
     _wait_disconnect,
     check_path,
+    standin_app,
 )
 from rollout_lifecycle.testing.standin.auth import _token_matches
 from rollout_lifecycle.testing.standin.bodies import BadRequest, json_body
 from rollout_lifecycle.testing.standin.faults import (
     FAULTS_PATH,
-    FaultMiddleware,
     parse_fault_rules,
 )
 from rollout_lifecycle.testing.standin.vllm_engine import (
@@ -149,7 +149,6 @@ def create_vllm_app(
     server started with ``--weight-transfer-config``. A death ends the process through
     ``on_death`` as in the SGLang stand-in (``app.create_app``)."""
     try:
-        from fastapi import FastAPI
         from starlette.responses import (
             JSONResponse,
             PlainTextResponse,
@@ -170,20 +169,8 @@ def create_vllm_app(
     #: Completions from arrival to answer (``/load``).
     load = {"requests": 0}
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        watcher = asyncio.create_task(state.watch(), name=f"standin-watch-{engine.label}")
-        try:
-            yield
-        finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
-
-    app = FastAPI(lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
-    app.state.standin = state
+    app = standin_app(state)
     app.state.vllm = model
-    app.add_middleware(FaultMiddleware, state=state)
     app.add_middleware(VLLMAuthMiddleware, api_key=key)
 
     def route(path: str, methods: list[str], handler: _Handler) -> None:
