@@ -131,8 +131,11 @@ class VLLMHTTPEngine:
         #: The vLLM version the attach check accepted.
         self._version: str | None = None
         #: Why the weights are unusable (a reload failed, or a level-2 sleep discarded them),
-        #: until weights are pushed: a reload that succeeds, or a weight-transfer session.
+        #: until weights are pushed: a reload that succeeds, or a weight-transfer session
+        #: followed by the version the update sets.
         self._broken: str | None = None
+        #: A weight-transfer session ended since the weights were marked unusable.
+        self._session_ended = False
 
     # ----------------------------------------------------------------------------- properties
 
@@ -192,7 +195,7 @@ class VLLMHTTPEngine:
                 op,
                 f"its weights are unusable: {self._broken}; nothing that runs a forward pass is "
                 "sent until weights are pushed (a reload that succeeds, or a weight-transfer "
-                "session)",
+                "session and the version the update sets after it)",
             )
 
     # ----------------------------------------------------------------------------- attach
@@ -274,12 +277,14 @@ class VLLMHTTPEngine:
         # vllm: serve/dev/sleep/api_router.py sleep -> EngineCore.sleep (pause, then
         # executor.sleep(level)); mode keep: a release never aborts what a pause kept.
         level = str(self._sleep_level)
-        await self._send(op, "sleep", query={"level": level, "mode": "keep"})
         if self._sleep_level == 2:
             # vllm: v1/worker/gpu_worker.py Worker.sleep keeps no copy of the weights at level
             # 2, and Worker.wake_up brings back their memory, not their values: a forward pass
-            # before a push would run on whatever that memory holds.
+            # before a push would run on whatever that memory holds. Marked before the send: a
+            # sleep whose answer is lost may have discarded them.
             self._broken = "a level-2 sleep discarded them and no push has replaced them"
+            self._session_ended = False
+        await self._send(op, "sleep", query={"level": level, "mode": "keep"})
 
     async def resume_memory_occupation(self, tags: Sequence[Tag]) -> None:
         """``POST /wake_up?tags=weights`` for the weights; the KV cache's wake waits for the
@@ -305,7 +310,9 @@ class VLLMHTTPEngine:
         """``POST /finish_weight_update {}`` with a weight-transfer engine; else no session."""
         if self._weight_transfer:
             await self._send("end_weight_update", "finish_weight_update", {})
-            self._broken = None  # the session wrote every weight
+            # Whether the trainer's writes all landed is known only to the caller: the session
+            # ends also after a push that raised. The version set after it vouches for them.
+            self._session_ended = True
 
     async def update_weights_from_disk(
         self,
@@ -335,6 +342,7 @@ class VLLMHTTPEngine:
             # "Connection: close"; a call that reused it would fail with its effect unknown.
             await self._wire.drop_connections()
             self._broken = f"a reload failed (from {model_path!r}: {exc})"
+            self._session_ended = False
             raise EngineRejected(
                 self._label,
                 op,
@@ -362,6 +370,8 @@ class VLLMHTTPEngine:
         if check_flag("abort_all_requests", abort_all_requests):
             await self._send(op, "abort_requests", {})
         await self._send(op, "update_weight_version", {"new_version": new})
+        if self._session_ended:  # the update that ended the session completed: it wrote them
+            self._broken, self._session_ended = None, False
 
     async def weight_version(self) -> str | None:
         """The loaded weight version (``GET /weight_info``); None while vLLM says ``default``."""
@@ -432,6 +442,16 @@ class VLLMHTTPEngine:
             if isinstance(answer.get("is_paused"), bool):
                 found["paused"] = answer["is_paused"]
         return found
+
+    async def is_sleeping(self) -> bool:
+        """``GET /is_sleeping``: True while the engine is paused or any of its memory is asleep
+        (``v1/engine/core.py EngineCore.is_sleeping``); False only when it serves with all of it
+        resident."""
+        answer = await self._call("is_sleeping")
+        found = answer.get("is_sleeping")
+        if not isinstance(found, bool):
+            self._wire.garbage("is_sleeping", "/is_sleeping", "is_sleeping is no boolean")
+        return bool(found)
 
     async def ping(self, timeout: float | None = None) -> bool:
         """One ``GET /health``: True on a 2xx answer (paused or not)."""

@@ -102,7 +102,7 @@ or by default $XDG_STATE_HOME/rollout-lifecycle/ctl-<hash of the engine set>.jso
 (~/.local/state/... without XDG_STATE_HOME). The same engines in any order, and under any
 spelling of their URLs (localhost, 127.0.0.1), share it. A state file recording other engines
 is refused. With no state file the engines are taken to be serving, which a pausing action
-first checks on /ready (vLLM: /health and /is_paused); delete a state file only when every
+first checks on /ready (vLLM: /health and /is_sleeping); delete a state file only when every
 engine is serving again.
 
 During a call the state file is rewritten before every call that must not repeat is sent

@@ -22,7 +22,13 @@ from rollout_lifecycle.cli.ctl_state import (
     make_backends,
     read_ledger,
 )
-from rollout_lifecycle.contract.exceptions import EngineError, InvalidArgument
+from rollout_lifecycle.contract.exceptions import (
+    EngineDead,
+    EngineError,
+    EngineTimeout,
+    EngineUnreachable,
+    InvalidArgument,
+)
 from rollout_lifecycle.core.group import EngineSnapshot
 from rollout_lifecycle.core.server import ServerSnapshot
 
@@ -42,7 +48,7 @@ async def ready_status(url: str, timeouts: HTTPTimeouts) -> tuple[int | None, st
 
 
 #: The probe that says an engine serves, per engine kind, for messages.
-SERVING_PROBE = {"sglang": "/ready", "vllm": "/health and /is_paused"}
+SERVING_PROBE = {"sglang": "/ready", "vllm": "/health and /is_sleeping"}
 
 
 async def serving(setup: Setup, urls: Sequence[str]) -> list[tuple[bool | None, str]]:
@@ -67,6 +73,8 @@ async def serving(setup: Setup, urls: Sequence[str]) -> list[tuple[bool | None, 
 
 
 async def _vllm_serving(backend: Backend) -> tuple[bool | None, str]:
+    """Whether a vLLM engine serves with all its memory resident (None: it did not say).
+    ``/is_paused`` is not enough: ``/resume`` runs the scheduler whatever is asleep."""
     assert isinstance(backend, VLLMHTTPEngine)
     health = await backend.health_status()
     if health is None:
@@ -74,13 +82,15 @@ async def _vllm_serving(backend: Backend) -> tuple[bool | None, str]:
     if health != 200:
         return False, f"/health {health}"
     try:
-        # vllm: entrypoints/rl/online/api_router.py is_paused ({"is_paused": bool})
-        paused = (await backend.observe(identify=False))["paused"]
+        # vllm: v1/engine/core.py EngineCore.is_sleeping (paused, or the executor asleep)
+        sleeping = await backend.is_sleeping()
+    except (EngineUnreachable, EngineTimeout, EngineDead) as exc:
+        return None, f"/is_sleeping: {exc.message}"
     except EngineError as exc:
-        return False, f"/is_paused: {exc.message}"
-    if paused is not False:
-        return False, "/is_paused " + ("true" if paused else "unknown")
-    return True, "/health 200, /is_paused false"
+        return False, f"/is_sleeping: {exc.message}"
+    if sleeping:
+        return False, "/is_sleeping true (paused, or memory asleep)"
+    return True, "/health 200, /is_sleeping false"
 
 
 def recorded_row(engine: EngineSnapshot, url: str | None) -> dict[str, Any]:

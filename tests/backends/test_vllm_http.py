@@ -12,7 +12,12 @@ import httpx
 import pytest
 
 from rollout_lifecycle.backends.vllm_http import VLLMHTTPEngine, vllm_http_factory
-from rollout_lifecycle.contract.exceptions import EngineRejected, IllegalEngineOp, InvalidArgument
+from rollout_lifecycle.contract.exceptions import (
+    EngineRejected,
+    EngineUnreachable,
+    IllegalEngineOp,
+    InvalidArgument,
+)
 from rollout_lifecycle.contract.values import ALL_TAGS, PauseMode, Tag
 
 URL = "http://127.0.0.1:8000"
@@ -164,7 +169,7 @@ async def test_a_level_2_release_refuses_every_forward_pass_until_weights_are_pu
     assert fake.calls()[-2:] == ["POST /wake_up?tags=kv_cache", "POST /resume"]
 
 
-async def test_a_weight_transfer_session_is_the_push_a_level_2_release_waits_for() -> None:
+async def test_a_level_2_release_waits_for_a_weight_transfer_session_and_its_version() -> None:
     fake = FakeVLLM(
         start_weight_update=lambda r: httpx.Response(200, json={}),
         finish_weight_update=lambda r: httpx.Response(200, json={}),
@@ -172,10 +177,22 @@ async def test_a_weight_transfer_session_is_the_push_a_level_2_release_waits_for
     client = engine(fake, sleep_level=2, weight_transfer=True)
     await client.release_memory_occupation(list(ALL_TAGS))
     await client.begin_weight_update()
-    assert client.broken is not None  # a session begun is not a push done
     await client.end_weight_update()
+    # The session also ends after a push that raised: only the version set after it vouches.
+    assert client.broken is not None
+    with pytest.raises(IllegalEngineOp, match="level-2 sleep discarded them"):
+        await client.continue_generation()
+    await client.update_weight_version("step-3", abort_all_requests=False)
     assert client.broken is None
     await client.continue_generation()
+
+
+async def test_a_level_2_release_whose_answer_is_lost_still_marks_the_weights() -> None:
+    lost = FakeVLLM(sleep=lambda r: httpx.Response(502, text="proxy lost it"))
+    client = engine(lost, sleep_level=2, retries=0)
+    with pytest.raises(EngineUnreachable):
+        await client.release_memory_occupation(list(ALL_TAGS))
+    assert client.broken is not None and "level-2 sleep discarded them" in client.broken
 
 
 async def test_a_level_1_release_keeps_the_weights_usable() -> None:

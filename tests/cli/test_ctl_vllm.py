@@ -27,7 +27,7 @@ ALL = ["weights", "kv_cache", "cuda_graph"]
 #: What the stand-in's /metrics shows as the API server's start (its incarnation).
 STARTED = "1764000000.25"
 #: Reads that change nothing: the attach check, the identity check, the status probes.
-READS = ("/version", "/is_paused", "/metrics", "/health", "/weight_info")
+READS = ("/version", "/is_paused", "/is_sleeping", "/metrics", "/health", "/weight_info")
 
 
 class LiveVLLM(FakeVLLM):
@@ -43,6 +43,10 @@ class LiveVLLM(FakeVLLM):
             sleep=self._sleep,
             wake_up=self._wake_up,
             is_paused=lambda r: httpx.Response(200, json={"is_paused": self.paused}),
+            # vllm/v1/engine/core.py EngineCore.is_sleeping: paused, or the executor asleep
+            is_sleeping=lambda r: httpx.Response(
+                200, json={"is_sleeping": self.paused or bool(self.asleep)}
+            ),
             metrics=lambda r: httpx.Response(200, text=self.metrics_text()),
             health=lambda r: httpx.Response(200),
         )
@@ -344,9 +348,33 @@ def test_without_a_ledger_a_paused_vllm_is_not_taken_for_a_serving_one(
     live(fakes[1]).paused = True
     code, _, err = ctl("offload")
     assert code == ExitCode.STATE
-    assert f"{fakes[1].url} (/is_paused true)" in err and fakes[0].url not in err
+    assert f"{fakes[1].url} (/is_sleeping true (paused, or memory asleep))" in err
+    assert fakes[0].url not in err
     assert [live(f).lifecycle() for f in fakes] == [[], []]
     assert not (tmp_path / "fleet.json").exists()
+
+
+def test_without_a_ledger_a_resumed_vllm_with_memory_asleep_is_not_taken_for_a_serving_one(
+    ctl: Ctl, fakes: list[Served], tmp_path: Path
+) -> None:
+    # /resume runs the scheduler whatever is asleep (EngineCore.resume_scheduler).
+    live(fakes[0]).asleep = {"kv_cache"}
+    code, _, err = ctl("offload")
+    assert code == ExitCode.STATE and f"{fakes[0].url} (/is_sleeping true" in err
+    assert [live(f).lifecycle() for f in fakes] == [[], []]
+    assert not (tmp_path / "fleet.json").exists()
+
+
+def test_without_a_ledger_a_vllm_that_does_not_say_whether_it_sleeps_is_unreachable(
+    ctl: Ctl, fakes: list[Served]
+) -> None:
+    def drop(request: httpx.Request) -> httpx.Response:
+        raise ConnectionAbortedError("the connection drops without an answer")
+
+    fakes[1].fake.answers["is_sleeping"] = drop
+    code, _, err = ctl("offload")
+    assert code == ExitCode.UNREACHABLE, err
+    assert [live(f).lifecycle() for f in fakes] == [[], []]
 
 
 def test_the_sleep_state_is_read_from_vllms_gauge() -> None:
