@@ -51,6 +51,38 @@ async def test_a_wait_pause_answers_once_the_running_request_has_ended_full_leng
     assert (await raw.get("/is_paused")).json() == {"is_paused": True}
 
 
+async def test_a_wait_pause_after_a_keep_pause_drains_the_frozen_request(
+    raw: httpx.AsyncClient, engine: SimulatedEngine
+) -> None:
+    # vllm: pause_scheduler(mode="wait") sets PAUSED_NEW, which steps whatever was frozen.
+    job = asyncio.ensure_future(raw.post("/v1/completions", json=completion(200)))
+    await until(lambda: engine.stats()["running"] == 1, what="the request running")
+    await raw.post("/pause", params={"mode": "keep"})
+    answer = await asyncio.wait_for(raw.post("/pause", params={"mode": "wait"}), 60)
+    assert answer.json() == {"status": "paused"} and job.done()
+    assert len((await job).json()["choices"][0]["token_ids"]) == 200
+
+
+async def test_a_sleep_after_a_wake_of_the_weights_alone_puts_them_back_to_sleep(
+    raw: httpx.AsyncClient, engine: SimulatedEngine
+) -> None:
+    await raw.post("/sleep", params={"level": 1, "mode": "keep"})
+    await raw.post("/wake_up", params={"tags": "weights"})
+    assert engine.released_tags == ["kv_cache"]
+    # vllm: CuMemAllocator.sleep skips the KV cache, asleep already
+    assert (await raw.post("/sleep", params={"level": 1, "mode": "keep"})).status_code == 200
+    assert sorted(engine.released_tags) == ["kv_cache", "weights"]
+    assert (await raw.post("/wake_up")).json()["status"] == "awake"
+
+
+async def test_a_finish_with_a_body_that_is_not_an_object_is_a_400(
+    raw: httpx.AsyncClient,
+) -> None:
+    for body in (b"[1, 2]", b"{not json"):
+        answer = await raw.post("/finish_weight_update", content=body)
+        assert answer.status_code == 400, (body, answer.text)
+
+
 async def test_a_level_0_sleep_only_pauses_and_a_wake_without_tags_resumes(
     raw: httpx.AsyncClient, engine: SimulatedEngine
 ) -> None:

@@ -319,8 +319,9 @@ def create_vllm_app(
 
     @serves("finish_weight_update")
     async def finish_weight_update(request: Request) -> Any:
-        raw = await request.body()
-        version = json.loads(raw).get("weight_version") if raw.strip() else None
+        # An empty body is allowed (no version); anything else must be a JSON object.
+        body = await json_body(request) if (await request.body()).strip() else {}
+        version = body.get("weight_version")
         if version is not None and not isinstance(version, str):
             raise BadRequest(f"weight_version must be a string, got {version!r}")
         await model.finish_weight_update(version)

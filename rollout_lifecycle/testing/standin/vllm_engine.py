@@ -41,6 +41,8 @@ TENSORS: tuple[str, ...] = (
 )
 #: How often a ``wait`` pause asks whether the requests in flight have drained.
 _DRAIN_POLL_S = 0.01
+#: How long a ``wait`` pause waits for the requests in flight before it answers 500.
+_DRAIN_DEADLINE_S = 600.0
 
 
 class VLLMError(Exception):
@@ -89,10 +91,11 @@ class VLLMEngineModel:
 
     # ------------------------------------------------------------------ pause
 
-    async def pause(self, mode: str) -> None:
+    async def pause(self, mode: str, *, clear: bool = True) -> None:
         """``/pause?mode=``: abort answers every request with ``abort``; keep freezes them and
         gives back their KV blocks (they are recomputed after the resume); wait lets them end.
-        Every mode then resets the prefix cache."""
+        Then, with ``clear`` (every pause; a sleep only from level 1), the prefix cache is
+        reset."""
         # vllm: v1/engine/core.py EngineCoreProc.pause_scheduler: abort finishes every request
         # FINISHED_ABORTED; keep sets PAUSED_ALL; then _finish_pause(clear_cache=True) ->
         # _reset_caches(reset_running_requests=True), which preempts the running requests
@@ -102,13 +105,23 @@ class VLLMEngineModel:
         if mode == "wait":
             # vllm: PAUSED_NEW keeps stepping until the requests in flight drain. The stand-in
             # waits for them and then pauses (a request arriving meanwhile is run too).
-            # The engine publishes no drain event.
-            while any(self.engine.stats()[k] for k in ("running", "waiting")):  # noqa: ASYNC110
+            # The engine publishes no drain event. Requests an earlier keep pause froze drain
+            # too: PAUSED_NEW steps whatever the pause state was.
+            if self.engine.paused:
+                await self.engine.continue_generation()
+            deadline = time.monotonic() + _DRAIN_DEADLINE_S
+            while any(self.engine.stats()[k] for k in ("running", "waiting")):
+                if time.monotonic() > deadline:
+                    left = {k: self.engine.stats()[k] for k in ("running", "waiting")}
+                    raise VLLMError(
+                        f"a wait pause found requests after {_DRAIN_DEADLINE_S}s: {left}", 500
+                    )
                 await asyncio.sleep(_DRAIN_POLL_S)
         await self.engine.pause_generation(
             PauseMode.ABORT if mode == "abort" else PauseMode.RETRACT
         )
-        await self.reset_prefix_cache()
+        if clear:
+            await self.reset_prefix_cache()
 
     async def resume(self) -> None:
         """``/resume``: the scheduler runs again, whatever is asleep."""
@@ -133,13 +146,18 @@ class VLLMEngineModel:
         # vllm: v1/engine/core.py EngineCore.sleep (pause_scheduler, then executor.sleep(level))
         if level not in (0, 1, 2):
             raise VLLMError(f"level must be 0, 1 or 2, got {level!r}", 400)
-        await self.pause(mode)
+        # vllm: EngineCore.sleep pauses with clear_cache=(level >= 1)
+        await self.pause(mode, clear=level >= 1)
         if level >= 1 and "weights" not in self.sleeping:
             # vllm: v1/executor/abstract.py Executor.sleep (a second sleep only warns);
             # v1/worker/gpu_worker.py Worker.sleep: level 1 offloads the weights to host
             # memory, level 2 keeps only the buffers, so the weights come back uninitialised.
             self.engine.set_weights_cpu_backup(level == 1)
-            await self.engine.release_memory_occupation(list(SLEEP_TAGS))
+            # device_allocator/cumem.py CuMemAllocator.sleep skips what is asleep already (the
+            # KV cache, after a wake of the weights alone).
+            await self.engine.release_memory_occupation(
+                [t for t in SLEEP_TAGS if t not in self.sleeping]
+            )
             self.sleeping = set(SLEEP_TAGS)
             self.level = level
         # vllm: v1/engine/async_llm.py AsyncLLM.sleep -> record_sleep_state(1, level)
