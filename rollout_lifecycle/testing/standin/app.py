@@ -254,6 +254,20 @@ def _refused(row: Endpoint, exc: EngineRejected) -> Response:
     return error(exc.message, exc.status)
 
 
+async def fault_rules(state: StandInState, request: Request) -> dict[str, Any]:
+    """The faults route of a stand-in: POST adds rules (all or none), DELETE clears them; each
+    answers the rules in force."""
+    if request.method == "POST":
+        try:
+            body = json.loads(await request.body())
+        except ValueError as exc:
+            raise BadRequest(f"JSON decode error: {exc}") from None
+        state.faults.extend(parse_fault_rules(body, state.routes))
+    elif request.method == "DELETE":
+        state.faults.clear()
+    return {"faults": [rule.to_json() for rule in state.faults]}
+
+
 def standin_app(state: StandInState) -> FastAPI:
     """A stand-in's FastAPI app over ``state``: the death watcher for its lifetime, the state at
     ``app.state.standin`` and the fault middleware. The caller adds its key check after, so that
@@ -567,17 +581,7 @@ def create_app(
         app.add_route(path, route, methods=methods)
 
     async def faults(request: Request) -> dict[str, Any]:
-        # POST adds rules (all or none), DELETE clears them; each answers the rules in force.
-        if request.method == "POST":
-            raw = await request.body()
-            try:
-                body = json.loads(raw)
-            except ValueError as exc:
-                raise BadRequest(f"JSON decode error: {exc}") from None
-            state.faults.extend(parse_fault_rules(body, state.routes))
-        elif request.method == "DELETE":
-            state.faults.clear()
-        return {"faults": [rule.to_json() for rule in state.faults]}
+        return await fault_rules(state, request)
 
     async def history(_: Request) -> Any:
         return state.history()

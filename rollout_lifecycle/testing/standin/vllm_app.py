@@ -35,13 +35,13 @@ from rollout_lifecycle.testing.standin.app import (
     StandInState,
     _wait_disconnect,
     check_path,
+    fault_rules,
     standin_app,
 )
 from rollout_lifecycle.testing.standin.auth import _token_matches
 from rollout_lifecycle.testing.standin.bodies import BadRequest, json_body
 from rollout_lifecycle.testing.standin.faults import (
     FAULTS_PATH,
-    parse_fault_rules,
 )
 from rollout_lifecycle.testing.standin.vllm_engine import (
     SLEEP_STATES,
@@ -444,15 +444,7 @@ def create_vllm_app(
     # ------------------------------------------------------------------ stand-in only
 
     async def faults(request: Request) -> Any:
-        if request.method == "POST":
-            try:
-                rules = json.loads(await request.body())
-            except ValueError as exc:
-                raise BadRequest(f"JSON decode error: {exc}") from None
-            state.faults.extend(parse_fault_rules(rules, state.routes))
-        elif request.method == "DELETE":
-            state.faults.clear()
-        return {"faults": [rule.to_json() for rule in state.faults]}
+        return await fault_rules(state, request)
 
     async def as_json(value: Any) -> Any:
         return json.loads(json.dumps(value, default=repr))
