@@ -28,6 +28,12 @@ from rollout_lifecycle.backends.sglang_api import (
 #: running request at once with ``finish_reason: "abort"``; wait blocks until they finish; keep
 #: freezes them, and they go on after ``/resume``.
 PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")
+#: The labels of the ``vllm:engine_sleep_state`` gauge in ``/metrics``
+#: (``v1/metrics/loggers.py record_sleep_state``): ``awake`` is 1 once fully awake; else
+#: ``weights_offloaded`` is 1 after a level-1 sleep, ``discard_all`` after a level-2 one. vLLM
+#: sets the gauge at a sleep and at the wake that leaves it fully awake (``AsyncLLM.wake_up``),
+#: so it reads asleep until then.
+SLEEP_STATES: tuple[str, ...] = ("awake", "weights_offloaded", "discard_all")
 #: vLLM's key guards only these prefixes: ``serve/middleware/authenticate.py GUARDED_PREFIX``.
 GUARDED_PREFIXES: tuple[str, ...] = ("/v1", "/v2", "/inference", "/cohere")
 

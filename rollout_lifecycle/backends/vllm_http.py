@@ -44,7 +44,7 @@ from rollout_lifecycle.backends.http_wire import (
     shown,
 )
 from rollout_lifecycle.backends.secret import Secret, as_secret
-from rollout_lifecycle.backends.vllm_api import ENDPOINTS
+from rollout_lifecycle.backends.vllm_api import ENDPOINTS, SLEEP_STATES
 from rollout_lifecycle.contract.exceptions import (
     EngineDead,
     EngineRejected,
@@ -417,9 +417,9 @@ class VLLMHTTPEngine:
     # ----------------------------------------------------------------------------- probes
 
     async def server_info(self) -> dict[str, Any]:
-        """The liveness probe, safe while paused: ``/version`` and the API server's start time
-        (``process_start_time_seconds`` in ``/metrics``), as ``startup_time``, which names this
-        process's incarnation."""
+        """The liveness probe, safe while paused: ``/version`` and, from ``/metrics``, the API
+        server's start time (``process_start_time_seconds``) as ``startup_time``, which names
+        this process's incarnation, and its ``sleep_state`` (``parse_sleep_state``)."""
         version = await self._call("version", op="server_info")
         row = ENDPOINTS["metrics"]
         response = await self._wire.request(row, None, self._timeouts.probe, op="server_info")
@@ -427,7 +427,12 @@ class VLLMHTTPEngine:
         for line in response.text.splitlines():
             if line.startswith("process_start_time_seconds "):
                 started = line.split()[1]
-        return {"engine_kind": "vllm", "version": version.get("version"), "startup_time": started}
+        return {
+            "engine_kind": "vllm",
+            "version": version.get("version"),
+            "startup_time": started,
+            "sleep_state": parse_sleep_state(response.text),
+        }
 
     async def observe(self, *, paused: bool = True, identify: bool = True) -> dict[str, Any]:
         """What the server says of itself: its incarnation and whether it is paused."""
@@ -500,6 +505,19 @@ async def _vllm_version(call: Callable[..., Awaitable[Any]], label: str, op: str
     return found
 
 
+def parse_sleep_state(text: str) -> str | None:
+    """The label of ``vllm:engine_sleep_state`` whose value is 1 in a ``/metrics`` text (one of
+    ``SLEEP_STATES``), None when the gauge is not shown."""
+    for line in text.splitlines():
+        if not line.startswith("vllm:engine_sleep_state{"):
+            continue
+        labels, _, value = line.rpartition(" ")
+        for state in SLEEP_STATES:
+            if f'sleep_state="{state}"' in labels and value.strip() in ("1", "1.0"):
+                return state
+    return None
+
+
 def completion_id(rid: str) -> str:
     """The id vLLM knows a ``/v1/completions`` request by, when it was sent with ``request_id``
     ``rid`` and one prompt; ``/abort_requests`` matches this id, not ``rid``."""
@@ -569,4 +587,4 @@ def vllm_http_factory(url: str, **kwargs: Any) -> Callable[[], VLLMHTTPEngine]:
     return functools.partial(VLLMHTTPEngine, url, **kwargs)
 
 
-__all__ = ["MIN_VLLM_VERSION", "VLLMHTTPEngine", "vllm_http_factory"]
+__all__ = ["MIN_VLLM_VERSION", "VLLMHTTPEngine", "parse_sleep_state", "vllm_http_factory"]

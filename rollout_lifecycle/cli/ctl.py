@@ -35,7 +35,7 @@ from rollout_lifecycle.cli.ctl_state import (
     ACTIONS,
     DEADLINES,
     ENGINE_KINDS,
-    KIND_NAMES,
+    ENGINE_NAMES,
     PAUSING_ACTIONS,
     STATE_FORMAT,
     VLLM_KEY_WARNING,
@@ -225,7 +225,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
                 metavar="URL",
                 help=(
                     "an engine restarted since the ledger was written (its /ready must be 200; "
-                    "vLLM's /health 200 and /is_paused false): "
+                    "vLLM's /health 200 and /is_sleeping false): "
                     "recorded as serving with all memory resident; repeatable"
                 ),
             )
@@ -322,7 +322,7 @@ def _diagram(out: str | None) -> int:
 
 async def _check_serving(setup: Setup, urls: Sequence[str]) -> None:
     """With no ledger, an engine counts as serving (all memory resident) only if its probe
-    (SGLang's ``/ready``; vLLM's ``/health`` and ``/is_paused``) says so; a paused one may hold
+    (SGLang's ``/ready``; vLLM's ``/health`` and ``/is_sleeping``) says so; a paused one may hold
     tags released, and releasing them again would kill it."""
     answers = await serving(setup, urls)
     down = [f"{u} ({why})" for u, (ok, why) in zip(urls, answers, strict=True) if ok is None]
@@ -335,8 +335,8 @@ async def _check_serving(setup: Setup, urls: Sequence[str]) -> None:
             ExitCode.STATE,
             f"no state file at {setup.state_path}, and by {probe} these engines do not serve "
             f"(paused or unhealthy): {', '.join(busy)}; what memory they hold released is "
-            f"unknown. "
-            f"Give the state file that recorded it, or bring every engine back to serving first",
+            f"unknown. Give the state file that recorded it, or bring every engine back to "
+            f"serving first",
         )
 
 
@@ -387,7 +387,7 @@ async def _check_versions(kind: str, backends: Sequence[Backend]) -> None:
             b.url for b, r in zip(backends, results, strict=True) if isinstance(r, IllegalEngineOp)
         ]
         detail = "; ".join(f"{u}: {why}" for u, why in zip(names, refused, strict=True))
-        raise CtlError(ExitCode.REFUSED, f"unsupported {KIND_NAMES[kind]}: {detail}")
+        raise CtlError(ExitCode.REFUSED, f"unsupported {ENGINE_NAMES[kind]}: {detail}")
     for result in results:
         if isinstance(result, BaseException) and not isinstance(result, EngineError):
             raise result

@@ -40,12 +40,12 @@ T = TypeVar("T")
 #: of a state file that records none (one written before the field existed).
 ENGINE_KINDS = ("sglang", "vllm")
 
-#: The one group an SGLang fleet forms; engine ids are ``sglang/<index in the ledger>``. A vLLM
-#: fleet's group is ``vllm`` (``group_of``): a fleet's group is its engine kind.
+#: The one group an SGLang fleet forms; engine ids are ``sglang/<index in the ledger>``. A
+#: fleet's group is named after its engine kind (``Setup.group``): a vLLM fleet's is ``vllm``.
 GROUP = "sglang"
 
-#: Each engine kind as its users spell it, for messages.
-KIND_NAMES = {"sglang": "SGLang", "vllm": "vLLM"}
+#: Each engine kind as its users spell it, for messages (ctl's and the demo's).
+ENGINE_NAMES = {"sglang": "SGLang", "vllm": "vLLM"}
 
 #: Options ``--engine-kind vllm`` refuses: what each is for on SGLang, and why vLLM has none.
 SGLANG_ONLY = {
@@ -63,11 +63,6 @@ VLLM_KEY_WARNING = (
     "lifecycle routes ctl calls (/pause, /sleep, /wake_up, ...) answer anyone who reaches the "
     "port without it. Keep vLLM on loopback or a private network"
 )
-
-
-def group_of(kind: str) -> str:
-    """The group name, and so the engine-id prefix, of a fleet of ``kind`` engines."""
-    return GROUP if kind == "sglang" else kind
 
 
 #: The ``format`` field of a state file this version reads and writes.
@@ -178,8 +173,9 @@ class Setup:
 
     @property
     def group(self) -> str:
-        """The fleet's group name: engine ids are ``<group>/<index in the ledger>``."""
-        return group_of(self.engine_kind)
+        """The fleet's group name, its engine kind: engine ids are ``<group>/<index in the
+        ledger>``."""
+        return self.engine_kind
 
 
 #: An engine client ``ctl`` drives.
@@ -364,7 +360,7 @@ def read_ledger(
     if recorded_kind != kind:
         raise CtlError(
             ExitCode.STATE,
-            f"state file {path} records {KIND_NAMES[recorded_kind]} engines (engine_kind "
+            f"state file {path} records {ENGINE_NAMES[recorded_kind]} engines (engine_kind "
             f"{recorded_kind}), but this run was given --engine-kind {kind}; nothing was sent. "
             f"Give --engine-kind {recorded_kind}, or another --state-file",
         )

@@ -55,9 +55,8 @@ async def serving(setup: Setup, urls: Sequence[str]) -> list[tuple[bool | None, 
     """Whether each engine serves with all its memory resident, as safe probes say: True,
     False and what it answered, or None and why nothing answered.
 
-    SGLang: ``/ready`` 200 (503 while paused). vLLM: ``/health`` 200 and ``/is_paused`` false
-    (a sleeping vLLM is paused: ``EngineCore.sleep`` pauses the scheduler and only the wake that
-    makes it fully awake resumes it, vllm/v1/engine/core.py ``EngineCore.wake_up``).
+    SGLang: ``/ready`` 200 (503 while paused). vLLM: ``/health`` 200 and ``/is_sleeping``
+    false (``_vllm_serving``).
     """
     if setup.engine_kind != "vllm":
         answers = await asyncio.gather(*(ready_status(u, setup.timeouts) for u in urls))
@@ -214,12 +213,11 @@ async def _vllm_probe(
     gauge), ``/weight_info`` (weight version), ``/health`` (200 paused or not, 503 once the
     engine core died) and ``/is_paused``. ``ready``: healthy and not paused."""
     assert isinstance(backend, VLLMHTTPEngine)
-    (info, info_error), (version, _), health, (seen, paused_error), sleep = await asyncio.gather(
+    (info, info_error), (version, _), health, (seen, paused_error) = await asyncio.gather(
         _attempt(backend.server_info()),
         _attempt(backend.weight_version()),
         backend.health_status(),
         _attempt(backend.observe(identify=False)),
-        sleep_state(backend.url, timeouts),
     )
     paused = seen.get("paused") if isinstance(seen, dict) else None
     recorded_paused = recorded.paused if recorded is not None else False
@@ -230,46 +228,13 @@ async def _vllm_probe(
         "ready": None if health is None else health == 200 and paused is False,
         "health_status": health,
         "paused": paused,
-        "sleep_state": sleep,
+        "sleep_state": None if info is None else info["sleep_state"],
         "weight_version": version,
         "memory": None,
         "recorded": None if recorded is None else recorded_row(recorded, backend.url),
         "agrees": None if paused is None else paused == recorded_paused,
         "error": info_error or paused_error,
     }
-
-
-#: ``vllm:engine_sleep_state``'s labels (vllm/v1/metrics/loggers.py ``record_sleep_state``):
-#: ``awake`` 1 once fully awake; else ``weights_offloaded`` 1 at sleep level 1, ``discard_all``
-#: 1 at level 2. vLLM sets the gauge at a sleep and at the wake that leaves it fully awake
-#: (vllm/v1/engine/async_llm.py ``AsyncLLM.wake_up``), so it says "asleep" until then.
-_SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
-
-
-async def sleep_state(url: str, timeouts: HTTPTimeouts) -> str | None:
-    """vLLM's sleep state from ``GET /metrics`` (open, no key): ``awake``,
-    ``weights_offloaded`` (sleep level 1) or ``discard_all`` (level 2); None when not shown."""
-    timeout = httpx.Timeout(timeouts.probe, connect=timeouts.connect)
-    try:
-        async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
-            answer = await client.get(f"{url}/metrics")
-    except httpx.HTTPError:
-        return None
-    if answer.status_code != 200:
-        return None
-    return parse_sleep_state(answer.text)
-
-
-def parse_sleep_state(text: str) -> str | None:
-    """The label of ``vllm:engine_sleep_state`` whose value is 1 in a ``/metrics`` text."""
-    for line in text.splitlines():
-        if not line.startswith("vllm:engine_sleep_state{"):
-            continue
-        labels, _, value = line.rpartition(" ")
-        for state in _SLEEP_STATES:
-            if f'sleep_state="{state}"' in labels and value.strip() in ("1", "1.0"):
-                return state
-    return None
 
 
 def _memory(info: Mapping[str, Any]) -> dict[str, float] | None:

@@ -21,6 +21,7 @@ import ray
 from rollout_lifecycle.backends.actor import EngineActorBody, start_engine_actor
 from rollout_lifecycle.backends.ports import free_port
 from rollout_lifecycle.backends.weights import FromDisk
+from rollout_lifecycle.cli.ctl_state import ENGINE_NAMES
 from rollout_lifecycle.cli.demo_args import FAULTS, KIND_NAMES, OUTPUTS, REAL_KINDS, add_parser
 from rollout_lifecycle.cli.demo_report import (
     SLOW_FLUSH_S,
@@ -65,10 +66,6 @@ _REAL_NEW_TOKENS = {"sglang": 96, "vllm": 1200}
 
 #: Seconds the demo lets real requests decode before the offload.
 _REAL_WARMUP_S = 1.0
-
-
-#: The engine a real group runs, as the progress lines name it.
-_ENGINE = {"sglang": "SGLang", "vllm": "vLLM"}
 
 
 _TOKEN_LATENCY = 0.004
@@ -170,7 +167,7 @@ def check_options(args: argparse.Namespace) -> None:
             )
             if used
         ]
-        names = " and ".join({"sglang": "SGLang", "vllm": "vLLM"}[k] for k in kinds)
+        names = " and ".join(ENGINE_NAMES[k] for k in kinds)
         if clashes:
             _fail(
                 f"not with real {names} servers: {', '.join(clashes)} (fault injection is "
@@ -266,7 +263,7 @@ class _RealServers:
             by_kind.setdefault(engine.kind, []).append(engine.launched)
         for kind, servers in by_kind.items():
             self.progress(
-                f"starting {len(servers)} {_ENGINE[kind]} server(s): "
+                f"starting {len(servers)} {ENGINE_NAMES[kind]} server(s): "
                 f"{shlex.join(servers[0].command)}"
             )
         began = time.monotonic()
@@ -274,7 +271,7 @@ class _RealServers:
         async def start(kind: str, servers: list[Any]) -> None:
             await asyncio.gather(*(e.start() for e in servers))
             self.progress(
-                f"{len(servers)} {_ENGINE[kind]} server(s) ready in "
+                f"{len(servers)} {ENGINE_NAMES[kind]} server(s) ready in "
                 f"{time.monotonic() - began:.1f}s: "
                 + ", ".join(f"{e.url} (pid {e.pid})" for e in servers)
             )
@@ -302,7 +299,7 @@ class _RealServers:
             stopped = [e.launched for e in launched if e.kind == kind]
             if stopped:
                 self.progress(
-                    f"stopped {len(stopped)} {_ENGINE[kind]} server(s): "
+                    f"stopped {len(stopped)} {ENGINE_NAMES[kind]} server(s): "
                     + ", ".join(f"pid {e.pid} exit {e.returncode}" for e in stopped)
                 )
 

@@ -16,10 +16,10 @@ import pytest
 from backends.test_vllm_http import FakeVLLM
 
 from rollout_lifecycle import EngineGroup, RolloutServer, SGLangHTTPEngine
+from rollout_lifecycle.backends.vllm_http import parse_sleep_state
 from rollout_lifecycle.cli import main
 from rollout_lifecycle.cli.ctl import ExitCode
 from rollout_lifecycle.cli.ctl_state import GROUP, VLLM_KEY_WARNING, write_ledger
-from rollout_lifecycle.cli.ctl_status import parse_sleep_state
 
 KEY = "sk-vllm-ctl-5e2b8c1d"
 KEY_VAR = "CTL_TEST_VLLM_KEY"

@@ -26,7 +26,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rollout_lifecycle.backends.secret import Secret, as_secret
-from rollout_lifecycle.backends.vllm_api import ENDPOINTS, GUARDED_PREFIXES, PAUSE_MODES
+from rollout_lifecycle.backends.vllm_api import (
+    ENDPOINTS,
+    GUARDED_PREFIXES,
+    PAUSE_MODES,
+    SLEEP_STATES,
+)
 from rollout_lifecycle.contract.exceptions import EngineRejected, InvalidArgument
 from rollout_lifecycle.testing.sim_state import detokenize
 from rollout_lifecycle.testing.simulated import SimulatedEngine
@@ -44,7 +49,6 @@ from rollout_lifecycle.testing.standin.faults import (
     FAULTS_PATH,
 )
 from rollout_lifecycle.testing.standin.vllm_engine import (
-    SLEEP_STATES,
     VLLM_VERSION,
     VLLMEngineModel,
     VLLMError,

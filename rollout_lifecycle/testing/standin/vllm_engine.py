@@ -25,8 +25,6 @@ from rollout_lifecycle.testing.simulated import SimulatedEngine
 VLLM_VERSION = "0.32.0"
 #: The memory a sleep of level 1 or 2 puts to sleep (``v1/executor/abstract.py SLEEP_TAGS``).
 SLEEP_TAGS: tuple[str, ...] = ("weights", "kv_cache")
-#: The sleep states ``vllm:engine_sleep_state`` reports (``v1/metrics/loggers.py``).
-SLEEP_STATES: tuple[str, ...] = ("awake", "weights_offloaded", "discard_all")
 #: The worker's refusal without ``--weight-transfer-config``
 #: (``v1/worker/gpu_worker.py Worker._check_weight_transfer_engine``).
 NOT_CONFIGURED = (
@@ -321,7 +319,6 @@ class VLLMEngineModel:
 
 __all__ = [
     "NOT_CONFIGURED",
-    "SLEEP_STATES",
     "SLEEP_TAGS",
     "TENSORS",
     "VLLM_VERSION",
