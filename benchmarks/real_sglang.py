@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import json
 import shlex
 import sys
 import time
@@ -59,6 +58,7 @@ from rollout_lifecycle import (
     launched_sglang_factory,
     launched_vllm_factory,
 )
+from rollout_lifecycle.testing.sse import asse_events
 
 ROOT = Path(__file__).resolve().parent.parent
 CONDITIONS = ("idle", "traffic")
@@ -138,10 +138,7 @@ class Stream:
         try:
             async with client.stream("POST", url, json=body) as answer:
                 answer.raise_for_status()
-                async for line in answer.aiter_lines():
-                    if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[len("data:") :])
+                async for chunk in asse_events(answer.aiter_bytes()):
                     if kind == "sglang":
                         meta = chunk.get("meta_info") or {}
                         self.tokens = meta.get("completion_tokens", 0)

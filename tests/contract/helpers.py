@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import httpx
 
+from rollout_lifecycle.testing.sse import asse_events
 from rollout_lifecycle.testing.waits import until
 
 Kind = Literal["standin", "real"]
@@ -159,18 +160,14 @@ class Streamed:
         )
 
     async def _run(self, url: str, body: dict[str, Any]) -> tuple[str | None, int]:
-        import json
-
         count, reason = 0, None
         async with (
             httpx.AsyncClient(timeout=CALL_TIMEOUT, trust_env=False) as client,
             client.stream("POST", f"{url}/v1/completions", json=body) as answer,
         ):
             assert answer.status_code == 200, await answer.aread()
-            async for line in answer.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                choice = json.loads(line[6:])["choices"][0]
+            async for event in asse_events(answer.aiter_bytes()):
+                choice = event["choices"][0]
                 count += len(choice.get("token_ids") or [])
                 reason = choice.get("finish_reason") or reason
                 if count:

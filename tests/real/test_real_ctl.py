@@ -18,6 +18,7 @@ import pytest
 from real.servers import RealServer
 
 from rollout_lifecycle import EngineGroup, LifecycleEvent, RolloutServer, SGLangHTTPEngine
+from rollout_lifecycle.testing.sse import sse_events
 
 pytestmark = pytest.mark.real_sglang
 
@@ -52,10 +53,9 @@ class StreamedRequest:
                 client.stream("POST", f"{self.url}/generate", json=body) as answer,
             ):
                 answer.raise_for_status()
-                for line in answer.iter_lines():
-                    if line.startswith("data:") and line.strip() != "data: [DONE]":
-                        self.final = json.loads(line[len("data:") :])
-                        self.started.set()
+                for event in sse_events(answer.iter_bytes()):
+                    self.final = event
+                    self.started.set()
         except BaseException as exc:  # reported by the test, with the request it broke
             self.error = exc
         finally:

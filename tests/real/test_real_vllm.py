@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -47,6 +46,7 @@ from rollout_lifecycle import (
 from rollout_lifecycle.backends.vllm_http import VLLMHTTPEngine
 from rollout_lifecycle.contract.exceptions import EngineRejected, IllegalEngineOp
 from rollout_lifecycle.contract.values import ALL_TAGS, Tag
+from rollout_lifecycle.testing.sse import asse_events
 from rollout_lifecycle.testing.waits import until
 
 pytestmark = pytest.mark.real_vllm
@@ -136,10 +136,8 @@ class Streamed:
         client = httpx.AsyncClient(timeout=600)
         sent = client.stream("POST", f"{url}/v1/completions", json=body)
         async with client, sent as answer:
-            async for line in answer.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                choice = json.loads(line[6:])["choices"][0]
+            async for event in asse_events(answer.aiter_bytes()):
+                choice = event["choices"][0]
                 tokens += len(choice.get("token_ids") or [])
                 reason = choice.get("finish_reason") or reason
                 if tokens:
