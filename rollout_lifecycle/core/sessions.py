@@ -88,6 +88,11 @@ class WeightWriter(Client):
             await self.close_sessions("end_weight_update", opened)
             raise PhaseFailed("begin_weight_update", outcomes, FAILED)
         engines = {r.id: r.handle for r in fleet.live()}
+        if version is None:
+            # The push may stop halfway, and no version would then tell which engines hold
+            # what: each engine written to waits, as a replacement does, for a complete write.
+            for record in fleet.live():
+                record.stale = True
         try:
             await self._call_push(push, WeightUpdate(version, engines))
         finally:

@@ -25,6 +25,7 @@ from rollout_lifecycle import (
     RolloutServer,
     ServerState,
     SimulatedEngine,
+    StaleWeights,
     WeightUpdate,
 )
 from rollout_lifecycle.testing.faults import FaultyEngine
@@ -145,6 +146,30 @@ async def test_a_push_that_raises_closes_every_session_and_sets_no_version() -> 
     await server.update_weights(Push(), version="v2")
     assert not any(inner(e).state()["paused"] for e in reward)
     assert [await inner(e).weight_version() for e in actor + reward] == ["v2"] * 4
+    await close(*actor, *reward)
+
+
+async def test_after_an_unversioned_push_that_raises_no_engine_generates_until_one_succeeds() -> (
+    None
+):
+    # The push may have written part of the weights: no version tells which engines hold what,
+    # so every engine written to waits paused, as a replacement does, for a complete write.
+    server, actor, reward = fleet()
+    await server.offload()
+    await server.onload_weights()
+    with pytest.raises(HookFailed, match="update_weights"):
+        await server.update_weights(Push(RuntimeError("trainer lost a shard")))
+    assert server.state is S.WEIGHTS_RESTORED
+    with pytest.raises(StaleWeights, match="lack new weights") as refused:
+        await server.onload_kv()
+    assert sorted(refused.value.engines) == ["actor/0", "actor/1", "reward/0", "reward/1"]
+    for engine in actor + reward:
+        assert inner(engine).state()["paused"]
+        assert "continue_generation" not in ops(engine)[-3:]
+    await server.update_weights(Push())
+    await server.onload_kv()
+    assert server.state is S.SERVING
+    assert not any(inner(e).state()["paused"] for e in actor + reward)
     await close(*actor, *reward)
 
 

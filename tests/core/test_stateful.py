@@ -373,6 +373,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         #: The last weight write did not complete: groups kept serving stay paused until one
         #: does ("only a complete write continues what it paused").
         self.write_pending = False
+        #: An unversioned push raised, and no write has completed since: the weights may be
+        #: half written and no version says which engines hold what, so none may generate.
+        self.unpushed = False
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -425,10 +428,13 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert self.server is not None
         try:
             metrics = await self.server.update_weights(make_push(push), version)
-        except BaseException:
+        except BaseException as exc:
             self.write_pending = True
+            if isinstance(exc, HookFailed) and version is None:
+                self.unpushed = True  # the push itself raised
             raise
         self.write_pending = False
+        self.unpushed = False
         return metrics
 
     def factory(self, fault: tuple[str, str] | None) -> Callable[[str], FaultyEngine]:
@@ -665,7 +671,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     @invariant()
     def state_is_the_truth(self) -> None:
         assert self.server is not None
-        problems = state_mismatches(self.server, self.write_pending)
+        problems = state_mismatches(self.server, self.write_pending, self.unpushed)
         assert not problems, "invariant 7 (state is the truth) violated:\n" + "\n".join(problems)
 
     @invariant()
@@ -889,7 +895,9 @@ def make_push(kind: str) -> Callable[[WeightUpdate], Any]:
     return push
 
 
-def state_mismatches(server: RolloutServer, write_pending: bool) -> list[str]:
+def state_mismatches(
+    server: RolloutServer, write_pending: bool, unpushed: bool = False
+) -> list[str]:
     """Invariant 7: the ledger and the aggregate state against the simulated engines."""
     state = server.state
     problems: list[str] = []
@@ -933,6 +941,12 @@ def state_mismatches(server: RolloutServer, write_pending: bool) -> list[str]:
             expected = server.expected_version
             version: str = inner._state.weight_version  # the version its tokens carry
             lacks_weights = snap.stale or (expected is not None and version != expected)
+            if unpushed and not actual_paused and state is not S.FAILED:
+                problems.append(
+                    f"{snap.id} ({engine.label}) generates after an unversioned push raised, "
+                    "with no complete write since: its weights may be half written"
+                )
+                continue
             if snap.stale and not actual_paused and state is not S.FAILED:
                 # (a bring-up the engine refused, its probe or its pause, fails the recover()
                 # that sent it; the server stays 'failed' until a recover() pauses it)
