@@ -27,7 +27,7 @@ from rollout_lifecycle.backends.http_wire import (
     shown,
 )
 from rollout_lifecycle.backends.secret import Secret, as_secret
-from rollout_lifecycle.contract.exceptions import InvalidArgument
+from rollout_lifecycle.contract.exceptions import EngineRejected, InvalidArgument
 from rollout_lifecycle.contract.values import (
     DEFAULT_GROUP_NAME,
     PauseMode,
@@ -148,9 +148,36 @@ class SGLangHTTPEngine:
     # ----------------------------------------------------------------------------- lifecycle
 
     async def pause_generation(self, mode: PauseMode) -> None:
-        """``POST /pause_generation {"mode": ...}``; retried (a repeated pause does no harm)."""
+        """``POST /pause_generation {"mode": ...}``; retried (a repeated pause does no harm).
+
+        SGLang has no wait mode. For ``PauseMode.WAIT`` the client first waits for the engine to
+        go idle, every request in flight run to its end: ``POST /flush_cache?timeout=T`` with T
+        the ``drain`` timeout, which SGLang answers once nothing runs or waits (and flushes
+        then). Then it pauses in retract mode, so a request that arrived in between is held,
+        not lost. Requests keep arriving at an engine that has clients besides this library:
+        if it is never idle for T, the pause fails (``EngineRejected``) with nothing paused.
+        """
         op = "pause_generation"
         mode = member(PauseMode, mode, "pause mode")
+        if mode is PauseMode.WAIT:
+            # sglang: flush_wrapper.py SchedulerFlushWrapper.check_pending (a deferred flush
+            # waits for is_fully_idle(), the waiting queue counted, while not paused);
+            # io_struct.py PauseGenerationReqInput.mode (abort, retract, in_place: no wait).
+            drain = self._link.timeouts.drain
+            await self._link.attach(op)
+            try:
+                await self._link.call("flush_cache", op=op, flush_wait=drain)
+            except EngineRejected as exc:
+                if exc.status != 400:
+                    raise
+                raise EngineRejected(
+                    self.label,
+                    op,
+                    f"wait mode: requests were still in flight after {drain:g}s (the drain "
+                    f"timeout); nothing was paused; SGLang said: {exc.message}",
+                    400,
+                ) from None
+            mode = PauseMode.RETRACT
         await self._send(op, {"mode": mode.value})
 
     async def continue_generation(self) -> None:

@@ -33,6 +33,9 @@ class HTTPTimeouts:
     probe: float = 10.0
     #: one ``/generate`` run to completion.
     generate: float = 3600.0
+    #: a pause in wait mode (``PauseMode.WAIT``): it answers once every request in flight has
+    #: run to its end, so it gets a request's bound.
+    drain: float = 3600.0
     flush_margin: float = 10.0
 
     def __post_init__(self) -> None:

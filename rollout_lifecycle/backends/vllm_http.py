@@ -70,6 +70,7 @@ _PAUSE_MODES: Mapping[PauseMode, str] = {
     PauseMode.RETRACT: "keep",
     PauseMode.IN_PLACE: "keep",
     PauseMode.ABORT: "abort",
+    PauseMode.WAIT: "wait",
 }
 #: What vLLM calls a weight version nobody has set.
 # vllm: v1/engine/async_llm.py (weight version "default" until update_weight_version)
@@ -172,12 +173,14 @@ class VLLMHTTPEngine:
         *,
         query: Mapping[str, str | list[str]] | None = None,
         op: str | None = None,
+        timeout: float | None = None,
     ) -> Any:
-        """One call of the row ``name``: its method, key, timeout and retries from the table,
-        its answer read as the row's shape says (a JSON object, else None)."""
+        """One call of the row ``name``: its method, key, timeout (unless ``timeout`` is given)
+        and retries from the table, its answer read as the row's shape says (a JSON object,
+        else None)."""
         row = ENDPOINTS[name]
         op = name if op is None else op
-        wait = getattr(self._timeouts, row.timeout)
+        wait = getattr(self._timeouts, row.timeout) if timeout is None else timeout
         response = await self._wire.request(row, body, wait, op=op, query=query)
         return self._wire.read_answer(op, row, response)
 
@@ -214,10 +217,15 @@ class VLLMHTTPEngine:
     # ----------------------------------------------------------------------------- lifecycle
 
     async def pause_generation(self, mode: PauseMode) -> None:
-        """``POST /pause?mode=keep|abort``; retried (pausing twice does no harm)."""
+        """``POST /pause?mode=keep|abort|wait``; retried (pausing twice does no harm). A wait
+        pause answers once the requests in flight have ended: it gets the ``drain`` timeout."""
         mode = member(PauseMode, mode, "pause mode")
         # vllm: rl/online/api_router.py pause_generation -> EngineCoreProc.pause_scheduler
-        await self._send("pause_generation", "pause", query={"mode": _PAUSE_MODES[mode]})
+        # (wait: PAUSED_NEW, new requests queued while the running ones step to their end;
+        # it answers once they have drained)
+        wait = self._timeouts.drain if mode is PauseMode.WAIT else None
+        query = {"mode": _PAUSE_MODES[mode]}
+        await self._send("pause_generation", "pause", query=query, timeout=wait)
 
     async def continue_generation(self) -> None:
         """``POST /wake_up?tags=kv_cache`` (it resumes the scheduler), then ``/resume``.

@@ -189,7 +189,8 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--pause-mode",
         choices=[m.value for m in PauseMode],
         default=PauseMode.RETRACT.value,
-        help="how pausing treats requests in flight (default retract: none is lost)",
+        help="how pausing treats requests in flight (default retract: none is lost; wait lets "
+        "them finish first, within the pause deadline)",
     )
     defaults = Deadlines()
     shown = ", ".join(f"{name} {getattr(defaults, f):g}" for name, f in DEADLINES.items())

@@ -238,6 +238,7 @@ def make_setup(args: argparse.Namespace) -> Setup:
         timeouts = HTTPTimeouts(
             connect=connect,
             control=max(deadlines.pause, deadlines.continue_),
+            drain=deadlines.pause,
             memory=max(deadlines.release, deadlines.resume),
             probe=deadlines.probe,
             flush_margin=deadlines.probe,

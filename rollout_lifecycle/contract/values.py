@@ -16,7 +16,8 @@ from rollout_lifecycle.contract.exceptions import InvalidArgument
 
 
 class PauseMode(str, Enum):
-    """How ``pause_generation`` treats requests in flight (SGLang's ``mode``)."""
+    """How ``pause_generation`` treats requests in flight (SGLang's ``mode``, mapped to vLLM's
+    by its client)."""
 
     #: Running requests give back their KV cache and wait; they finish after continue. Nothing
     #: is lost and nothing is aborted. The default.
@@ -26,6 +27,12 @@ class PauseMode(str, Enum):
     #: The scheduler freezes with requests holding their KV cache. Memory cannot be released in
     #: this mode; only a weight update that keeps memory resident may use it.
     IN_PLACE = "in_place"
+    #: Requests in flight run to their end before the pause answers: none is aborted or held,
+    #: so memory can be released. vLLM does it itself (``/pause?mode=wait``); SGLang has no such
+    #: mode, and its client waits for the engine to go idle (a flush with a wait), then pauses
+    #: in retract mode. The pause lasts as long as the longest request in flight:
+    #: ``Deadlines.pause`` and the client's ``HTTPTimeouts.drain`` bound it.
+    WAIT = "wait"
 
 
 class Tag(str, Enum):

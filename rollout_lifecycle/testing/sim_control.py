@@ -10,7 +10,7 @@ import contextlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from rollout_lifecycle.backends.sglang_api import FLUSH_FAILED, FLUSH_TIMED_OUT
+from rollout_lifecycle.backends.sglang_api import FLUSH_FAILED, FLUSH_TIMED_OUT, PAUSE_MODES
 from rollout_lifecycle.contract.exceptions import EngineRejected
 from rollout_lifecycle.contract.values import ALL_TAGS, PauseMode, Tag
 from rollout_lifecycle.testing.sim_calls import SimCalls
@@ -48,17 +48,17 @@ class SimControl:
         """``POST /pause_generation``."""
         raw = mode.value if isinstance(mode, PauseMode) else mode
         async with self._calls.op("pause_generation", mode=raw):
-            try:
-                pause_mode = PauseMode(mode)
-            except ValueError:
-                valid = ", ".join(m.value for m in PauseMode)
+            # sglang: io_struct.py PauseGenerationReqInput.mode is a Literal of these three; any
+            # other (the library's "wait" included) is a 400 validation error, nothing paused.
+            if raw not in PAUSE_MODES:
+                valid = ", ".join(PAUSE_MODES)
                 raise EngineRejected(
                     self._state.label,
                     "pause_generation",
                     f"unknown mode {mode!r}; valid: {valid}",
                     400,
-                ) from None
-            await self._scheduler.pause(pause_mode)
+                )
+            await self._scheduler.pause(PauseMode(raw))
 
     async def continue_generation(self) -> None:
         """``POST /continue_generation``."""

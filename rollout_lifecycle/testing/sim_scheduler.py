@@ -193,12 +193,12 @@ class SimScheduler:
 
     def enqueue(self, req: SimRequest) -> None:
         """Take a request: to the scheduler's waiting queue, or held in the front end while
-        paused."""
+        paused or holding arrivals."""
         state = self._state
         state.in_flight[req.rid] = req
         if state.paused:
             state.counts["arrived_paused"] += 1
-        (state.front if state.paused else state.waiting).append(req)
+        (state.front if state.paused or state.hold_arrivals else state.waiting).append(req)
         state.notify()
 
     def record_version_change(self, new_version: str | None) -> None:
@@ -231,12 +231,20 @@ class SimScheduler:
 
     def unpause(self) -> None:
         """Let the scheduler run again; the requests the front end held while paused go to it
-        now, behind the ones it already had."""
+        now, behind the ones it already had (unless it holds arrivals)."""
         state = self._state
         state.paused = False
         state.pause_mode = None
-        state.waiting.extend(state.front)
-        state.front.clear()
+        self.hold_arrivals(state.hold_arrivals)
+
+    def hold_arrivals(self, hold: bool) -> None:
+        """Hold new requests in the front end (``hold``) or, unless paused, let the held ones
+        go to the scheduler, behind the ones it already had."""
+        state = self._state
+        state.hold_arrivals = hold
+        if not (hold or state.paused):
+            state.waiting.extend(state.front)
+            state.front.clear()
         state.notify()
 
     # ----------------------------------------------------------------------------- scheduler

@@ -335,6 +335,9 @@ class SimState:
         # scheduler: no scheduler abort and no idleness check sees them.
         # sglang: tokenizer_manager.py generate_request (is_pause_cond.wait_for before sending)
         self.front: list[SimRequest] = []
+        # New requests wait in the front end though the scheduler runs: a drain (the vLLM
+        # stand-in's wait pause, as vLLM's PAUSED_NEW queues adds and keeps stepping).
+        self.hold_arrivals = False
         self.in_flight: dict[str, SimRequest] = {}
         self.prefix_cache: set[tuple[int, ...]] = set()
         self.session_open = False

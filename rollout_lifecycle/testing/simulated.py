@@ -100,6 +100,12 @@ class SimulatedEngine:
         """Whether generation is paused (introspection; the server shows it only as /ready 503)."""
         return self._state.paused
 
+    def hold_arrivals(self, hold: bool) -> None:
+        """Hold new requests in the front end while the scheduler runs on (``hold`` True), or
+        let them reach it (unless paused): a drain, for models of engines that have one (the
+        vLLM stand-in's wait pause). SGLang has no such state."""
+        self._scheduler.hold_arrivals(hold)
+
     @property
     def pause_mode(self) -> str | None:
         """The mode of the current pause, or None (introspection)."""

@@ -33,7 +33,7 @@ from rollout_lifecycle import (
 from rollout_lifecycle.cli import main
 from rollout_lifecycle.cli.ctl import STATE_FORMAT, ExitCode, default_state_path
 from rollout_lifecycle.contract.urls import url_identity
-from rollout_lifecycle.testing import StandInServer, cycle_order_violations
+from rollout_lifecycle.testing import StandInServer, cycle_order_violations, until
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN_KEY = "adm-ctl-4d1f9a7c03"
@@ -199,6 +199,36 @@ def test_offload_status_onload_cycle_drives_every_standin_and_records_the_ledger
 
 
 # ------------------------------------------------------------------------------- refusals
+
+
+def test_a_wait_offload_lets_the_request_in_flight_end_within_the_pause_deadline(
+    ctl: Ctl, servers: list[StandInServer]
+) -> None:
+    body = {"input_ids": [4, 4], "sampling_params": {"max_new_tokens": 400}}
+    answers: list[dict[str, Any]] = []
+    sender = threading.Thread(
+        target=lambda: answers.append(
+            httpx.post(f"{servers[0].url}/generate", json=body, timeout=120).json()
+        )
+    )
+    sender.start()
+
+    def running() -> bool:
+        stats = httpx.get(f"{servers[0].url}/_standin/stats", timeout=10).json()
+        return bool(stats["running"])
+
+    asyncio.run(until(running, what="the request to run", deadline=120))
+    before = len(servers[0].history())
+    code, _, err = ctl("offload", "--pause-mode", "wait", "--deadline", "pause=90")
+    assert code == 0, err
+    sender.join(120)
+    (answer,) = answers
+    assert len(answer["output_ids"]) == 400 and answer["meta_info"]["num_retractions"] == 0
+    # SGLang's client drains with a flush that waits up to the pause deadline, then pauses.
+    calls = [(e["op"], e.get("timeout") or e.get("mode")) for e in servers[0].history()[before:]]
+    drained = calls.index(("flush_cache", 90.0))
+    assert ("pause_generation", "retract") in calls[drained + 1 :]
+    assert ctl("onload-weights")[0] == 0 and ctl("onload-kv")[0] == 0
 
 
 def test_misuse_is_refused_before_any_engine_is_touched_and_the_standins_live(

@@ -50,6 +50,20 @@ async def test_in_place_paused_requests_finish_after_continue(target: Target) ->
             assert len(result["output_ids"]) == TOKENS
 
 
+async def test_a_wait_mode_is_refused_with_400_and_the_requests_run_on_unpaused(
+    target: Target,
+) -> None:
+    # The library's wait mode is not SGLang's: its client drains with a flush instead.
+    async with target.client() as client:
+        tasks = await in_flight(client, 2, TOKENS)
+        answer = await client.post("/pause_generation", json={"mode": "wait"})
+        assert answer.status_code == 400 and "wait" in answer.text, answer.text
+        assert (await client.get("/ready")).status_code == 200, "nothing was paused"
+        for result in await asyncio.wait_for(asyncio.gather(*tasks), 120):
+            assert finish_type(result) == "length" and len(result["output_ids"]) == TOKENS
+            assert result["meta_info"]["num_retractions"] == 0
+
+
 async def test_requests_sent_while_paused_wait_and_run_after_continue(target: Target) -> None:
     async with target.client() as client:
         assert (await client.post("/pause_generation", json={"mode": "retract"})).status_code == 200

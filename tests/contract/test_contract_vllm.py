@@ -8,6 +8,7 @@ forward pass after a failed reload.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -20,6 +21,7 @@ from rollout_lifecycle.backends.vllm_http import VLLMHTTPEngine
 from rollout_lifecycle.contract.exceptions import EngineRejected, IllegalEngineOp
 from rollout_lifecycle.contract.values import PauseMode, Tag
 from rollout_lifecycle.testing.standin import DEATH_EXIT_CODE, VLLMStandInServer
+from rollout_lifecycle.testing.waits import until
 
 NOT_CONFIGURED = "Weight transfer not configured"
 
@@ -71,6 +73,32 @@ async def test_a_keep_pause_freezes_a_running_request_and_it_ends_full_length_af
     assert await is_paused(raw) and not stream.done.done()
     await client.continue_generation()
     assert await stream.result() == ("length", vllm_target.tokens)
+
+
+async def test_a_wait_pause_answers_once_the_running_request_has_ended_full_length(
+    vllm_target: VLLMTarget, client: VLLMHTTPEngine, raw: httpx.AsyncClient
+) -> None:
+    stream = await Streamed(vllm_target.url, vllm_target.tokens).started()
+    await client.pause_generation(PauseMode.WAIT)  # /pause?mode=wait
+    assert await is_paused(raw)
+    # Nothing holds a KV block when it answers: the flush a running request refuses passes.
+    assert (await raw.post("/reset_prefix_cache")).json() == {"success": True}
+    assert await stream.result() == ("length", vllm_target.tokens), "ended without a resume"
+    await client.continue_generation()
+
+
+async def test_a_request_sent_during_a_wait_pause_is_queued_until_the_resume(
+    vllm_target: VLLMTarget, client: VLLMHTTPEngine, raw: httpx.AsyncClient
+) -> None:
+    running = await Streamed(vllm_target.url, vllm_target.tokens).started()
+    pausing = asyncio.ensure_future(client.pause_generation(PauseMode.WAIT))
+    await until(lambda: is_paused(raw), what="the wait pause to begin", deadline=CALL_TIMEOUT)
+    late = Streamed(vllm_target.url, 8)
+    await asyncio.wait_for(pausing, CALL_TIMEOUT)
+    assert await running.result() == ("length", vllm_target.tokens)
+    assert not late.decoding.is_set(), "a request sent while draining is queued, not run"
+    await client.continue_generation()
+    assert await late.result() == ("length", 8)
 
 
 async def test_an_abort_pause_answers_the_running_request_with_its_partial_output(

@@ -242,7 +242,7 @@ async def test_pause_in_place_keeps_requests_running_and_rejects_flush(
 
 
 @pytest.mark.looptime
-@pytest.mark.parametrize("mode", list(PauseMode))
+@pytest.mark.parametrize("mode", [PauseMode.ABORT, PauseMode.RETRACT, PauseMode.IN_PLACE])
 async def test_generate_while_paused_waits_and_completes_after_continue(
     make_engine: MakeEngine, mode: PauseMode
 ) -> None:
@@ -258,6 +258,23 @@ async def test_generate_while_paused_waits_and_completes_after_continue(
     await engine.continue_generation()
     (result,) = await gather([task])
     assert finish_type(result) == "length" and len(result["output_ids"]) == 5
+
+
+@pytest.mark.looptime
+async def test_a_wait_pause_is_refused_as_sglang_refuses_it_and_the_requests_run_on(
+    make_engine: MakeEngine,
+) -> None:
+    # SGLang has no wait mode (the library's SGLang client drains with a flush instead).
+    engine = make_engine()
+    task = submit(engine, 30)
+    await until(lambda: engine.stats()["running"] == 1, what="the request to run")
+    with pytest.raises(
+        EngineRejected, match=r"unknown mode .*'wait'.*valid: abort, retract, in_place"
+    ):
+        await engine.pause_generation(PauseMode.WAIT)
+    assert not engine.paused
+    (result,) = await gather([task])
+    assert finish_type(result) == "length" and result["meta_info"]["num_retractions"] == 0
 
 
 @pytest.mark.looptime

@@ -223,7 +223,7 @@ def create_vllm_app(
 
     @serves("is_paused")
     async def is_paused(_: Request) -> Any:
-        return {"is_paused": engine.paused}  # vllm: rl/online/api_router.py is_paused
+        return {"is_paused": model.paused}  # vllm: rl/online/api_router.py is_paused
 
     @serves("reset_prefix_cache")
     async def reset_prefix_cache(_: Request) -> Any:

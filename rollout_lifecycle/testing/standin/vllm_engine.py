@@ -77,6 +77,8 @@ class VLLMEngineModel:
         self.level = 0
         #: The sleep state the metrics gauge shows (``AsyncLLM.sleep`` / ``wake_up``).
         self.sleep_state = {"sleep": 0, "level": 0}
+        #: A wait pause is draining the requests in flight (PAUSED_NEW).
+        self._draining = False
         #: What the weights hold: the checkpoint last loaded, or the last transfer.
         self.weights_source = weights_path
         #: Why the next forward pass kills the engine (a reload failed), or None.
@@ -101,25 +103,36 @@ class VLLMEngineModel:
         if mode not in ("abort", "wait", "keep"):
             raise VLLMError(f"Invalid pause mode: {mode}", 400)
         if mode == "wait":
-            # vllm: PAUSED_NEW keeps stepping until the requests in flight drain. The stand-in
-            # waits for them and then pauses (a request arriving meanwhile is run too).
-            # The engine publishes no drain event. Requests an earlier keep pause froze drain
-            # too: PAUSED_NEW steps whatever the pause state was.
-            if self.engine.paused:
-                await self.engine.continue_generation()
-            deadline = time.monotonic() + _DRAIN_DEADLINE_S
-            while any(self.engine.stats()[k] for k in ("running", "waiting")):
-                if time.monotonic() > deadline:
-                    left = {k: self.engine.stats()[k] for k in ("running", "waiting")}
-                    raise VLLMError(
-                        f"a wait pause found requests after {_DRAIN_DEADLINE_S}s: {left}", 500
-                    )
-                await asyncio.sleep(_DRAIN_POLL_S)
-        await self.engine.pause_generation(
-            PauseMode.ABORT if mode == "abort" else PauseMode.RETRACT
-        )
+            # vllm: PAUSED_NEW queues new requests and keeps stepping until the ones in flight
+            # drain; the stand-in holds arrivals in the front end, waits for the scheduler to
+            # empty (the engine publishes no drain event), then pauses. Requests an earlier keep
+            # pause froze drain too: PAUSED_NEW steps whatever the pause state was.
+            self.engine.hold_arrivals(True)
+            self._draining = True
+            try:
+                if self.engine.paused:
+                    await self.engine.continue_generation()
+                await self._drain()
+                await self.engine.pause_generation(PauseMode.RETRACT)
+            finally:
+                self.engine.hold_arrivals(False)
+                self._draining = False
+        else:
+            await self.engine.pause_generation(
+                PauseMode.ABORT if mode == "abort" else PauseMode.RETRACT
+            )
         if clear:
             await self.reset_prefix_cache()
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + _DRAIN_DEADLINE_S
+        while any(self.engine.stats()[k] for k in ("running", "waiting")):
+            if time.monotonic() > deadline:
+                left = {k: self.engine.stats()[k] for k in ("running", "waiting")}
+                raise VLLMError(
+                    f"a wait pause found requests after {_DRAIN_DEADLINE_S}s: {left}", 500
+                )
+            await asyncio.sleep(_DRAIN_POLL_S)
 
     async def resume(self) -> None:
         """``/resume``: the scheduler runs again, whatever is asleep."""
@@ -179,9 +192,15 @@ class VLLMEngineModel:
             self.sleep_state = {"sleep": 0, "level": 0}
         return fully_awake
 
+    @property
+    def paused(self) -> bool:
+        """``/is_paused``: paused, or draining for a wait pause (vLLM's PAUSED_NEW)."""
+        # vllm: v1/engine/core.py EngineCore.is_scheduler_paused (pause_state != UNPAUSED)
+        return self.engine.paused or self._draining
+
     def is_sleeping(self) -> bool:
         """``/is_sleeping``: paused, or memory asleep (``EngineCore.is_sleeping``)."""
-        return self.engine.paused or bool(self.sleeping)
+        return self.paused or bool(self.sleeping)
 
     def memory(self) -> dict[str, Any]:
         """Stand-in only: the device bytes per tag (``SimulatedEngine.memory``) and the host
