@@ -271,16 +271,20 @@ class VLLMHTTPEngine:
         return True
 
     async def release_memory_occupation(self, tags: Sequence[Tag]) -> None:
-        """``POST /sleep?level=L&mode=keep``; the tags must name the weights and the KV cache
-        (vLLM releases both together); sent once."""
+        """``POST /sleep?level=L&mode=keep``; sent once.
+
+        vLLM puts the weights and the KV cache to sleep together. A release of the KV cache
+        alone (a replacement joining a fleet whose weights are back) sleeps both, then wakes
+        the weights (``/wake_up?tags=weights``): at level 2 they come back unusable until a
+        push, as after any level-2 release. A release of the weights alone is refused."""
         op = "release_memory_occupation"
         names = {t.value for t in parse_tags(tags, what=f"{op} tags")}
-        if not {Tag.WEIGHTS.value, Tag.KV_CACHE.value} <= names:
+        if Tag.KV_CACHE.value not in names:
             raise IllegalEngineOp(
                 self._label,
                 op,
                 f"vLLM releases the weights and the KV cache together (/sleep), got tags "
-                f"{sorted(names)}; release both, or neither",
+                f"{sorted(names)}; release the KV cache with them, or nothing",
             )
         # vllm: serve/dev/sleep/api_router.py sleep -> EngineCore.sleep (pause, then
         # executor.sleep(level)); mode keep: a release never aborts what a pause kept.
@@ -293,6 +297,8 @@ class VLLMHTTPEngine:
             self._broken = "a level-2 sleep discarded them and no push has replaced them"
             self._session_ended = False
         await self._send(op, "sleep", query={"level": level, "mode": "keep"})
+        if Tag.WEIGHTS.value not in names:
+            await self._send(op, "wake_up", query={"tags": ["weights"]})
 
     async def resume_memory_occupation(self, tags: Sequence[Tag]) -> None:
         """``POST /wake_up?tags=weights`` for the weights; the KV cache's wake waits for the

@@ -88,9 +88,14 @@ def engine(fake: FakeVLLM, **options: Any) -> VLLMHTTPEngine:
 
 @pytest.mark.parametrize(
     ("mode", "sent"),
-    [(PauseMode.RETRACT, "keep"), (PauseMode.IN_PLACE, "keep"), (PauseMode.ABORT, "abort")],
+    [
+        (PauseMode.RETRACT, "keep"),
+        (PauseMode.IN_PLACE, "keep"),
+        (PauseMode.ABORT, "abort"),
+        (PauseMode.WAIT, "wait"),
+    ],
 )
-async def test_a_pause_is_vllms_keep_or_abort(mode: PauseMode, sent: str) -> None:
+async def test_a_pause_is_vllms_keep_abort_or_wait(mode: PauseMode, sent: str) -> None:
     fake = FakeVLLM()
     await engine(fake).pause_generation(mode)
     assert fake.calls() == [f"POST /pause?mode={sent}"]
@@ -119,14 +124,20 @@ async def test_a_busy_flush_is_a_400_refusal_and_a_flush_with_a_wait_asks_again(
     assert fake.calls().count("POST /reset_prefix_cache") == 1 + 3
 
 
-async def test_a_release_sleeps_with_keep_and_must_name_weights_and_kv_together() -> None:
+async def test_a_release_sleeps_with_keep_and_the_kv_cache_alone_wakes_the_weights_back() -> None:
     fake = FakeVLLM()
     with pytest.raises(IllegalEngineOp, match="weights and the KV cache together"):
-        await engine(fake).release_memory_occupation([Tag.KV_CACHE])
+        await engine(fake).release_memory_occupation([Tag.WEIGHTS])
     assert fake.calls() == []
     await engine(fake).release_memory_occupation(list(ALL_TAGS))
     await engine(fake, sleep_level=2).release_memory_occupation([Tag.WEIGHTS, Tag.KV_CACHE])
     assert fake.calls() == ["POST /sleep?level=1&mode=keep", "POST /sleep?level=2&mode=keep"]
+    await engine(fake).release_memory_occupation([Tag.KV_CACHE, Tag.CUDA_GRAPH])
+    assert fake.calls()[2:] == ["POST /sleep?level=1&mode=keep", "POST /wake_up?tags=weights"]
+    level_2 = engine(fake, sleep_level=2)
+    await level_2.release_memory_occupation([Tag.KV_CACHE])
+    with pytest.raises(IllegalEngineOp, match="level-2 sleep discarded them"):
+        await level_2.continue_generation()
 
 
 async def test_the_kv_cache_wakes_with_the_continue_and_not_before() -> None:

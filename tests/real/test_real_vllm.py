@@ -254,11 +254,23 @@ async def test_a_full_wake_continues_generation_so_the_client_holds_the_kv_wake_
     assert not await paused(url)
 
 
-async def test_a_release_must_name_the_weights_and_the_kv_cache_together(
+async def test_a_release_of_the_kv_cache_alone_sleeps_both_and_wakes_the_weights_back(
     engine: VLLMHTTPEngine,
 ) -> None:
+    url = engine.url
     with pytest.raises(IllegalEngineOp, match="weights and the KV cache together"):
-        await engine.release_memory_occupation([Tag.KV_CACHE])
+        await engine.release_memory_occupation([Tag.WEIGHTS])
+    before = await engine.weight_checksums()
+    await engine.pause_generation(PauseMode.RETRACT)
+    await engine.release_memory_occupation([Tag.KV_CACHE, Tag.CUDA_GRAPH])
+    assert await engine.weight_checksums() == before  # level 1: back from host memory
+    async with httpx.AsyncClient(base_url=url, timeout=60) as raw:
+        assert (await raw.get("/is_sleeping")).json()["is_sleeping"]
+        # Only the KV cache was asleep: its wake alone makes the engine whole (and resumes it).
+        woken = await raw.post("/wake_up", params={"tags": "kv_cache"})
+        assert woken.json()["status"] == "awake", woken.text
+    assert not await paused(url)
+    assert len((await engine.generate(request(8)))["output_ids"]) == 8
 
 
 # ------------------------------------------------------------------ weights

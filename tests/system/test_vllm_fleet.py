@@ -105,3 +105,39 @@ async def test_a_level_2_fleet_without_a_push_is_never_continued_and_recovers_wi
         seen = ops(s)
         assert seen.index("continue_generation") > seen.index("update_weights_from_disk")
     assert len((await server.generate(short()))["output_ids"]) == 4
+
+
+async def test_an_engine_that_dies_at_its_weights_wake_is_replaced_and_serves_after_a_push(
+    standins: list[VLLMStandInServer], fleet_over: Any
+) -> None:
+    # On a GPU a wake can run out of memory and end the process; the stand-in's death fault
+    # stands for it. The fleet names the engine, recover() replaces it, and the replacement
+    # joins paused with its KV cache asleep, waiting for weights like any replacement.
+    server = RolloutServer([EngineGroup("vllm", fleet_over(standins))])
+    await server.offload()
+    doomed = standins[1]
+    doomed.inject({"path": "/wake_up", "kind": "die"})
+    with pytest.raises(PhaseFailed, match=r"vllm/1: unreachable \(POST /wake_up"):
+        await server.onload_weights()
+    assert doomed.wait_dead(30) and server.state is ServerState.FAILED
+    made: list[VLLMStandInServer] = []
+
+    def replace(engine_id: str) -> Any:
+        assert engine_id == "vllm/1"
+        made.append(vllm_standin())
+        return start_engine_actor(vllm_http_factory(made[-1].url))
+
+    outcomes = await server.recover(replace)
+    assert list(outcomes) == ["vllm/1"] and outcomes["vllm/1"].ok
+    try:
+        assert server.state is ServerState.WEIGHTS_RESTORED
+        assert paused(made[0]) and made[0].memory()["device"]["kv_cache"] == 0
+        await server.update_weights(FromDisk(contract_model_dir()), version="step-1")
+        await server.onload_kv()
+        assert server.state is ServerState.SERVING and not paused(made[0])
+        answers = await asyncio.gather(*(server.generate(short()) for _ in range(6)))
+        assert all(len(a["output_ids"]) == 4 for a in answers)
+        assert "vllm/1" in {e for a in answers for e in a["meta_info"]["engines"]}
+    finally:
+        for server_made in made:
+            server_made.stop()
