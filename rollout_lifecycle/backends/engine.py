@@ -51,7 +51,9 @@ class EngineBackend(Protocol):
         ...
 
     async def pause_generation(self, mode: PauseMode) -> None:
-        """``POST /pause_generation``."""
+        """``POST /pause_generation``. ``PauseMode.WAIT`` is not SGLang's: a backend lets the
+        requests in flight end before it pauses (``SGLangHTTPEngine``: a flush that waits,
+        then a retract pause), or refuses it."""
         ...
 
     async def continue_generation(self) -> None:

@@ -55,7 +55,12 @@ class SimControl:
                 raise EngineRejected(
                     self._state.label,
                     "pause_generation",
-                    f"unknown mode {mode!r}; valid: {valid}",
+                    f"unknown mode {mode!r}; valid: {valid}"
+                    + (
+                        " (SGLangHTTPEngine carries the library's wait mode out)"
+                        if raw == "wait"
+                        else ""
+                    ),
                     400,
                 )
             await self._scheduler.pause(PauseMode(raw))
