@@ -58,7 +58,7 @@ from rollout_lifecycle import (
     launched_sglang_factory,
     launched_vllm_factory,
 )
-from rollout_lifecycle.testing.sse import asse_events
+from rollout_lifecycle.testing import asse_events
 
 ROOT = Path(__file__).resolve().parent.parent
 CONDITIONS = ("idle", "traffic")

@@ -75,6 +75,11 @@ _PAUSE_MODES: Mapping[PauseMode, str] = {
 #: What vLLM calls a weight version nobody has set.
 # vllm: v1/engine/async_llm.py (weight version "default" until update_weight_version)
 _UNSET_VERSION = "default"
+#: A reload's answer when the prefix cache could not be reset after it.
+_NOT_RESET_AFTER_RELOAD = (
+    "the weights were reloaded, but the prefix cache was not reset because requests still hold "
+    "KV blocks; pause and flush, then reset it"
+)
 #: How often a flush with a wait asks again whether the engine went idle.
 _FLUSH_POLL_S = 0.05
 
@@ -271,12 +276,10 @@ class VLLMHTTPEngine:
         return True
 
     async def release_memory_occupation(self, tags: Sequence[Tag]) -> None:
-        """``POST /sleep?level=L&mode=keep``; sent once.
-
-        vLLM puts the weights and the KV cache to sleep together. A release of the KV cache
-        alone (a replacement joining a fleet whose weights are back) sleeps both, then wakes
-        the weights (``/wake_up?tags=weights``): at level 2 they come back unusable until a
-        push, as after any level-2 release. A release of the weights alone is refused."""
+        """``POST /sleep?level=L&mode=keep``, sent once: vLLM puts the weights and the KV cache
+        to sleep together. A release of the KV cache alone (a replacement joining a fleet whose
+        weights are back) sleeps both, then wakes the weights (``/wake_up?tags=weights``; at
+        level 2 they are unusable until a push). A release of the weights alone is refused."""
         op = "release_memory_occupation"
         names = {t.value for t in parse_tags(tags, what=f"{op} tags")}
         if Tag.KV_CACHE.value not in names:
@@ -368,13 +371,7 @@ class VLLMHTTPEngine:
         if version is not None:
             await self._send(op, "update_weight_version", {"new_version": version})
         if check_flag("flush_cache", flush_cache) and not await self._reset_prefix_cache(op):
-            raise EngineRejected(
-                self._label,
-                op,
-                "the weights were reloaded, but the prefix cache was not reset because requests "
-                "still hold KV blocks; pause and flush, then reset it",
-                400,
-            )
+            raise EngineRejected(self._label, op, _NOT_RESET_AFTER_RELOAD, 400)
 
     async def update_weight_version(self, version: str, *, abort_all_requests: bool) -> None:
         """``POST /update_weight_version {"new_version"}`` (a label; vLLM aborts nothing), after
@@ -437,14 +434,10 @@ class VLLMHTTPEngine:
         version = await self._call("version", op="server_info")
         row = ENDPOINTS["metrics"]
         response = await self._wire.request(row, None, self._timeouts.probe, op="server_info")
-        started = None
-        for line in response.text.splitlines():
-            if line.startswith("process_start_time_seconds "):
-                started = line.split()[1]
         return {
             "engine_kind": "vllm",
             "version": version.get("version"),
-            "startup_time": started,
+            "startup_time": parse_start_time(response.text),
             "sleep_state": parse_sleep_state(response.text),
         }
 
@@ -464,8 +457,7 @@ class VLLMHTTPEngine:
 
     async def is_sleeping(self) -> bool:
         """``GET /is_sleeping``: True while the engine is paused or any of its memory is asleep
-        (``v1/engine/core.py EngineCore.is_sleeping``); False only when it serves with all of it
-        resident."""
+        (``v1/engine/core.py EngineCore.is_sleeping``), False when it serves fully resident."""
         answer = await self._call("is_sleeping")
         found = answer.get("is_sleeping")
         if not isinstance(found, bool):
@@ -517,6 +509,14 @@ async def _vllm_version(call: Callable[..., Awaitable[Any]], label: str, op: str
         ) from None
     assert isinstance(found, str)
     return found
+
+
+def parse_start_time(text: str) -> str | None:
+    """The API server's ``process_start_time_seconds`` in a ``/metrics`` text, None if absent."""
+    for line in text.splitlines():
+        if line.startswith("process_start_time_seconds "):
+            return line.split()[1]
+    return None
 
 
 def parse_sleep_state(text: str) -> str | None:

@@ -36,6 +36,7 @@ from rollout_lifecycle.testing.fleets import (
     simulated_engines,
 )
 from rollout_lifecycle.testing.simulated import MAX_FLEET, SimulatedEngine, fleet_factories
+from rollout_lifecycle.testing.sse import asse_events, sse_events
 from rollout_lifecycle.testing.standin import StandInServer
 from rollout_lifecycle.testing.waits import until, until_actor_gone, until_began
 
@@ -144,6 +145,7 @@ __all__ = [
     "History",
     "SimulatedEngine",
     "StandInServer",
+    "asse_events",
     "barrier_violations",
     "calls_received",
     "collector_load",
@@ -161,6 +163,7 @@ __all__ = [
     "simulated_engine_actors",
     "simulated_engines",
     "simulated_multi_engine_actors",
+    "sse_events",
     "until",
     "until_actor_gone",
     "until_began",
