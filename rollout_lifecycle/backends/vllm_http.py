@@ -47,6 +47,7 @@ from rollout_lifecycle.backends.secret import Secret, as_secret
 from rollout_lifecycle.backends.vllm_api import ENDPOINTS, SLEEP_STATES
 from rollout_lifecycle.contract.exceptions import (
     EngineDead,
+    EngineError,
     EngineRejected,
     EngineTimeout,
     EngineUnreachable,
@@ -75,6 +76,11 @@ _PAUSE_MODES: Mapping[PauseMode, str] = {
 #: What vLLM calls a weight version nobody has set.
 # vllm: v1/engine/async_llm.py (weight version "default" until update_weight_version)
 _UNSET_VERSION = "default"
+#: The refusal of a release of the weights without the KV cache.
+_NOT_TOGETHER = (
+    "vLLM releases the weights and the KV cache together (/sleep), got tags {}; release the KV "
+    "cache with them, or nothing"
+)
 #: A reload's answer when the prefix cache could not be reset after it.
 _NOT_RESET_AFTER_RELOAD = (
     "the weights were reloaded, but the prefix cache was not reset because requests still hold "
@@ -283,12 +289,7 @@ class VLLMHTTPEngine:
         op = "release_memory_occupation"
         names = {t.value for t in parse_tags(tags, what=f"{op} tags")}
         if Tag.KV_CACHE.value not in names:
-            raise IllegalEngineOp(
-                self._label,
-                op,
-                f"vLLM releases the weights and the KV cache together (/sleep), got tags "
-                f"{sorted(names)}; release the KV cache with them, or nothing",
-            )
+            raise IllegalEngineOp(self._label, op, _NOT_TOGETHER.format(sorted(names)))
         # vllm: serve/dev/sleep/api_router.py sleep -> EngineCore.sleep (pause, then
         # executor.sleep(level)); mode keep: a release never aborts what a pause kept.
         level = str(self._sleep_level)
@@ -301,7 +302,12 @@ class VLLMHTTPEngine:
             self._session_ended = False
         await self._send(op, "sleep", query={"level": level, "mode": "keep"})
         if Tag.WEIGHTS.value not in names:
-            await self._send(op, "wake_up", query={"tags": ["weights"]})
+            try:
+                await self._send(op, "wake_up", query={"tags": ["weights"]})
+            except EngineRejected as exc:  # the sleep landed: no refusal may hide it
+                raise EngineError(
+                    self._label, op, f"slept, then the weights' wake failed: {exc}"
+                ) from None
 
     async def resume_memory_occupation(self, tags: Sequence[Tag]) -> None:
         """``POST /wake_up?tags=weights`` for the weights; the KV cache's wake waits for the

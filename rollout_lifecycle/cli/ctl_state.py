@@ -238,7 +238,8 @@ def make_setup(args: argparse.Namespace) -> Setup:
         timeouts = HTTPTimeouts(
             connect=connect,
             control=max(deadlines.pause, deadlines.continue_),
-            drain=deadlines.pause,
+            # SGLang's refusal of a drain that never goes idle must beat the pause deadline.
+            drain=max(deadlines.pause - 2 * deadlines.probe, deadlines.pause / 2),
             memory=max(deadlines.release, deadlines.resume),
             probe=deadlines.probe,
             flush_margin=deadlines.probe,

@@ -158,6 +158,14 @@ def parse_tags(tags: Iterable[str | Tag], *, what: str = "tags") -> tuple[Tag, .
 E = TypeVar("E", bound=Enum)
 
 
+def without_wait(mode: PauseMode) -> PauseMode:
+    """``mode``, with ``WAIT`` as ``RETRACT``, which keeps every request too: for a pause that
+    must not wait on traffic. An engine whose last pause is unknown may be paused already (on
+    SGLang a wait would then time out), a replacement has nothing to wait for, and engines
+    serving others around a weight write might never go idle."""
+    return PauseMode.RETRACT if mode is PauseMode.WAIT else mode
+
+
 def member(enum: type[E], value: object, what: str) -> E:
     """``value`` as a member of ``enum``, or an error naming the value and the valid ones."""
     try:

@@ -20,6 +20,14 @@ class Versions:
     every continue."""
 
     expected: str | None = None
+    #: An unversioned push raised, and no write has completed since: it may have written part
+    #: of the weights, and no version tells which engines hold what, so none may continue.
+    interrupted: bool = False
+
+    def wanted(self) -> str | None:
+        """The version a ``StaleWeights`` names: none after an interrupted push (new weights
+        are wanted, whatever version the engines report)."""
+        return None if self.interrupted else self.expected
 
 
 @dataclass(frozen=True)

@@ -159,7 +159,7 @@ class Phases(Client):
         """
         stale = await self.reconciler.lacking_weights(targets)
         if stale:
-            raise StaleWeights(self._versions.expected, stale)
+            raise StaleWeights(self._versions.wanted(), stale)
 
 
 __all__ = ["Phases"]

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from rollout_lifecycle.contract.exceptions import PhaseFailed, StaleWeights
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import EngineOutcome
-from rollout_lifecycle.contract.values import PauseMode, Tag
+from rollout_lifecycle.contract.values import PauseMode, Tag, without_wait
 from rollout_lifecycle.core.ledger import EngineRecord, GroupRecords, Target, target
 from rollout_lifecycle.core.parts import Client
 from rollout_lifecycle.core.runner import Plan
@@ -158,7 +158,7 @@ class Reconciler(Client):
             if op is Op.CONTINUE:
                 stale = await self.lacking_weights(everyone.targets)
                 if stale:
-                    raise StaleWeights(self._versions.expected, stale)
+                    raise StaleWeights(self._versions.wanted(), stale)
         await self._hooks.before(name)
         # (planned after the hooks, which may have changed the records)
         for plan in self._forward_plans(self._pass(goal, records, str, hold=hold), op, tags):
@@ -182,7 +182,17 @@ class Reconciler(Client):
         the engines whose records differ from the goal's targets in what the step changes."""
         mode = self._config.pause_mode
         if op is Op.PAUSE:
-            return [Plan(Op.PAUSE, tuple(run.to_pause()), (mode.value,), mode=mode)]
+            targets = run.to_pause()
+            if mode is not PauseMode.WAIT:
+                return [Plan(Op.PAUSE, tuple(targets), (mode.value,), mode=mode)]
+            # An engine whose last pause is unknown may be paused already: no wait for it.
+            held = without_wait(mode)
+            unknown = tuple(r for r in targets if r.pause_unknown)
+            known = tuple(r for r in targets if not r.pause_unknown)
+            return [
+                Plan(Op.PAUSE, known, (mode.value,), mode=mode),
+                Plan(Op.PAUSE, unknown, (held.value,), mode=held),
+            ]
         if op is Op.FLUSH:
             return [Plan(Op.FLUSH, run.to_flush(()), self._flush_args())]
         if op is Op.CONTINUE:
@@ -268,8 +278,9 @@ class Reconciler(Client):
 
     async def _drain_and_release(self, run: _Pass) -> None:
         """Pause, flush and release what the targets need, stopping at the first phase that
-        does not succeed."""
-        mode = self._config.pause_mode
+        does not succeed. (Engines a reconcile pauses are replacements or of unknown pause: a
+        wait mode pauses them in retract mode.)"""
+        mode = without_wait(self._config.pause_mode)
         to_pause = run.to_pause()
         # a continue still in flight lands first (it would undo the pause)
         await self._runner.landed(to_pause, self._deadline(Op.PAUSE), Op.PAUSE)
@@ -293,7 +304,7 @@ class Reconciler(Client):
         landed = await self._runner.landed(paused, self._deadline(Op.PAUSE), Op.CONTINUE)
         lacking = await self.lacking_weights(landed)
         for record in landed:
-            if record.id in lacking:
+            if record.id in lacking and not self._versions.interrupted:
                 # it reports other weights than the fleet's (a push that failed under it): it
                 # waits paused for an update, as a replacement does, and never serves them
                 record.stale = True
@@ -303,8 +314,11 @@ class Reconciler(Client):
     async def lacking_weights(self, targets: Sequence[EngineRecord]) -> dict[str, str | None]:
         """The engines of ``targets`` without the expected weights, with the version each
         reports (None for a replacement that has received no update); an engine found to report
-        the expected version is no longer stale. ``PhaseFailed`` if a version cannot be read."""
+        the expected version is no longer stale. ``PhaseFailed`` if a version cannot be read.
+        After an unversioned push that raised (``Versions.interrupted``), every target."""
         expected = self._versions.expected
+        if self._versions.interrupted:
+            return {r.id: None for r in targets}
         stale: dict[str, str | None] = {r.id: None for r in targets if r.stale}
         if expected is not None and targets:
             plan = Plan(Op.WEIGHT_VERSION, tuple(targets))

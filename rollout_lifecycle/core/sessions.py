@@ -16,7 +16,7 @@ from typing import Any
 from rollout_lifecycle.contract.exceptions import PhaseFailed
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
-from rollout_lifecycle.contract.values import PauseMode
+from rollout_lifecycle.contract.values import PauseMode, without_wait
 from rollout_lifecycle.core.ledger import EngineRecord
 from rollout_lifecycle.core.machine import PhaseArgs
 from rollout_lifecycle.core.parts import Client, Parts
@@ -65,7 +65,7 @@ class WeightWriter(Client):
         # Engines still serving (groups that keep their memory) are paused around the write.
         serving = [r for r in fleet.live() if not r.paused]
         if serving:
-            mode = self._config.pause_mode
+            mode = without_wait(self._config.pause_mode)
             plan = Plan(Op.PAUSE, tuple(serving), (mode.value,), mode=mode)
             await runner.require("pause_for_update", plan, deadlines.pause)
         # A session that an earlier update left open (its begin or end did not complete) is
@@ -88,13 +88,13 @@ class WeightWriter(Client):
             await self.close_sessions("end_weight_update", opened)
             raise PhaseFailed("begin_weight_update", outcomes, FAILED)
         engines = {r.id: r.handle for r in fleet.live()}
-        if version is None:
-            # The push may stop halfway, and no version would then tell which engines hold
-            # what: each engine written to waits, as a replacement does, for a complete write.
-            for record in fleet.live():
-                record.stale = True
         try:
             await self._call_push(push, WeightUpdate(version, engines))
+        except BaseException:
+            # It may have stopped halfway; with a version, the version check refuses every
+            # engine it did not finish, without one nothing would tell them apart.
+            self._versions.interrupted = version is None or self._versions.interrupted
+            raise
         finally:
             end = Plan.over(fleet.groups, Op.END_UPDATE)
             await runner.require("end_weight_update", end, deadlines.weight_update)
@@ -104,6 +104,7 @@ class WeightWriter(Client):
         else:
             for record in fleet.live():
                 record.stale = False  # unversioned: having been written to is all we know
+        self._versions.interrupted = False
         # The prefix cache holds KV computed with the old weights: drop it wherever the KV
         # cache is resident (a released KV cache comes back empty).
         resident = [

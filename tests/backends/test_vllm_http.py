@@ -13,11 +13,14 @@ import pytest
 
 from rollout_lifecycle.backends.vllm_http import VLLMHTTPEngine, vllm_http_factory
 from rollout_lifecycle.contract.exceptions import (
+    EngineError,
     EngineRejected,
     EngineUnreachable,
     IllegalEngineOp,
     InvalidArgument,
 )
+from rollout_lifecycle.contract.outcome import Outcome
+from rollout_lifecycle.contract.seam import classify
 from rollout_lifecycle.contract.values import ALL_TAGS, PauseMode, Tag
 
 URL = "http://127.0.0.1:8000"
@@ -138,6 +141,15 @@ async def test_a_release_sleeps_with_keep_and_the_kv_cache_alone_wakes_the_weigh
     await level_2.release_memory_occupation([Tag.KV_CACHE])
     with pytest.raises(IllegalEngineOp, match="level-2 sleep discarded them"):
         await level_2.continue_generation()
+
+
+async def test_a_kv_release_whose_weights_wake_fails_after_the_sleep_is_no_refusal() -> None:
+    # The sleep landed, so both are asleep: a refusal (nothing done) would be a false record.
+    fake = FakeVLLM(wake_up=lambda r: httpx.Response(500, json={"error": "out of memory"}))
+    with pytest.raises(EngineError, match="slept, then the weights' wake failed") as failed:
+        await engine(fake).release_memory_occupation([Tag.KV_CACHE])
+    assert type(failed.value) is EngineError
+    assert classify(failed.value).outcome is Outcome.ERROR  # effect unknown: tags uncertain
 
 
 async def test_the_kv_cache_wakes_with_the_continue_and_not_before() -> None:

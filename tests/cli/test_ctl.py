@@ -224,9 +224,10 @@ def test_a_wait_offload_lets_the_request_in_flight_end_within_the_pause_deadline
     sender.join(120)
     (answer,) = answers
     assert len(answer["output_ids"]) == 400 and answer["meta_info"]["num_retractions"] == 0
-    # SGLang's client drains with a flush that waits up to the pause deadline, then pauses.
+    # SGLang's client drains with a flush that waits, then pauses; the flush gives up in time
+    # for its refusal to beat the pause deadline (90 s less twice the probe's 10 s).
     calls = [(e["op"], e.get("timeout") or e.get("mode")) for e in servers[0].history()[before:]]
-    drained = calls.index(("flush_cache", 90.0))
+    drained = calls.index(("flush_cache", 70.0))
     assert ("pause_generation", "retract") in calls[drained + 1 :]
     assert ctl("onload-weights")[0] == 0 and ctl("onload-kv")[0] == 0
 

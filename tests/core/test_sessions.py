@@ -152,22 +152,49 @@ async def test_a_push_that_raises_closes_every_session_and_sets_no_version() -> 
 async def test_after_an_unversioned_push_that_raises_no_engine_generates_until_one_succeeds() -> (
     None
 ):
-    # The push may have written part of the weights: no version tells which engines hold what,
-    # so every engine written to waits paused, as a replacement does, for a complete write.
+    # The push may have written part of the weights, and no version tells which engines hold
+    # what, even where an earlier update set one (they all still report it): every engine
+    # waits paused for a complete write.
     server, actor, reward = fleet()
+    await server.offload()
+    await server.onload_weights()
+    await server.update_weights(Push(), version="v1")
+    await server.onload_kv()
     await server.offload()
     await server.onload_weights()
     with pytest.raises(HookFailed, match="update_weights"):
         await server.update_weights(Push(RuntimeError("trainer lost a shard")))
     assert server.state is S.WEIGHTS_RESTORED
+    # The records still describe the state: a server adopting them agrees, no engine is stale.
+    snapshot = server.snapshot()
+    assert not any(e.stale for e in snapshot.engines().values())
+    RolloutServer(server.groups).adopt(snapshot)
+    seen = [len(ops(e)) for e in actor + reward]
     with pytest.raises(StaleWeights, match="lack new weights") as refused:
         await server.onload_kv()
     assert sorted(refused.value.engines) == ["actor/0", "actor/1", "reward/0", "reward/1"]
-    for engine in actor + reward:
+    for engine, count in zip(actor + reward, seen, strict=True):
         assert inner(engine).state()["paused"]
-        assert "continue_generation" not in ops(engine)[-3:]
-    await server.update_weights(Push())
+        assert "continue_generation" not in ops(engine)[count:]
+    await server.update_weights(Push(), version="v2")
     await server.onload_kv()
+    assert server.state is S.SERVING
+    assert not any(inner(e).state()["paused"] for e in actor + reward)
+    await close(*actor, *reward)
+
+
+async def test_a_drained_fleet_whose_unversioned_push_raised_resumes_only_after_a_write() -> None:
+    server, actor, reward = fleet()
+    await server.pause()
+    with pytest.raises(HookFailed, match="update_weights"):
+        await server.update_weights(Push(RuntimeError("trainer lost a shard")))
+    assert server.state is S.DRAINED
+    RolloutServer(server.groups).adopt(server.snapshot())  # the records imply 'drained'
+    with pytest.raises(StaleWeights, match=r"4 engine\(s\) lack new weights"):
+        await server.resume()
+    assert all(inner(e).state()["paused"] for e in actor + reward)
+    await server.update_weights(Push())
+    await server.resume()
     assert server.state is S.SERVING
     assert not any(inner(e).state()["paused"] for e in actor + reward)
     await close(*actor, *reward)

@@ -14,10 +14,12 @@ import pytest
 from contract.conftest import vllm_standin
 
 from rollout_lifecycle import (
+    Deadlines,
     EngineGroup,
     EngineRejected,
     LifecycleConfig,
     PauseMode,
+    PhaseFailed,
     RolloutServer,
     ServerState,
     VLLMHTTPEngine,
@@ -147,3 +149,38 @@ async def test_a_mixed_fleet_offloads_in_wait_mode_with_every_request_run_to_its
     await server.onload_kv()
     late = await asyncio.gather(*(server.generate(request(9, 4), group=g) for g in KINDS))
     assert [len(a["output_ids"]) for a in late] == [4, 4]
+
+
+async def test_pauses_that_must_not_wait_on_traffic_are_retract_pauses_in_wait_mode(
+    sglang: StandInServer,
+) -> None:
+    # A group serving others around a weight write might never go idle: it gets a retract
+    # pause. An engine whose pause is unknown may be paused already, where a drain would time
+    # out: recover() waits for the pause to land, and drains nothing.
+    keeper = StandInServer(token_latency=TOKEN_LATENCY).start()
+    try:
+        groups = [
+            EngineGroup("actor", [SGLangHTTPEngine(sglang.url)]),
+            EngineGroup("reward", [SGLangHTTPEngine(keeper.url)], needs_offload=False),
+        ]
+        config = LifecycleConfig(pause_mode=PauseMode.WAIT, deadlines=Deadlines(pause=1.0))
+        server = RolloutServer(groups, config)
+        await server.offload()
+        await server.onload_weights()
+        await server.update_weights(lambda update: None)
+        paused = [c for c in ops(keeper) if c[0] in LIFECYCLE]
+        assert paused == [("pause_generation", "retract"), ("flush_cache", 0.0)]
+        await server.onload_kv()
+        # The actor's next pause outlives its deadline: its outcome is unknown.
+        sglang.inject({"path": "/pause_generation", "kind": "delay", "seconds": 3})
+        with pytest.raises(PhaseFailed, match="actor/0: timed_out"):
+            await server.offload()
+        assert server.state is ServerState.FAILED
+        before = len(ops(sglang))
+        assert await server.recover(lambda engine_id: None) == {}
+        # It waits for the late pause to land and continues the engine; no drain is sent.
+        assert server.state is ServerState.SERVING
+        assert ("flush_cache", HTTPTimeouts().drain) not in ops(sglang)[before:]
+        assert ops(sglang)[-1] == ("continue_generation", None)
+    finally:
+        keeper.stop()

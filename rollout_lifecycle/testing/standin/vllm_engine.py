@@ -112,8 +112,10 @@ class VLLMEngineModel:
             try:
                 if self.engine.paused:
                     await self.engine.continue_generation()
-                await self._drain()
-                await self.engine.pause_generation(PauseMode.RETRACT)
+                try:
+                    await self._drain()
+                finally:  # paused even if the drain gave up (vLLM stays in PAUSED_NEW)
+                    await self.engine.pause_generation(PauseMode.RETRACT)
             finally:
                 self.engine.hold_arrivals(False)
                 self._draining = False
