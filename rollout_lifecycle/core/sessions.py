@@ -93,7 +93,8 @@ class WeightWriter(Client):
         except BaseException:
             # It may have stopped halfway; with a version, the version check refuses every
             # engine it did not finish, without one nothing would tell them apart.
-            self._versions.interrupted = version is None or self._versions.interrupted
+            if version is None:
+                self._versions.interrupted = True
             raise
         finally:
             end = Plan.over(fleet.groups, Op.END_UPDATE)
