@@ -213,11 +213,10 @@ def test_a_wait_offload_lets_the_request_in_flight_end_within_the_pause_deadline
     )
     sender.start()
 
-    def running() -> bool:
-        stats = httpx.get(f"{servers[0].url}/_standin/stats", timeout=10).json()
-        return bool(stats["running"])
-
-    asyncio.run(until(running, what="the request to run", deadline=120))
+    running = until(
+        lambda: servers[0].stats()["running"] > 0, what="the request to run", deadline=120
+    )
+    asyncio.run(running)
     before = len(servers[0].history())
     code, _, err = ctl("offload", "--pause-mode", "wait", "--deadline", "pause=90")
     assert code == 0, err

@@ -53,14 +53,8 @@ def request(i: int, tokens: int = TOKENS) -> dict[str, Any]:
     return {"input_ids": [3, 5, i], "sampling_params": {"max_new_tokens": tokens}}
 
 
-def stat(url: str, name: str) -> int:
-    """A counter of the engine behind a stand-in: ``running`` now, ``retractions`` so far."""
-    count: int = httpx.get(f"{url}/_standin/stats", timeout=30).json()[name]
-    return count
-
-
-def running(url: str) -> int:
-    return stat(url, "running")
+def running(server: StandInServer) -> int:
+    return server.stats()["running"]
 
 
 def ops(server: StandInServer | VLLMStandInServer) -> list[tuple[str, Any]]:
@@ -69,14 +63,13 @@ def ops(server: StandInServer | VLLMStandInServer) -> list[tuple[str, Any]]:
 
 
 async def started(
-    client: httpx.AsyncClient, n: int, tokens: int = TOKENS
+    client: httpx.AsyncClient, server: StandInServer, n: int, tokens: int = TOKENS
 ) -> list[asyncio.Task[httpx.Response]]:
     """``n`` requests sent straight to the server, returned once all of them run."""
     tasks = [
         asyncio.create_task(client.post("/generate", json=request(i, tokens))) for i in range(n)
     ]
-    url = str(client.base_url)
-    await until(lambda: running(url) == n, what=f"{n} requests to run", deadline=120)
+    await until(lambda: running(server) == n, what=f"{n} requests to run", deadline=120)
     return tasks
 
 
@@ -85,9 +78,9 @@ async def test_the_sglang_client_waits_for_idleness_with_a_flush_then_pauses_in_
 ) -> None:
     engine = SGLangHTTPEngine(sglang.url)
     async with httpx.AsyncClient(base_url=sglang.url, timeout=120) as client:
-        tasks = await started(client, 2)
+        tasks = await started(client, sglang, 2)
         await engine.pause_generation(PauseMode.WAIT)
-        assert running(sglang.url) == 0
+        assert running(sglang) == 0
         for answer in await asyncio.gather(*tasks):
             meta = answer.json()["meta_info"]
             assert meta["finish_reason"]["type"] == "length" and meta["num_retractions"] == 0
@@ -102,7 +95,7 @@ async def test_a_sglang_engine_not_idle_within_the_drain_timeout_is_left_unpause
 ) -> None:
     engine = SGLangHTTPEngine(sglang.url, timeouts=HTTPTimeouts(drain=0.2))
     async with httpx.AsyncClient(base_url=sglang.url, timeout=120) as client:
-        tasks = await started(client, 1, tokens=5000)
+        tasks = await started(client, sglang, 1, tokens=5000)
         with pytest.raises(EngineRejected, match=r"wait mode: requests were still in flight aft"):
             await engine.pause_generation(PauseMode.WAIT)
         assert (await client.get("/ready")).status_code == 200, "nothing was paused"
@@ -126,7 +119,7 @@ async def test_a_mixed_fleet_offloads_in_wait_mode_with_every_request_run_to_its
         for i in range(3)
     ]
     await until(
-        lambda: running(sglang.url) == 3 and running(vllm.url) == 3,
+        lambda: running(sglang) == 3 and running(vllm) == 3,
         what="three requests to run on each engine",
         deadline=120,
     )
@@ -138,7 +131,7 @@ async def test_a_mixed_fleet_offloads_in_wait_mode_with_every_request_run_to_its
         assert meta["finish_reason"]["type"] == "length", meta
         assert meta["num_resubmissions"] == 0 and meta["num_retractions"] == 0, meta
     # Nothing was running when either engine paused: no request was ever retracted.
-    assert stat(sglang.url, "retractions") == 0 and stat(vllm.url, "retractions") == 0
+    assert sglang.stats()["retractions"] == 0 and vllm.stats()["retractions"] == 0
     assert [c for c in ops(sglang) if c[0] in LIFECYCLE] == [
         ("flush_cache", HTTPTimeouts().drain),
         ("pause_generation", "retract"),

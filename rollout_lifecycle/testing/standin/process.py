@@ -508,6 +508,12 @@ class StandInServer:
         result: dict[str, Any] = self._standin_call("GET", "/_standin/state")
         return result
 
+    def stats(self) -> dict[str, int]:
+        """The engine's counters and queues: ``running``, ``waiting``, ``held``,
+        ``retractions`` and the rest (``GET /_standin/stats``)."""
+        result: dict[str, int] = self._standin_call("GET", "/_standin/stats")
+        return result
+
     def history(self) -> list[dict[str, Any]]:
         """The engine's ops and the injected faults so far (``GET /_standin/history``)."""
         result: list[dict[str, Any]] = self._standin_call("GET", "/_standin/history")
