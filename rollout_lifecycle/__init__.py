@@ -28,7 +28,9 @@ from rollout_lifecycle.contract.exceptions import (
     PhaseFailed,
     RouterError,
     StaleWeights,
+    WeightsNotVerified,
 )
+from rollout_lifecycle.contract.fingerprint import Fingerprint
 from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
 from rollout_lifecycle.contract.values import ALL_TAGS, KV_TAGS, WEIGHT_TAGS, PauseMode, Tag
 from rollout_lifecycle.core.config import DeadEnginePolicy, Deadlines, LifecycleConfig
@@ -128,6 +130,7 @@ __all__ = [
     "EngineStateConflict",
     "EngineTimeout",
     "EngineUnreachable",
+    "Fingerprint",
     "FromDisk",
     "FromDistributed",
     "FromTensor",
@@ -168,6 +171,7 @@ __all__ = [
     "VLLMHTTPEngine",
     "WeightPushFailed",
     "WeightUpdate",
+    "WeightsNotVerified",
     "__version__",
     "free_port",
     "incarnation_of",

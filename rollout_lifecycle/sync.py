@@ -23,6 +23,7 @@ from anyio.from_thread import BlockingPortal
 
 from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import InvalidArgument, LifecycleError
+from rollout_lifecycle.contract.fingerprint import Fingerprint
 from rollout_lifecycle.contract.outcome import EngineOutcome
 from rollout_lifecycle.contract.values import MAX_SECONDS
 from rollout_lifecycle.core.calls import LIFECYCLE_CALLS
@@ -505,9 +506,17 @@ class SyncRolloutServer:
         return self._call("onload_weights", lambda: self._server.onload_weights(), timeout)
 
     def update_weights(
-        self, push: SyncWeightPush, version: str | None = None, *, timeout: float | None = None
+        self,
+        push: SyncWeightPush,
+        version: str | None = None,
+        *,
+        verify: bool | None = None,
+        expected: Fingerprint | Sequence[Fingerprint] | None = None,
+        may_be_noop: bool = False,
+        timeout: float | None = None,
     ) -> dict[str, float]:
-        """Write weights while they are resident and generation is paused.
+        """Write weights while they are resident and generation is paused, verified as
+        ``RolloutServer.update_weights`` says.
 
         ``push(WeightUpdate)`` may be a plain function (run in a worker thread: it may block,
         e.g. on ``ray.get`` or a broadcast) or async / a built-in strategy (run on the loop). A
@@ -517,7 +526,9 @@ class SyncRolloutServer:
         target = self._threaded(push) if callable(push) else push
         return self._call(
             "update_weights",
-            lambda: self._server.update_weights(target, version),
+            lambda: self._server.update_weights(
+                target, version, verify=verify, expected=expected, may_be_noop=may_be_noop
+            ),
             timeout,
         )
 

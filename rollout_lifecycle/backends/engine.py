@@ -422,6 +422,12 @@ class EngineHost:
         """The loaded weight version."""
         return await self._backend.weight_version()
 
+    async def weight_fingerprint(self) -> dict[str, Any]:
+        """The digest of every tensor the engine holds, as ``Fingerprint.to_wire`` gives it
+        (``{"scheme", "tensors"}``); a 501 ``EngineRejected`` from a backend that cannot say."""
+        result: dict[str, Any] = await self._optional("weight_fingerprint")()
+        return result
+
     async def server_info(self) -> dict[str, Any]:
         """Liveness probe and server state."""
         return await self._backend.server_info()

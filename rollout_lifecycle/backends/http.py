@@ -28,6 +28,7 @@ from rollout_lifecycle.backends.http_wire import (
 )
 from rollout_lifecycle.backends.secret import Secret, as_secret
 from rollout_lifecycle.contract.exceptions import EngineRejected, InvalidArgument
+from rollout_lifecycle.contract.fingerprint import SGLANG_SCHEME, Fingerprint
 from rollout_lifecycle.contract.values import (
     DEFAULT_GROUP_NAME,
     PauseMode,
@@ -412,6 +413,21 @@ class SGLangHTTPEngine:
         """The loaded weight version: ``SGLangLink.weight_version``."""
         return await self._link.weight_version()
 
+    async def weight_fingerprint(self) -> dict[str, Any]:
+        """``POST /weights_checker {"action": "checksum", "selector": "target"}``: a digest per
+        tensor of the weights the engine holds, as ``Fingerprint.to_wire`` gives it (with
+        tensor parallelism each name is prefixed with its rank, ``tp1:...``)."""
+        # sglang: http_server.py check_weights; tokenizer_control_mixin.py check_weights
+        # (ranks: one ChecksumInfo per rank); utils/weight_checker.py _compute_checksum
+        op = "weight_fingerprint"
+        await self._link.attach(op)
+        body = {"action": "checksum", "selector": "target"}
+        answer = await self._link.call("weights_checker", body, op=op)
+        tensors = _rank_checksums(answer)
+        if tensors is None:
+            self._link.garbage(op, "/weights_checker", f"no checksums in {answer!r:.200}")
+        return Fingerprint(SGLANG_SCHEME, tensors).to_wire()
+
     async def server_info(self) -> dict[str, Any]:
         """``GET /server_info``, the liveness probe, secrets masked: ``SGLangLink.server_info``."""
         return await self._link.server_info()
@@ -447,6 +463,22 @@ def _update_flags(
         "flush_cache": check_flag("flush_cache", flush_cache),
         "abort_all_requests": check_flag("abort_all_requests", abort_all),
     }
+
+
+def _rank_checksums(answer: dict[str, Any]) -> dict[str, str] | None:
+    """Every rank's ``checksums`` of a ``/weights_checker`` answer in one mapping, names
+    prefixed with the rank when there are several; None for an answer without them."""
+    ranks = answer.get("ranks")
+    if answer.get("success") is not True or not isinstance(ranks, list) or not ranks:
+        return None
+    tensors: dict[str, str] = {}
+    for i, rank in enumerate(ranks):
+        sums = rank.get("checksums") if isinstance(rank, dict) else None
+        if not isinstance(sums, dict):
+            return None
+        prefix = f"tp{i}:" if len(ranks) > 1 else ""
+        tensors.update({prefix + str(k): str(v) for k, v in sums.items()})
+    return tensors
 
 
 def _secret_kwargs(kwargs: dict[str, Any], names: Iterable[str]) -> dict[str, Any]:

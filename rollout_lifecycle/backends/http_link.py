@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 
@@ -329,6 +329,10 @@ class SGLangLink:
             row, body, wait, op=op, path=path, flush_wait=flush_wait
         )
         return self._wire.read_answer(row.name if op is None else op, row, response)
+
+    def garbage(self, op: str, path: str, why: str) -> NoReturn:
+        """Raise the ``EngineError`` of an answer that is not what ``path`` answers."""
+        self._wire.garbage(op, path, why)
 
     async def info(self, name: str, op: str | None = None) -> dict[str, Any]:
         """An information endpoint's JSON object, from its path or, on a server that predates

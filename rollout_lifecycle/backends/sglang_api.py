@@ -316,6 +316,19 @@ _ROWS: tuple[Endpoint, ...] = (
         Field("abort_all", "bool", default=False),
         source="abort_request (io_struct.py AbortReq)",
     ),
+    _control(
+        "weights_checker",
+        Answer.OBJECT,
+        "weights",
+        # The route also takes "snapshot", "compare" and "reset_tensors" (which overwrites
+        # every weight with noise); the library sends only the read.
+        Field("action", "choice", default="checksum", choices=("checksum",)),
+        _SELECTOR,
+        repeatable=True,
+        methods=("POST", "GET"),
+        source="check_weights (io_struct.py CheckWeightsReqInput; utils/weight_checker.py "
+        "WeightChecker._compute_checksum): 200 {success, message, ranks, per_engine_checksum}",
+    ),
     # ------------------------------------------------------------------ requests and reads
     Endpoint(
         "generate",

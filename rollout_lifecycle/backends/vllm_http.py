@@ -54,6 +54,7 @@ from rollout_lifecycle.contract.exceptions import (
     IllegalEngineOp,
     InvalidArgument,
 )
+from rollout_lifecycle.contract.fingerprint import VLLM_SCHEME, Fingerprint
 from rollout_lifecycle.contract.values import (
     PauseMode,
     Tag,
@@ -398,13 +399,13 @@ class VLLMHTTPEngine:
             self._wire.garbage("weight_version", "/weight_info", "weight_version is no string")
         return None if version == _UNSET_VERSION else version
 
-    async def weight_checksums(self) -> dict[str, str]:
-        """``POST /weight_checker {"action": "checksum"}``: sha256 per tensor."""
-        answer = await self._call("weight_checker", {"action": "checksum"})
-        sums = answer.get("checksums")
+    async def weight_fingerprint(self) -> dict[str, Any]:
+        """``POST /weight_checker {"action": "checksum"}``: a ``Fingerprint``'s wire form."""
+        # A sha256 per tensor, named with its worker (vllm: compute_weight_checksums)
+        sums = (await self._call("weight_checker", {"action": "checksum"})).get("checksums")
         if not isinstance(sums, dict):
-            self._wire.garbage("weight_checksums", "/weight_checker", "no checksums object")
-        return {str(k): str(v) for k, v in sums.items()}
+            self._wire.garbage("weight_fingerprint", "/weight_checker", "no checksums object")
+        return Fingerprint(VLLM_SCHEME, {str(k): str(v) for k, v in sums.items()}).to_wire()
 
     # ----------------------------------------------------------------------------- requests
 

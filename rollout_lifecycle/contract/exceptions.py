@@ -114,7 +114,7 @@ class StaleWeights(LifecycleError):
     """Engines do not report the expected weight version; generation stays paused on them."""
 
     def __init__(self, expected: str | None, engines: Mapping[str, str | None]) -> None:
-        self._init = (expected, dict(engines))
+        self._init: tuple[Any, ...] = (expected, dict(engines))
         self.expected = expected
         self.engines = dict(engines)
         found = ", ".join(f"{k} has {v!r}" for k, v in sorted(self.engines.items()))
@@ -123,6 +123,43 @@ class StaleWeights(LifecycleError):
             f"{len(self.engines)} engine(s) lack {want} ({found}); generation stays paused "
             f"until update_weights() reaches them"
         )
+
+
+class WeightsNotVerified(StaleWeights):
+    """After a weight write, engines do not hold what verification asked for (``core/verify``):
+    they disagree with their group, still hold the weights from before the push, differ from
+    the expected fingerprint, or could not be read. Each is marked stale, kept paused and out of
+    the router until a write reaches it; ``problems`` says why, by engine id, and ``tensors``
+    names the tensors that differ (empty when none can be named)."""
+
+    def __init__(
+        self,
+        version: str | None,
+        problems: Mapping[str, str],
+        tensors: Mapping[str, Iterable[str]],
+    ) -> None:
+        self._init = (version, dict(problems), {k: tuple(v) for k, v in tensors.items()})
+        self.version = version
+        self.problems = dict(problems)
+        self.tensors = {k: tuple(v) for k, v in tensors.items()}
+        self.expected = version
+        self.engines = {k: version for k in self.problems}
+        detail = "; ".join(
+            f"{k} {why}{_tensor_list(self.tensors.get(k, ()))}"
+            for k, why in sorted(self.problems.items())
+        )
+        LifecycleError.__init__(
+            self,
+            f"weight verification failed on {len(self.problems)} engine(s): {detail}; they "
+            f"stay paused and out of the router until update_weights() reaches them",
+        )
+
+
+def _tensor_list(names: tuple[str, ...], shown: int = 4) -> str:
+    if not names:
+        return ""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f" (tensors {', '.join(names[:shown])}{more})"
 
 
 class RouterError(LifecycleError):

@@ -25,6 +25,8 @@ class Op(str, Enum):
     END_UPDATE = "end_weight_update"
     SET_VERSION = "update_weight_version"
     WEIGHT_VERSION = "weight_version"
+    #: The digest of every tensor the engine holds (``contract/fingerprint``), as plain values.
+    FINGERPRINT = "weight_fingerprint"
     SERVER_INFO = "server_info"
     #: Who the engine is and what it says of itself: ``{"incarnation", "paused"}``.
     OBSERVE = "observe"

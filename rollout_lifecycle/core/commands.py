@@ -240,6 +240,7 @@ def _table() -> dict[Op, Command]:
     ]
     reads = (
         Op.WEIGHT_VERSION,
+        Op.FINGERPRINT,
         Op.SERVER_INFO,
         Op.OBSERVE,
         Op.MEMORY,

@@ -79,6 +79,15 @@ class LifecycleConfig:
     #: on each side of the call, so off by default; engines that do not account memory
     #: (a real SGLang server over HTTP) report nothing.
     memory_metrics: bool = False
+    #: Verify every weight write (``update_weights(verify=None)`` follows this): read each
+    #: engine's weight fingerprint before and after the push and keep out of serving the
+    #: engines that do not hold what their group holds (``core/verify``). Two reads of every
+    #: tensor per engine per write, so off by default.
+    verify_weights: bool = False
+    #: What a verified write does when engines fail verification: raise
+    #: ``WeightsNotVerified`` (``FAIL``), or go on without them (``SKIP``). Either way they stay
+    #: paused, stale and out of the router until a write reaches them.
+    unverified_engines: DeadEnginePolicy = DeadEnginePolicy.FAIL
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pause_mode", member(PauseMode, self.pause_mode, "pause_mode"))
@@ -96,3 +105,9 @@ class LifecycleConfig:
         check_flag("continue_on_failure", self.continue_on_failure)
         check_int("timeline_calls", self.timeline_calls, maximum=MAX_TIMELINE_CALLS)
         check_flag("memory_metrics", self.memory_metrics)
+        check_flag("verify_weights", self.verify_weights)
+        object.__setattr__(
+            self,
+            "unverified_engines",
+            member(DeadEnginePolicy, self.unverified_engines, "unverified_engines"),
+        )

@@ -60,6 +60,8 @@ class EngineSnapshot:
     session_unknown: bool = False
     #: The process the record describes (None: not seen yet).
     incarnation: str | None = None
+    #: Failed the verification of the last write (``core/verify``); stale until a write.
+    unverified: bool = False
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EngineSnapshot:
@@ -119,6 +121,9 @@ class EngineRecord:
     #: The process this record describes (``contract/identity``): recorded from the first answer
     #: that names it, checked before every call in ``CHECKED_OPS``. None until then.
     incarnation: str | None = None
+    #: The engine failed the verification of the last weight write (``core/verify``): it is
+    #: stale whatever version it reports, until a later write reaches it.
+    unverified: bool = False
     #: What the call in flight left unknown, and how to forget it if it is refused.
     _intent: Intent | None = field(default=None, repr=False)
     #: A call that missed its phase's deadline and may still land (the phase runner's), and
@@ -316,7 +321,7 @@ class EngineRecord:
         self.released.clear()
         self.uncertain.clear()
         self.last_op, self.last_outcome, self.stale = None, None, True
-        self.incarnation = None
+        self.incarnation, self.unverified = None, False
         self._intent = None
 
     def snapshot(self) -> EngineSnapshot:
@@ -337,6 +342,7 @@ class EngineRecord:
             pause_unknown=self.pause_unknown,
             session_unknown=self.session_unknown,
             incarnation=self.incarnation,
+            unverified=self.unverified,
         )
 
     def load(self, snapshot: EngineSnapshot) -> None:
@@ -368,6 +374,7 @@ class EngineRecord:
         self.pause_unknown = snapshot.pause_unknown
         self.session_unknown = snapshot.session_unknown
         self.incarnation = snapshot.incarnation
+        self.unverified = snapshot.unverified
         self._intent = None
 
 

@@ -43,6 +43,7 @@ from rollout_lifecycle.core.states import CALLS, PHASED, TRANSITIONS, ServerStat
 
 if TYPE_CHECKING:
     from rollout_lifecycle.core.sessions import WeightPush
+    from rollout_lifecycle.core.verify import Verification
 
 S = ServerState
 
@@ -56,6 +57,8 @@ class PhaseArgs:
     #: The weight push and version of ``update_weights()``.
     push: WeightPush | None = None
     version: str | None = None
+    #: What a verified write checks; None: the write is not verified.
+    verify: Verification | None = None
 
 
 #: The arguments of a call whose phases need none.

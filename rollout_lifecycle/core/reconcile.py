@@ -40,6 +40,7 @@ from rollout_lifecycle.contract.exceptions import PhaseFailed, StaleWeights
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import EngineOutcome
 from rollout_lifecycle.contract.values import PauseMode, Tag, without_wait
+from rollout_lifecycle.core.config import DeadEnginePolicy
 from rollout_lifecycle.core.ledger import EngineRecord, GroupRecords, Target, target
 from rollout_lifecycle.core.parts import Client
 from rollout_lifecycle.core.runner import Plan
@@ -319,6 +320,10 @@ class Reconciler(Client):
         expected = self._versions.expected
         if self._versions.interrupted:
             return {r.id: None for r in targets}
+        # Engines that failed verification under SKIP are left out: they wait, paused, while
+        # the others go on (under FAIL they hold everything back).
+        if self._config.unverified_engines is DeadEnginePolicy.SKIP:
+            targets = [r for r in targets if not r.unverified]
         stale: dict[str, str | None] = {r.id: None for r in targets if r.stale}
         if expected is not None and targets:
             plan = Plan(Op.WEIGHT_VERSION, tuple(targets))
@@ -327,7 +332,7 @@ class Reconciler(Client):
                 if not result.outcomes[record.id].ok:
                     raise PhaseFailed("check_versions", result.outcomes, FAILED)
                 found = result.value(record.id)
-                if found == expected:
+                if found == expected and not record.unverified:
                     stale.pop(record.id, None)
                     record.stale = False
                 else:

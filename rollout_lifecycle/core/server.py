@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from rollout_lifecycle.contract import seam
 from rollout_lifecycle.contract.exceptions import InvalidArgument, LifecycleError
+from rollout_lifecycle.contract.fingerprint import Fingerprint
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import DISAGREEMENTS, EngineOutcome
 from rollout_lifecycle.contract.values import PauseMode, check_name
@@ -43,6 +44,7 @@ from rollout_lifecycle.core.sessions import WeightPush, WeightUpdate, WeightWrit
 from rollout_lifecycle.core.snapshots import GroupSnapshot, ServerSnapshot, adopt
 from rollout_lifecycle.core.states import ServerState
 from rollout_lifecycle.core.timeline import Timeline
+from rollout_lifecycle.core.verify import Verification
 
 S = ServerState
 T = TypeVar("T")
@@ -76,14 +78,7 @@ class RolloutServer:
         journal: Journal | None = None,
         router: WorkerRouter | None = None,
     ) -> None:
-        _check_groups(groups)
-        if config is None:
-            config = LifecycleConfig()
-        if not isinstance(config, LifecycleConfig):
-            raise InvalidArgument(f"config must be a LifecycleConfig, got {config!r}")
-        check_name("server name", name)
-        if journal is not None and not callable(journal):
-            raise InvalidArgument(f"journal must be callable or None, got {journal!r}")
+        config = _check_arguments(groups, config, name, journal)
         self._bus = bus = Bus()
         if journal is not None:
             bus.subscribe(RecordsChanged, lambda _: journal(self.snapshot()))
@@ -343,7 +338,13 @@ class RolloutServer:
         return await self._perform("onload_weights")
 
     async def update_weights(
-        self, push: WeightPush, version: str | None = None
+        self,
+        push: WeightPush,
+        version: str | None = None,
+        *,
+        verify: bool | None = None,
+        expected: Fingerprint | Sequence[Fingerprint] | None = None,
+        may_be_noop: bool = False,
     ) -> dict[str, float]:
         """Write weights while they are resident and generation is paused.
 
@@ -351,13 +352,13 @@ class RolloutServer:
         session on every engine, calls ``push(WeightUpdate)`` (sync or async), closes the
         session, sets ``version`` (never aborting a request), and flushes the prefix cache where
         the KV cache is resident. Engines still serving (groups that do not offload) are paused
-        around the write and continued after it.
+        around the write and continued after it. ``verify`` (default
+        ``LifecycleConfig.verify_weights``; ``expected`` implies it) checks each engine's weight
+        fingerprint against its group's, its own before the push (unless ``may_be_noop``) and
+        ``expected`` (``Fingerprint`` s, one per scheme): see ``core/verify``.
         """
-        if not callable(push):
-            raise InvalidArgument(f"push must be callable, got {push!r}")
-        if version is not None:
-            check_name("version", version)
-        return await self._perform("update_weights", PhaseArgs(push=push, version=version))
+        wanted = (verify, expected, may_be_noop, self._config.verify_weights)
+        return await self._perform("update_weights", _write_args(push, version, *wanted))
 
     async def onload_kv(self) -> dict[str, float]:
         """Resume the KV cache, then continue generation.
@@ -451,6 +452,33 @@ class RolloutServer:
 
         await self._serializer.run(call, body)
         return done[0]
+
+
+def _write_args(
+    push: object, version: str | None, verify: object, expected: object, noop: object, default: bool
+) -> PhaseArgs:
+    """``update_weights``' arguments checked, as its phase takes them."""
+    if not callable(push):
+        raise InvalidArgument(f"push must be callable, got {push!r}")
+    if version is not None:
+        check_name("version", version)
+    spec = Verification.wanted(verify, expected, noop, default)
+    return PhaseArgs(push=push, version=version, verify=spec)
+
+
+def _check_arguments(
+    groups: object, config: LifecycleConfig | None, name: str, journal: Journal | None
+) -> LifecycleConfig:
+    """``RolloutServer``'s arguments checked; the configuration (the default one for None)."""
+    _check_groups(groups)
+    if config is None:
+        config = LifecycleConfig()
+    if not isinstance(config, LifecycleConfig):
+        raise InvalidArgument(f"config must be a LifecycleConfig, got {config!r}")
+    check_name("server name", name)
+    if journal is not None and not callable(journal):
+        raise InvalidArgument(f"journal must be callable or None, got {journal!r}")
+    return config
 
 
 def _check_groups(groups: object) -> None:

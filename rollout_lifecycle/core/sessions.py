@@ -3,7 +3,8 @@
 ``WeightWriter.write`` is the phase of ``update_weights()``: it pauses the engines still serving,
 closes a session an earlier update left open, opens one everywhere, runs the user's push,
 closes the sessions, sets the version (aborting nothing), flushes the prefix cache where the KV
-cache is resident, and continues what it paused, on the expected weights only.
+cache is resident, verifies the weights when asked (``core/verify``), and continues what it
+paused, on the expected weights only.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout_lifecycle.contract.exceptions import PhaseFailed
+from rollout_lifecycle.contract.fingerprint import Fingerprint
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
 from rollout_lifecycle.contract.values import PauseMode, without_wait
@@ -23,6 +25,7 @@ from rollout_lifecycle.core.parts import Client, Parts
 from rollout_lifecycle.core.phases import Phases
 from rollout_lifecycle.core.runner import PhaseResult, Plan
 from rollout_lifecycle.core.states import ServerState
+from rollout_lifecycle.core.verify import Verifier
 
 FAILED = ServerState.FAILED.value
 
@@ -50,10 +53,11 @@ class WeightWriter(Client):
     def __init__(self, parts: Parts, phases: Phases) -> None:
         super().__init__(parts)
         self._phases = phases
+        self._verifier = Verifier(parts)
 
     async def write(self, args: PhaseArgs) -> None:
         """The ``write_weights`` phase, with ``args.push`` and ``args.version``."""
-        push, version = args.push, args.version
+        push, version, spec = args.push, args.version, args.verify
         assert push is not None
         deadlines = self._config.deadlines
         runner, fleet = self._runner, self._fleet
@@ -87,6 +91,9 @@ class WeightWriter(Client):
             ]
             await self.close_sessions("end_weight_update", opened)
             raise PhaseFailed("begin_weight_update", outcomes, FAILED)
+        before: dict[str, Fingerprint | str] = {}
+        if spec is not None and not spec.may_be_noop:
+            before = await self._verifier.read("fingerprint_before", fleet.live())
         engines = {r.id: r.handle for r in fleet.live()}
         try:
             await self._call_push(push, WeightUpdate(version, engines))
@@ -106,6 +113,8 @@ class WeightWriter(Client):
             for record in fleet.live():
                 record.stale = False  # unversioned: having been written to is all we know
         self._versions.interrupted = False
+        for record in fleet.live():
+            record.unverified = False  # what it failed is overwritten; checked again below
         # The prefix cache holds KV computed with the old weights: drop it wherever the KV
         # cache is resident (a released KV cache comes back empty).
         resident = [
@@ -116,17 +125,20 @@ class WeightWriter(Client):
         interval = self._config.flush_retry_interval
         plan = Plan(Op.FLUSH, tuple(resident), (deadlines.flush, interval))
         await runner.require("flush_after_update", plan, deadlines.flush + deadlines.probe)
+        if spec is not None:
+            await self._verifier.verify(fleet.live(), before, spec, version)
         await self._continue_paused(serving)
 
     async def _continue_paused(self, serving: Sequence[EngineRecord]) -> None:
         # Only a complete write continues what it paused, and only on the expected weights; on
         # any failure those engines stay paused until the next continue checks them again.
-        resumed = [r for r in serving if r.alive and r.paused]
+        resumed = [r for r in serving if r.alive and r.paused and not r.unverified]
         if self._state() is not ServerState.DRAINED:
             # Outside 'drained' the groups that keep their memory serve: an earlier write that
             # failed left them paused, and this complete one continues them.
             chosen = {r.id for r in resumed}
-            resumed += [r for r in self._fleet.paused_keepers() if r.id not in chosen]
+            keepers = self._fleet.paused_keepers()
+            resumed += [r for r in keepers if r.id not in chosen and not r.unverified]
         if resumed:
             await self._phases.check_versions(resumed)
             plan = Plan(Op.CONTINUE, tuple(resumed))

@@ -46,6 +46,7 @@ FAULT_OPS: tuple[str, ...] = tuple(
         Op.DESTROY_UPDATE_GROUP,
         Op.SET_VERSION,
         Op.WEIGHT_VERSION,
+        Op.FINGERPRINT,
         Op.SERVER_INFO,
         Op.ABORT,
     )

@@ -66,6 +66,15 @@ SIM_VERSION = "0.5.23"
 #: The weight version a server starts with when ``--weight-version`` is not given.
 # sglang: arg_groups/fields/serving.py (weight_version defaults to "default")
 DEFAULT_WEIGHT_VERSION = "default"
+#: What a fresh simulated engine's weights hold (the same checkpoint on every engine).
+INITIAL_CONTENT = "initial"
+#: The tensors the simulated model holds (``/weights_checker`` answers a digest for each).
+SIM_TENSORS: tuple[str, ...] = (
+    "model.embed_tokens.weight",
+    "model.layers.0.self_attn.qkv_proj.weight",
+    "model.layers.0.mlp.down_proj.weight",
+    "lm_head.weight",
+)
 
 VOCAB = 32000
 KNOWN_TAGS = frozenset(t.value for t in ALL_TAGS)
@@ -227,6 +236,7 @@ class SimState:
         max_running: int = 1024,
         gpu_memory_bytes: int | None = None,
         check_model_paths: bool = False,
+        model_path: str | None = None,
     ) -> None:
         if not isinstance(label, str) or not label:
             raise InvalidArgument(f"label must be a non-empty string, got {label!r}")
@@ -255,7 +265,11 @@ class SimState:
         self.weights_cpu_backup = check_flag("weights_cpu_backup", weights_cpu_backup)
         self.dp_dummy_batches = check_flag("dp_dummy_batches", dp_dummy_batches)
         self.check_model_paths = check_flag("check_model_paths", check_model_paths)
+        if model_path is not None and (not isinstance(model_path, str) or not model_path):
+            raise InvalidArgument(f"model_path must be a non-empty string, got {model_path!r}")
         self.initial_version = weight_version
+        #: The checkpoint a (re)started process loads: what its weights hold at first.
+        self.initial_content = INITIAL_CONTENT if model_path is None else model_path
         self.closed = False
         # The newest history entries, and older finished ones as tuples of their items, in
         # tuples of ``HISTORY_CHUNK`` (see ``record``). The history, like the counters, is what
@@ -323,6 +337,10 @@ class SimState:
         self.weight_version = self.initial_version
         self.served_version = self.initial_version
         self.weights_valid = True
+        # What the weights hold (``SimWeights.fingerprint``): the checkpoint every engine
+        # starts from, then what each write wrote; per tensor where a write named tensors.
+        self.weights_content = self.initial_content
+        self.tensor_content: dict[str, str] | None = None
         # Why the next forward pass kills the process (a backend's half-loaded weights), or
         # None: the default, under which no forward pass dies for this reason.
         self.forward_fault: str | None = None

@@ -5,16 +5,18 @@ and the weight version, each with SGLang 0.5.23's refusals and deaths.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 from collections.abc import Sequence
 from typing import Any
 
 from rollout_lifecycle.backends.sglang_api import SELECTORS, WEIGHTS_WRITTEN_FLUSH_FAILED
 from rollout_lifecycle.contract.exceptions import EngineRejected
+from rollout_lifecycle.contract.fingerprint import SIMULATED_SCHEME, Fingerprint
 from rollout_lifecycle.contract.values import DEFAULT_GROUP_NAME, Tag
 from rollout_lifecycle.testing.sim_calls import SimCalls
 from rollout_lifecycle.testing.sim_scheduler import SimScheduler
-from rollout_lifecycle.testing.sim_state import SimState
+from rollout_lifecycle.testing.sim_state import SIM_TENSORS, SimState
 
 
 class SimWeights:
@@ -112,6 +114,7 @@ class SimWeights:
                 abort_all_requests,
                 selector="all",
                 refuse=refuse,
+                content=model_path,
             )
 
     async def update_weights_from_tensor(
@@ -141,6 +144,7 @@ class SimWeights:
                 abort_all_requests,
                 selector=selector,
                 session=f"{op} must run between begin_weight_update() and end_weight_update()",
+                content="tensor:" + hashlib.sha256(repr(payload).encode()).hexdigest()[:16],
             )
 
     async def init_weights_update_group(
@@ -170,6 +174,7 @@ class SimWeights:
                 "rank_offset": rank_offset,
                 "world_size": world_size,
                 "backend": backend,
+                "received": 0,
             }
 
     async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> None:
@@ -211,11 +216,17 @@ class SimWeights:
             # sglang: model_runner_components/weight_updater.py receive_weights_from_distributed
             # (the assertion is caught by update_weights_from_distributed and answered as 400)
             unknown = None
-            if group_name not in self._state.groups:
+            group = self._state.groups.get(group_name)
+            if group is None:
                 unknown = (
                     f"Failed to receive weights: Group {group_name} not in "
                     f"{list(self._state.groups)}. Please call `init_weights_update_group` first."
                 )
+            # The members of a group receive the same broadcasts in the same order: the n-th
+            # receive over a group carries the same bytes to each of them.
+            received = 0 if group is None else group["received"] + 1
+            named = [n for n in names if n in SIM_TENSORS]
+            content = f"{group_name}#{received}"
             await self._write_weights(
                 entry,
                 weight_version,
@@ -224,7 +235,10 @@ class SimWeights:
                 selector=selector,
                 session=f"{op} must run between begin_weight_update() and end_weight_update()",
                 refuse=unknown,
+                content=dict.fromkeys(named, content) if named else content,
             )
+            if group is not None:
+                group["received"] = received
 
     async def _write_weights(
         self,
@@ -236,6 +250,7 @@ class SimWeights:
         selector: str,
         session: str | None = None,
         refuse: str | None = None,
+        content: str | dict[str, str],
     ) -> None:
         state = self._state
         op: str = entry["op"]
@@ -258,7 +273,13 @@ class SimWeights:
                 raise self._calls.fatal(
                     entry, f"illegal memory access: {op} wrote weights while 'weights' is released"
                 )
+            if not state.weights_valid:
+                state.weights_content, state.tensor_content = "uninitialised", None
             state.weights_valid = True
+            if isinstance(content, str):
+                state.weights_content, state.tensor_content = content, None
+            else:
+                state.tensor_content = {**(state.tensor_content or {}), **content}
         state.counts["weight_updates"] += 1
         self._scheduler.record_version_change(weight_version)
         if flush_cache and not state.is_idle(ignore_waiting=state.paused):
@@ -270,6 +291,25 @@ class SimWeights:
             state.prefix_cache.clear()
         if weight_version is not None:
             state.served_version = weight_version
+
+    async def weight_fingerprint(self) -> dict[str, Any]:
+        """``POST /weights_checker {"action": "checksum"}``: a digest per tensor of what the
+        weights hold (``Fingerprint.to_wire``); garbage after a resume that restored none."""
+        # sglang: utils/weight_checker.py WeightChecker._compute_checksum (it reads every
+        # weight; with the weights released their pages are unmapped)
+        state = self._state
+        op = "weight_fingerprint"
+        async with self._calls.op(op) as entry:
+            if Tag.WEIGHTS.value in state.released:
+                raise self._calls.fatal(
+                    entry, f"illegal memory access: {op} read weights while 'weights' is released"
+                )
+            over = state.tensor_content or {}
+            tensors = {}
+            for name in SIM_TENSORS:
+                held = over.get(name, state.weights_content) if state.weights_valid else "garbage"
+                tensors[name] = hashlib.sha256(f"{held}\0{name}".encode()).hexdigest()[:16]
+            return Fingerprint(SIMULATED_SCHEME, tensors).to_wire()
 
     async def update_weight_version(self, version: str, *, abort_all_requests: bool = True) -> None:
         """``POST /update_weight_version``; SGLang's default aborts every request the scheduler

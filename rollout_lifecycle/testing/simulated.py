@@ -63,6 +63,7 @@ class SimulatedEngine:
         max_running: int = 1024,
         gpu_memory_bytes: int | None = None,
         check_model_paths: bool = False,
+        model_path: str | None = None,
     ) -> None:
         self._state = SimState(
             label,
@@ -77,6 +78,7 @@ class SimulatedEngine:
             max_running=max_running,
             gpu_memory_bytes=gpu_memory_bytes,
             check_model_paths=check_model_paths,
+            model_path=model_path,
         )
         self._scheduler = SimScheduler(self._state)
         self._calls = SimCalls(self._state, self._scheduler)
@@ -320,6 +322,10 @@ class SimulatedEngine:
             abort_all_requests=abort_all_requests,
             selector=selector,
         )
+
+    async def weight_fingerprint(self) -> dict[str, Any]:
+        """``POST /weights_checker {"action": "checksum"}``: a digest per tensor held."""
+        return await self._weights.weight_fingerprint()
 
     async def init_weights_update_group(
         self,

@@ -279,7 +279,10 @@ async def test_a_level_2_sleep_drops_the_weights_and_a_wake_without_a_push_serve
     client refuses what would serve them; sent past it, the engine serves garbage."""
     engine = VLLMHTTPEngine(standin.url, sleep_level=2)
     try:
-        sums, first = await engine.weight_checksums(), await engine.generate(short(8))
+        sums, first = (
+            (await engine.weight_fingerprint())["tensors"],
+            await engine.generate(short(8)),
+        )
         assert await raw_output(standin.url) == first["output_ids"]  # the same request
         await engine.pause_generation(PauseMode.RETRACT)
         await engine.release_memory_occupation([Tag.WEIGHTS, Tag.KV_CACHE])
@@ -296,7 +299,7 @@ async def test_a_level_2_sleep_drops_the_weights_and_a_wake_without_a_push_serve
         async with httpx.AsyncClient(base_url=standin.url, timeout=30) as raw:
             await raw.post("/wake_up", params={"tags": "kv_cache"})
             await raw.post("/resume")
-        assert await engine.weight_checksums() != sums
+        assert (await engine.weight_fingerprint())["tensors"] != sums
         assert await raw_output(standin.url) != first["output_ids"]
         await engine.pause_generation(PauseMode.RETRACT)
         await engine.update_weights_from_disk(
@@ -304,7 +307,7 @@ async def test_a_level_2_sleep_drops_the_weights_and_a_wake_without_a_push_serve
             abort_all_requests=False,
         )  # fmt: skip
         await engine.continue_generation()
-        assert await engine.weight_checksums() == sums
+        assert (await engine.weight_fingerprint())["tensors"] == sums
         assert (await engine.generate(short(8)))["output_ids"] == first["output_ids"]
     finally:
         await engine.close()
@@ -327,7 +330,7 @@ async def test_a_weight_transfer_session_sets_new_weights_and_its_version() -> N
     engine = VLLMHTTPEngine(server.url, weight_transfer=True)
     try:
         async with httpx.AsyncClient(base_url=server.url, timeout=CALL_TIMEOUT) as raw:
-            before = await engine.weight_checksums()
+            before = (await engine.weight_fingerprint())["tensors"]
             init = await raw.post("/init_weight_transfer_engine", json={"init_info": {}})
             assert init.status_code == 200, init.text
             chunk = {"update_info": {"names": ["lm_head.weight"]}}
@@ -340,7 +343,7 @@ async def test_a_weight_transfer_session_sets_new_weights_and_its_version() -> N
             done = await raw.post("/finish_weight_update", json={"weight_version": "t-1"})
             assert done.json() == {"message": "Weight update finished"}
             assert await engine.weight_version() == "t-1"
-            assert await engine.weight_checksums() != before
+            assert (await engine.weight_fingerprint())["tensors"] != before
             with pytest.raises(EngineRejected, match="without a matching start"):
                 await engine.end_weight_update()
     finally:

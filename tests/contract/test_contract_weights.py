@@ -128,3 +128,51 @@ async def test_update_weight_version_aborts_requests_by_default(
     for result in await asyncio.wait_for(asyncio.gather(*tasks), 120):
         assert finish_type(result) == "abort"
         assert len(result["output_ids"]) < 200
+
+
+async def checksums(client: httpx.AsyncClient) -> dict[str, str]:
+    answer = await client.post(
+        "/weights_checker", json={"action": "checksum", "selector": "target"}
+    )
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["success"] is True and len(body["per_engine_checksum"]) == 64
+    (rank,) = body["ranks"]
+    assert rank["parallelism_info"][0]["tp_size"] == 1
+    found: dict[str, str] = rank["checksums"]
+    return found
+
+
+@pytest.fixture
+def other_checkpoint(
+    target: Target, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> str:
+    """A checkpoint with other weights than the served one (for the stand-in any directory)."""
+    folder = tmp_path_factory.mktemp("other")
+    if target.kind == "standin":
+        return str(folder)
+    from real.checkpoints import rewrite_weights
+
+    env = request.getfixturevalue("real_sglang")
+    return rewrite_weights(
+        env, folder, "t['transformer.wpe.weight'] = t['transformer.wpe.weight'] * 2"
+    )
+
+
+async def test_a_checksum_is_a_16_hex_digest_per_tensor_that_moves_only_with_the_weights(
+    client: httpx.AsyncClient, other_checkpoint: str
+) -> None:
+    model_path = (await client.get("/model_info")).json()["model_path"]
+    first = await checksums(client)
+    assert first and all(len(v) == 16 and int(v, 16) >= 0 for v in first.values())
+    assert await checksums(client) == first  # a read changes nothing
+    body = {"flush_cache": True, "abort_all_requests": False}
+    loaded = await client.post(
+        "/update_weights_from_disk", json={"model_path": other_checkpoint, **body}
+    )
+    assert loaded.status_code == 200, loaded.text
+    other = await checksums(client)
+    assert other.keys() == first.keys() and other != first
+    back = await client.post("/update_weights_from_disk", json={"model_path": model_path, **body})
+    assert back.status_code == 200, back.text
+    assert await checksums(client) == first  # the same checkpoint: the same digests

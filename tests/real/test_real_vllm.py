@@ -18,6 +18,7 @@ import httpx
 import pytest
 from contract.helpers import held
 from core.test_identity import once
+from real.checkpoints import rewrite_weights, trainer_fingerprint
 from real.servers import (
     LONG_CONTEXT,
     VLLM_CPU_FLAGS,
@@ -27,11 +28,12 @@ from real.servers import (
     RealVLLMServer,
     running_in_group,
 )
-from real.vllm_models import API_KEY, rewrite_weights
+from real.vllm_models import API_KEY
 
 from rollout_lifecycle import (
     Deadlines,
     EngineGroup,
+    Fingerprint,
     FromDisk,
     LaunchedVLLMEngine,
     LifecycleConfig,
@@ -41,6 +43,9 @@ from rollout_lifecycle import (
     RolloutServer,
     ServerState,
     SGLangHTTPEngine,
+    StaleWeights,
+    WeightsNotVerified,
+    WeightUpdate,
     free_port,
 )
 from rollout_lifecycle.backends.vllm_http import VLLMHTTPEngine
@@ -260,10 +265,12 @@ async def test_a_release_of_the_kv_cache_alone_sleeps_both_and_wakes_the_weights
     url = engine.url
     with pytest.raises(IllegalEngineOp, match="weights and the KV cache together"):
         await engine.release_memory_occupation([Tag.WEIGHTS])
-    before = await engine.weight_checksums()
+    before = (await engine.weight_fingerprint())["tensors"]
     await engine.pause_generation(PauseMode.RETRACT)
     await engine.release_memory_occupation([Tag.KV_CACHE, Tag.CUDA_GRAPH])
-    assert await engine.weight_checksums() == before  # level 1: back from host memory
+    assert (await engine.weight_fingerprint())[
+        "tensors"
+    ] == before  # level 1: back from host memory
     async with httpx.AsyncClient(base_url=url, timeout=60) as raw:
         assert (await raw.get("/is_sleeping")).json()["is_sleeping"]
         # Only the KV cache was asleep: its wake alone makes the engine whole (and resumes it).
@@ -281,20 +288,20 @@ async def test_a_reload_with_new_weights_changes_the_checksums_and_the_output(
 ) -> None:
     engine = VLLMHTTPEngine(vllm_servers[1].url)
     try:
-        before = await engine.weight_checksums()
+        before = (await engine.weight_fingerprint())["tensors"]
         first = await engine.generate(request(8))
         await engine.update_weights_from_disk(
             other_weights, weight_version="other", flush_cache=True, abort_all_requests=False
         )
         assert await engine.weight_version() == "other"
-        after = await engine.weight_checksums()
+        after = (await engine.weight_fingerprint())["tensors"]
         assert before.keys() == after.keys() and before != after
         second = await engine.generate(request(8))
         assert first["output_ids"] != second["output_ids"]
         await engine.update_weights_from_disk(
             real_vllm.model, weight_version="base", flush_cache=True, abort_all_requests=False
         )
-        assert await engine.weight_checksums() == before
+        assert (await engine.weight_fingerprint())["tensors"] == before
         assert (await engine.generate(request(8)))["output_ids"] == first["output_ids"]
     finally:
         await engine.close()
@@ -517,3 +524,89 @@ async def test_a_mixed_sglang_and_vllm_fleet_runs_ten_cycles_with_traffic_and_lo
     finally:
         await vllm.close()
         await sglang.close()
+
+
+async def test_verified_reloads_on_two_real_vllm_servers_match_the_trainers_fingerprint(
+    vllm_servers: list[RealVLLMServer],
+    real_vllm: RealVLLM,
+    real_sglang: RealSGLang,
+    other_weights: str,
+) -> None:
+    """A reload of new weights passes verification against the fingerprint the trainer
+    computes from the checkpoint; a reload that reaches one server and not the other is caught
+    before either serves; the servers are left on the tier's model."""
+    first, second = vllm_servers
+    engines = [VLLMHTTPEngine(first.url, api_key=API_KEY), VLLMHTTPEngine(second.url)]
+    server = RolloutServer([EngineGroup("vllm", engines)])
+    paths = (real_vllm.model, other_weights)
+    want = {p: trainer_fingerprint(real_sglang, p, "vllm") for p in paths}
+    try:
+        held = Fingerprint.from_wire(await engines[0].weight_fingerprint())
+        assert held.differing(want[real_vllm.model]) == ()
+        await server.pause()
+        await server.update_weights(FromDisk(other_weights), "other", expected=want[other_weights])
+        await server.resume()
+        assert [await e.weight_version() for e in engines] == ["other", "other"]
+        assert len((await server.generate(request(2)))["output_ids"]) == 2
+        await server.pause()
+        with pytest.raises(WeightsNotVerified) as caught:
+            await server.update_weights(reaching(real_vllm.model, "vllm/0"), "base", verify=True)
+        assert caught.value.problems == {"vllm/1": "holds the weights it held before the push"}
+        with pytest.raises(StaleWeights, match="vllm/1"):
+            await server.resume()
+        assert [(await e.observe())["paused"] for e in engines] == [True, True]
+        await server.update_weights(
+            FromDisk(real_vllm.model), "base", verify=True, may_be_noop=True
+        )
+        await server.resume()
+        seconds = server.metrics["lifecycle/update_weights/verify_weights_s"]
+        print(f"vLLM verification of two engines: {seconds:.3f} s")
+    finally:
+        for engine in engines:
+            await engine.close()
+
+
+async def test_a_mixed_fleet_is_verified_per_group_against_each_engines_own_fingerprint(
+    vllm_servers: list[RealVLLMServer],
+    real_vllm: RealVLLM,
+    real_sglang: RealSGLang,
+    mixed_sglang: RealServer,
+    other_weights: str,
+) -> None:
+    """SGLang and vLLM hash differently: each group is checked against the fingerprint of its
+    own scheme, and a wrong checkpoint is caught on both."""
+    vllm = VLLMHTTPEngine(vllm_servers[1].url)
+    sglang = SGLangHTTPEngine(mixed_sglang.url)
+    server = RolloutServer([EngineGroup("sglang", [sglang]), EngineGroup("vllm", [vllm])])
+    other = [
+        trainer_fingerprint(real_sglang, other_weights, "sglang"),
+        trainer_fingerprint(real_sglang, other_weights, "vllm"),
+    ]
+    try:
+        await server.offload()
+        await server.onload_weights()
+        with pytest.raises(WeightsNotVerified) as caught:
+            await server.update_weights(FromDisk(real_vllm.model), "base", expected=other)
+        assert set(caught.value.problems) == {"sglang/0", "vllm/0"}
+        await server.update_weights(FromDisk(other_weights), "other", expected=other)
+        await server.onload_kv()
+        out = await server.generate(request(2), "sglang")
+        assert out["meta_info"]["weight_version"] == "other"
+        assert len((await server.generate(request(2), "vllm"))["output_ids"]) == 2
+        assert await vllm.weight_version() == "other"
+        await server.pause()
+        await server.update_weights(FromDisk(real_vllm.model), "base")
+        await server.resume()
+    finally:
+        await vllm.close()
+        await sglang.close()
+
+
+def reaching(path: str, *ids: str) -> Any:
+    """A push from disk that reaches the engines ``ids`` alone."""
+
+    async def push(update: WeightUpdate) -> None:
+        reached = {k: v for k, v in update.engines.items() if k in ids}
+        await FromDisk(path)(WeightUpdate(update.version, reached))
+
+    return push

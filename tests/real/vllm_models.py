@@ -4,31 +4,13 @@
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 from pathlib import Path
 
+from real.checkpoints import rewrite_weights
 from real.servers import RealVLLM
 
 #: The key the session's first real vLLM server is started with.
 API_KEY = "real-vllm-key-3f9a"
-
-
-def rewrite_weights(env: RealVLLM, folder: Path, change: str) -> str:
-    """A copy of ``env``'s model in ``folder`` whose tensors ``t`` (a dict) ``change``
-    rewrites."""
-    source = env.model
-    for item in Path(source).iterdir():
-        if item.name != "model.safetensors":
-            shutil.copy(item, folder / item.name)
-    script = (
-        "import sys, torch; from safetensors.torch import load_file, save_file; "
-        f"t = load_file(sys.argv[1]); {change}; "
-        "save_file({k: v.contiguous() for k, v in t.items()}, sys.argv[2])"
-    )
-    weights = (f"{source}/model.safetensors", str(folder / "model.safetensors"))
-    subprocess.run([env.python, "-c", script, *weights], check=True)
-    return str(folder)
 
 
 def long_model(env: RealVLLM, folder: Path) -> str:

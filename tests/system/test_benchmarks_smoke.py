@@ -22,6 +22,7 @@ from benchmarks import (
     soak,
     soak_property,
     soak_traffic,
+    verify,
 )
 from benchmarks._common import CYCLE_CALLS
 from rollout_lifecycle.contract.ops import CHECKED_OPS, Op
@@ -87,6 +88,15 @@ async def test_growth_measures_both_contenders_without_violations(freeze: bool) 
         assert point.checked == 4 and point.violations == [] and point.incomplete == 0
     assert "50 / 5" in growth.report(points)
     assert gc.get_freeze_count() == 0  # nothing left frozen
+
+
+async def test_verify_measures_a_push_with_and_without_its_verification() -> None:
+    points = await verify.run([2, 6], rounds=2)
+    assert [p["engines"] for p in points] == [2, 6]
+    for point in points:
+        assert point["plain_s"] > 0 and point["verified_s"] > 0
+        assert point["fingerprint_before_s"] > 0 and point["verify_weights_s"] > 0
+    assert "verified push s" in verify.report(points)
 
 
 def test_identity_checks_the_phases_the_library_checks() -> None:

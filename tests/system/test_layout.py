@@ -14,13 +14,27 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "rollout_lifecycle"
 MAX_MODULE_LINES = 800
 MAX_CLASS_LINES = 400
-PUBLIC = {"rollout_lifecycle", "rollout_lifecycle.testing", "rollout_lifecycle.sync"}
+PUBLIC = {
+    "rollout_lifecycle",
+    "rollout_lifecycle.testing",
+    "rollout_lifecycle.sync",
+    "rollout_lifecycle.trainer",
+}
 #: Each layer may import the layers below it, never one beside or above it: the contract at the
-#: bottom; the lifecycle core and the engine backends side by side over it (neither knows the
-#: other: backends register their seams); the simulators and stand-ins (``testing``) and the
-#: blocking facade (``sync``) over those; the command line at the top. The package's own
-#: ``__init__`` loads what it exports (the backends lazily).
-LAYERS = {"contract": 0, "core": 1, "backends": 1, "testing": 2, "sync": 2, "cli": 3}
+#: bottom; the lifecycle core, the engine backends and the trainer-side fingerprints
+#: (``trainer``) side by side over it (none knows another: backends register their seams); the
+#: simulators and stand-ins (``testing``) and the blocking facade (``sync``) over those; the
+#: command line at the top. The package's own ``__init__`` loads what it exports (the backends
+#: lazily).
+LAYERS = {
+    "contract": 0,
+    "core": 1,
+    "backends": 1,
+    "trainer": 1,
+    "testing": 2,
+    "sync": 2,
+    "cli": 3,
+}
 
 
 def modules() -> dict[str, Path]:

@@ -146,3 +146,21 @@ def test_readme_real_demo_command_passes_what_the_real_tier_passes() -> None:
     # The launcher sets VLLM_SERVER_DEV_MODE=1 itself.
     assert vllm_env | {"VLLM_SERVER_DEV_MODE": "1"} == RealVLLM("python", "model").child_env()
     assert given["--model"] == ["$c/tiny-gpt2"] and given["--steps"] == ["2"]
+
+
+def test_readme_rl_loop_command_starts_its_servers_as_the_real_tier_does() -> None:
+    """The showcase's command (a ``shell`` block: it needs the SGLang environment) gives the
+    servers the arguments and environment the real tier runs ``examples/real/rl_loop.py``
+    with."""
+    (block,) = blocks("shell")
+    words = shlex.split(block.replace("\\\n", " "))
+    loop = words[words.index("examples/real/rl_loop.py") :]
+    given: dict[str, list[str]] = {}
+    for flag, value in itertools.pairwise(loop):
+        if flag.startswith("--"):
+            given.setdefault(flag, []).append(value)
+    assert shlex.split(given["--sglang-args"][0]) == list(CPU_FLAGS)
+    sglang_env = dict(pair.split("=", 1) for pair in given["--sglang-env"])
+    sglang_env["PYTHONPATH"] = sglang_env["PYTHONPATH"].replace("$PWD", str(README.parent))
+    assert sglang_env == RealSGLang("python", "model").child_env() | {"PYTHONPATH": str(SHIM_DIR)}
+    assert (README.parent / "examples" / "real" / "rl_loop.py").is_file()

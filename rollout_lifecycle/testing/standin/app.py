@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import time
@@ -479,6 +480,21 @@ def create_app(
         await state.call(engine.abort_request(values["rid"], abort_all=values["abort_all"]))
 
     # ------------------------------------------------------------------ probes and info
+
+    @serves("weights_checker")
+    async def weights_checker(_: Request, values: dict[str, Any]) -> dict[str, Any]:
+        # sglang: http_server.py check_weights (one ChecksumInfo per rank; the engine's
+        # checksum is a sha256 over the ranks' own)
+        sums = (await state.call(engine.weight_fingerprint()))["tensors"]
+        rank = hashlib.sha256("".join(f"{k}{sums[k]}" for k in sorted(sums)).encode())
+        placement = dict.fromkeys(("tp_rank", "dp_rank", "pp_rank", "rank"), 0)
+        sizes = dict.fromkeys(("tp_size", "dp_size", "pp_size", "size"), 1)
+        info = {"role": "target", **placement, **sizes}
+        ranks = [
+            {"checksums": sums, "per_gpu_checksum": rank.hexdigest(), "parallelism_info": [info]}
+        ]
+        engine_sum = hashlib.sha256(rank.hexdigest().encode()).hexdigest()
+        return {"success": True, "message": "", "ranks": ranks, "per_engine_checksum": engine_sum}
 
     @serves("health")
     async def health(_: Request, values: dict[str, Any]) -> bool:

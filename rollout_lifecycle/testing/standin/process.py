@@ -105,7 +105,8 @@ def serve(
     if kind not in ("sglang", "vllm"):
         raise InvalidArgument(f"kind must be 'sglang' or 'vllm', got {kind!r}")
     check_flag("weight_transfer", weight_transfer)
-    engine = SimulatedEngine(**check_engine_options(engine_options or {}))
+    # The engine's weights start as the checkpoint the server was started with.
+    engine = SimulatedEngine(**check_engine_options(engine_options or {}), model_path=model_path)
 
     def on_death() -> None:
         sys.stderr.write(

@@ -1,0 +1,255 @@
+"""A colocated RL loop on a CPU: a torch trainer and two real SGLang servers share the machine.
+
+The trainer holds the tiny GPT-2 the servers serve. Each step it samples rollouts through the
+server's generation client (spread over both servers), scores them with a toy reward (the share
+of one target token in each completion), and runs the colocated cycle:
+
+    offload -> policy-gradient step -> onload_weights -> push (a checkpoint per step)
+            -> verify (against the trainer's own fingerprint) -> onload_kv
+
+Every step records the reward, how the engines' log-probabilities of the sampled tokens compare
+with the trainer's for the same tokens (mean absolute difference and the K3 estimate of
+KL(engine || trainer)), the weight version every output reports, and the time of each phase.
+It writes ``steps.json``, ``rl_loop.png`` (reward and mismatch per step) and beside it
+``timeline.json`` (the lifecycle's timeline, for chrome://tracing or Perfetto).
+
+Run it with an interpreter that has torch, transformers and sglang (the servers' own), the
+library importable, e.g. on this project's CPU test machines::
+
+    PYTHONPATH=. ~/.cache/rollout-lifecycle/sglang-0.5.23/bin/python examples/real/rl_loop.py \\
+        --model ~/.cache/rollout-lifecycle/tiny-gpt2 --out rl-loop \\
+        --sglang-args "--device cpu --attention-backend torch_native --disable-cuda-graph ..."
+
+The servers serve float32 (``--dtype float32``), the trainer's dtype, so a mismatch means other
+weights, not rounding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import GPT2LMHeadModel
+
+from rollout_lifecycle import (
+    EngineGroup,
+    FromDisk,
+    LaunchedSGLangEngine,
+    LifecycleConfig,
+    RolloutServer,
+    free_port,
+)
+from rollout_lifecycle.trainer import GPT2_CONV1D_WEIGHTS, SGLANG_SCHEME, fingerprint, transposing
+
+PROMPT_TOKENS = 4
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="the tiny GPT-2's directory")
+    parser.add_argument("--out", required=True, help="where steps, timeline and plot go")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rollouts", type=int, default=32, help="completions per step")
+    parser.add_argument("--tokens", type=int, default=16, help="new tokens per completion")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--sglang-python", default=sys.executable)
+    parser.add_argument("--sglang-args", default="", help="extra server arguments (one string)")
+    parser.add_argument("--sglang-env", action="append", default=[], help="K=V for the servers")
+    return parser.parse_args(argv)
+
+
+def engine_view(name: str) -> str | None:
+    """The trainer's tensor names the servers hold (GPT-2's head is tied to its embedding)."""
+    return name if name.startswith("transformer.") else None
+
+
+def token_logprobs(model: GPT2LMHeadModel, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The trainer's log-probability of each of ``tokens`` after ``prompt`` (with gradients)."""
+    ids = torch.tensor([prompt + tokens])
+    logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+async def rollouts(server: RolloutServer, prompts: list[list[int]], tokens: int) -> list[Any]:
+    def request(prompt: list[int]) -> dict[str, Any]:
+        params = {"max_new_tokens": tokens, "temperature": 1.0, "ignore_eos": True}
+        return {"input_ids": prompt, "sampling_params": params, "return_logprob": True}
+
+    return list(await asyncio.gather(*(server.generate(request(p)) for p in prompts)))
+
+
+def likeliest_token(model: GPT2LMHeadModel, vocab: int, rng: random.Random) -> int:
+    """The reward's target: the token the untrained policy gives the most probability after
+    random prompts (chosen apart from the rollouts it scores, so the first step's reward is not
+    biased upward by the choice)."""
+    prompts = torch.tensor(
+        [[rng.randrange(vocab) for _ in range(PROMPT_TOKENS)] for _ in range(64)]
+    )
+    with torch.no_grad():
+        probs = torch.softmax(model(prompts).logits[:, -1].float(), dim=-1).mean(0)
+    return int(probs.argmax())
+
+
+def compare(model: GPT2LMHeadModel, prompts: list[list[int]], outs: list[Any]) -> dict[str, float]:
+    """How the engines' log-probabilities of the sampled tokens compare with the trainer's."""
+    diffs = []
+    with torch.no_grad():
+        for prompt, out in zip(prompts, outs, strict=True):
+            engine = torch.tensor([lp for lp, *_ in out["meta_info"]["output_token_logprobs"]])
+            mine = token_logprobs(model, prompt, out["output_ids"])
+            diffs.append(mine.double() - engine.double())
+    d = torch.cat(diffs)
+    # K3 (Schulman): E_q[r - 1 - log r] with r = p_trainer / p_engine, over the engines' samples.
+    k3 = (torch.exp(d) - 1 - d).mean().item()
+    return {"mean_abs_logprob_diff": d.abs().mean().item(), "k3_kl": k3, "tokens": d.numel()}
+
+
+def train_step(
+    model: GPT2LMHeadModel,
+    optimizer: torch.optim.Optimizer,
+    prompts: list[list[int]],
+    outs: list[Any],
+    target: int,
+) -> float:
+    """One policy-gradient step on the reward (the target's share of a completion), split by
+    token: each token is credited with the target hits from it to the end (reward to go), less
+    the batch's mean at that position (the baseline)."""
+    hits = torch.tensor([[float(t == target) for t in o["output_ids"]] for o in outs])
+    togo = (hits / hits.shape[1]).flip(1).cumsum(1).flip(1)
+    advantage = togo - togo.mean(0, keepdim=True)
+    optimizer.zero_grad()
+    logps = torch.stack(
+        [token_logprobs(model, p, o["output_ids"]) for p, o in zip(prompts, outs, strict=True)]
+    )
+    loss = -(advantage * logps).sum() / len(outs)
+    loss.backward()
+    optimizer.step()
+    return float(loss.detach())
+
+
+def short(metrics: dict[str, float]) -> dict[str, float]:
+    """A call's phase times by phase name (``lifecycle/<call>/<phase>_s`` -> ``<phase>_s``)."""
+    return {k.rsplit("/", 1)[-1]: v for k, v in metrics.items()}
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6, 5), sharex=True)
+    top.plot(steps, [r["reward"] for r in rows], marker="o")
+    top.set_ylabel("reward (target share)")
+    bottom.plot(steps, [r["mismatch"]["mean_abs_logprob_diff"] for r in rows], marker="o")
+    bottom.plot(steps, [r["mismatch"]["k3_kl"] for r in rows], marker="s")
+    bottom.set_yscale("symlog", linthresh=1e-9)
+    bottom.legend(["mean |logprob diff|", "K3 KL"])
+    bottom.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+async def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    model = GPT2LMHeadModel.from_pretrained(args.model, torch_dtype=torch.float32)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    vocab = model.config.vocab_size
+    extra = [*shlex.split(args.sglang_args), "--dtype", "float32"]
+    env = dict(kv.split("=", 1) for kv in args.sglang_env)
+    engines = [
+        LaunchedSGLangEngine(
+            args.model,
+            port=free_port(),
+            python=args.sglang_python,
+            extra_args=extra,
+            env=env,
+            memory_saver=False,
+            label=f"sglang{i}",
+        )
+        for i in range(2)
+    ]
+    # Every call's spans are kept for the timeline (four calls a step).
+    config = LifecycleConfig(verify_weights=True, timeline_calls=4 * args.steps + 4)
+    server = RolloutServer([EngineGroup("actor", engines)], config=config)
+    rows: list[dict[str, Any]] = []
+    try:
+        await asyncio.gather(*(e.start() for e in engines))
+        target = likeliest_token(model, vocab, rng)
+        version = None
+        for step in range(1, args.steps + 1):
+            prompts = [
+                [rng.randrange(vocab) for _ in range(PROMPT_TOKENS)] for _ in range(args.rollouts)
+            ]
+            outs = await rollouts(server, prompts, args.tokens)
+            rewards = [o["output_ids"].count(target) / len(o["output_ids"]) for o in outs]
+            versions = sorted({o["meta_info"]["weight_version"] for o in outs})
+            row: dict[str, Any] = {
+                "step": step,
+                "reward": sum(rewards) / len(rewards),
+                "mismatch": compare(model, prompts, outs),
+                "versions": versions,
+                "expected_version": version,
+                "phases": {},
+            }
+            times = row["phases"]
+            times["offload"] = short(await server.offload())
+            start = time.monotonic()
+            row["loss"] = train_step(model, optimizer, prompts, outs, target)
+            times["train_s"] = time.monotonic() - start
+            times["onload_weights"] = short(await server.onload_weights())
+            version = f"step-{step}"
+            checkpoint = out / "checkpoints" / version
+            start = time.monotonic()
+            model.save_pretrained(checkpoint, safe_serialization=True)
+            expected = fingerprint(
+                model.state_dict(),
+                SGLANG_SCHEME,
+                dtype=torch.float32,
+                rename=engine_view,
+                transform=transposing(GPT2_CONV1D_WEIGHTS),
+            )
+            times["save_and_fingerprint_s"] = time.monotonic() - start
+            times["update_weights"] = short(
+                await server.update_weights(FromDisk(str(checkpoint)), version, expected=expected)
+            )
+            times["onload_kv"] = short(await server.onload_kv())
+            rows.append(row)
+            mm = row["mismatch"]
+            print(
+                f"step {step}: reward {row['reward']:.3f} | |dlogp| "
+                f"{mm['mean_abs_logprob_diff']:.2e} K3 {mm['k3_kl']:.2e} | versions {versions} "
+                f"| verify {times['update_weights']['verify_weights_s']:.3f} s",
+                flush=True,
+            )
+        (out / "steps.json").write_text(json.dumps({"target": target, "steps": rows}, indent=1))
+        server.timeline.export_chrome_trace(out / "timeline.json")
+        plot(rows, out / "rl_loop.png")
+        first, last = rows[0]["reward"], rows[-1]["reward"]
+        print(f"rl_loop: {len(rows)} verified steps on 2 servers, reward {first:.3f} -> {last:.3f}")
+        return 0
+    finally:
+        for engine in engines:
+            await engine.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    return asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""Weight verification: after a write, each engine's fingerprint is checked before it serves.
+
+``update_weights(verify=True)`` (or ``LifecycleConfig.verify_weights``) reads every live
+engine's fingerprint (``Op.FINGERPRINT``) before the push and again after it, and ``judge``
+decides, group by group and scheme by scheme (engines that hash differently cannot be
+compared), which engines fail:
+
+- every engine whose fingerprint could not be read;
+- unless the push may be a no-op: every engine that holds what it held before the push (a push
+  that never reached it);
+- of the others, with an ``expected`` fingerprint of their scheme: every engine that differs
+  from it; without one: every engine that differs from what most of them hold (with no
+  majority, every one of them).
+
+``Verifier.verify`` marks each engine that fails stale and unverified: it stays paused and out
+of the router until a later write reaches it (the version it reports does not clear it), and
+under ``DeadEnginePolicy.FAIL`` the call raises ``WeightsNotVerified``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from rollout_lifecycle.contract.events import logger
+from rollout_lifecycle.contract.exceptions import (
+    InvalidArgument,
+    LifecycleError,
+    WeightsNotVerified,
+)
+from rollout_lifecycle.contract.fingerprint import Fingerprint
+from rollout_lifecycle.contract.ops import Op
+from rollout_lifecycle.contract.values import check_flag
+from rollout_lifecycle.core.config import DeadEnginePolicy
+from rollout_lifecycle.core.ledger import EngineRecord
+from rollout_lifecycle.core.parts import Client
+from rollout_lifecycle.core.runner import Plan
+
+
+@dataclass(frozen=True)
+class Verification:
+    """What a verified write checks beyond agreement within each group."""
+
+    #: The fingerprints the engines must hold, at most one per scheme.
+    expected: tuple[Fingerprint, ...] = ()
+    #: Whether an engine may hold what it held before the push (a push of the same weights).
+    may_be_noop: bool = False
+
+    @classmethod
+    def wanted(
+        cls, verify: object, expected: object, may_be_noop: object, default: bool
+    ) -> Verification | None:
+        """What ``update_weights(verify, expected, may_be_noop)`` asks to check, or None for
+        no verification (``verify`` None follows ``default``; ``expected`` implies it)."""
+        if verify is not None:
+            check_flag("verify", verify)
+        spec = cls.of(expected, may_be_noop)
+        if verify is False and spec.expected:
+            raise InvalidArgument("expected was given with verify=False: nothing would check it")
+        checked = verify if verify is not None else bool(spec.expected) or default
+        return spec if checked else None
+
+    @classmethod
+    def of(cls, expected: object, may_be_noop: object) -> Verification:
+        """From ``update_weights``' arguments: ``expected`` is None, a ``Fingerprint`` (or its
+        wire form) or a sequence of them, one per scheme; ``InvalidArgument`` otherwise."""
+        check_flag("may_be_noop", may_be_noop)
+        if expected is None:
+            found: tuple[Fingerprint, ...] = ()
+        elif isinstance(expected, Fingerprint | Mapping):
+            found = (Fingerprint.from_wire(expected),)
+        elif isinstance(expected, list | tuple):
+            found = tuple(Fingerprint.from_wire(e) for e in expected)
+        else:
+            raise InvalidArgument(
+                f"expected must be a Fingerprint or a sequence of them, got {expected!r}"
+            )
+        schemes = [f.scheme for f in found]
+        if len(set(schemes)) != len(schemes):
+            raise InvalidArgument(f"expected gives two fingerprints of one scheme: {schemes}")
+        return cls(found, bool(may_be_noop))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Why one engine failed verification, and the tensors that differ (if any can be named)."""
+
+    problem: str
+    tensors: tuple[str, ...] = ()
+
+
+def judge(
+    groups: Mapping[str, str],
+    after: Mapping[str, Fingerprint | str],
+    before: Mapping[str, Fingerprint],
+    spec: Verification,
+) -> dict[str, Verdict]:
+    """The engines of ``after`` that fail verification, by id (module docstring).
+
+    ``groups`` maps each engine to its group; ``after`` holds each engine's fingerprint after
+    the push, or why it could not be read; ``before`` the fingerprints read before it (an
+    engine missing there is not checked for a change).
+    """
+    failed: dict[str, Verdict] = {}
+    expected = {f.scheme: f for f in spec.expected}
+    peers: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for engine, found in after.items():
+        if isinstance(found, str):
+            failed[engine] = Verdict(f"could not be read: {found}")
+        else:
+            peers[(groups[engine], found.scheme)].append(engine)
+    for (group, scheme), engines in peers.items():
+        prints = {e: after[e] for e in engines}
+        if not spec.may_be_noop:
+            # An engine the push did not change is wrong whatever the others hold; the rest
+            # are compared among themselves.
+            for engine, held in list(prints.items()):
+                if before.get(engine) == held:
+                    failed[engine] = Verdict("holds the weights it held before the push")
+                    del prints[engine]
+        want = expected.get(scheme)
+        if want is None:
+            failed.update(_disagreeing(group, prints))
+            continue
+        for engine, held in prints.items():
+            assert isinstance(held, Fingerprint)
+            if held != want:
+                failed[engine] = Verdict(
+                    "differs from the expected fingerprint", held.differing(want)
+                )
+    return failed
+
+
+def _disagreeing(group: str, prints: Mapping[str, Fingerprint | str]) -> dict[str, Verdict]:
+    """The engines of one group (and scheme) that differ from what most of them hold."""
+    by_digest: dict[str, list[str]] = defaultdict(list)
+    for engine, held in prints.items():
+        assert isinstance(held, Fingerprint)
+        by_digest[held.digest].append(engine)
+    if len(by_digest) < 2:
+        return {}
+    counts = Counter({d: len(e) for d, e in by_digest.items()}).most_common(2)
+    (top, n), (_, runner_up) = counts
+    out: dict[str, Verdict] = {}
+    if n == runner_up:
+        for engine, held in prints.items():
+            assert isinstance(held, Fingerprint)
+            other = next(p for p in prints.values() if p != held)
+            assert isinstance(other, Fingerprint)
+            out[engine] = Verdict(
+                f"disagrees with the other engines of group {group!r} (no majority)",
+                held.differing(other),
+            )
+        return out
+    majority = prints[by_digest[top][0]]
+    assert isinstance(majority, Fingerprint)
+    for engine, held in prints.items():
+        assert isinstance(held, Fingerprint)
+        if held.digest != top:
+            out[engine] = Verdict(
+                f"differs from what most engines of group {group!r} hold",
+                held.differing(majority),
+            )
+    return out
+
+
+class Verifier(Client):
+    """Reads fingerprints around a weight write and acts on ``judge``'s verdicts."""
+
+    async def read(
+        self, phase: str, records: Sequence[EngineRecord]
+    ) -> dict[str, Fingerprint | str]:
+        """Each engine's fingerprint, or why it could not be read, in one timed phase."""
+        plan = Plan(Op.FINGERPRINT, tuple(records))
+        result = await self._runner.run(phase, plan, self._config.deadlines.weight_update)
+        out: dict[str, Fingerprint | str] = {}
+        for record in plan.targets:
+            outcome = result.outcomes[record.id]
+            if not outcome.ok:
+                out[record.id] = str(outcome)
+                continue
+            try:
+                out[record.id] = Fingerprint.from_wire(result.value(record.id))
+            except LifecycleError as exc:
+                out[record.id] = f"its answer is no fingerprint: {exc}"
+        return out
+
+    async def verify(
+        self,
+        records: Sequence[EngineRecord],
+        before: Mapping[str, Fingerprint | str],
+        spec: Verification,
+        version: str | None,
+    ) -> None:
+        """Check ``records`` after a write (``before``: what ``read`` gave before the push).
+
+        Each engine that fails is marked stale and unverified; under ``DeadEnginePolicy.FAIL``
+        ``WeightsNotVerified`` is raised, otherwise the write goes on without them.
+        """
+        after = await self.read("verify_weights", [r for r in records if r.alive])
+        earlier = {k: v for k, v in before.items() if isinstance(v, Fingerprint)}
+        groups = {r.id: r.group for r in records}
+        verdicts = judge(groups, after, earlier, spec)
+        for record in records:
+            if record.id in verdicts:
+                record.stale = record.unverified = True
+        if not verdicts:
+            return
+        problems = {k: v.problem for k, v in verdicts.items()}
+        tensors = {k: v.tensors for k, v in verdicts.items()}
+        error = WeightsNotVerified(version, problems, tensors)
+        logger().warning("weights.unverified", engines=sorted(verdicts), error=str(error))
+        if self._config.unverified_engines is DeadEnginePolicy.FAIL:
+            raise error
+
+
+__all__ = ["Verdict", "Verification", "Verifier", "judge"]

@@ -1,0 +1,135 @@
+"""Weight fingerprints from the trainer's side: what an engine's checksum route answers for the
+weights a trainer pushes, computed from the trainer's own tensors.
+
+A trainer that passes the result to ``update_weights(expected=...)`` checks "the engines hold
+exactly what I pushed", not only "the engines agree". The digest is over the bytes the engine
+holds, so the trainer's tensors must first be put in the engine's layout: its tensor names
+(``rename``), its dtype (``dtype``: the engine's serving dtype, e.g. float16) and its shapes
+(``transform``: a GPT-2 ``Conv1D`` weight is held transposed, as a ``Linear`` weight, by both
+SGLang and vLLM). Each scheme's algorithm is read from the engine's source:
+
+- ``SGLANG_SCHEME``: the first 8 bytes of a sha256 of each tensor's bytes, as 16 hex digits,
+  over parameters and persistent buffers (sglang: ``utils/weight_checker.py``
+  ``_compute_checksum``, ``_hash_tensor``; ``managers/mm_utils.py`` ``tensor_hash``). That is
+  SGLang's digest of a tensor in host memory; a tensor on a GPU it digests with a Triton kernel
+  (``kernels/ops/memory/gpu_tensor_hash.py``), which a trainer passes as ``digest``, e.g.
+  ``lambda t: f"{gpu_tensor_hash(t.cuda()):016x}"``.
+- ``VLLM_SCHEME``: a sha256 hex digest of each parameter's bytes, named
+  ``dp<r>:pp<r>:pcp<r>:tp<r>:<param>`` (``VLLM_PREFIX`` for a single worker; vllm:
+  ``model_executor/model_loader/weight_checksum.py`` ``compute_tensor_digests``,
+  ``v1/worker/gpu_worker.py`` ``compute_weight_checksums``).
+
+Tensors are torch tensors or numpy arrays; each library is imported only for a tensor of its
+own, so the module imports without either.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from rollout_lifecycle.contract.exceptions import InvalidArgument
+from rollout_lifecycle.contract.fingerprint import SGLANG_SCHEME, VLLM_SCHEME, Fingerprint
+
+#: The name prefix vLLM gives the tensors of a single worker (no parallelism).
+VLLM_PREFIX = "dp0:pp0:pcp0:tp0:"
+
+#: How each scheme digests one tensor's bytes.
+_DIGESTS: dict[str, Callable[[memoryview], str]] = {
+    SGLANG_SCHEME: lambda data: hashlib.sha256(data).digest()[:8].hex(),
+    VLLM_SCHEME: lambda data: hashlib.sha256(data).hexdigest(),
+}
+
+
+def tensor_bytes(tensor: Any) -> memoryview:
+    """The bytes ``tensor`` holds, in row-major order, as the engines hash them."""
+    if hasattr(tensor, "detach"):  # a torch tensor: its bytes, whatever its dtype
+        uint8 = importlib.import_module("torch").uint8
+        flat: Any = tensor.detach().cpu().contiguous().reshape(-1).view(uint8).numpy()
+        return memoryview(flat)
+    if hasattr(tensor, "dtype") and hasattr(tensor, "tobytes"):  # a numpy array
+        numpy = importlib.import_module("numpy")
+        array: Any = numpy.ascontiguousarray(tensor).reshape(-1).view(numpy.uint8)
+        return memoryview(array)
+    raise InvalidArgument(f"a tensor must be a torch tensor or numpy array, got {type(tensor)}")
+
+
+def tensor_digest(tensor: Any, scheme: str) -> str:
+    """``tensor``'s digest in ``scheme`` (``SGLANG_SCHEME`` or ``VLLM_SCHEME``)."""
+    digest = _DIGESTS.get(scheme)
+    if digest is None:
+        raise InvalidArgument(
+            f"no trainer-side digest for scheme {scheme!r}; known: {sorted(_DIGESTS)}"
+        )
+    return digest(tensor_bytes(tensor))
+
+
+#: The weights of a Hugging Face GPT-2 stored as ``Conv1D`` (``[in, out]``), which the engines
+#: hold transposed, as ``Linear`` weights (``[out, in]``); checked against SGLang 0.5.23.
+GPT2_CONV1D_WEIGHTS: tuple[str, ...] = (
+    "attn.c_attn.weight",
+    "attn.c_proj.weight",
+    "mlp.c_fc.weight",
+    "mlp.c_proj.weight",
+)
+
+
+def transposing(suffixes: Iterable[str]) -> Callable[[str, Any], Any]:
+    """A ``transform`` for ``fingerprint`` that transposes the 2-D tensors whose names end with
+    one of ``suffixes`` (e.g. ``GPT2_CONV1D_WEIGHTS``) and passes the others unchanged."""
+    ends = tuple(suffixes)
+
+    def transform(name: str, tensor: Any) -> Any:
+        return tensor.T if name.endswith(ends) and len(tensor.shape) == 2 else tensor
+
+    return transform
+
+
+def fingerprint(
+    tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+    scheme: str,
+    *,
+    dtype: Any = None,
+    rename: Callable[[str], str | None] | None = None,
+    transform: Callable[[str, Any], Any] | None = None,
+    prefix: str = "",
+    digest: Callable[[Any], str] | None = None,
+) -> Fingerprint:
+    """The fingerprint an engine of ``scheme`` reports once it holds ``tensors``.
+
+    Each ``(name, tensor)`` is renamed (``rename``; None leaves the tensor out: one the engine
+    does not hold, or ties to another), reshaped (``transform(name, tensor)``, given the
+    engine's name), cast to ``dtype`` (``tensor.to(dtype)`` / ``astype``) and digested (by
+    ``digest(tensor)`` when given, else by ``scheme``'s digest); the engine's name is
+    ``prefix`` + the new name (``VLLM_PREFIX`` for a single vLLM worker).
+    """
+    if digest is None and scheme not in _DIGESTS:
+        raise InvalidArgument(f"no trainer-side digest for scheme {scheme!r}; pass digest=")
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    out: dict[str, str] = {}
+    for name, tensor in items:
+        held = rename(name) if rename is not None else name
+        if held is None:
+            continue
+        value = transform(held, tensor) if transform is not None else tensor
+        if dtype is not None:
+            value = value.to(dtype) if hasattr(value, "detach") else value.astype(dtype)
+        key = prefix + held
+        if key in out:
+            raise InvalidArgument(f"two tensors are named {key!r} in the engine's layout")
+        out[key] = digest(value) if digest is not None else tensor_digest(value, scheme)
+    return Fingerprint(scheme, out)
+
+
+__all__ = [
+    "GPT2_CONV1D_WEIGHTS",
+    "SGLANG_SCHEME",
+    "VLLM_PREFIX",
+    "VLLM_SCHEME",
+    "fingerprint",
+    "tensor_bytes",
+    "tensor_digest",
+    "transposing",
+]

@@ -1,0 +1,60 @@
+"""Checkpoints for the real tiers, and what the trainer computes of them: copies of the tiny
+model with tensors rewritten (made with the engine environment's own torch), and the fingerprint
+an engine serving one reports, computed from the checkpoint's tensors by
+``rollout_lifecycle.trainer`` in the SGLang environment (``trainer_fingerprint.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from real.servers import RealSGLang, RealVLLM
+
+from rollout_lifecycle import Fingerprint
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+
+def rewrite_weights(env: RealSGLang | RealVLLM, folder: Path, change: str) -> str:
+    """A copy of ``env``'s model in ``folder`` whose tensors ``t`` (a dict) ``change``
+    rewrites."""
+    source = env.model
+    folder.mkdir(parents=True, exist_ok=True)
+    for item in Path(source).iterdir():
+        if item.name != "model.safetensors" and item.is_file():
+            shutil.copy(item, folder / item.name)
+    script = (
+        "import sys, torch; from safetensors.torch import load_file, save_file; "
+        f"t = load_file(sys.argv[1]); {change}; "
+        "save_file({k: v.contiguous() for k, v in t.items()}, sys.argv[2])"
+    )
+    weights = (f"{source}/model.safetensors", str(folder / "model.safetensors"))
+    subprocess.run([env.python, "-c", script, *weights], check=True)
+    return str(folder)
+
+
+def trainer_fingerprint(trainer: RealSGLang, checkpoint: str, engine: str) -> Fingerprint:
+    """The fingerprint an ``engine`` ("sglang" or "vllm") serving ``checkpoint`` reports, as
+    the trainer computes it from the checkpoint file, in the SGLang environment (its torch and
+    the library's dependencies: ``ci/sglang-env``)."""
+    script = str(HERE / "trainer_fingerprint.py")
+    path = os.environ.get("PYTHONPATH")
+    env_vars = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{path}" if path else str(REPO)}
+    done = subprocess.run(
+        [trainer.python, script, checkpoint, engine],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env_vars,
+    )
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr)
+        raise RuntimeError(
+            f"trainer_fingerprint.py failed ({done.returncode}): {done.stderr[-400:]}"
+        )
+    return Fingerprint.from_wire(json.loads(done.stdout))

@@ -1,0 +1,163 @@
+"""Verified weight writes on two real SGLang 0.5.23 servers: a new checkpoint per push, checked
+against the fingerprint the trainer computes from the checkpoint file; a push that reaches one
+server and not the other, and a push of the wrong checkpoint, each caught before either serves.
+
+The servers are the session's shared pair; each test loads the tiny model back and leaves them
+serving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from real.checkpoints import rewrite_weights, trainer_fingerprint
+from real.servers import RealServer, RealSGLang
+
+from rollout_lifecycle import (
+    EngineGroup,
+    Fingerprint,
+    FromDisk,
+    RolloutServer,
+    ServerState,
+    SGLangHTTPEngine,
+    StaleWeights,
+    WeightsNotVerified,
+    WeightUpdate,
+)
+
+pytestmark = pytest.mark.real_sglang
+
+S = ServerState
+#: What each checkpoint rewrites of the tiny model.
+CHANGES = {
+    "step1": "t['transformer.h.0.mlp.c_fc.weight'] = t['transformer.h.0.mlp.c_fc.weight'] * 1.5",
+    "step2": "t['transformer.h.1.attn.c_attn.weight'] = -t['transformer.h.1.attn.c_attn.weight']",
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(
+    real_sglang: RealSGLang, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("verify")
+    made = {k: rewrite_weights(real_sglang, folder / k, c) for k, c in CHANGES.items()}
+    return {"base": real_sglang.model, **made}
+
+
+@pytest.fixture(scope="module")
+def expected(real_sglang: RealSGLang, checkpoints: dict[str, str]) -> dict[str, Fingerprint]:
+    """What the trainer computes each checkpoint's engines will report."""
+    return {k: trainer_fingerprint(real_sglang, p, "sglang") for k, p in checkpoints.items()}
+
+
+@pytest.fixture
+async def fleet(
+    real_servers: list[RealServer], checkpoints: dict[str, str]
+) -> AsyncIterator[tuple[RolloutServer, list[SGLangHTTPEngine]]]:
+    engines = [SGLangHTTPEngine(s.url) for s in real_servers]
+    server = RolloutServer([EngineGroup("actor", engines)])
+    yield server, engines
+    # Leave the servers serving the tiny model, whatever the test did.
+    if server.state is S.FAILED:
+        await server.reset()
+    if server.state is S.SERVING:
+        await server.pause()
+    if server.state is S.DRAINED:
+        await server.update_weights(FromDisk(checkpoints["base"]), "base")
+        await server.resume()
+    for engine in engines:
+        await engine.close()
+
+
+async def fingerprints(engines: list[SGLangHTTPEngine]) -> list[Fingerprint]:
+    return [Fingerprint.from_wire(await e.weight_fingerprint()) for e in engines]
+
+
+def only(path: str, *ids: str) -> Any:
+    """A push from disk that reaches the engines ``ids`` alone."""
+
+    async def push(update: WeightUpdate) -> None:
+        reached = {k: v for k, v in update.engines.items() if k in ids}
+        await FromDisk(path)(WeightUpdate(update.version, reached))
+
+    return push
+
+
+async def served_versions(server: RolloutServer, count: int) -> set[str]:
+    found = set()
+    for _ in range(count):
+        out = await server.generate(
+            {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
+        )
+        found.add(out["meta_info"]["weight_version"])
+    return found
+
+
+async def test_the_trainers_fingerprint_of_the_served_checkpoint_is_what_the_servers_report(
+    fleet: tuple[RolloutServer, list[SGLangHTTPEngine]], expected: dict[str, Fingerprint]
+) -> None:
+    _, engines = fleet
+    assert await fingerprints(engines) == [expected["base"], expected["base"]]
+    assert len(expected["base"].tensors) == 28
+    assert expected["step1"].differing(expected["base"]) == ("transformer.h.0.mlp.c_fc.weight",)
+
+
+async def test_a_verified_offload_cycle_loads_a_new_checkpoint_per_step(
+    fleet: tuple[RolloutServer, list[SGLangHTTPEngine]],
+    checkpoints: dict[str, str],
+    expected: dict[str, Fingerprint],
+) -> None:
+    server, engines = fleet
+    for step in ("step1", "step2"):
+        await server.offload()
+        await server.onload_weights()
+        await server.update_weights(FromDisk(checkpoints[step]), step, expected=expected[step])
+        await server.onload_kv()
+        assert server.state is S.SERVING
+        assert await fingerprints(engines) == [expected[step]] * 2
+        assert await served_versions(server, 4) == {step}
+        assert server.metrics["lifecycle/update_weights/verify_weights_s"] > 0
+
+
+async def test_a_push_that_reaches_one_server_but_not_the_other_is_caught_before_either_serves(
+    real_servers: list[RealServer],
+    fleet: tuple[RolloutServer, list[SGLangHTTPEngine]],
+    checkpoints: dict[str, str],
+) -> None:
+    server, _ = fleet
+    await server.pause()
+    with pytest.raises(WeightsNotVerified) as caught:
+        await server.update_weights(only(checkpoints["step1"], "actor/0"), "step1", verify=True)
+    assert caught.value.problems == {"actor/1": "holds the weights it held before the push"}
+    with pytest.raises(StaleWeights, match="actor/1"):
+        await server.resume()
+    # neither server serves: both are still paused (SGLang's /ready is 503 while paused)
+    for real in real_servers:
+        async with httpx.AsyncClient(base_url=real.url, trust_env=False, timeout=30) as client:
+            assert (await client.get("/ready")).status_code == 503
+    # a write that reaches both: verified, and both serve (step1 again would be refused on
+    # actor/0, which holds it already, unless the push may be a no-op)
+    await server.update_weights(FromDisk(checkpoints["step2"]), "step2", verify=True)
+    await server.resume()
+    assert await served_versions(server, 4) == {"step2"}
+
+
+async def test_a_push_of_the_wrong_checkpoint_is_caught_against_the_expected_fingerprint(
+    fleet: tuple[RolloutServer, list[SGLangHTTPEngine]],
+    checkpoints: dict[str, str],
+    expected: dict[str, Fingerprint],
+) -> None:
+    server, _ = fleet
+    await server.pause()
+    with pytest.raises(WeightsNotVerified) as caught:
+        await server.update_weights(
+            FromDisk(checkpoints["step2"]), "step1", expected=expected["step1"]
+        )
+    wrong = ("transformer.h.0.mlp.c_fc.weight", "transformer.h.1.attn.c_attn.weight")
+    assert caught.value.tensors == {"actor/0": wrong, "actor/1": wrong}
+    assert "differs from the expected fingerprint" in str(caught.value)
+    with pytest.raises(StaleWeights):
+        await server.resume()
