@@ -31,6 +31,7 @@ from rollout_lifecycle.testing.barriers import (
 from rollout_lifecycle.testing.fleets import (
     faulty_engines,
     no_push,
+    push_reaching,
     received_ops,
     simulated,
     simulated_engines,
@@ -156,6 +157,7 @@ __all__ = [
     "faulty_engines",
     "local_ray",
     "no_push",
+    "push_reaching",
     "received_ops",
     "released_ops",
     "send_to_engine",

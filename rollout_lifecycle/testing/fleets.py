@@ -3,9 +3,11 @@ a fault injector), the calls an engine received, and a weight push that writes n
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rollout_lifecycle.backends.engine import EngineHost
+from rollout_lifecycle.backends.weights import FromDisk
 from rollout_lifecycle.core.server import RolloutServer
 from rollout_lifecycle.core.sessions import WeightUpdate
 from rollout_lifecycle.core.states import ServerState
@@ -48,6 +50,17 @@ async def no_push(update: WeightUpdate) -> None:
     """A weight push that writes nothing (the version still changes)."""
 
 
+def push_reaching(path: str, *ids: str) -> Callable[[WeightUpdate], Awaitable[None]]:
+    """A push from disk (``FromDisk(path)``) that reaches the engines ``ids`` alone: what a
+    transfer that failed silently on the others leaves behind."""
+
+    async def push(update: WeightUpdate) -> None:
+        reached = {k: v for k, v in update.engines.items() if k in ids}
+        await FromDisk(path)(WeightUpdate(update.version, reached))
+
+    return push
+
+
 #: The public calls that bring a server from ``serving`` to each state it can be settled in
 #: outside ``failed`` and ``kv_restored`` (which continues as it is reached).
 ROUTES: dict[ServerState, tuple[str, ...]] = {
@@ -71,6 +84,7 @@ __all__ = [
     "bring_to",
     "faulty_engines",
     "no_push",
+    "push_reaching",
     "received_ops",
     "simulated",
     "simulated_engines",

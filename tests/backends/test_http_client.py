@@ -91,6 +91,17 @@ def default_answer(request: httpx.Request) -> httpx.Response:
         )
     if path == "/abort_request":
         return httpx.Response(200)
+    if path == "/weights_checker":
+        # sglang 0.5.23 on a CPU, one rank (two of the tiny GPT-2's 28 tensors)
+        sums = {"transformer.wte.weight": "3d00e7d758de4603", "transformer.ln_f.bias": "38723a"}
+        rank = {"checksums": sums, "per_gpu_checksum": "ab", "parallelism_info": [{}]}
+        body = {
+            "success": True,
+            "message": "Success.",
+            "ranks": [rank],
+            "per_engine_checksum": "cd",
+        }
+        return httpx.Response(200, json=body)
     if path in ("/init_weights_update_group", "/destroy_weights_update_group"):
         return httpx.Response(200, json={"success": True, "message": "ok"})
     if path == "/ready":
@@ -323,6 +334,14 @@ WIRE_CASES: list[tuple[str, Call, str, str, dict[str, str], Any]] = [
     ("weight_version", lambda e: e.weight_version(), "GET", "/model_info", {}, None),
     ("server_info", lambda e: e.server_info(), "GET", "/server_info", {}, None),
     (
+        "weight_fingerprint",
+        lambda e: e.weight_fingerprint(),
+        "POST",
+        "/weights_checker",
+        {},
+        {"action": "checksum", "selector": "target"},
+    ),
+    (
         "generate",
         lambda e: e.generate({"text": "2+2=", "sampling_params": {"max_new_tokens": 4}}),
         "POST",
@@ -381,6 +400,9 @@ async def test_every_post_but_flush_carries_a_json_body() -> None:
 async def test_answers_come_back_as_values() -> None:
     engine = make_engine(FakeServer())
     assert await engine.weight_version() == "v3"
+    found = await engine.weight_fingerprint()
+    assert found["scheme"] == "sglang-sha256-64"
+    assert found["tensors"]["transformer.wte.weight"] == "3d00e7d758de4603"
     assert (await engine.server_info())["version"] == "0.5.23"
     assert (await engine.generate({"text": "x"}))["text"] == "hi"
     await engine.release_memory_occupation([Tag.KV_CACHE])  # 200 null is success
@@ -533,6 +555,11 @@ async def test_a_long_error_body_is_truncated() -> None:
         (lambda e: e.generate({"text": "x"}), httpx.Response(200, json=[{"text": "a"}])),
         (lambda e: e.begin_weight_update(), httpx.Response(200, json={"message": "what"})),
         (lambda e: e.begin_weight_update(), httpx.Response(200, text="{truncated")),
+        (lambda e: e.weight_fingerprint(), httpx.Response(200, json={"success": True})),
+        (
+            lambda e: e.weight_fingerprint(),
+            httpx.Response(200, json={"success": True, "ranks": [{"checksums": None}]}),
+        ),
     ],
     ids=[
         "model_info_html",
@@ -542,6 +569,8 @@ async def test_a_long_error_body_is_truncated() -> None:
         "generate_list",
         "no_success_field",
         "malformed_json",
+        "checksums_without_ranks",
+        "rank_without_checksums",
     ],
 )
 async def test_a_garbage_answer_is_a_clear_engine_error(call: Call, answer: httpx.Response) -> None:
@@ -1455,3 +1484,12 @@ async def test_a_body_field_the_table_does_not_declare_is_refused_before_sending
         await engine.link.call("pause_generation", {"modes": "abort"})
     assert server.requests == []
     await engine.close()
+
+
+async def test_a_tensor_parallel_engines_ranks_are_told_apart_by_prefix() -> None:
+    def two_ranks(request: httpx.Request) -> httpx.Response:
+        ranks = [{"checksums": {"w": digest}} for digest in ("aa", "bb")]
+        return httpx.Response(200, json={"success": True, "ranks": ranks})
+
+    engine = make_engine(FakeServer(two_ranks))
+    assert (await engine.weight_fingerprint())["tensors"] == {"tp0:w": "aa", "tp1:w": "bb"}

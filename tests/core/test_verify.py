@@ -27,10 +27,14 @@ from rollout_lifecycle import (
     SimulatedEngine,
     StaleWeights,
     WeightsNotVerified,
-    WeightUpdate,
 )
 from rollout_lifecycle.core.verify import Verification, judge
-from rollout_lifecycle.testing.fleets import faulty_engines, received_ops, simulated_engines
+from rollout_lifecycle.testing.fleets import (
+    faulty_engines,
+    push_reaching,
+    received_ops,
+    simulated_engines,
+)
 
 S = ServerState
 
@@ -107,16 +111,6 @@ def test_fingerprints_compare_by_content_cross_the_wire_and_refuse_bad_values() 
 # -- update_weights(verify=True) on simulated fleets -------------------------------------------
 
 
-def only(path: str, *ids: str) -> Any:
-    """A push from disk that reaches the engines ``ids`` alone."""
-
-    async def push(update: WeightUpdate) -> None:
-        reached = {k: v for k, v in update.engines.items() if k in ids}
-        await FromDisk(path)(WeightUpdate(update.version, reached))
-
-    return push
-
-
 def server_of(*engines: Any, keepers: Any = (), **config: Any) -> RolloutServer:
     groups = [EngineGroup("actor", list(engines))]
     if keepers:
@@ -165,7 +159,7 @@ async def test_a_push_that_misses_an_engine_is_caught_before_either_serves() -> 
     await server.offload()
     await server.onload_weights()
     with pytest.raises(WeightsNotVerified) as caught:
-        await server.update_weights(only("/ckpt/step1", "actor/0"), "v1", verify=True)
+        await server.update_weights(push_reaching("/ckpt/step1", "actor/0"), "v1", verify=True)
     assert caught.value.problems == {"actor/1": "holds the weights it held before the push"}
     assert server.state is S.WEIGHTS_RESTORED
     record = server.snapshot().groups[0].engines[1]
@@ -217,7 +211,7 @@ async def test_under_skip_the_engines_that_pass_go_on_and_the_others_wait_paused
     await server.offload()
     await server.onload_weights()
     reached = ("actor/0", "actor/1", "reward/0")
-    await server.update_weights(only("/ckpt/step1", *reached), "v1", verify=True)
+    await server.update_weights(push_reaching("/ckpt/step1", *reached), "v1", verify=True)
     # the reward engine that passed serves again; the one that did not waits paused
     assert not reward[0].state()["paused"] and reward[1].state()["paused"]
     await server.onload_kv()
@@ -249,7 +243,7 @@ async def test_a_replacement_that_the_push_missed_is_caught_before_it_joins() ->
     fresh = SimulatedEngine("fresh")
     await server.recover(lambda _: fresh)
     with pytest.raises(WeightsNotVerified) as caught:
-        await server.update_weights(only("/ckpt/step1", "actor/0"), "v1", verify=True)
+        await server.update_weights(push_reaching("/ckpt/step1", "actor/0"), "v1", verify=True)
     assert set(caught.value.problems) == {"actor/1"}
     assert fresh.state()["paused"]
     await server.update_weights(FromDisk("/ckpt/step1"), "v1", verify=True, may_be_noop=True)

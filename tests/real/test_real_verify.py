@@ -9,7 +9,6 @@ serving.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 import httpx
 import pytest
@@ -25,8 +24,8 @@ from rollout_lifecycle import (
     SGLangHTTPEngine,
     StaleWeights,
     WeightsNotVerified,
-    WeightUpdate,
 )
+from rollout_lifecycle.testing.fleets import push_reaching
 
 pytestmark = pytest.mark.real_sglang
 
@@ -76,16 +75,6 @@ async def fingerprints(engines: list[SGLangHTTPEngine]) -> list[Fingerprint]:
     return [Fingerprint.from_wire(await e.weight_fingerprint()) for e in engines]
 
 
-def only(path: str, *ids: str) -> Any:
-    """A push from disk that reaches the engines ``ids`` alone."""
-
-    async def push(update: WeightUpdate) -> None:
-        reached = {k: v for k, v in update.engines.items() if k in ids}
-        await FromDisk(path)(WeightUpdate(update.version, reached))
-
-    return push
-
-
 async def served_versions(server: RolloutServer, count: int) -> set[str]:
     found = set()
     for _ in range(count):
@@ -130,7 +119,9 @@ async def test_a_push_that_reaches_one_server_but_not_the_other_is_caught_before
     server, _ = fleet
     await server.pause()
     with pytest.raises(WeightsNotVerified) as caught:
-        await server.update_weights(only(checkpoints["step1"], "actor/0"), "step1", verify=True)
+        await server.update_weights(
+            push_reaching(checkpoints["step1"], "actor/0"), "step1", verify=True
+        )
     assert caught.value.problems == {"actor/1": "holds the weights it held before the push"}
     with pytest.raises(StaleWeights, match="actor/1"):
         await server.resume()

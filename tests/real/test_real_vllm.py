@@ -45,12 +45,12 @@ from rollout_lifecycle import (
     SGLangHTTPEngine,
     StaleWeights,
     WeightsNotVerified,
-    WeightUpdate,
     free_port,
 )
 from rollout_lifecycle.backends.vllm_http import VLLMHTTPEngine
 from rollout_lifecycle.contract.exceptions import EngineRejected, IllegalEngineOp
 from rollout_lifecycle.contract.values import ALL_TAGS, Tag
+from rollout_lifecycle.testing.fleets import push_reaching
 from rollout_lifecycle.testing.sse import asse_events
 from rollout_lifecycle.testing.waits import until
 
@@ -550,7 +550,9 @@ async def test_verified_reloads_on_two_real_vllm_servers_match_the_trainers_fing
         assert len((await server.generate(request(2)))["output_ids"]) == 2
         await server.pause()
         with pytest.raises(WeightsNotVerified) as caught:
-            await server.update_weights(reaching(real_vllm.model, "vllm/0"), "base", verify=True)
+            await server.update_weights(
+                push_reaching(real_vllm.model, "vllm/0"), "base", verify=True
+            )
         assert caught.value.problems == {"vllm/1": "holds the weights it held before the push"}
         with pytest.raises(StaleWeights, match="vllm/1"):
             await server.resume()
@@ -600,13 +602,3 @@ async def test_a_mixed_fleet_is_verified_per_group_against_each_engines_own_fing
     finally:
         await vllm.close()
         await sglang.close()
-
-
-def reaching(path: str, *ids: str) -> Any:
-    """A push from disk that reaches the engines ``ids`` alone."""
-
-    async def push(update: WeightUpdate) -> None:
-        reached = {k: v for k, v in update.engines.items() if k in ids}
-        await FromDisk(path)(WeightUpdate(update.version, reached))
-
-    return push

@@ -126,17 +126,22 @@ def test_readme_shell_block_runs(
     assert ADMIN_KEY not in done.stdout + done.stderr
 
 
+def flags_after(language: str, word: str) -> dict[str, list[str]]:
+    """The values of each ``--flag`` after ``word`` in the README's one ``language`` block."""
+    (block,) = blocks(language)
+    words = shlex.split(block.replace("\\\n", " "))
+    given: dict[str, list[str]] = {}
+    for flag, value in itertools.pairwise(words[words.index(word) :]):
+        if flag.startswith("--"):
+            given.setdefault(flag, []).append(value)
+    return given
+
+
 def test_readme_real_demo_command_passes_what_the_real_tier_passes() -> None:
     """The README's demo on real servers (an ``sh`` block: it needs both engines' environments)
     gives each kind the arguments and environment the real tiers start their servers with, so
     it runs as the real demo test does."""
-    (block,) = blocks("sh")
-    words = shlex.split(block.replace("\\\n", " "))
-    demo = words[words.index("rollout-lifecycle") :]
-    given: dict[str, list[str]] = {}
-    for flag, value in itertools.pairwise(demo):
-        if flag.startswith("--"):
-            given.setdefault(flag, []).append(value)
+    given = flags_after("sh", "rollout-lifecycle")
     assert shlex.split(given["--sglang-args"][0]) == list(CPU_FLAGS)
     assert shlex.split(given["--vllm-args"][0]) == list(VLLM_CPU_FLAGS)
     sglang_env = dict(pair.split("=", 1) for pair in given["--sglang-env"])
@@ -152,13 +157,7 @@ def test_readme_rl_loop_command_starts_its_servers_as_the_real_tier_does() -> No
     """The showcase's command (a ``shell`` block: it needs the SGLang environment) gives the
     servers the arguments and environment the real tier runs ``examples/real/rl_loop.py``
     with."""
-    (block,) = blocks("shell")
-    words = shlex.split(block.replace("\\\n", " "))
-    loop = words[words.index("examples/real/rl_loop.py") :]
-    given: dict[str, list[str]] = {}
-    for flag, value in itertools.pairwise(loop):
-        if flag.startswith("--"):
-            given.setdefault(flag, []).append(value)
+    given = flags_after("shell", "examples/real/rl_loop.py")
     assert shlex.split(given["--sglang-args"][0]) == list(CPU_FLAGS)
     sglang_env = dict(pair.split("=", 1) for pair in given["--sglang-env"])
     sglang_env["PYTHONPATH"] = sglang_env["PYTHONPATH"].replace("$PWD", str(README.parent))
