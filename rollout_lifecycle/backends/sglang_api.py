@@ -96,6 +96,9 @@ class Endpoint:
     fields: tuple[Field, ...] = ()
     #: Whether the endpoint reads a JSON body (a POST without one is a 400 that changes nothing).
     reads_body: bool = True
+    #: Whether a request without a body takes every field's default instead (the route's body
+    #: is ``Optional``: ``/weights_checker``).
+    body_optional: bool = False
     #: Older names of the same route, tried when the path answers 404.
     aliases: tuple[str, ...] = ()
     #: The SGLang function this row was read from.
@@ -158,6 +161,7 @@ def _control(
     repeatable: bool = False,
     methods: tuple[str, ...] = ("POST",),
     reads_body: bool = True,
+    body_optional: bool = False,
     source: str,
 ) -> Endpoint:
     return Endpoint(
@@ -170,6 +174,7 @@ def _control(
         repeatable,
         fields,
         reads_body=reads_body,
+        body_optional=body_optional,
         source=source,
     )
 
@@ -320,14 +325,18 @@ _ROWS: tuple[Endpoint, ...] = (
         "weights_checker",
         Answer.OBJECT,
         "weights",
-        # The route also takes "snapshot", "compare" and "reset_tensors" (which overwrites
-        # every weight with noise); the library sends only the read.
-        Field("action", "choice", default="checksum", choices=("checksum",)),
+        # A plain string: the scheduler answers an action it does not know with 400 {"success":
+        # false, "message": "Unsupported action='...'"}. It also takes "snapshot", "compare"
+        # and "reset_tensors" (which overwrites every weight with noise); the library sends
+        # only the read. With no body at all the route runs the default, a checksum.
+        Field("action", "str", default="checksum"),
         _SELECTOR,
         repeatable=True,
         methods=("POST", "GET"),
+        body_optional=True,
         source="check_weights (io_struct.py CheckWeightsReqInput; utils/weight_checker.py "
-        "WeightChecker._compute_checksum): 200 {success, message, ranks, per_engine_checksum}",
+        "WeightChecker.handle, _compute_checksum): 200 {success, message, ranks, "
+        "per_engine_checksum}",
     ),
     # ------------------------------------------------------------------ requests and reads
     Endpoint(

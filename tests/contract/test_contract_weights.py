@@ -176,3 +176,23 @@ async def test_a_checksum_is_a_16_hex_digest_per_tensor_that_moves_only_with_the
     back = await client.post("/update_weights_from_disk", json={"model_path": model_path, **body})
     assert back.status_code == 200, back.text
     assert await checksums(client) == first  # the same checkpoint: the same digests
+
+
+async def test_the_checksum_route_takes_no_body_and_refuses_an_action_it_does_not_know(
+    client: httpx.AsyncClient,
+) -> None:
+    """The body is optional: without one (POST or GET) the route runs a checksum. An unknown
+    action is the scheduler's 400 ``success: false``; a value of the wrong kind is a validation
+    error. Nothing changes either way."""
+    first = await checksums(client)
+    for method in ("POST", "GET"):
+        answer = await client.request(method, "/weights_checker")
+        assert answer.status_code == 200, (method, answer.text)
+        assert answer.json()["ranks"][0]["checksums"] == first
+    unknown = await client.post("/weights_checker", json={"action": "nope"})
+    assert unknown.status_code == 400
+    assert unknown.json() == {"success": False, "message": "Unsupported action='nope'"}
+    for body in ({"action": 7}, {"selector": "no-such-choice"}):
+        wrong = await client.post("/weights_checker", json=body)
+        assert wrong.status_code == 400 and wrong.json()["object"] == "error", (body, wrong.text)
+    assert await checksums(client) == first

@@ -482,9 +482,13 @@ def create_app(
     # ------------------------------------------------------------------ probes and info
 
     @serves("weights_checker")
-    async def weights_checker(_: Request, values: dict[str, Any]) -> dict[str, Any]:
+    async def weights_checker(_: Request, values: dict[str, Any]) -> Any:
         # sglang: http_server.py check_weights (one ChecksumInfo per rank; the engine's
-        # checksum is a sha256 over the ranks' own)
+        # checksum is a sha256 over the ranks' own); utils/weight_checker.py handle
+        if values["action"] != "checksum":
+            # (the stand-in serves only the read of the route's four actions)
+            message = f"Unsupported action={values['action']!r}"
+            return JSONResponse({"success": False, "message": message}, status_code=400)
         sums = (await state.call(engine.weight_fingerprint()))["tensors"]
         rank = hashlib.sha256("".join(f"{k}{sums[k]}" for k in sorted(sums)).encode())
         placement = dict.fromkeys(("tp_rank", "dp_rank", "pp_rank", "rank"), 0)

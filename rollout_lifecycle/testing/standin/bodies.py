@@ -135,7 +135,8 @@ def fields_of(endpoint: Endpoint, body: Mapping[str, Any], query: Mapping[str, s
 
 async def read(endpoint: Endpoint, request: Request) -> dict[str, Any]:
     """The request's fields, read from its body (when the endpoint reads one) and query."""
-    body = await json_body(request) if endpoint.reads_body else {}
+    empty = endpoint.body_optional and not (await request.body()).strip()
+    body = await json_body(request) if endpoint.reads_body and not empty else {}
     values: dict[str, Any] = fields_of(endpoint, body, request.query_params)
     return values
 
