@@ -2,7 +2,7 @@
 
 The trainer holds the tiny GPT-2 the servers serve. Each step it samples rollouts through the
 server's generation client (spread over both servers), scores them with a toy reward (the share
-of one target token in each completion), and runs the colocated cycle:
+of a set of target tokens in each completion), and runs the colocated cycle:
 
     offload -> policy-gradient step -> onload_weights -> push (a checkpoint per step)
             -> verify (against the trainer's own fingerprint) -> onload_kv
@@ -41,6 +41,7 @@ from transformers import GPT2LMHeadModel
 
 from rollout_lifecycle import (
     EngineGroup,
+    Fingerprint,
     FromDisk,
     LaunchedSGLangEngine,
     LifecycleConfig,
@@ -50,6 +51,8 @@ from rollout_lifecycle import (
 from rollout_lifecycle.trainer import GPT2_CONV1D_WEIGHTS, SGLANG_SCHEME, fingerprint, transposing
 
 PROMPT_TOKENS = 4
+#: How many tokens the reward counts.
+TARGETS = 8
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -87,16 +90,29 @@ async def rollouts(server: RolloutServer, prompts: list[list[int]], tokens: int)
     return list(await asyncio.gather(*(server.generate(request(p)) for p in prompts)))
 
 
-def likeliest_token(model: GPT2LMHeadModel, vocab: int, rng: random.Random) -> int:
-    """The reward's target: the token the untrained policy gives the most probability after
-    random prompts (chosen apart from the rollouts it scores, so the first step's reward is not
-    biased upward by the choice)."""
+def engines_fingerprint(model: GPT2LMHeadModel) -> Fingerprint:
+    """What the servers report once they hold ``model``'s weights (float32, GPT-2's ``Conv1D``
+    weights transposed, the head tied to the embedding)."""
+    return fingerprint(
+        model.state_dict(),
+        SGLANG_SCHEME,
+        dtype=torch.float32,
+        rename=engine_view,
+        transform=transposing(GPT2_CONV1D_WEIGHTS),
+    )
+
+
+def likeliest_tokens(model: GPT2LMHeadModel, vocab: int, rng: random.Random) -> list[int]:
+    """The reward's targets: the ``TARGETS`` tokens the untrained policy gives the most
+    probability after random prompts (chosen apart from the rollouts they score, so the first
+    step's reward is not biased upward by the choice). A set, not one token: on the random
+    model one token is ~1/512 of the samples, and a batch with no hit gives no gradient."""
     prompts = torch.tensor(
         [[rng.randrange(vocab) for _ in range(PROMPT_TOKENS)] for _ in range(64)]
     )
     with torch.no_grad():
         probs = torch.softmax(model(prompts).logits[:, -1].float(), dim=-1).mean(0)
-    return int(probs.argmax())
+    return [int(t) for t in probs.topk(TARGETS).indices]
 
 
 def compare(model: GPT2LMHeadModel, prompts: list[list[int]], outs: list[Any]) -> dict[str, float]:
@@ -118,12 +134,12 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     prompts: list[list[int]],
     outs: list[Any],
-    target: int,
+    targets: set[int],
 ) -> float:
-    """One policy-gradient step on the reward (the target's share of a completion), split by
+    """One policy-gradient step on the reward (the targets' share of a completion), split by
     token: each token is credited with the target hits from it to the end (reward to go), less
     the batch's mean at that position (the baseline)."""
-    hits = torch.tensor([[float(t == target) for t in o["output_ids"]] for o in outs])
+    hits = torch.tensor([[float(t in targets) for t in o["output_ids"]] for o in outs])
     togo = (hits / hits.shape[1]).flip(1).cumsum(1).flip(1)
     advantage = togo - togo.mean(0, keepdim=True)
     optimizer.zero_grad()
@@ -187,14 +203,15 @@ async def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     try:
         await asyncio.gather(*(e.start() for e in engines))
-        target = likeliest_token(model, vocab, rng)
+        targets = set(likeliest_tokens(model, vocab, rng))
+        previous = engines_fingerprint(model)
         version = None
         for step in range(1, args.steps + 1):
             prompts = [
                 [rng.randrange(vocab) for _ in range(PROMPT_TOKENS)] for _ in range(args.rollouts)
             ]
             outs = await rollouts(server, prompts, args.tokens)
-            rewards = [o["output_ids"].count(target) / len(o["output_ids"]) for o in outs]
+            rewards = [sum(t in targets for t in o["output_ids"]) / args.tokens for o in outs]
             versions = sorted({o["meta_info"]["weight_version"] for o in outs})
             row: dict[str, Any] = {
                 "step": step,
@@ -207,24 +224,25 @@ async def run(args: argparse.Namespace) -> int:
             times = row["phases"]
             times["offload"] = short(await server.offload())
             start = time.monotonic()
-            row["loss"] = train_step(model, optimizer, prompts, outs, target)
+            row["loss"] = train_step(model, optimizer, prompts, outs, targets)
             times["train_s"] = time.monotonic() - start
             times["onload_weights"] = short(await server.onload_weights())
             version = f"step-{step}"
             checkpoint = out / "checkpoints" / version
             start = time.monotonic()
             model.save_pretrained(checkpoint, safe_serialization=True)
-            expected = fingerprint(
-                model.state_dict(),
-                SGLANG_SCHEME,
-                dtype=torch.float32,
-                rename=engine_view,
-                transform=transposing(GPT2_CONV1D_WEIGHTS),
-            )
+            expected = engines_fingerprint(model)
             times["save_and_fingerprint_s"] = time.monotonic() - start
             times["update_weights"] = short(
-                await server.update_weights(FromDisk(str(checkpoint)), version, expected=expected)
+                await server.update_weights(
+                    FromDisk(str(checkpoint)),
+                    version,
+                    expected=expected,
+                    # a step whose gradient was zero leaves the weights as they were
+                    may_be_noop=expected == previous,
+                )
             )
+            previous = expected
             times["onload_kv"] = short(await server.onload_kv())
             rows.append(row)
             mm = row["mismatch"]
@@ -234,7 +252,9 @@ async def run(args: argparse.Namespace) -> int:
                 f"| verify {times['update_weights']['verify_weights_s']:.3f} s",
                 flush=True,
             )
-        (out / "steps.json").write_text(json.dumps({"target": target, "steps": rows}, indent=1))
+        (out / "steps.json").write_text(
+            json.dumps({"targets": sorted(targets), "steps": rows}, indent=1)
+        )
         server.timeline.export_chrome_trace(out / "timeline.json")
         plot(rows, out / "rl_loop.png")
         first, last = rows[0]["reward"], rows[-1]["reward"]
