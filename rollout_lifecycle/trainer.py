@@ -56,14 +56,20 @@ def tensor_bytes(tensor: Any) -> memoryview:
     raise InvalidArgument(f"a tensor must be a torch tensor or numpy array, got {type(tensor)}")
 
 
-def tensor_digest(tensor: Any, scheme: str) -> str:
-    """``tensor``'s digest in ``scheme`` (``SGLANG_SCHEME`` or ``VLLM_SCHEME``)."""
+def scheme_digest(scheme: str) -> Callable[[Any], str]:
+    """The digest of one tensor in ``scheme`` (``SGLANG_SCHEME`` or ``VLLM_SCHEME``)."""
     digest = _DIGESTS.get(scheme)
     if digest is None:
         raise InvalidArgument(
-            f"no trainer-side digest for scheme {scheme!r}; known: {sorted(_DIGESTS)}"
+            f"no trainer-side digest for scheme {scheme!r}; known: {sorted(_DIGESTS)}; "
+            f"pass digest= for another"
         )
-    return digest(tensor_bytes(tensor))
+    return lambda tensor: digest(tensor_bytes(tensor))
+
+
+def tensor_digest(tensor: Any, scheme: str) -> str:
+    """``tensor``'s digest in ``scheme`` (``SGLANG_SCHEME`` or ``VLLM_SCHEME``)."""
+    return scheme_digest(scheme)(tensor)
 
 
 #: The weights of a Hugging Face GPT-2 stored as ``Conv1D`` (``[in, out]``), which the engines
@@ -105,8 +111,7 @@ def fingerprint(
     ``digest(tensor)`` when given, else by ``scheme``'s digest); the engine's name is
     ``prefix`` + the new name (``VLLM_PREFIX`` for a single vLLM worker).
     """
-    if digest is None and scheme not in _DIGESTS:
-        raise InvalidArgument(f"no trainer-side digest for scheme {scheme!r}; pass digest=")
+    digest_of = digest if digest is not None else scheme_digest(scheme)
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     out: dict[str, str] = {}
     for name, tensor in items:
@@ -119,7 +124,7 @@ def fingerprint(
         key = prefix + held
         if key in out:
             raise InvalidArgument(f"two tensors are named {key!r} in the engine's layout")
-        out[key] = digest(value) if digest is not None else tensor_digest(value, scheme)
+        out[key] = digest_of(value)
     return Fingerprint(scheme, out)
 
 
@@ -129,6 +134,7 @@ __all__ = [
     "VLLM_PREFIX",
     "VLLM_SCHEME",
     "fingerprint",
+    "scheme_digest",
     "tensor_bytes",
     "tensor_digest",
     "transposing",

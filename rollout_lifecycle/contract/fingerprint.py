@@ -13,6 +13,7 @@ Fingerprints cross process boundaries as plain values (``to_wire`` / ``from_wire
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -57,7 +58,7 @@ class Fingerprint:
             return NotImplemented
         return self.scheme == other.scheme and dict(self.tensors) == dict(other.tensors)
 
-    @property
+    @functools.cached_property
     def digest(self) -> str:
         """One sha256 over every (name, digest) pair, in name order: equal digests, equal
         fingerprints."""

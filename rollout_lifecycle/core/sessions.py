@@ -109,12 +109,11 @@ class WeightWriter(Client):
         if version is not None:
             plan = Plan.over(fleet.groups, Op.SET_VERSION, (version,))
             await runner.require("update_weight_version", plan, deadlines.weight_update)
-        else:
-            for record in fleet.live():
-                record.stale = False  # unversioned: having been written to is all we know
         self._versions.interrupted = False
         for record in fleet.live():
             record.unverified = False  # what it failed is overwritten; checked again below
+            if version is None:
+                record.stale = False  # unversioned: having been written to is all we know
         # The prefix cache holds KV computed with the old weights: drop it wherever the KV
         # cache is resident (a released KV cache comes back empty).
         resident = [

@@ -104,14 +104,13 @@ def judge(
     """
     failed: dict[str, Verdict] = {}
     expected = {f.scheme: f for f in spec.expected}
-    peers: dict[tuple[str, str], list[str]] = defaultdict(list)
+    peers: dict[tuple[str, str], dict[str, Fingerprint]] = defaultdict(dict)
     for engine, found in after.items():
         if isinstance(found, str):
             failed[engine] = Verdict(f"could not be read: {found}")
         else:
-            peers[(groups[engine], found.scheme)].append(engine)
-    for (group, scheme), engines in peers.items():
-        prints = {e: after[e] for e in engines}
+            peers[(groups[engine], found.scheme)][engine] = found
+    for (group, scheme), prints in peers.items():
         if not spec.may_be_noop:
             # An engine the push did not change is wrong whatever the others hold; the rest
             # are compared among themselves.
@@ -124,7 +123,6 @@ def judge(
             failed.update(_disagreeing(group, prints))
             continue
         for engine, held in prints.items():
-            assert isinstance(held, Fingerprint)
             if held != want:
                 failed[engine] = Verdict(
                     "differs from the expected fingerprint", held.differing(want)
@@ -132,11 +130,10 @@ def judge(
     return failed
 
 
-def _disagreeing(group: str, prints: Mapping[str, Fingerprint | str]) -> dict[str, Verdict]:
+def _disagreeing(group: str, prints: Mapping[str, Fingerprint]) -> dict[str, Verdict]:
     """The engines of one group (and scheme) that differ from what most of them hold."""
     by_digest: dict[str, list[str]] = defaultdict(list)
     for engine, held in prints.items():
-        assert isinstance(held, Fingerprint)
         by_digest[held.digest].append(engine)
     if len(by_digest) < 2:
         return {}
@@ -145,18 +142,14 @@ def _disagreeing(group: str, prints: Mapping[str, Fingerprint | str]) -> dict[st
     out: dict[str, Verdict] = {}
     if n == runner_up:
         for engine, held in prints.items():
-            assert isinstance(held, Fingerprint)
             other = next(p for p in prints.values() if p != held)
-            assert isinstance(other, Fingerprint)
             out[engine] = Verdict(
                 f"disagrees with the other engines of group {group!r} (no majority)",
                 held.differing(other),
             )
         return out
     majority = prints[by_digest[top][0]]
-    assert isinstance(majority, Fingerprint)
     for engine, held in prints.items():
-        assert isinstance(held, Fingerprint)
         if held.digest != top:
             out[engine] = Verdict(
                 f"differs from what most engines of group {group!r} hold",

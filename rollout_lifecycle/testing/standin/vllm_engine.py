@@ -19,6 +19,7 @@ from typing import Any
 
 from rollout_lifecycle.contract.exceptions import EngineRejected, InvalidArgument
 from rollout_lifecycle.contract.values import PauseMode
+from rollout_lifecycle.testing.sim_state import SIM_TENSORS
 from rollout_lifecycle.testing.simulated import SimulatedEngine
 
 #: The version ``/version`` reports.
@@ -31,12 +32,7 @@ NOT_CONFIGURED = (
     "Weight transfer not configured. Please set weight_transfer_config to enable weight transfer."
 )
 #: The tensors ``/weight_checker`` reports a checksum for (the simulated model's).
-TENSORS: tuple[str, ...] = (
-    "model.embed_tokens.weight",
-    "model.layers.0.self_attn.qkv_proj.weight",
-    "model.layers.0.mlp.down_proj.weight",
-    "lm_head.weight",
-)
+TENSORS: tuple[str, ...] = SIM_TENSORS
 #: How often a ``wait`` pause asks whether the requests in flight have drained.
 _DRAIN_POLL_S = 0.01
 #: How long a ``wait`` pause waits for the requests in flight before it answers 500.
