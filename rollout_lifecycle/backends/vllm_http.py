@@ -410,17 +410,15 @@ class VLLMHTTPEngine:
     # ----------------------------------------------------------------------------- requests
 
     async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
-        """One SGLang-shaped request (``input_ids`` or ``text``, ``sampling_params``, ``rid``)
-        as ``POST /v1/completions``; the answer in SGLang's shape (``text``, ``output_ids``,
-        ``meta_info`` with ``finish_reason``). Sent once."""
+        """One SGLang-shaped request (``input_ids`` or ``text``, ``sampling_params``, ``rid``,
+        ``return_logprob``) as ``POST /v1/completions``; the answer in SGLang's shape (``text``,
+        ``output_ids``, ``meta_info`` with ``finish_reason``, and ``output_token_logprobs`` when
+        asked: see ``_output_logprobs``). Sent once."""
         op = "generate"
         self._refuse_forward(op)
-        if not isinstance(request, dict):
-            raise InvalidArgument(f"request must be a dict, got {shown(request)}")
-        if request.get("stream"):
-            raise InvalidArgument("generate() does not stream; send the request with stream false")
-        answer = await self._call("completions", _completion(request, self._model), op=op)
-        return _as_sglang(self._wire, answer)
+        body = _completion(request, self._model)
+        answer = await self._call("completions", body, op=op)
+        return _as_sglang(self._wire, answer, logprobs="logprobs" in body)
 
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """``POST /abort_requests``: the request this client's ``generate`` sent as ``rid``, or
@@ -550,6 +548,10 @@ def completion_id(rid: str) -> str:
 
 def _completion(request: dict[str, Any], model: str | None) -> dict[str, Any]:
     """An SGLang ``/generate`` body as a vLLM ``/v1/completions`` body."""
+    if not isinstance(request, dict):
+        raise InvalidArgument(f"request must be a dict, got {shown(request)}")
+    if request.get("stream"):
+        raise InvalidArgument("generate() does not stream; send the request with stream false")
     if "input_ids" in request:
         prompt: Any = request["input_ids"]
     elif "text" in request:
@@ -567,14 +569,74 @@ def _completion(request: dict[str, Any], model: str | None) -> dict[str, Any]:
             body[name] = params.pop(name)
     if params:
         raise InvalidArgument(f"sampling_params vLLM is not sent: {sorted(params)}")
+    if _wants_logprobs(request):
+        # vllm: entrypoints/openai/completion/protocol.py CompletionRequest.logprobs: the number
+        # of top logprobs besides the sampled token's; 0 asks for the sampled token's alone.
+        body["logprobs"] = 0
     rid = request.get("rid")
     if isinstance(rid, str) and rid:
         body["request_id"] = rid
     return body
 
 
-def _as_sglang(wire: HTTPTransport, answer: dict[str, Any]) -> dict[str, Any]:
-    """A ``/v1/completions`` answer in the shape of SGLang's ``/generate``."""
+#: SGLang's logprob keys besides ``return_logprob`` (sglang 0.5.23:
+#: srt/managers/io_struct.py GenerateReqInput), each with the values that ask for nothing.
+_UNSERVED_LOGPROB_KEYS: Mapping[str, tuple[Any, ...]] = {
+    "logprob_start_len": (None, -1),
+    "top_logprobs_num": (None, 0),
+    "token_ids_logprob": (None, []),
+    "return_text_in_logprobs": (None, False),
+    "return_sampling_mask": (None, False),
+    "sampling_logprobs_mode": (None,),
+    "return_flat_raw_top_logprobs": (None, False),
+}
+
+
+def _wants_logprobs(request: Mapping[str, Any]) -> bool:
+    """Whether ``request`` asks for its output tokens' logprobs (SGLang's ``return_logprob``,
+    a bool). SGLang's other logprob keys (prompt logprobs, top logprobs, texts, ...) are not
+    served: any of them that asks for something is refused rather than left unanswered."""
+    for key, nothing in _UNSERVED_LOGPROB_KEYS.items():
+        value = request.get(key)
+        if not any(value is v or (type(value) is type(v) and value == v) for v in nothing):
+            raise InvalidArgument(
+                f"vLLM's client returns output_token_logprobs only (return_logprob); "
+                f"{key}={shown(value)} is not served, leave it out"
+            )
+    wanted = request.get("return_logprob", False)
+    if not isinstance(wanted, bool):
+        raise InvalidArgument(f"return_logprob must be a bool, got {shown(wanted)}")
+    return wanted
+
+
+def _output_logprobs(wire: HTTPTransport, choice: dict[str, Any], ids: list[Any]) -> list[Any]:
+    """SGLang's ``meta_info.output_token_logprobs`` from a choice answered to ``logprobs: 0``:
+    ``[logprob, token_id, None]`` per output token (the text is None, as SGLang's without
+    ``return_text_in_logprobs``).
+
+    What they are: with vLLM's default ``--logprobs-mode raw_logprobs``, the log-softmax of the
+    model's raw logits, taken before logits processors, penalties, temperature, top-k and top-p
+    (vllm: v1/sample/sampler.py ``Sampler.forward``, ``Sampler.compute_logprobs``; config/model.py
+    ``ModelConfig.logprobs_mode``). SGLang's are the same when greedy, but when sampling are taken
+    after the temperature unless ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set (sglang:
+    srt/layers/sampler.py ``Sampler.forward``): at a temperature other than 1 the engines' numbers
+    differ for the same token."""
+    # vllm: entrypoints/openai/completion/serving.py
+    # OpenAIServingCompletion._create_completion_logprobs: token_logprobs[i] is the logprob of
+    # token_ids[i], floored at -9999.0 (an -inf is sent as that); protocol.py CompletionLogProbs.
+    found = choice.get("logprobs")
+    lps = found.get("token_logprobs") if isinstance(found, dict) else None
+    if not isinstance(lps, list) or len(lps) != len(ids):
+        why = f"no logprobs.token_logprobs with one per output token ({len(ids)}), got"
+        wire.garbage("generate", "/v1/completions", f"{why} {shown(found)}")
+    if not all(isinstance(lp, int | float) and not isinstance(lp, bool) for lp in lps):
+        wire.garbage("generate", "/v1/completions", f"a token logprob is no number: {shown(lps)}")
+    return [[float(lp), token, None] for lp, token in zip(lps, ids, strict=True)]
+
+
+def _as_sglang(wire: HTTPTransport, answer: dict[str, Any], *, logprobs: bool) -> dict[str, Any]:
+    """A ``/v1/completions`` answer in the shape of SGLang's ``/generate``; with ``logprobs``
+    (the request asked ``logprobs: 0``) its ``meta_info`` has ``output_token_logprobs``."""
     choices = answer.get("choices")
     if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
         wire.garbage("generate", "/v1/completions", "expected one choice")
@@ -588,16 +650,15 @@ def _as_sglang(wire: HTTPTransport, answer: dict[str, Any]) -> dict[str, Any]:
     finish: dict[str, Any] = {"type": reason}
     if reason == "length":
         finish["length"] = len(ids)
-    return {
-        "text": choice.get("text", ""),
-        "output_ids": ids,
-        "meta_info": {
-            "id": answer.get("id"),
-            "finish_reason": finish,
-            "prompt_tokens": usage.get("prompt_tokens"),
-            "completion_tokens": usage.get("completion_tokens", len(ids)),
-        },
+    meta: dict[str, Any] = {
+        "id": answer.get("id"),
+        "finish_reason": finish,
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "completion_tokens": usage.get("completion_tokens", len(ids)),
     }
+    if logprobs:
+        meta["output_token_logprobs"] = _output_logprobs(wire, choice, ids)
+    return {"text": choice.get("text", ""), "output_ids": ids, "meta_info": meta}
 
 
 def vllm_http_factory(url: str, **kwargs: Any) -> Callable[[], VLLMHTTPEngine]:

@@ -22,6 +22,8 @@ from rollout_lifecycle.contract.exceptions import (
 from rollout_lifecycle.contract.outcome import Outcome
 from rollout_lifecycle.contract.seam import classify
 from rollout_lifecycle.contract.values import ALL_TAGS, PauseMode, Tag
+from rollout_lifecycle.testing.simulated import SimulatedEngine
+from rollout_lifecycle.testing.standin.vllm_app import create_vllm_app
 
 URL = "http://127.0.0.1:8000"
 Answer = Callable[[httpx.Request], httpx.Response]
@@ -77,12 +79,30 @@ class FakeVLLM:
         ]
 
 
-def _completion(ids: tuple[int, ...] = (5, 6), reason: str = "length") -> dict[str, Any]:
+def _completion(
+    ids: tuple[int, ...] = (5, 6), reason: str = "length", logprobs: Any = None
+) -> dict[str, Any]:
+    choice = {"text": "ab", "token_ids": list(ids), "finish_reason": reason, "logprobs": logprobs}
     return {
         "id": "cmpl-1",
-        "choices": [{"text": "ab", "token_ids": list(ids), "finish_reason": reason}],
+        "choices": [choice],
         "usage": {"prompt_tokens": 3, "completion_tokens": len(ids)},
     }
+
+
+def _logprobs(*values: Any) -> dict[str, Any]:
+    """A choice's ``logprobs`` as vLLM 0.32.0 answers ``logprobs: 0`` (tokens "a", "b")."""
+    tokens = [chr(ord("a") + i) for i in range(len(values))]
+    return {
+        "text_offset": list(range(len(values))),
+        "token_logprobs": list(values),
+        "tokens": tokens,
+        "top_logprobs": [{t: v} for t, v in zip(tokens, values, strict=True)],
+    }
+
+
+def answering(completion: dict[str, Any]) -> FakeVLLM:
+    return FakeVLLM(v1_completions=lambda r: httpx.Response(200, json=completion))
 
 
 def engine(fake: FakeVLLM, **options: Any) -> VLLMHTTPEngine:
@@ -314,3 +334,90 @@ async def test_an_abort_names_the_id_vllm_gave_the_completion_sent_with_that_rid
     await client.abort_request("")  # no id: nothing to abort, nothing sent
     assert fake.bodies[-3]["request_id"] == "r-7"
     assert fake.bodies[-2:] == [{"request_ids": ["cmpl-r-7-0"]}, {}]
+
+
+async def test_a_generate_with_return_logprob_asks_logprobs_0_and_answers_sglangs_entries() -> None:
+    fake = answering(_completion(logprobs=_logprobs(-0.5, -9999.0)))
+    client = engine(fake)
+    answer = await client.generate({"input_ids": [1, 2, 3], "return_logprob": True})
+    assert fake.bodies[-1] == {"prompt": [1, 2, 3], "return_token_ids": True, "logprobs": 0}
+    # SGLang's meta_info.output_token_logprobs: [logprob, token_id, text or None] per token.
+    assert answer["meta_info"]["output_token_logprobs"] == [[-0.5, 5, None], [-9999.0, 6, None]]
+    assert [lp for lp, *_ in answer["meta_info"]["output_token_logprobs"]] == [-0.5, -9999.0]
+    # Not asked (or asked with SGLang's values that ask for nothing): nothing sent, none back.
+    for request in (
+        {"input_ids": [1]},
+        {"input_ids": [1], "return_logprob": False, "top_logprobs_num": 0},
+        {"input_ids": [1], "logprob_start_len": -1, "token_ids_logprob": None},
+    ):
+        answer = await client.generate(request)
+        assert "logprobs" not in fake.bodies[-1]
+        assert "output_token_logprobs" not in answer["meta_info"]
+
+
+@pytest.mark.parametrize(
+    ("logprobs", "why"),
+    [
+        (None, r"no logprobs\.token_logprobs with one per output token \(2\), got None"),
+        ({"tokens": ["a", "b"]}, "no logprobs.token_logprobs"),
+        (_logprobs(-0.5), r"no logprobs\.token_logprobs .* \(2\), got \{'text_offset'"),
+        (_logprobs(-0.5, None), r"a token logprob is no number: \[-0\.5, None\]"),
+        (_logprobs(-0.5, "-1"), "a token logprob is no number"),
+    ],
+)
+async def test_a_completion_without_the_logprobs_asked_for_is_garbage(
+    logprobs: Any, why: str
+) -> None:
+    client = engine(answering(_completion(logprobs=logprobs)))
+    with pytest.raises(EngineError, match=f"garbage answer from /v1/completions: {why}"):
+        await client.generate({"input_ids": [1], "return_logprob": True})
+
+
+@pytest.mark.parametrize(
+    ("request_", "refusal"),
+    [
+        ({"return_logprob": "yes"}, "return_logprob must be a bool, got 'yes'"),
+        ({"return_logprob": 1}, "return_logprob must be a bool, got 1"),
+        ({"return_logprob": None}, "return_logprob must be a bool, got None"),
+        (
+            {"return_logprob": True, "top_logprobs_num": 5},
+            r"output_token_logprobs only \(return_logprob\); top_logprobs_num=5 is not served",
+        ),
+        ({"return_logprob": True, "logprob_start_len": 0}, "logprob_start_len=0 is not served"),
+        ({"return_text_in_logprobs": True}, "return_text_in_logprobs=True is not served"),
+        ({"token_ids_logprob": [7]}, r"token_ids_logprob=\[7\] is not served"),
+    ],
+)
+async def test_a_logprob_request_it_cannot_answer_is_refused_by_name_and_not_sent(
+    request_: dict[str, Any], refusal: str
+) -> None:
+    fake = FakeVLLM()
+    with pytest.raises(InvalidArgument, match=refusal):
+        await engine(fake).generate({"input_ids": [1], **request_})
+    assert fake.sent == []
+
+
+async def test_the_vllm_standin_answers_logprobs_in_the_shape_the_client_reads() -> None:
+    sim = SimulatedEngine("vllm-logprobs", token_latency=0.001)
+    transport = httpx.ASGITransport(app=create_vllm_app(sim))
+    client = VLLMHTTPEngine(URL, transport=transport)
+    try:
+        request = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 6},
+                   "return_logprob": True}  # fmt: skip
+        answer = await client.generate(request)
+        entries = answer["meta_info"]["output_token_logprobs"]
+        assert [token for _, token, _ in entries] == answer["output_ids"]
+        assert len(entries) == 6 and all(-10 < lp < 0 and text is None for lp, _, text in entries)
+        assert (await client.generate(request))["meta_info"]["output_token_logprobs"] == entries
+        async with httpx.AsyncClient(transport=transport, base_url=URL) as raw:
+            body = {"prompt": [1, 2], "max_tokens": 3, "logprobs": 0}
+            found = (await raw.post("/v1/completions", json=body)).json()["choices"][0]
+            # vLLM 0.32.0's keys (protocol.py CompletionLogProbs), the sampled token's alone
+            assert sorted(found["logprobs"]) == ["text_offset", "token_logprobs", "tokens",
+                                                 "top_logprobs"]  # fmt: skip
+            assert [len(top) for top in found["logprobs"]["top_logprobs"]] == [1, 1, 1]
+            refused = await raw.post("/v1/completions", json={**body, "logprobs": 2})
+            assert refused.status_code == 400 and "logprobs 0" in refused.text
+    finally:
+        await client.close()
+        await sim.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -230,6 +231,29 @@ async def test_an_abort_by_request_id_ends_that_request_and_no_other(
     assert 0 < len(aborted["output_ids"]) < TOKENS
     assert kept["meta_info"]["finish_reason"]["type"] == "length"
     assert len(kept["output_ids"]) == TOKENS
+
+
+async def test_return_logprob_answers_the_raw_models_logprob_of_each_output_token(
+    engine: VLLMHTTPEngine,
+) -> None:
+    """``return_logprob`` goes out as ``logprobs: 0`` and comes back as SGLang's
+    ``[logprob, token_id, None]`` per output token. They are the raw model's (vLLM's default
+    ``raw_logprobs``): a temperature with a top-k of 1, which samples the greedy tokens, leaves
+    each token's logprob as the greedy request's."""
+
+    def asked(**params: Any) -> dict[str, Any]:
+        sampling = {"max_new_tokens": 8, "ignore_eos": True, **params}
+        return {"input_ids": [1, 2, 3, 4], "sampling_params": sampling, "return_logprob": True}
+
+    greedy = await engine.generate(asked(temperature=0))
+    entries = greedy["meta_info"]["output_token_logprobs"]
+    assert len(entries) == len(greedy["output_ids"]) == 8
+    assert [token for _, token, _ in entries] == greedy["output_ids"]
+    assert all(math.isfinite(lp) and lp <= 0 and text is None for lp, _, text in entries)
+    tempered = await engine.generate(asked(temperature=0.5, top_k=1))
+    assert tempered["output_ids"] == greedy["output_ids"]
+    found = [lp for lp, *_ in tempered["meta_info"]["output_token_logprobs"]]
+    assert found == pytest.approx([lp for lp, *_ in entries], abs=1e-4)
 
 
 async def test_a_full_wake_continues_generation_so_the_client_holds_the_kv_wake_back(

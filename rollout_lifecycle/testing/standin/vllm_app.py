@@ -137,7 +137,38 @@ def _completion_request(body: dict[str, Any], rid: str) -> dict[str, Any]:
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
         raise BadRequest(f"max_tokens must be an int >= 0, got {tokens!r}")
     request["sampling_params"] = {"max_new_tokens": tokens}
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (logprobs != 0 or isinstance(logprobs, bool)):
+        raise VLLMError(
+            f"the stand-in serves logprobs 0 (the sampled token's) only, got {logprobs!r}", 400
+        )
     return request
+
+
+def _token_logprob(position: int, token: int) -> float:
+    """The stand-in's logprob of ``token`` at output ``position``: deterministic, in [-5, -0.05]
+    (the real tiny model's were near -5 to -6, close to uniform over its vocabulary)."""
+    return -0.05 - ((token * 7919 + position * 104729) % 1000) / 202.0
+
+
+def _completion_logprobs(body: dict[str, Any], ids: list[int], done: list[int]) -> Any:
+    """A choice's ``logprobs`` for ``ids``, after ``done`` (a stream's tokens already sent), as
+    vLLM answers ``logprobs: 0``: None when not asked."""
+    # vllm: entrypoints/openai/completion/serving.py
+    # OpenAIServingCompletion._create_completion_logprobs (protocol.py CompletionLogProbs): per
+    # output token its text, its logprob, the top logprobs (with 0: the sampled token's alone),
+    # and where its text starts in the completion (a stream's chunks go on counting).
+    if body.get("logprobs") is None:
+        return None
+    tokens = [detokenize([t]) for t in ids]
+    logprobs = [_token_logprob(len(done) + i, t) for i, t in enumerate(ids)]
+    start = len(detokenize(done))
+    return {
+        "text_offset": [start + sum(len(t) for t in tokens[:i]) for i in range(len(ids))],
+        "token_logprobs": logprobs,
+        "tokens": tokens,
+        "top_logprobs": [{t: lp} for t, lp in zip(tokens, logprobs, strict=True)],
+    }
 
 
 def create_vllm_app(
@@ -368,12 +399,14 @@ def create_vllm_app(
 
     # ------------------------------------------------------------------ completions
 
-    def choice(result: dict[str, Any], body: dict[str, Any], ids: list[int]) -> dict[str, Any]:
+    def choice(
+        result: dict[str, Any], body: dict[str, Any], ids: list[int], done: list[int]
+    ) -> dict[str, Any]:
         reason = result["meta_info"]["finish_reason"]["type"] if result else None
         out: dict[str, Any] = {
             "index": 0,
             "text": detokenize(ids),
-            "logprobs": None,
+            "logprobs": _completion_logprobs(body, ids, done),
             "finish_reason": reason,
             "stop_reason": None,
         }
@@ -413,7 +446,7 @@ def create_vllm_app(
         return {
             **head,
             "created": int(time.time()),
-            "choices": [choice(result, body, ids)],
+            "choices": [choice(result, body, ids, [])],
             "usage": {
                 "prompt_tokens": prompt,
                 "completion_tokens": len(ids),
@@ -426,19 +459,21 @@ def create_vllm_app(
     ) -> AsyncIterator[str]:
         sent = 0
 
-        def chunk(ids: list[int], result: dict[str, Any]) -> str:
-            data = {**head, "created": int(time.time()), "choices": [choice(result, body, ids)]}
+        def chunk(ids: list[int], result: dict[str, Any], done: list[int]) -> str:
+            choices = [choice(result, body, ids[len(done) :], done)]
+            data = {**head, "created": int(time.time()), "choices": choices}
             return f"data: {json.dumps(data)}\n\n"
 
         try:
             while not task.done():
                 await asyncio.wait({task}, timeout=_STREAM_POLL_S)
-                so_far = engine.output_so_far(rid) or []
+                so_far = list(engine.output_so_far(rid) or [])
                 if len(so_far) > sent and not task.done():
-                    yield chunk(so_far[sent:], {})
+                    yield chunk(so_far, {}, so_far[:sent])
                     sent = len(so_far)
             result = await state.call(task)
-            yield chunk(list(result["output_ids"])[sent:], result)
+            ids = list(result["output_ids"])
+            yield chunk(ids, result, ids[:sent])
             yield "data: [DONE]\n\n"
         finally:
             if not task.done():
