@@ -25,8 +25,10 @@ own, so the module imports without either.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import importlib
+import io
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -128,6 +130,33 @@ def fingerprint(
     return Fingerprint(scheme, out)
 
 
+def sglang_tensor_payload(
+    tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], *, ranks: int = 1
+) -> list[str]:
+    """``tensors`` (torch, on the host) as ``FromTensor`` sends them to an SGLang server in another
+    process on this host: one base64 string per tensor-parallel rank (each rank loads its shard
+    of the whole tensors), the tensors' storage moved to shared memory and passed by name.
+
+    It pickles as SGLang's ``MultiprocessingSerializer.serialize`` does (``ForkingPickler``), with
+    torch's ``file_system`` sharing strategy for the call: with the default, ``file_descriptor``,
+    the server cannot fetch the tensors and dies (see ``backends/tensor_payload.py``). Keep the
+    tensors alive until the push returns: their shared memory goes with them.
+    """
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise InvalidArgument(f"ranks must be an int >= 1, got {ranks!r}")
+    sharing = importlib.import_module("torch.multiprocessing")
+    pickler = importlib.import_module("multiprocessing.reduction").ForkingPickler
+    named = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
+    previous = sharing.get_sharing_strategy()
+    sharing.set_sharing_strategy("file_system")
+    try:
+        data = io.BytesIO()
+        pickler(data).dump(named)
+    finally:
+        sharing.set_sharing_strategy(previous)
+    return [base64.b64encode(data.getvalue()).decode("ascii")] * ranks
+
+
 __all__ = [
     "GPT2_CONV1D_WEIGHTS",
     "SGLANG_SCHEME",
@@ -135,6 +164,7 @@ __all__ = [
     "VLLM_SCHEME",
     "fingerprint",
     "scheme_digest",
+    "sglang_tensor_payload",
     "tensor_bytes",
     "tensor_digest",
     "transposing",

@@ -27,6 +27,7 @@ from rollout_lifecycle.backends.http_wire import (
     shown,
 )
 from rollout_lifecycle.backends.secret import Secret, as_secret
+from rollout_lifecycle.backends.tensor_payload import check_tensor_payloads
 from rollout_lifecycle.contract.exceptions import EngineRejected, InvalidArgument
 from rollout_lifecycle.contract.fingerprint import SGLANG_SCHEME, Fingerprint
 from rollout_lifecycle.contract.values import (
@@ -294,8 +295,9 @@ class SGLangHTTPEngine:
         client's ``weight_selector``; sent once."""
         op = "update_weights_from_tensor"
         body = {
-            "serialized_named_tensors": check_str_list(
-                "serialized_named_tensors", serialized_named_tensors
+            "serialized_named_tensors": check_tensor_payloads(
+                "serialized_named_tensors",
+                check_str_list("serialized_named_tensors", serialized_named_tensors),
             ),
             **_update_flags(load_format, weight_version, flush_cache, abort_all_requests),
             # sglang: io_struct.py UpdateWeightsFromTensorReqInput.selector

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rollout_lifecycle.backends.tensor_payload import check_tensor_payloads
 from rollout_lifecycle.contract.exceptions import InvalidArgument, LifecycleError
 from rollout_lifecycle.contract.seam import classify, send
 from rollout_lifecycle.contract.values import check_int
@@ -113,9 +114,11 @@ class FromTensor:
             for engine, tensors in payload.items():
                 if not isinstance(engine, str):
                     raise InvalidArgument(f"payload keys must be engine ids, got {engine!r}")
-                _strings(f"payload[{engine!r}]", tensors)
+                check_tensor_payloads(
+                    f"payload[{engine!r}]", list(_strings(f"payload[{engine!r}]", tensors))
+                )
         else:
-            _strings("payload", payload)
+            check_tensor_payloads("payload", list(_strings("payload", payload)))
 
     async def __call__(self, update: WeightUpdate) -> None:
         if isinstance(self.payload, Mapping):

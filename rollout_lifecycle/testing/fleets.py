@@ -3,6 +3,8 @@ a fault injector), the calls an engine received, and a weight push that writes n
 
 from __future__ import annotations
 
+import base64
+import pickle
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -61,6 +63,13 @@ def push_reaching(path: str, *ids: str) -> Callable[[WeightUpdate], Awaitable[No
     return push
 
 
+def pickled_tensors(*names: str) -> list[str]:
+    """A ``FromTensor`` payload an SGLang server unpickles without dying (a plain pickle of
+    ``(name, values)`` pairs; one TP rank), for simulated engines and the stand-in, which
+    digest its text."""
+    return [base64.b64encode(pickle.dumps([(name, [0.0]) for name in names])).decode("ascii")]
+
+
 #: The public calls that bring a server from ``serving`` to each state it can be settled in
 #: outside ``failed`` and ``kv_restored`` (which continues as it is reached).
 ROUTES: dict[ServerState, tuple[str, ...]] = {
@@ -84,6 +93,7 @@ __all__ = [
     "bring_to",
     "faulty_engines",
     "no_push",
+    "pickled_tensors",
     "push_reaching",
     "received_ops",
     "simulated",

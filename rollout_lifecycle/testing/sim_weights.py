@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rollout_lifecycle.backends.sglang_api import SELECTORS, WEIGHTS_WRITTEN_FLUSH_FAILED
+from rollout_lifecycle.backends.tensor_payload import deadly, decoded
 from rollout_lifecycle.contract.exceptions import EngineRejected
 from rollout_lifecycle.contract.fingerprint import SIMULATED_SCHEME, Fingerprint
 from rollout_lifecycle.contract.values import DEFAULT_GROUP_NAME, Tag
@@ -144,8 +145,25 @@ class SimWeights:
                 abort_all_requests,
                 selector=selector,
                 session=f"{op} must run between begin_weight_update() and end_weight_update()",
+                fatal=self._unpickling_death(op, payload),
                 content="tensor:" + hashlib.sha256(repr(payload).encode()).hexdigest()[:16],
             )
+
+    def _unpickling_death(self, op: str, payload: Any) -> str | None:
+        """What the scheduler dies of when it unpickles ``payload`` (a list of base64 strings, as
+        the wire carries it; other payloads are the simulation's own), or None; text that is
+        not base64 is refused first, with a 400, as the server's request validation does."""
+        # sglang: tokenizer_control_mixin.py update_weights_from_tensor (base64, in the HTTP
+        # process); tp_worker.py deserialize_own_rank (unpickling, uncaught, in the scheduler)
+        if not isinstance(payload, list) or not all(isinstance(p, str) for p in payload):
+            return None
+        for i, text in enumerate(payload):
+            if decoded(text) is None:
+                raise EngineRejected(
+                    self._state.label, op, f"serialized_named_tensors[{i}] is not base64", 400
+                )
+        found = [why for why in map(deadly, payload) if why is not None]
+        return f"UnpicklingError: the payload {found[0]}" if found else None
 
     async def init_weights_update_group(
         self,
@@ -250,6 +268,7 @@ class SimWeights:
         selector: str,
         session: str | None = None,
         refuse: str | None = None,
+        fatal: str | None = None,
         content: str | dict[str, str],
     ) -> None:
         state = self._state
@@ -264,6 +283,8 @@ class SimWeights:
         # first, then receive, then load into the runners the request's own selector picks.
         if session is not None and not state.session_open:
             raise EngineRejected(state.label, op, session, 400)
+        if fatal is not None:
+            raise self._calls.fatal(entry, fatal)
         if refuse is not None:
             raise EngineRejected(state.label, op, refuse, 400)
         # The simulated model has no speculative draft: "draft" selects no runner, so the call

@@ -26,6 +26,7 @@ from rollout_lifecycle import (
     start_engine_actor,
 )
 from rollout_lifecycle.testing import until
+from rollout_lifecycle.testing.fleets import pickled_tensors
 from rollout_lifecycle.testing.standin import StandInServer
 
 KEY = "contract-admin-key-91c7"
@@ -80,7 +81,7 @@ async def test_every_lifecycle_call_round_trips(
         "/ckpt/1", weight_version="v1", flush_cache=False, abort_all_requests=False
     )
     await engine.update_weights_from_tensor(
-        ["c2VyaWFsaXplZA=="], weight_version="v2", flush_cache=False, abort_all_requests=False
+        pickled_tensors("w"), weight_version="v2", flush_cache=False, abort_all_requests=False
     )
     await engine.init_weights_update_group("127.0.0.1", 29500, 1, 2, group_name="g0")
     await engine.update_weights_from_distributed(
@@ -104,7 +105,7 @@ async def test_weight_calls_outside_a_session_are_rejected_not_fatal(
     server, engine = live
     with pytest.raises(EngineRejected) as err:
         await engine.update_weights_from_tensor(
-            ["eA=="], weight_version=None, flush_cache=False, abort_all_requests=False
+            pickled_tensors("w"), weight_version=None, flush_cache=False, abort_all_requests=False
         )
     assert err.value.status == 400
     with pytest.raises(EngineRejected):

@@ -38,19 +38,50 @@ def rewrite_weights(env: RealSGLang | RealVLLM, folder: Path, change: str) -> st
     return str(folder)
 
 
+def trainer_env() -> dict[str, str]:
+    """The environment of a trainer script: this one, with the repository importable."""
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{path}" if path else str(REPO)}
+
+
+def trainer_push(trainer: RealSGLang, *args: str) -> subprocess.Popen[str]:
+    """``trainer_push.py`` with ``args``, started in the SGLang environment (its pipes open)."""
+    return subprocess.Popen(
+        [trainer.python, str(HERE / "trainer_push.py"), *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=trainer_env(),
+    )
+
+
+#: safetensors' dtype names as torch names them.
+DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def tensor_specs(checkpoint: str) -> tuple[list[str], list[str], list[list[int]]]:
+    """The names, dtypes and shapes of the weights ``trainer_push.py`` broadcasts from
+    ``checkpoint``, in its order (read from the safetensors header)."""
+    with open(f"{checkpoint}/model.safetensors", "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    names = sorted(n for n in header if n != "__metadata__" and not n.endswith(NOT_WEIGHTS))
+    return names, [DTYPES[header[n]["dtype"]] for n in names], [header[n]["shape"] for n in names]
+
+
+#: GPT-2's attention masks, stored in some checkpoints, which the engines do not load.
+NOT_WEIGHTS = (".attn.bias", ".attn.masked_bias")
+
+
 def trainer_fingerprint(trainer: RealSGLang, checkpoint: str, engine: str) -> Fingerprint:
     """The fingerprint an ``engine`` ("sglang" or "vllm") serving ``checkpoint`` reports, as
     the trainer computes it from the checkpoint file, in the SGLang environment (its torch and
     the library's dependencies: ``ci/sglang-env``)."""
-    script = str(HERE / "trainer_fingerprint.py")
-    path = os.environ.get("PYTHONPATH")
-    env_vars = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{path}" if path else str(REPO)}
     done = subprocess.run(
-        [trainer.python, script, checkpoint, engine],
+        [trainer.python, str(HERE / "trainer_fingerprint.py"), checkpoint, engine],
         check=False,
         capture_output=True,
         text=True,
-        env=env_vars,
+        env=trainer_env(),
     )
     if done.returncode != 0:
         sys.stderr.write(done.stderr)

@@ -1,6 +1,8 @@
 """Verified weight writes on two real SGLang 0.5.23 servers: a new checkpoint per push, checked
 against the fingerprint the trainer computes from the checkpoint file; a push that reaches one
-server and not the other, and a push of the wrong checkpoint, each caught before either serves.
+server and not the other, and a push of the wrong checkpoint, each caught before either serves;
+the pushes that are not a checkpoint (tensors in shared memory, a gloo broadcast from a trainer
+process), verified the same way; and the tensor payload that kills a server, refused.
 
 The servers are the session's shared pair; each test loads the tiny model back and leaves them
 serving.
@@ -8,22 +10,29 @@ serving.
 
 from __future__ import annotations
 
+import base64
+import json
+import subprocess
 from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-from real.checkpoints import rewrite_weights, trainer_fingerprint
+from real.checkpoints import rewrite_weights, tensor_specs, trainer_fingerprint, trainer_push
 from real.servers import RealServer, RealSGLang
 
 from rollout_lifecycle import (
     EngineGroup,
     Fingerprint,
     FromDisk,
+    FromDistributed,
+    FromTensor,
+    InvalidArgument,
     RolloutServer,
     ServerState,
     SGLangHTTPEngine,
     StaleWeights,
     WeightsNotVerified,
+    free_port,
 )
 from rollout_lifecycle.testing.fleets import push_reaching
 
@@ -152,3 +161,95 @@ async def test_a_push_of_the_wrong_checkpoint_is_caught_against_the_expected_fin
     assert "differs from the expected fingerprint" in str(caught.value)
     with pytest.raises(StaleWeights):
         await server.resume()
+
+
+async def test_tensors_in_shared_memory_from_a_trainer_process_are_pushed_and_verified(
+    real_sglang: RealSGLang,
+    fleet: tuple[RolloutServer, list[SGLangHTTPEngine]],
+    checkpoints: dict[str, str],
+    expected: dict[str, Fingerprint],
+) -> None:
+    server, engines = fleet
+    trainer = trainer_push(real_sglang, "tensor", checkpoints["step1"])
+    try:
+        assert trainer.stdout is not None and trainer.stdin is not None
+        payload = json.loads(trainer.stdout.readline())
+        await server.pause()
+        await server.update_weights(FromTensor(payload), "tensor", expected=expected["step1"])
+    finally:
+        trainer.communicate(timeout=60)
+    assert trainer.returncode == 0
+    await server.resume()
+    assert await fingerprints(engines) == [expected["step1"]] * 2
+    assert await served_versions(server, 4) == {"tensor"}
+
+
+async def test_a_gloo_broadcast_from_a_trainer_process_is_pushed_and_verified(
+    real_sglang: RealSGLang,
+    fleet: tuple[RolloutServer, list[SGLangHTTPEngine]],
+    checkpoints: dict[str, str],
+    expected: dict[str, Fingerprint],
+) -> None:
+    server, engines = fleet
+    names, dtypes, shapes = tensor_specs(checkpoints["step2"])
+    port = free_port()
+    push = FromDistributed(
+        names,
+        dtypes,
+        shapes,
+        "trainer-to-actor",
+        master_address="127.0.0.1",
+        master_port=port,
+        world_size=3,
+        rank_offsets={"actor/0": 1, "actor/1": 2},
+        backend="gloo",
+    )
+    group = ("127.0.0.1", str(port), "3", "trainer-to-actor")
+    trainer = trainer_push(real_sglang, "distributed", checkpoints["step2"], *group)
+    try:
+        await server.pause()
+        await server.update_weights(push, "broadcast", expected=expected["step2"])
+    finally:
+        trainer.communicate(timeout=60)
+    assert trainer.returncode == 0
+    await server.resume()
+    assert await fingerprints(engines) == [expected["step2"]] * 2
+    assert await served_versions(server, 4) == {"broadcast"}
+
+
+def descriptor_payload(real_sglang: RealSGLang) -> str:
+    """A tensor pickled as SGLang's own serializer does, with torch's default sharing strategy."""
+    script = (
+        "import base64, io, torch; from multiprocessing.reduction import ForkingPickler; "
+        "import torch.multiprocessing; b = io.BytesIO(); "
+        "ForkingPickler(b).dump([('transformer.ln_f.bias', torch.zeros(64))]); "
+        "print(base64.b64encode(b.getvalue()).decode())"
+    )
+    done = subprocess.run([real_sglang.python, "-c", script], check=True, capture_output=True)
+    return done.stdout.decode().strip()
+
+
+async def test_a_tensor_payload_that_kills_a_server_is_refused_before_it_is_sent(
+    real_sglang: RealSGLang,
+    disposable_real_server: RealServer,
+    fleet: tuple[RolloutServer, list[SGLangHTTPEngine]],
+) -> None:
+    lent = descriptor_payload(real_sglang)
+    not_a_pickle = base64.b64encode(b"not a pickle").decode()
+    server, _ = fleet
+    await server.pause()
+    for payload, why in ((lent, "file descriptors"), (not_a_pickle, "is not a pickle")):
+        with pytest.raises(InvalidArgument, match=why):
+            await server.update_weights(FromTensor([payload]), "deadly")
+    assert server.state is S.DRAINED
+    await server.resume()
+    # What the refusal spares: a server sent either payload inside a weight-update session
+    # dies of it (sglang: tp_worker.py deserialize_own_rank, uncaught in the scheduler).
+    real = disposable_real_server
+    async with httpx.AsyncClient(base_url=real.url, trust_env=False, timeout=60) as client:
+        assert (await client.post("/pause_generation", json={"mode": "abort"})).status_code == 200
+        assert (await client.post("/begin_weight_update", json={})).status_code == 200
+        body = {"serialized_named_tensors": [lent]}
+        with pytest.raises(httpx.HTTPError):
+            await client.post("/update_weights_from_tensor", json=body)
+    assert real.exited(within=120)

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from rollout_lifecycle.testing import until
+from rollout_lifecycle.testing.fleets import pickled_tensors
 from rollout_lifecycle.testing.standin import (
     DEATH_EXIT_CODE,
     DEFAULT_STARTUP_TIMEOUT,
@@ -252,7 +253,11 @@ def test_release_and_resume_answer_null_on_get_and_post_and_accept_unknown_tags(
 
 def test_weight_update_session_tensor_and_distributed_updates(open_url: str) -> None:
     with httpx.Client(base_url=open_url, timeout=TIMEOUT) as client:
-        tensor = {"serialized_named_tensors": ["AAAA"], "load_format": None, "weight_version": "t1"}
+        tensor = {
+            "serialized_named_tensors": pickled_tensors("w"),
+            "load_format": None,
+            "weight_version": "t1",
+        }
         outside = client.post("/update_weights_from_tensor", json=tensor)
         assert outside.status_code == 400 and outside.json()["success"] is False
         assert set(outside.json()) == {"success", "message"}
