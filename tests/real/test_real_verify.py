@@ -163,6 +163,24 @@ async def test_a_push_of_the_wrong_checkpoint_is_caught_against_the_expected_fin
         await server.resume()
 
 
+async def pushed_by(
+    trainer: subprocess.Popen[str],
+    server: RolloutServer,
+    push: FromTensor | FromDistributed,
+    version: str,
+    expected: Fingerprint,
+) -> None:
+    """Pause, push ``push`` (the trainer process's side runs meanwhile), verify against
+    ``expected`` and resume; the trainer is ended either way (its input closed)."""
+    try:
+        await server.pause()
+        await server.update_weights(push, version, expected=expected)
+    finally:
+        trainer.communicate(timeout=60)
+    assert trainer.returncode == 0
+    await server.resume()
+
+
 async def test_tensors_in_shared_memory_from_a_trainer_process_are_pushed_and_verified(
     real_sglang: RealSGLang,
     fleet: tuple[RolloutServer, list[SGLangHTTPEngine]],
@@ -171,15 +189,9 @@ async def test_tensors_in_shared_memory_from_a_trainer_process_are_pushed_and_ve
 ) -> None:
     server, engines = fleet
     trainer = trainer_push(real_sglang, "tensor", checkpoints["step1"])
-    try:
-        assert trainer.stdout is not None and trainer.stdin is not None
-        payload = json.loads(trainer.stdout.readline())
-        await server.pause()
-        await server.update_weights(FromTensor(payload), "tensor", expected=expected["step1"])
-    finally:
-        trainer.communicate(timeout=60)
-    assert trainer.returncode == 0
-    await server.resume()
+    assert trainer.stdout is not None
+    payload = json.loads(trainer.stdout.readline())
+    await pushed_by(trainer, server, FromTensor(payload), "tensor", expected["step1"])
     assert await fingerprints(engines) == [expected["step1"]] * 2
     assert await served_versions(server, 4) == {"tensor"}
 
@@ -206,13 +218,7 @@ async def test_a_gloo_broadcast_from_a_trainer_process_is_pushed_and_verified(
     )
     group = ("127.0.0.1", str(port), "3", "trainer-to-actor")
     trainer = trainer_push(real_sglang, "distributed", checkpoints["step2"], *group)
-    try:
-        await server.pause()
-        await server.update_weights(push, "broadcast", expected=expected["step2"])
-    finally:
-        trainer.communicate(timeout=60)
-    assert trainer.returncode == 0
-    await server.resume()
+    await pushed_by(trainer, server, push, "broadcast", expected["step2"])
     assert await fingerprints(engines) == [expected["step2"]] * 2
     assert await served_versions(server, 4) == {"broadcast"}
 
