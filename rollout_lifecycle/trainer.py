@@ -95,6 +95,20 @@ def transposing(suffixes: Iterable[str]) -> Callable[[str, Any], Any]:
     return transform
 
 
+def emptying(suffixes: Iterable[str]) -> Callable[[str, Any], Any]:
+    """A ``transform`` for ``fingerprint`` that empties the tensors whose names end with one of
+    ``suffixes``: what vLLM on a CPU holds where its checksum reads a linear layer's weight,
+    once the weight is packed for the CPU kernels (vllm: model_executor/layers/utils.py
+    ``dispatch_cpu_unquantized_gemm`` replaces ``layer.weight`` with an empty tensor), so such a
+    tensor digests as zero bytes and the checksum cannot see it change."""
+    ends = tuple(suffixes)
+
+    def transform(name: str, tensor: Any) -> Any:
+        return tensor.reshape(-1)[:0] if name.endswith(ends) else tensor
+
+    return transform
+
+
 def fingerprint(
     tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
     scheme: str,
@@ -162,6 +176,7 @@ __all__ = [
     "SGLANG_SCHEME",
     "VLLM_PREFIX",
     "VLLM_SCHEME",
+    "emptying",
     "fingerprint",
     "scheme_digest",
     "sglang_tensor_payload",

@@ -1,7 +1,8 @@
-"""A colocated RL loop on a CPU: a torch trainer and two real SGLang servers share the machine.
+"""A colocated RL loop on a CPU: a torch trainer and real SGLang or vLLM servers share the machine.
 
-The trainer holds the tiny GPT-2 the servers serve. Each step it samples rollouts through the
-server's generation client (spread over both servers), scores them with a toy reward (the share
+The trainer holds the tiny GPT-2 the servers serve (``--engines``: two SGLang servers by
+default; ``vllm,vllm,sglang`` is a mixed fleet). Each step it samples rollouts through the
+server's generation client (spread over the servers), scores them with a toy reward (the share
 of a set of target tokens in each completion), and runs the colocated cycle:
 
     offload -> policy-gradient step -> onload_weights -> push (a checkpoint per step)
@@ -9,19 +10,22 @@ of a set of target tokens in each completion), and runs the colocated cycle:
 
 Every step records the reward, how the engines' log-probabilities of the sampled tokens compare
 with the trainer's for the same tokens (mean absolute difference and the K3 estimate of
-KL(engine || trainer)), the weight version every output reports, and the time of each phase.
+KL(engine || trainer)), the weight version every output reports (SGLang's outputs carry it;
+vLLM's do not, so each engine's own version is read too), and the time of each phase. The
+push is verified per engine kind, against the trainer's fingerprint in each kind's layout.
 It writes ``steps.json``, ``rl_loop.png`` (reward and mismatch per step) and beside it
 ``timeline.json`` (the lifecycle's timeline, for chrome://tracing or Perfetto).
 
-Run it with an interpreter that has torch, transformers and sglang (the servers' own), the
+Run it with an interpreter that has torch and transformers (e.g. the SGLang servers' own), the
 library importable, e.g. on this project's CPU test machines::
 
     PYTHONPATH=. ~/.cache/rollout-lifecycle/sglang-0.5.23/bin/python examples/real/rl_loop.py \\
         --model ~/.cache/rollout-lifecycle/tiny-gpt2 --out rl-loop \\
         --sglang-args "--device cpu --attention-backend torch_native --disable-cuda-graph ..."
 
-The servers serve float32 (``--dtype float32``), the trainer's dtype, so a mismatch means other
-weights, not rounding.
+and for vLLM servers add ``--engines vllm,vllm --vllm-python ~/.cache/rollout-lifecycle/
+vllm-0.32.0/bin/python --vllm-args "--enforce-eager ..."``. The servers serve float32
+(``--dtype float32``), the trainer's dtype, so a mismatch means other weights, not rounding.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import random
 import shlex
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -40,15 +45,25 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from rollout_lifecycle import (
+    DeadEnginePolicy,
     EngineGroup,
     Fingerprint,
     FromDisk,
     LaunchedSGLangEngine,
+    LaunchedVLLMEngine,
     LifecycleConfig,
     RolloutServer,
     free_port,
 )
-from rollout_lifecycle.trainer import GPT2_CONV1D_WEIGHTS, SGLANG_SCHEME, fingerprint, transposing
+from rollout_lifecycle.trainer import (
+    GPT2_CONV1D_WEIGHTS,
+    SGLANG_SCHEME,
+    VLLM_PREFIX,
+    VLLM_SCHEME,
+    emptying,
+    fingerprint,
+    transposing,
+)
 
 PROMPT_TOKENS = 4
 #: How many tokens the reward counts.
@@ -67,7 +82,23 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sglang-python", default=sys.executable)
     parser.add_argument("--sglang-args", default="", help="extra server arguments (one string)")
     parser.add_argument("--sglang-env", action="append", default=[], help="K=V for the servers")
-    return parser.parse_args(argv)
+    parser.add_argument("--engines", default="sglang,sglang", help="the servers, by kind")
+    parser.add_argument("--vllm-python", default=sys.executable)
+    parser.add_argument("--vllm-args", default="", help="extra vLLM server arguments")
+    parser.add_argument("--vllm-env", action="append", default=[], help="K=V for vLLM servers")
+    parser.add_argument(
+        "--unverified",
+        choices=[p.value for p in DeadEnginePolicy],
+        default="fail",
+        help="what a push does with engines that fail verification: fail, or skip them (they "
+        "wait paused, out of the router, while the others serve)",
+    )
+    args = parser.parse_args(argv)
+    args.kinds = args.engines.split(",")
+    unknown = set(args.kinds) - set(LAYOUTS)
+    if unknown:
+        parser.error(f"--engines takes {sorted(LAYOUTS)}, got {sorted(unknown)}")
+    return args
 
 
 def engine_view(name: str) -> str | None:
@@ -90,15 +121,25 @@ async def rollouts(server: RolloutServer, prompts: list[list[int]], tokens: int)
     return list(await asyncio.gather(*(server.generate(request(p)) for p in prompts)))
 
 
-def engines_fingerprint(model: GPT2LMHeadModel) -> Fingerprint:
-    """What the servers report once they hold ``model``'s weights (float32, GPT-2's ``Conv1D``
-    weights transposed, the head tied to the embedding)."""
-    return fingerprint(
-        model.state_dict(),
-        SGLANG_SCHEME,
-        dtype=torch.float32,
-        rename=engine_view,
-        transform=transposing(GPT2_CONV1D_WEIGHTS),
+#: How each kind of server holds the model, for its checksum: SGLang holds GPT-2's ``Conv1D``
+#: weights transposed; vLLM on a CPU holds them packed away, where its checksum reads nothing.
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "sglang": {"scheme": SGLANG_SCHEME, "transform": transposing(GPT2_CONV1D_WEIGHTS)},
+    "vllm": {
+        "scheme": VLLM_SCHEME,
+        "prefix": VLLM_PREFIX,
+        "transform": emptying(GPT2_CONV1D_WEIGHTS),
+    },
+}
+
+
+def engines_fingerprint(model: GPT2LMHeadModel, kinds: list[str]) -> tuple[Fingerprint, ...]:
+    """What each kind of server in ``kinds`` reports once it holds ``model``'s weights (float32,
+    the head tied to the embedding), one fingerprint per kind."""
+    state = model.state_dict()
+    return tuple(
+        fingerprint(state, dtype=torch.float32, rename=engine_view, **LAYOUTS[kind])
+        for kind in sorted(set(kinds))
     )
 
 
@@ -183,28 +224,19 @@ async def run(args: argparse.Namespace) -> int:
     model = GPT2LMHeadModel.from_pretrained(args.model, torch_dtype=torch.float32)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     vocab = model.config.vocab_size
-    extra = [*shlex.split(args.sglang_args), "--dtype", "float32"]
-    env = dict(kv.split("=", 1) for kv in args.sglang_env)
-    engines = [
-        LaunchedSGLangEngine(
-            args.model,
-            port=free_port(),
-            python=args.sglang_python,
-            extra_args=extra,
-            env=env,
-            memory_saver=False,
-            label=f"sglang{i}",
-        )
-        for i in range(2)
-    ]
+    engines = [launch(args, kind, f"{kind}{i}") for i, kind in enumerate(args.kinds)]
     # Every call's spans are kept for the timeline (four calls a step).
-    config = LifecycleConfig(verify_weights=True, timeline_calls=4 * args.steps + 4)
+    config = LifecycleConfig(
+        verify_weights=True,
+        unverified_engines=DeadEnginePolicy(args.unverified),
+        timeline_calls=4 * args.steps + 4,
+    )
     server = RolloutServer([EngineGroup("actor", engines)], config=config)
     rows: list[dict[str, Any]] = []
     try:
         await asyncio.gather(*(e.start() for e in engines))
         targets = set(likeliest_tokens(model, vocab, rng))
-        previous = engines_fingerprint(model)
+        previous = engines_fingerprint(model, args.kinds)
         version = None
         for step in range(1, args.steps + 1):
             prompts = [
@@ -212,12 +244,21 @@ async def run(args: argparse.Namespace) -> int:
             ]
             outs = await rollouts(server, prompts, args.tokens)
             rewards = [sum(t in targets for t in o["output_ids"]) / args.tokens for o in outs]
-            versions = sorted({o["meta_info"]["weight_version"] for o in outs})
+            # SGLang's outputs report their weight version; vLLM's do not, so each engine's
+            # own is read as well (vLLM's initial version reads as None: "default").
+            versions = sorted({o["meta_info"].get("weight_version") for o in outs} - {None})
+            held = [await e.weight_version() or "default" for e in engines]
+            # an SGLang output reports its weight version; a vLLM one does not
+            kinds = Counter(
+                "sglang" if "weight_version" in o["meta_info"] else "vllm" for o in outs
+            )
             row: dict[str, Any] = {
                 "step": step,
                 "reward": sum(rewards) / len(rewards),
                 "mismatch": compare(model, prompts, outs),
                 "versions": versions,
+                "engine_versions": dict(zip((e.label for e in engines), held, strict=True)),
+                "rollouts_by_kind": {k: kinds[k] for k in sorted(set(args.kinds))},
                 "expected_version": version,
                 "phases": {},
             }
@@ -231,7 +272,7 @@ async def run(args: argparse.Namespace) -> int:
             checkpoint = out / "checkpoints" / version
             start = time.monotonic()
             model.save_pretrained(checkpoint, safe_serialization=True)
-            expected = engines_fingerprint(model)
+            expected = engines_fingerprint(model, args.kinds)
             times["save_and_fingerprint_s"] = time.monotonic() - start
             times["update_weights"] = short(
                 await server.update_weights(
@@ -258,11 +299,38 @@ async def run(args: argparse.Namespace) -> int:
         server.timeline.export_chrome_trace(out / "timeline.json")
         plot(rows, out / "rl_loop.png")
         first, last = rows[0]["reward"], rows[-1]["reward"]
-        print(f"rl_loop: {len(rows)} verified steps on 2 servers, reward {first:.3f} -> {last:.3f}")
+        print(
+            f"rl_loop: {len(rows)} verified steps on {len(engines)} servers "
+            f"({', '.join(args.kinds)}), reward {first:.3f} -> {last:.3f}"
+        )
         return 0
     finally:
         for engine in engines:
             await engine.close()
+
+
+def launch(
+    args: argparse.Namespace, kind: str, label: str
+) -> LaunchedSGLangEngine | LaunchedVLLMEngine:
+    """A server of ``kind`` serving the model in float32, on a port of its own."""
+    if kind == "vllm":
+        return LaunchedVLLMEngine(
+            args.model,
+            port=free_port(),
+            python=args.vllm_python,
+            extra_args=[*shlex.split(args.vllm_args), "--dtype", "float32"],
+            env=dict(kv.split("=", 1) for kv in args.vllm_env),
+            label=label,
+        )
+    return LaunchedSGLangEngine(
+        args.model,
+        port=free_port(),
+        python=args.sglang_python,
+        extra_args=[*shlex.split(args.sglang_args), "--dtype", "float32"],
+        env=dict(kv.split("=", 1) for kv in args.sglang_env),
+        memory_saver=False,
+        label=label,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,18 @@ VLLM_SCHEME = "sha256"
 #: The simulated engine's digests (of what it records it holds; no bytes).
 SIMULATED_SCHEME = "simulated"
 
+#: Each byte scheme's digest of zero bytes: what an engine reports for a tensor it holds
+#: empty where its checksum reads. No weight is empty, so such a tensor is one the checksum
+#: cannot see: vLLM on a CPU empties each linear layer's ``weight`` once it has packed it for
+#: its kernels (vllm: model_executor/layers/utils.py ``dispatch_cpu_unquantized_gemm``), and
+#: computes with the packed copy.
+EMPTY_DIGESTS: Mapping[str, str] = MappingProxyType(
+    {
+        SGLANG_SCHEME: hashlib.sha256(b"").digest()[:8].hex(),
+        VLLM_SCHEME: hashlib.sha256(b"").hexdigest(),
+    }
+)
+
 
 @dataclass(frozen=True)
 class Fingerprint:
@@ -75,6 +87,13 @@ class Fingerprint:
         names = set(self.tensors) | set(other.tensors)
         return tuple(sorted(n for n in names if self.tensors.get(n) != other.tensors.get(n)))
 
+    @functools.cached_property
+    def blind(self) -> tuple[str, ...]:
+        """The tensors, in name order, whose digest is the digest of zero bytes: ones the
+        engine's checksum reads as empty, so it cannot show what they hold (``EMPTY_DIGESTS``)."""
+        empty = EMPTY_DIGESTS.get(self.scheme)
+        return tuple(sorted(n for n, d in self.tensors.items() if d == empty))
+
     def to_wire(self) -> dict[str, Any]:
         """As plain JSON values: ``{"scheme", "tensors"}``."""
         return {"scheme": self.scheme, "tensors": dict(self.tensors)}
@@ -100,4 +119,4 @@ def _short(value: object) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
-__all__ = ["SGLANG_SCHEME", "SIMULATED_SCHEME", "VLLM_SCHEME", "Fingerprint"]
+__all__ = ["EMPTY_DIGESTS", "SGLANG_SCHEME", "SIMULATED_SCHEME", "VLLM_SCHEME", "Fingerprint"]

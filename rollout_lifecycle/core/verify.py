@@ -5,7 +5,8 @@ engine's fingerprint (``Op.FINGERPRINT``) before the push and again after it, an
 decides, group by group and scheme by scheme (engines that hash differently cannot be
 compared), which engines fail:
 
-- every engine whose fingerprint could not be read;
+- every engine whose fingerprint could not be read, or reads some tensors as empty (no weight
+  is: its checksum cannot see them; ``Fingerprint.blind``);
 - unless the push may be a no-op: every engine that holds what it held before the push (a push
   that never reached it);
 - of the others, with an ``expected`` fingerprint of their scheme: every engine that differs
@@ -14,7 +15,8 @@ compared), which engines fail:
 
 ``Verifier.verify`` marks each engine that fails stale and unverified: it stays paused and out
 of the router until a later write reaches it (the version it reports does not clear it), and
-under ``DeadEnginePolicy.FAIL`` the call raises ``WeightsNotVerified``.
+under ``DeadEnginePolicy.FAIL`` the call raises ``WeightsNotVerified``; under ``SKIP`` it does
+when every engine failed.
 """
 
 from __future__ import annotations
@@ -82,6 +84,13 @@ class Verification:
         return cls(found, bool(may_be_noop))
 
 
+#: Why an engine whose checksum reads some tensors as empty fails (``Fingerprint.blind``).
+BLIND = (
+    "its checksum reads some tensors as empty (no weight is), so it cannot show what they hold "
+    "(vLLM on a CPU: linear weights packed away)"
+)
+
+
 @dataclass(frozen=True)
 class Verdict:
     """Why one engine failed verification, and the tensors that differ (if any can be named)."""
@@ -108,6 +117,8 @@ def judge(
     for engine, found in after.items():
         if isinstance(found, str):
             failed[engine] = Verdict(f"could not be read: {found}")
+        elif found.blind:
+            failed[engine] = Verdict(BLIND, found.blind)
         else:
             peers[(groups[engine], found.scheme)][engine] = found
     for (group, scheme), prints in peers.items():
@@ -204,7 +215,10 @@ class Verifier(Client):
         tensors = {k: v.tensors for k, v in verdicts.items()}
         error = WeightsNotVerified(version, problems, tensors)
         logger().warning("weights.unverified", engines=sorted(verdicts), error=str(error))
-        if self._config.unverified_engines is DeadEnginePolicy.FAIL:
+        # SKIP goes on without the engines that failed, as long as one passed.
+        if self._config.unverified_engines is DeadEnginePolicy.FAIL or len(verdicts) == len(
+            records
+        ):
             raise error
 
 

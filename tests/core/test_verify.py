@@ -28,7 +28,8 @@ from rollout_lifecycle import (
     StaleWeights,
     WeightsNotVerified,
 )
-from rollout_lifecycle.core.verify import Verification, judge
+from rollout_lifecycle.contract.fingerprint import EMPTY_DIGESTS, VLLM_SCHEME
+from rollout_lifecycle.core.verify import BLIND, Verdict, Verification, judge
 from rollout_lifecycle.testing.fleets import (
     faulty_engines,
     push_reaching,
@@ -223,6 +224,26 @@ async def test_under_skip_the_engines_that_pass_go_on_and_the_others_wait_paused
         out = await server.generate({"text": "x", "sampling_params": {"max_new_tokens": 2}})
         assert out["meta_info"]["weight_version"] == "v1"
     assert actor[2].stats()["completed"] == 0 and reward[1].stats()["completed"] == 0
+
+
+async def test_under_skip_a_write_that_no_engine_passes_still_raises() -> None:
+    engines = simulated_engines(2)
+    server = server_of(*engines, unverified_engines=DeadEnginePolicy.SKIP)
+    await server.pause()
+    with pytest.raises(WeightsNotVerified, match=r"actor/0.*actor/1"):
+        await server.update_weights(push_reaching("/ckpt/step1"), "v1", verify=True)
+    assert all(e.unverified for e in server.snapshot().engines().values())
+
+
+def test_an_engine_whose_checksum_reads_tensors_as_empty_fails_even_as_expected() -> None:
+    empty = EMPTY_DIGESTS[VLLM_SCHEME]
+    blind = Fingerprint(VLLM_SCHEME, {"w": empty, "b": "1f", "a.weight": empty})
+    seeing = Fingerprint(VLLM_SCHEME, {"w": "2e", "b": "1f", "a.weight": "3d"})
+    assert blind.blind == ("a.weight", "w") and seeing.blind == ()
+    before = {"g/0": Fingerprint(VLLM_SCHEME, {"b": "00"})}
+    verdicts = judge({"g/0": "g"}, {"g/0": blind}, before, Verification.of(blind, False))
+    assert verdicts == {"g/0": Verdict(BLIND, ("a.weight", "w"))}
+    assert judge({"g/0": "g"}, {"g/0": seeing}, before, Verification.of(seeing, False)) == {}
 
 
 async def test_an_engine_that_cannot_say_what_it_holds_fails_verification() -> None:

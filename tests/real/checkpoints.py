@@ -89,3 +89,20 @@ def trainer_fingerprint(trainer: RealSGLang, checkpoint: str, engine: str) -> Fi
             f"trainer_fingerprint.py failed ({done.returncode}): {done.stderr[-400:]}"
         )
     return Fingerprint.from_wire(json.loads(done.stdout))
+
+
+def trainer_logprobs(
+    trainer: RealSGLang, checkpoint: str, prompt: list[int], tokens: list[int]
+) -> list[float]:
+    """The log-probability of each of ``tokens`` after ``prompt`` under ``checkpoint``, as the
+    trainer computes it (``trainer_logprobs.py``, float32)."""
+    done = subprocess.run(
+        [trainer.python, str(HERE / "trainer_logprobs.py"), checkpoint, json.dumps(prompt),
+         json.dumps(tokens)],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=trainer_env(),
+    )  # fmt: skip
+    found: list[float] = json.loads(done.stdout)
+    return found

@@ -22,13 +22,13 @@ import torch
 from safetensors.torch import load_file
 
 from rollout_lifecycle.contract.fingerprint import SGLANG_SCHEME, VLLM_SCHEME
-from rollout_lifecycle.trainer import GPT2_CONV1D_WEIGHTS, VLLM_PREFIX, fingerprint, transposing
-
-
-def packed_away(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """vLLM on a CPU: a linear layer's weight is an empty tensor where the checksum reads it."""
-    return tensor.new_empty(0) if name.endswith(GPT2_CONV1D_WEIGHTS) else tensor
-
+from rollout_lifecycle.trainer import (
+    GPT2_CONV1D_WEIGHTS,
+    VLLM_PREFIX,
+    emptying,
+    fingerprint,
+    transposing,
+)
 
 LAYOUTS: dict[str, dict[str, Any]] = {
     "sglang": {
@@ -41,7 +41,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
         "scheme": VLLM_SCHEME,
         "dtype": torch.float32,
         "prefix": VLLM_PREFIX,
-        "transform": packed_away,
+        "transform": emptying(GPT2_CONV1D_WEIGHTS),
     },
 }
 
