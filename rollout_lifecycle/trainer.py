@@ -34,6 +34,7 @@ from typing import Any
 
 from rollout_lifecycle.contract.exceptions import InvalidArgument
 from rollout_lifecycle.contract.fingerprint import SGLANG_SCHEME, VLLM_SCHEME, Fingerprint
+from rollout_lifecycle.contract.values import check_int
 
 #: The name prefix vLLM gives the tensors of a single worker (no parallelism).
 VLLM_PREFIX = "dp0:pp0:pcp0:tp0:"
@@ -156,8 +157,7 @@ def sglang_tensor_payload(
     the server cannot fetch the tensors and dies (see ``backends/tensor_payload.py``). Keep the
     tensors alive until the push returns: their shared memory goes with them.
     """
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise InvalidArgument(f"ranks must be an int >= 1, got {ranks!r}")
+    check_int("ranks", ranks, minimum=1)
     sharing = importlib.import_module("torch.multiprocessing")
     pickler = importlib.import_module("multiprocessing.reduction").ForkingPickler
     named = list(tensors.items() if isinstance(tensors, Mapping) else tensors)

@@ -216,9 +216,7 @@ class Verifier(Client):
         error = WeightsNotVerified(version, problems, tensors)
         logger().warning("weights.unverified", engines=sorted(verdicts), error=str(error))
         # SKIP goes on without the engines that failed, as long as one passed.
-        if self._config.unverified_engines is DeadEnginePolicy.FAIL or len(verdicts) == len(
-            records
-        ):
+        if self._config.unverified_engines is DeadEnginePolicy.FAIL or len(verdicts) == len(after):
             raise error
 
 
