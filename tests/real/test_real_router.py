@@ -58,22 +58,20 @@ async def test_traffic_through_a_real_router_loses_nothing_over_20_cycles(
         await server.sync_router()
         assert await listed(router) == ids(*urls)
         traffic = Traffic(launched.url, senders=4, tokens=24, ignore_eos=True)
-        task = asyncio.ensure_future(traffic.run())
         listed_while_released: list[set[str]] = []
         try:
-            for n in range(CYCLES):
-                await traffic.busy()  # every offload meets traffic on its way
-                await server.offload()
-                listed_while_released.append(await listed(router))
-                await server.onload_weights()
-                if n % 5 == 4:  # every fifth cycle writes weights too
-                    await server.update_weights(FromDisk(real_sglang.model), version=f"v{n}")
-                listed_while_released.append(await listed(router))
-                await server.onload_kv()
-                assert server.state is S.SERVING and await listed(router) == ids(*urls)
+            async with traffic.running(deadline=300):
+                for n in range(CYCLES):
+                    await traffic.busy()  # every offload meets traffic on its way
+                    await server.offload()
+                    listed_while_released.append(await listed(router))
+                    await server.onload_weights()
+                    if n % 5 == 4:  # every fifth cycle writes weights too
+                        await server.update_weights(FromDisk(real_sglang.model), version=f"v{n}")
+                    listed_while_released.append(await listed(router))
+                    await server.onload_kv()
+                    assert server.state is S.SERVING and await listed(router) == ids(*urls)
         finally:
-            traffic.stop.set()
-            await asyncio.wait_for(task, 300)
             await router.close()
         print(
             f"[{mode.value}] {CYCLES} cycles through the router: sent={traffic.sent} "
@@ -120,16 +118,14 @@ async def test_recover_after_a_real_server_dies_lists_exactly_the_live_servers(
             assert before == ids(keep.url, doomed.url)
             assert after == ids(keep.url, made[0].url)
             traffic = Traffic(launched.url, senders=2, tokens=4, ignore_eos=True)
-            task = asyncio.ensure_future(traffic.run())
-            # Until the replacement has answered a request through the router (bounded).
-            await until(
-                lambda: traffic.completed >= 4 and '"POST /generate' in made[0].output(),
-                what="the replacement to answer a request through the router",
-                deadline=120,
-                every=0.1,
-            )
-            traffic.stop.set()
-            await asyncio.wait_for(task, 120)
+            async with traffic.running(deadline=120):
+                # Until the replacement has answered a request through the router (bounded).
+                await until(
+                    lambda: traffic.completed >= 4 and '"POST /generate' in made[0].output(),
+                    what="the replacement to answer a request through the router",
+                    deadline=120,
+                    every=0.1,
+                )
             assert traffic.lost == [] and traffic.completed == traffic.sent >= 4
             assert '"POST /generate' in made[0].output(), "the replacement got no traffic"
             await router.close()

@@ -4,7 +4,9 @@ traffic sent through it that must lose nothing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -46,6 +48,22 @@ class Traffic:
     async def busy(self, deadline: float = 30.0) -> None:
         """Wait (up to ``deadline`` seconds) until a request is on its way through the router."""
         await asyncio.wait_for(self._sending.wait(), deadline)
+
+    @contextlib.asynccontextmanager
+    async def running(self, deadline: float) -> AsyncIterator[Traffic]:
+        """Traffic sent for the block's length; at its end the senders finish what they have
+        sent (within ``deadline`` seconds). A block that raises cancels them instead: its own
+        error is the one to read, and the lifecycle it broke may never let them finish."""
+        task = asyncio.ensure_future(self.run())
+        try:
+            yield self
+        except BaseException:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise
+        self.stop.set()
+        await asyncio.wait_for(task, deadline)
 
     async def run(self) -> None:
         async with httpx.AsyncClient(base_url=self.url, timeout=60, trust_env=False) as client:

@@ -109,22 +109,20 @@ async def test_traffic_through_the_router_loses_nothing_over_20_cycles(
         server = RolloutServer(fleet([a, b]), LifecycleConfig(pause_mode=mode), router=router)
         await server.sync_router()
         traffic = Traffic(launched.url, senders=4)
-        task = asyncio.ensure_future(traffic.run())
         reached_released: list[str] = []
         try:
-            for _ in range(20):
-                await traffic.busy()  # every offload meets traffic on its way
-                await server.offload()
-                before = {u: (await stats(u))["submitted"] for u in (a, b)}
-                await asyncio.sleep(0.05)  # traffic keeps arriving at the router meanwhile
-                after = {u: (await stats(u))["submitted"] for u in (a, b)}
-                reached_released += [u for u in (a, b) if after[u] != before[u]]
-                await server.onload_weights()
-                await server.onload_kv()
-                assert server.state is S.SERVING
+            async with traffic.running(deadline=60):
+                for _ in range(20):
+                    await traffic.busy()  # every offload meets traffic on its way
+                    await server.offload()
+                    before = {u: (await stats(u))["submitted"] for u in (a, b)}
+                    await asyncio.sleep(0.05)  # traffic keeps arriving at the router meanwhile
+                    after = {u: (await stats(u))["submitted"] for u in (a, b)}
+                    reached_released += [u for u in (a, b) if after[u] != before[u]]
+                    await server.onload_weights()
+                    await server.onload_kv()
+                    assert server.state is S.SERVING
         finally:
-            traffic.stop.set()
-            await asyncio.wait_for(task, 60)
             await router.close()
         assert traffic.lost == [] and traffic.completed == traffic.sent
         assert reached_released == [], "requests reached workers with their memory released"
