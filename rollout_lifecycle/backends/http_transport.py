@@ -36,11 +36,19 @@ _BODY_LIMIT = 500
 _CAUSE_LIMIT = 200
 #: The longest pause between two attempts of a retried call.
 _MAX_BACKOFF = 5.0
-#: How long an idle connection stays in the pool for reuse: well below the server's own
-#: keep-alive, so that no call is written onto a connection the server is closing (a call sent
-#: once, such as generate or a release, would then fail with nothing known of its fate). httpx's
-#: default (5 s) equals SGLang's, and under load that race was seen: a resubmitted generate
-#: failed with a ReadError on a connection reused after about 5 s idle.
+#: How long an idle connection stays in the pool for reuse by calls that are safe to repeat:
+#: well below the server's own keep-alive, so that few of them meet a connection the server is
+#: closing (and one that does is tried again). httpx's default (5 s) equals SGLang's.
+#:
+#: A call sent once (a generate, a release, a resume) never reuses a connection: the server arms
+#: its keep-alive timer when it has written an answer, which under load can be seconds before
+#: the client reads it, so no expiry on the client's side closes the race. On SGLang's uvloop the
+#: timer runs before the socket is read, and a server that stalls past it closes the connection
+#: with the call unread: a ReadError, its fate unknown. Seen in CI on a real server (a resume of
+#: the KV cache; a resubmitted generate before that); a new connection has no timer.
+# uvicorn: protocols/http/httptools_impl.py on_response_complete arms timeout_keep_alive_task,
+# connection_made arms nothing; sglang: entrypoints/http_server.py runs uvicorn with
+# loop="uvloop"
 # sglang: environ.py SGLANG_TIMEOUT_KEEP_ALIVE = EnvInt(5), passed to uvicorn as
 # timeout_keep_alive (entrypoints/http_server.py _setup_and_run_http_server)
 KEEPALIVE_EXPIRY_S = 2.0
@@ -110,7 +118,9 @@ class HTTPTransport:
         self._retries = retries
         self._retry_backoff = retry_backoff
         self._transport = transport
-        self._client: httpx.AsyncClient | None = None
+        #: Per event loop: the pooled client (calls safe to repeat) and the one that opens a
+        #: connection per call (calls sent once).
+        self._clients: tuple[httpx.AsyncClient, httpx.AsyncClient] | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
 
@@ -133,32 +143,41 @@ class HTTPTransport:
     async def drop_connections(self) -> None:
         """Close the pooled connections (the next call opens new ones): after an answer that
         ends the server's side of a connection without saying so, a reused one fails."""
-        client, loop = self._client, self._client_loop
-        self._client = self._client_loop = None
-        if client is not None and loop is asyncio.get_running_loop():
-            await client.aclose()
+        clients, loop = self._clients, self._client_loop
+        self._clients = self._client_loop = None
+        if clients is not None and loop is asyncio.get_running_loop():
+            for client in dict.fromkeys(clients):
+                await client.aclose()
 
-    def client_for_loop(self, op: str) -> httpx.AsyncClient:
+    def client_for_loop(self, op: str, *, once: bool = False) -> httpx.AsyncClient:
+        """The client for a call: pooled for one safe to repeat, a connection of its own for
+        one sent ``once`` (see ``KEEPALIVE_EXPIRY_S``)."""
         if self._closed:
             raise EngineDead(self._label, op, "the client is closed")
         loop = asyncio.get_running_loop()
-        if self._client is None or self._client_loop is not loop:
-            # Connections belong to the loop that opened them; a new loop gets a new client.
-            self._client = httpx.AsyncClient(
-                base_url=self._url,
-                transport=self._transport,
-                # No connection cap: control calls must never queue behind long generates
-                # (a pause waiting for a connection that a paused generate holds would hang).
-                limits=httpx.Limits(
-                    max_connections=None,
-                    max_keepalive_connections=32,
-                    keepalive_expiry=self._keepalive_expiry,
-                ),
-                follow_redirects=False,
-                trust_env=False,
-            )
+        if self._clients is None or self._client_loop is not loop:
+            # Connections belong to the loop that opened them; a new loop gets new clients. A
+            # transport given by the caller keeps its own connections: one client serves.
+            pooled = self._new_client(keepalive=32)
+            own = pooled if self._transport is not None else self._new_client(keepalive=0)
+            self._clients = (pooled, own)
             self._client_loop = loop
-        return self._client
+        return self._clients[1 if once else 0]
+
+    def _new_client(self, keepalive: int) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            base_url=self._url,
+            transport=self._transport,
+            # No connection cap: control calls must never queue behind long generates (a
+            # pause waiting for a connection that a paused generate holds would hang).
+            limits=httpx.Limits(
+                max_connections=None,
+                max_keepalive_connections=keepalive,
+                keepalive_expiry=self._keepalive_expiry,
+            ),
+            follow_redirects=False,
+            trust_env=False,
+        )
 
     def key_for(self, control: bool) -> tuple[str, Secret] | None:
         order = (
@@ -227,7 +246,7 @@ class HTTPTransport:
         wait_field = row.wait_field
         if flush_wait is not None and wait_field is None:
             raise AssertionError(f"{row.path} has no query field for a server-side wait")
-        client = self.client_for_loop(op)
+        client = self.client_for_loop(op, once=not retry)
         key = None if row.auth is Auth.OPEN else self.key_for(control=row.auth is Auth.CONTROL)
         headers = {"Authorization": f"Bearer {key[1].reveal()}"} if key is not None else {}
         attempts = 1 + self._retries if retry else 1

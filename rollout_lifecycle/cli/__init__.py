@@ -37,7 +37,7 @@ def _add_fake_sglang(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
             "it as it kills SGLang: the process exits with status 70. With --port 0 it prints "
             "'FAKE_SGLANG_READY port=N' once it accepts connections. Keys are read from the "
             "environment variables named by --admin-key-env / --api-key-env, never from the "
-            "command line. Needs the 'standin' extra (fastapi, uvicorn)."
+            "command line. Needs the 'standin' extra (fastapi, uvicorn, uvloop)."
         ),
     )
     fake.add_argument("--port", type=int, required=True, help="port to listen on; 0: any free")

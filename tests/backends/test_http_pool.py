@@ -1,10 +1,13 @@
-"""The HTTP client's connection pool: a connection idle for longer than the pool's keep-alive
-expiry is not reused, so that no call is written onto a connection the server may be closing
-(SGLang closes idle connections after 5 s); one idle for less is reused."""
+"""The HTTP client's connections: a call safe to repeat reuses a pooled connection idle for less
+than the pool's keep-alive expiry (SGLang closes idle connections after 5 s), not one idle for
+longer; a call sent once never reuses one (a server that stalls past its keep-alive drops a call
+written onto a kept connection: ``tests/contract/test_contract_endpoints.py``)."""
 
 from __future__ import annotations
 
 import asyncio
+
+import pytest
 
 from rollout_lifecycle import SGLangHTTPEngine
 from rollout_lifecycle.backends.http_transport import KEEPALIVE_EXPIRY_S, HTTPTransport
@@ -71,24 +74,45 @@ async def test_the_pool_lets_a_connection_go_well_before_sglang_closes_it() -> N
             await engine.close()
 
 
+def _wire(url: str) -> HTTPTransport:
+    return HTTPTransport(
+        url,
+        "pool",
+        admin_key=None,
+        api_key=None,
+        connect_timeout=5.0,
+        retries=0,
+        retry_backoff=0.1,
+        transport=None,
+        keepalive_expiry=60.0,
+    )
+
+
 async def test_a_connection_idle_for_less_than_the_expiry_is_reused() -> None:
     server = CountingServer()
     async with server as url:
-        wire = HTTPTransport(
-            url,
-            "pool",
-            admin_key=None,
-            api_key=None,
-            connect_timeout=5.0,
-            retries=0,
-            retry_backoff=0.1,
-            transport=None,
-            keepalive_expiry=60.0,
-        )
+        wire = _wire(url)
         try:
             for _ in range(3):
                 await wire.request(ENDPOINTS["server_info"], None, 30.0)
                 await asyncio.sleep(0.5)
             assert server.connections == 1
+        finally:
+            await wire.close()
+
+
+@pytest.mark.parametrize("op", ["resume_memory_occupation", "release_memory_occupation"])
+async def test_a_call_sent_once_gets_a_connection_of_its_own_every_time(op: str) -> None:
+    assert not ENDPOINTS[op].repeatable
+    server = CountingServer()
+    async with server as url:
+        wire = _wire(url)
+        try:
+            await wire.request(ENDPOINTS["server_info"], None, 30.0)
+            for n in range(1, 4):
+                await wire.request(ENDPOINTS[op], {"tags": ["kv_cache"]}, 30.0)
+                assert server.connections == 1 + n  # a new one each time, none reused
+            await wire.request(ENDPOINTS["server_info"], None, 30.0)
+            assert server.connections == 4  # the pooled one is still there for the others
         finally:
             await wire.close()

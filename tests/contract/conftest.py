@@ -78,11 +78,12 @@ def standins() -> Iterator[_StandIns]:
 
 
 def _standin_target(server: StandInServer, **keys: str | None) -> Target:
-    return Target("standin", server.url, _exited=server.wait_dead, **keys)
+    return Target("standin", server.url, pid=server.pid, _exited=server.wait_dead, **keys)
 
 
 def _real_target(server: RealServer, **keys: str | None) -> Target:
-    return Target("real", server.url, _exited=server.exited, **keys)
+    assert server.proc is not None
+    return Target("real", server.url, pid=server.proc.pid, _exited=server.exited, **keys)
 
 
 def _disposable_target(target: Target, restart: Callable[[], object]) -> Target:
@@ -180,11 +181,18 @@ def vllm_target(request: pytest.FixtureRequest) -> Iterator[VLLMTarget]:
             holder.append(vllm_standin())
         server = holder[-1]
         target = VLLMTarget(
-            "standin", server.url, _exited=server.wait_dead, model_path=contract_model_dir()
+            "standin",
+            server.url,
+            pid=server.pid,
+            _exited=server.wait_dead,
+            model_path=contract_model_dir(),
         )
     else:
         real = request.getfixturevalue("vllm_servers")[1]
         model = request.getfixturevalue("real_vllm").model
-        target = VLLMTarget("real", real.url, _exited=real.exited, model_path=str(model))
+        assert real.proc is not None
+        target = VLLMTarget(
+            "real", real.url, pid=real.proc.pid, _exited=real.exited, model_path=str(model)
+        )
     yield target
     _restore_vllm(target.url)

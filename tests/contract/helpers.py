@@ -4,9 +4,16 @@ deadlines."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+import os
+import platform
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -30,6 +37,8 @@ class Target:
     url: str
     admin_key: str | None = None
     api_key: str | None = None
+    #: The process that serves HTTP (SGLang's main process: its scheduler is a child).
+    pid: int | None = None
     _exited: Callable[[float], bool] = field(repr=False, default=lambda _: False)
     _disposable: Callable[[], Target] | None = field(repr=False, default=None)
     _restart: Callable[[], object] | None = field(repr=False, default=None)
@@ -61,6 +70,78 @@ class Target:
         self._restart()
 
 
+#: The system calls in which an event loop waits for its sockets, by machine (epoll_wait,
+#: epoll_pwait, epoll_pwait2), as ``/proc/PID/syscall`` numbers them.
+_EPOLL_WAITS = {"x86_64": {"232", "281", "441"}, "aarch64": {"22", "441"}}
+
+
+@contextlib.asynccontextmanager
+async def stopped(pid: int) -> AsyncIterator[None]:
+    """The process stopped (SIGSTOP) while its event loop waits for its sockets, until the block
+    ends, then continued: a server stalled for as long as the test says, while the kernel still
+    takes connections and bytes for it. (Stopped in the middle of other work, a loop reads its
+    sockets first when it goes on; stopped in its wait, it runs its due timers first.)"""
+    waits = _EPOLL_WAITS[platform.machine()]
+    for _attempt in range(100):
+        await until(lambda: _syscall(pid) in waits, what=f"process {pid} to wait for events")
+        os.kill(pid, signal.SIGSTOP)
+        await until(lambda: _process_state(pid) == "T", what=f"process {pid} to stop")
+        if _syscall(pid) in waits:
+            break
+        os.kill(pid, signal.SIGCONT)  # it woke up just before the stop: again
+    else:
+        raise AssertionError(f"process {pid} never stopped while waiting for events")
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _syscall(pid: int) -> str:
+    """The number of the system call the process's main thread is blocked in (``running``)."""
+    return Path(f"/proc/{pid}/syscall").read_text().split()[0]
+
+
+#: Both servers' keep-alive: uvicorn closes a connection this long after its last answer.
+# sglang: environ.py SGLANG_TIMEOUT_KEEP_ALIVE = EnvInt(5); vllm: envs.py
+# VLLM_HTTP_TIMEOUT_KEEP_ALIVE = 5
+KEEP_ALIVE_S = 5.0
+
+
+async def through_a_stall(target: Target, engine: Any) -> None:
+    """A call the HTTP client may not repeat (an abort of nothing), sent while the server is
+    stalled past the keep-alive of the connection a call safe to repeat left just before; it
+    must be answered once the server goes on (``HTTPTransport`` gives it a connection of its
+    own)."""
+    assert target.pid is not None
+    port = urlsplit(target.url).port
+    assert port is not None
+    await engine.check_version()  # leaves a kept connection, idle for less than the expiry
+    answered = time.monotonic()
+    async with stopped(target.pid):
+        call = asyncio.ensure_future(engine.abort_request(rid="nothing-by-this-name"))
+        await until(lambda: unread_bytes(port) > 0, what="the call to reach the server")
+        # Stopped, not slowed: past this instant the keep-alive is due on the server.
+        await asyncio.sleep(answered + KEEP_ALIVE_S + 0.5 - time.monotonic())
+    await asyncio.wait_for(call, CALL_TIMEOUT)
+
+
+def unread_bytes(port: int) -> int:
+    """Bytes the kernel holds for the listener on loopback ``port`` that its process has not
+    read (``rx_queue`` of the port's connections in ``/proc/net/tcp``)."""
+    total = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, queues = line.split()[1], line.split()[4]
+        if int(local.rpartition(":")[2], 16) == port:
+            total += int(queues.partition(":")[2], 16)
+    return total
+
+
+def _process_state(pid: int) -> str:
+    """The state letter in ``/proc/PID/stat`` (``T``: stopped by a signal)."""
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+
+
 def gen_request(tokens: int, i: int = 0, rid: str | None = None) -> dict[str, Any]:
     """A generate request of exactly ``tokens`` new tokens (random weights: no eos)."""
     body: dict[str, Any] = {
@@ -85,16 +166,27 @@ async def held(client: httpx.AsyncClient, url: str = "") -> int:
     by a pause, is not counted)."""
     # sglang: entrypoints/v1_loads.py get_loads; the scheduler republishes its load after every
     # prefill (scheduler.py publish_load_snapshot(force=batch.forward_mode.is_extend())).
+    running, waiting = await _loads(client, url)
+    return running + waiting
+
+
+async def _loads(client: httpx.AsyncClient, url: str = "") -> tuple[int, int]:
+    """The requests the scheduler runs, and those it holds waiting, from ``/v1/loads``."""
     answer = await client.get(f"{url}/v1/loads", params={"include": "core"})
     assert answer.status_code == 200, answer.text
-    return sum(x["num_running_reqs"] + x["num_waiting_reqs"] for x in answer.json()["loads"])
+    loads = answer.json()["loads"]
+    return (
+        sum(x["num_running_reqs"] for x in loads),
+        sum(x["num_waiting_reqs"] for x in loads),
+    )
 
 
 async def in_flight(
     client: httpx.AsyncClient, n: int, tokens: int, *, rids: list[str] | None = None
 ) -> list[asyncio.Task[dict[str, Any]]]:
-    """Start ``n`` generate requests and return once the scheduler holds all of them (``held``),
-    none finished yet."""
+    """Start ``n`` generate requests and return once the scheduler runs all of them, none
+    waiting (a request still waiting when a retract pause comes is not retracted), and none
+    finished yet."""
     tasks = [
         asyncio.create_task(
             generate(client, gen_request(tokens, i, None if rids is None else rids[i]))
@@ -102,12 +194,13 @@ async def in_flight(
         for i in range(n)
     ]
 
-    async def all_held() -> bool:
+    async def all_running() -> bool:
         for task in tasks:
             assert not task.done(), "a request finished before the scenario began: make it longer"
-        return await held(client) >= n
+        running, waiting = await _loads(client)
+        return running >= n and waiting == 0
 
-    await until(all_held, what=f"the scheduler to hold {n} requests", deadline=CALL_TIMEOUT)
+    await until(all_running, what=f"the scheduler to run {n} requests", deadline=CALL_TIMEOUT)
     return tasks
 
 

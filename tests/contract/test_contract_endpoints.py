@@ -11,8 +11,17 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from contract.helpers import Target, finish_type, held, in_flight
+from contract.helpers import (
+    KEEP_ALIVE_S,
+    Target,
+    finish_type,
+    held,
+    in_flight,
+    stopped,
+    through_a_stall,
+)
 
+from rollout_lifecycle import SGLangHTTPEngine
 from rollout_lifecycle.backends.http_transport import KEEPALIVE_EXPIRY_S
 from rollout_lifecycle.testing.waits import until
 
@@ -133,26 +142,35 @@ async def test_weight_version_is_default_on_a_server_no_update_has_touched(keyed
         assert answer.json()["weight_version"] == "default"
 
 
+async def _ask_ready(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+    """``GET /ready`` on a raw connection: its status line, once the whole answer is read."""
+    writer.write(b"GET /ready HTTP/1.1\r\nhost: server\r\n\r\n")
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
+    length = next(
+        int(line.split(b":")[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    await asyncio.wait_for(reader.readexactly(length), 60)
+    return head.split(b"\r\n")[0]
+
+
+def _host_port(target: Target) -> tuple[str, int]:
+    url = urlsplit(target.url)
+    assert url.hostname is not None and url.port is not None
+    return url.hostname, url.port
+
+
 async def test_the_server_closes_a_connection_left_idle_later_than_the_client_lets_it_go(
     target: Target,
 ) -> None:
     """SGLang closes a kept-alive connection some seconds after its last answer (uvicorn's
-    ``timeout_keep_alive``, ``SGLANG_TIMEOUT_KEEP_ALIVE`` = 5 s): the HTTP client's pool lets
-    an idle connection go before that (``KEEPALIVE_EXPIRY_S``), so that it never writes a call
-    onto a connection the server is closing. (A lower bound: a loaded machine closes later.)"""
-    url = urlsplit(target.url)
-    assert url.hostname is not None and url.port is not None
-    reader, writer = await asyncio.open_connection(url.hostname, url.port)
+    ``timeout_keep_alive``): the HTTP client's pool lets an idle connection go before that
+    (``KEEPALIVE_EXPIRY_S``). (A lower bound: a loaded machine closes later.)"""
+    reader, writer = await asyncio.open_connection(*_host_port(target))
     try:
-        writer.write(b"GET /ready HTTP/1.1\r\nhost: server\r\n\r\n")
-        await writer.drain()
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
-        length = next(
-            int(line.split(b":")[1])
-            for line in head.split(b"\r\n")
-            if line.lower().startswith(b"content-length:")
-        )
-        await asyncio.wait_for(reader.readexactly(length), 60)
+        await _ask_ready(reader, writer)
         answered = time.monotonic()
         # the server closes the connection: end of stream, nothing more sent
         assert await asyncio.wait_for(reader.read(), 60) == b""
@@ -161,3 +179,57 @@ async def test_the_server_closes_a_connection_left_idle_later_than_the_client_le
         writer.close()
     print(f"{target.kind}: closed after {idle:.2f} s idle")
     assert idle > KEEPALIVE_EXPIRY_S
+
+
+async def test_a_stall_past_the_keep_alive_drops_a_call_on_a_kept_connection_not_a_new_one(
+    target: Target,
+) -> None:
+    """Why the HTTP client sends a call it may not repeat on a connection of its own: the server
+    arms its keep-alive timer once it has answered, and on uvloop runs a due timer before it
+    reads its sockets. A server that stalls past its keep-alive (stopped here; starved on a
+    loaded machine) closes a kept connection with the call written onto it unread, and the
+    client cannot know whether it ran. A call on a connection opened during the same stall is
+    answered."""
+    assert target.pid is not None
+    kept = await asyncio.open_connection(*_host_port(target))
+    fresh: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+    try:
+        assert b" 200 " in await _ask_ready(*kept)
+        answered = time.monotonic()
+        async with stopped(target.pid):
+            kept[1].write(b"GET /ready HTTP/1.1\r\nhost: server\r\n\r\n")
+            await kept[1].drain()
+            fresh = await asyncio.open_connection(*_host_port(target))  # the kernel accepts it
+            fresh[1].write(b"GET /ready HTTP/1.1\r\nhost: server\r\n\r\n")
+            await fresh[1].drain()
+            # Stopped, not slowed: past this instant the keep-alive is due on the server's
+            # (monotonic) clock, whatever the machine's load.
+            await asyncio.sleep(answered + KEEP_ALIVE_S + 0.5 - time.monotonic())
+        try:
+            dropped = await asyncio.wait_for(kept[0].read(), 60)
+        except ConnectionResetError:
+            dropped = b""  # closed with the call unread: the kernel resets the connection
+        print(f"{target.kind}: the kept connection's call got {dropped!r}")
+        assert dropped == b"", "the kept connection answered the call after the stall"
+        assert b" 200 " in await asyncio.wait_for(_read_status(fresh[0]), 60)
+    finally:
+        kept[1].close()
+        if fresh is not None:
+            fresh[1].close()
+
+
+async def test_a_call_the_client_may_not_repeat_survives_a_stall_past_the_keep_alive(
+    target: Target,
+) -> None:
+    """The HTTP client's side of the scenario above: a call it sends once (an abort here; a
+    release or a resume in a lifecycle step) goes on a connection of its own, so a server that
+    stalls past its keep-alive right after answering another call still answers it."""
+    engine = SGLangHTTPEngine(target.url)
+    try:
+        await through_a_stall(target, engine)
+    finally:
+        await engine.close()
+
+
+async def _read_status(reader: asyncio.StreamReader) -> bytes:
+    return (await reader.readuntil(b"\r\n")).rstrip()

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 import pytest
 from contract.conftest import contract_model_dir, vllm_standin
-from contract.helpers import CALL_TIMEOUT, Streamed, VLLMTarget
+from contract.helpers import CALL_TIMEOUT, Streamed, VLLMTarget, through_a_stall
 
 from rollout_lifecycle.backends.vllm_http import VLLMHTTPEngine
 from rollout_lifecycle.contract.exceptions import EngineRejected, IllegalEngineOp
@@ -205,6 +205,15 @@ async def test_an_abort_by_request_id_ends_that_request_and_no_other(
     reason, tokens = await streams[0].result()
     assert reason == "abort" and 0 < tokens < vllm_target.tokens
     assert await streams[1].result() == ("length", vllm_target.tokens)
+
+
+async def test_a_call_the_client_may_not_repeat_survives_a_stall_past_the_keep_alive(
+    vllm_target: VLLMTarget, client: VLLMHTTPEngine
+) -> None:
+    """vLLM's server runs uvicorn on uvloop too (``entrypoints/cli/serve.py``
+    ``uvloop.run(run_server(args))``): a stall past its keep-alive must not drop a call the
+    client sends once (an abort here; a sleep or a wake in a lifecycle step)."""
+    await through_a_stall(vllm_target, client)
 
 
 async def test_the_weight_update_session_answers_500_without_a_weight_transfer_config(

@@ -57,7 +57,8 @@ T = TypeVar("T")
 DEFAULT_MODEL_PATH = "simulated/fake-sglang"
 #: What to install when the stand-in's web stack is missing.
 NEEDS = (
-    "the stand-in SGLang server needs fastapi and uvicorn: pip install 'rollout-lifecycle[standin]'"
+    "the stand-in SGLang server needs fastapi, uvicorn and uvloop: "
+    "pip install 'rollout-lifecycle[standin]'"
 )
 _DEATH_POLL_S = 0.05
 

@@ -87,6 +87,7 @@ def serve(
     """
     try:
         import uvicorn
+        import uvloop
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(NEEDS) from exc
     if not isinstance(host, str) or not host:
@@ -175,7 +176,10 @@ def serve(
         return started
 
     try:
-        started = asyncio.run(main())
+        # The real servers run uvicorn on uvloop, whose timers (the keep-alive's among them) run
+        # before the sockets are read: a stall past the keep-alive drops a call written onto a
+        # kept connection, here as there. sglang: entrypoints/http_server.py (loop="uvloop").
+        started = uvloop.run(main())
     finally:
         sock.close()
     return 0 if started else 1
