@@ -1,4 +1,5 @@
-"""Reads a real-server tier's JUnit report and fails unless every test ran and passed.
+"""Reads a real-server tier's JUnit report and fails unless every test ran and passed; prints
+the slowest tests (where the tier's time goes).
 
 Usage: python ci/report.py TIER REPORT PYTEST_EXIT_CODE. Under CI a skipped real-server test is a
 failure, as is a run that executes none (pytest's "no tests collected", exit 5).
@@ -6,6 +7,9 @@ failure, as is a run that executes none (pytest's "no tests collected", exit 5).
 
 import sys
 import xml.etree.ElementTree as ET
+
+#: How many of the slowest tests to name.
+SLOWEST = 12
 
 tier, path, rc = sys.argv[1], sys.argv[2], int(sys.argv[3])
 try:
@@ -20,5 +24,9 @@ print(
     f"{tier}: {passed} real-server tests passed, {count['failures'] + count['errors']} failed, "
     f"{count['skipped']} skipped in {float(suite.get('time', 0)):.0f} s"
 )
+cases = sorted(suite.iter("testcase"), key=lambda c: -float(c.get("time", 0)))
+for case in cases[:SLOWEST]:
+    name = f"{case.get('classname')}::{case.get('name')}"
+    print(f"{tier}:   {float(case.get('time', 0)):6.0f} s  {name}")
 if rc != 0 or passed == 0 or count["skipped"]:
     sys.exit(f"{tier}: the tier must run every test and pass them all")
