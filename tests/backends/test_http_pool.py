@@ -24,6 +24,8 @@ class CountingServer:
 
     def __init__(self) -> None:
         self.connections = 0
+        #: Per request, whether it asked the server to close the connection after answering.
+        self.closing: list[bool] = []
         self._server: asyncio.Server | None = None
 
     async def __aenter__(self) -> str:
@@ -41,6 +43,7 @@ class CountingServer:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
+                self.closing.append(b"\r\nconnection: close\r\n" in head.lower())
                 length = 0
                 for line in head.decode().split("\r\n"):
                     name, _, value = line.partition(":")
@@ -114,5 +117,7 @@ async def test_a_call_sent_once_gets_a_connection_of_its_own_every_time(op: str)
                 assert server.connections == 1 + n  # a new one each time, none reused
             await wire.request(ENDPOINTS["server_info"], None, 30.0)
             assert server.connections == 4  # the pooled one is still there for the others
+            # The server is asked to close the once-only ones (their TIME_WAIT is its own).
+            assert server.closing == [False, True, True, True, False]
         finally:
             await wire.close()
