@@ -114,8 +114,7 @@ async def through_a_stall(target: Target, engine: Any) -> None:
     must be answered once the server goes on (``HTTPTransport`` gives it a connection of its
     own)."""
     assert target.pid is not None
-    port = urlsplit(target.url).port
-    assert port is not None
+    port = host_port(target)[1]
     await engine.check_version()  # leaves a kept connection, idle for less than the expiry
     answered = time.monotonic()
     async with stopped(target.pid):
@@ -131,10 +130,17 @@ def unread_bytes(port: int) -> int:
     read (``rx_queue`` of the port's connections in ``/proc/net/tcp``)."""
     total = 0
     for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        local, queues = line.split()[1], line.split()[4]
-        if int(local.rpartition(":")[2], 16) == port:
-            total += int(queues.partition(":")[2], 16)
+        fields = line.split()
+        if int(fields[1].rpartition(":")[2], 16) == port:
+            total += int(fields[4].partition(":")[2], 16)
     return total
+
+
+def host_port(target: Target) -> tuple[str, int]:
+    """The host and port ``target`` listens on."""
+    url = urlsplit(target.url)
+    assert url.hostname is not None and url.port is not None
+    return url.hostname, url.port
 
 
 def _process_state(pid: int) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import time
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -16,6 +15,7 @@ from contract.helpers import (
     Target,
     finish_type,
     held,
+    host_port,
     in_flight,
     stopped,
     through_a_stall,
@@ -142,9 +142,13 @@ async def test_weight_version_is_default_on_a_server_no_update_has_touched(keyed
         assert answer.json()["weight_version"] == "default"
 
 
+#: ``GET /ready`` as a raw HTTP/1.1 request.
+READY = b"GET /ready HTTP/1.1\r\nhost: server\r\n\r\n"
+
+
 async def _ask_ready(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
     """``GET /ready`` on a raw connection: its status line, once the whole answer is read."""
-    writer.write(b"GET /ready HTTP/1.1\r\nhost: server\r\n\r\n")
+    writer.write(READY)
     await writer.drain()
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
     length = next(
@@ -156,19 +160,13 @@ async def _ask_ready(reader: asyncio.StreamReader, writer: asyncio.StreamWriter)
     return head.split(b"\r\n")[0]
 
 
-def _host_port(target: Target) -> tuple[str, int]:
-    url = urlsplit(target.url)
-    assert url.hostname is not None and url.port is not None
-    return url.hostname, url.port
-
-
 async def test_the_server_closes_a_connection_left_idle_later_than_the_client_lets_it_go(
     target: Target,
 ) -> None:
     """SGLang closes a kept-alive connection some seconds after its last answer (uvicorn's
     ``timeout_keep_alive``): the HTTP client's pool lets an idle connection go before that
     (``KEEPALIVE_EXPIRY_S``). (A lower bound: a loaded machine closes later.)"""
-    reader, writer = await asyncio.open_connection(*_host_port(target))
+    reader, writer = await asyncio.open_connection(*host_port(target))
     try:
         await _ask_ready(reader, writer)
         answered = time.monotonic()
@@ -191,16 +189,16 @@ async def test_a_stall_past_the_keep_alive_drops_a_call_on_a_kept_connection_not
     client cannot know whether it ran. A call on a connection opened during the same stall is
     answered."""
     assert target.pid is not None
-    kept = await asyncio.open_connection(*_host_port(target))
+    kept = await asyncio.open_connection(*host_port(target))
     fresh: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
     try:
         assert b" 200 " in await _ask_ready(*kept)
         answered = time.monotonic()
         async with stopped(target.pid):
-            kept[1].write(b"GET /ready HTTP/1.1\r\nhost: server\r\n\r\n")
+            kept[1].write(READY)
             await kept[1].drain()
-            fresh = await asyncio.open_connection(*_host_port(target))  # the kernel accepts it
-            fresh[1].write(b"GET /ready HTTP/1.1\r\nhost: server\r\n\r\n")
+            fresh = await asyncio.open_connection(*host_port(target))  # the kernel accepts it
+            fresh[1].write(READY)
             await fresh[1].drain()
             # Stopped, not slowed: past this instant the keep-alive is due on the server's
             # (monotonic) clock, whatever the machine's load.
