@@ -146,7 +146,7 @@ class SimControl:
                         entry,
                         f"memory saver aborted: tag {name!r} released twice (process exited)",
                     )
-                state.released.add(name)
+                state.released[name] = None
                 if name == Tag.KV_CACHE.value:
                     state.prefix_cache.clear()  # releasing the KV pool flushes the cache itself
             state.notify()
@@ -173,7 +173,7 @@ class SimControl:
                             f"CUDA out of memory resuming {name!r}: needs {need} bytes of "
                             f"{state.gpu_memory_bytes} ({state.external_bytes} held elsewhere)",
                         )
-                state.released.discard(name)
+                del state.released[name]
                 if name == Tag.WEIGHTS.value and not state.weights_cpu_backup:
                     # Without --enable-weights-cpu-backup the remapped pages hold garbage.
                     state.weights_valid = False
@@ -264,7 +264,7 @@ class SimControl:
                 **args,
                 "launch_command": "python -m sglang.launch_server --model-path "
                 + str(args["model_path"]),
-                "startup_time": dict(state.startup_time),
+                "startup_time": state.startup_time(),
                 "internal_states": [
                     {
                         **args,

@@ -155,7 +155,7 @@ class SimScheduler:
         if not req.internal:
             state.counts["aborted" if aborted else "completed"] += 1
             if not aborted:
-                state.prefix_cache.add(tuple(req.prompt))
+                state.prefix_cache[tuple(req.prompt)] = None
         if not req.future.done():
             req.future.set_result(self._result(req, finish_reason))
 

@@ -246,7 +246,8 @@ class SimState:
         self.op_latency = check_op_latency(op_latency)
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise InvalidArgument(f"seed must be an int or None, got {seed!r}")
-        self.rng = random.Random(seed)
+        self._seed = seed
+        self._rng: random.Random | None = None
         self.capacity = check_memory(memory_bytes)
         if not isinstance(weight_version, str):
             raise InvalidArgument(f"weight_version must be a string, got {weight_version!r}")
@@ -317,16 +318,17 @@ class SimState:
         # arg_groups/serving_hook.py). Drawn from the system's randomness, never the seed, so
         # that two processes (a restart, or two engines built with one seed) never share them.
         draw = _SYSTEM_RANDOM.uniform
-        self.startup_time: dict[str, Any] = {
+        # Kept as numbers only (``startup_info`` adds the empty ``cuda_graph`` entry), so that
+        # CPython's collector does not track the dict: see ``record``.
+        self.startup_durations: dict[str, float] = {
             "load_weight": draw(0.01, 0.1),
             "kv_cache_allocation": draw(0.1, 1.0),
             "scheduler_e2e": draw(1.0, 5.0),
-            "cuda_graph": {},
             "tokenizer_e2e": draw(10.0, 30.0),
         }
         self.random_seed = _SYSTEM_RANDOM.randint(0, 1 << 30)
         self.incarnation = incarnation_of(
-            {"startup_time": self.startup_time, "random_seed": self.random_seed}
+            {"startup_time": self.startup_time(), "random_seed": self.random_seed}
         )
         # The scheduler's version (stamped on output tokens) and the tokenizer's (what
         # /model_info reports) are kept apart: a weight update whose trailing flush fails moves
@@ -344,7 +346,10 @@ class SimState:
         # Why the next forward pass kills the process (a backend's half-loaded weights), or
         # None: the default, under which no forward pass dies for this reason.
         self.forward_fault: str | None = None
-        self.released: set[str] = set()
+        # The released tags, and below the cached prompts, are dicts used as sets (keys, None
+        # values): a dict of strings, or an empty one, is not tracked by CPython's collector,
+        # where every set is. See ``record`` for why a large in-process fleet cares.
+        self.released: dict[str, None] = {}
         self.paused = False
         self.pause_mode: PauseMode | None = None
         self.running: list[SimRequest] = []
@@ -357,7 +362,7 @@ class SimState:
         # stand-in's wait pause, as vLLM's PAUSED_NEW queues adds and keeps stepping).
         self.hold_arrivals = False
         self.in_flight: dict[str, SimRequest] = {}
-        self.prefix_cache: set[tuple[int, ...]] = set()
+        self.prefix_cache: dict[tuple[int, ...], None] = {}
         self.session_open = False
         self.session_selector: str | None = None
         self.groups: dict[str, dict[str, Any]] = {}
@@ -365,6 +370,18 @@ class SimState:
         self.healthy = True
         self.dead = False
         self.death_reason: str | None = None
+
+    @property
+    def rng(self) -> random.Random:
+        """The generator of drawn latencies (seeded by ``seed``), made at its first draw: an
+        engine without latency ranges never needs one."""
+        if self._rng is None:
+            self._rng = random.Random(self._seed)
+        return self._rng
+
+    def startup_time(self) -> dict[str, Any]:
+        """``/server_info``'s ``startup_time`` of this process (a new dict each call)."""
+        return {**self.startup_durations, "cuda_graph": {}}
 
     # ----------------------------------------------------------------------------- changes
 

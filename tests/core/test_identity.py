@@ -61,7 +61,7 @@ def assert_records_match(server: RolloutServer) -> None:
 
 def sim_incarnation(sim: SimulatedEngine) -> str | None:
     return incarnation_of(
-        {"startup_time": sim._state.startup_time, "random_seed": sim._state.random_seed}
+        {"startup_time": sim._state.startup_time(), "random_seed": sim._state.random_seed}
     )
 
 
