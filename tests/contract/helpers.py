@@ -172,11 +172,11 @@ async def held(client: httpx.AsyncClient, url: str = "") -> int:
     by a pause, is not counted)."""
     # sglang: entrypoints/v1_loads.py get_loads; the scheduler republishes its load after every
     # prefill (scheduler.py publish_load_snapshot(force=batch.forward_mode.is_extend())).
-    running, waiting = await _loads(client, url)
+    running, waiting = await loads(client, url)
     return running + waiting
 
 
-async def _loads(client: httpx.AsyncClient, url: str = "") -> tuple[int, int]:
+async def loads(client: httpx.AsyncClient, url: str = "") -> tuple[int, int]:
     """The requests the scheduler runs, and those it holds waiting, from ``/v1/loads``."""
     answer = await client.get(f"{url}/v1/loads", params={"include": "core"})
     assert answer.status_code == 200, answer.text
@@ -203,7 +203,7 @@ async def in_flight(
     async def all_running() -> bool:
         for task in tasks:
             assert not task.done(), "a request finished before the scenario began: make it longer"
-        running, waiting = await _loads(client)
+        running, waiting = await loads(client)
         return running >= n and waiting == 0
 
     await until(all_running, what=f"the scheduler to run {n} requests", deadline=CALL_TIMEOUT)

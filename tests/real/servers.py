@@ -78,11 +78,21 @@ class RealSGLang:
     model: str
 
     def child_env(self) -> dict[str, str]:
-        """What a server process needs beyond this process's environment: the CPU shim."""
+        """What a server process needs beyond this process's environment: the CPU shim, and
+        its model run on one thread.
+
+        On a CPU without AMX, SGLang leaves torch's thread count alone (sglang:
+        distributed/bootstrap.py ``_init_cpu_threads_env`` binds threads only with AMX or on
+        arm64), so each server runs an OpenMP thread per core, and OpenMP's threads spin while
+        they wait for each other. Two servers decoding at once on 2 cores then took turns at
+        a fraction of their speed: 400 tokens of 4 requests each took ~50 s after a cycle, and
+        the servers' logs showed 10-40 tokens/s with bursts of 500-700 whenever the other one
+        stopped."""
         path = os.environ.get("PYTHONPATH")
         return {
             "PYTHONPATH": str(SHIM_DIR) if not path else f"{SHIM_DIR}{os.pathsep}{path}",
             SHIM_ENV: "1",
+            "OMP_NUM_THREADS": "1",
         }
 
 

@@ -7,9 +7,8 @@ resubmitted as the pause mode says), the real server afterwards (alive, serving,
 version), the server's state and ``snapshot()`` after each call, and the barriers and the
 contract's fatal misuses on the timeline of engine calls (``lifecycle_checks``).
 
-Requests are held in flight by their length (300 tokens at tens of tokens a second here); an
-admission probe (a one-token request sent after them) makes sure the scheduler holds them all
-before a pause is sent.
+Requests are held in flight by their length (hundreds of tokens at tens of tokens a second
+here), and a pause is sent only once the servers' schedulers run them all (``admitted``).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 import ray
-from contract.helpers import held
+from contract.helpers import loads
 from real.lifecycle_checks import (
     engine_calls,
     histories,
@@ -61,10 +60,11 @@ S = ServerState
 #: The acceptance scenario's request length.
 TOKENS = 300
 #: Requests a pause must find decoding on every engine (a retraction shows only on a request that
-#: was running when the pause landed; a flush is refused only while one is). On this CPU the tiny
-#: model decodes a lone request at up to ~400 tokens/s, and an engine's four requests arrive up
-#: to a second or two apart, so shorter ones can finish before ``admitted()`` sees them all.
-#: Four per server fit its KV cache (``--max-total-tokens 4096``) and the model's 2048 positions.
+#: was running when the pause landed; a flush is refused only while one is). ``admitted`` waits
+#: until the schedulers run them all, and fails if one finished first. On this CPU the tiny
+#: model decodes a lone request at up to ~400 tokens/s, and the requests reach their servers up
+#: to a few hundred ms apart here (more on a loaded machine): the length is the margin. Four per
+#: server fit its KV cache (``--max-total-tokens 4096``) and the model's 2048 positions.
 LONG = 900
 ALL = tuple(t.value for t in ALL_TAGS)
 KV_ONLY = ("kv_cache", "cuda_graph")
@@ -97,25 +97,32 @@ async def post_generate(client: httpx.AsyncClient, url: str, body: dict[str, Any
     return answer.json()
 
 
-async def admitted(urls: Sequence[str], each: int) -> None:
-    """Return once every server's scheduler holds at least ``each`` requests, running or
-    waiting, in one sweep: a request still on its way to a server, or held by a paused one
-    before its scheduler, is not counted. Read from ``/v1/loads``, which a server republishes
-    after every prefill. (Requests reach a server a little apart, so its first one can finish
-    before its last arrives: ``each`` leaves room for that.)"""
-    counts: list[int] = []
+async def admitted(
+    urls: Sequence[str], traffic: Sequence[asyncio.Future[Any]], requests: int | None = None
+) -> None:
+    """Return once the servers' schedulers run ``requests`` requests between them (by default
+    one per future of ``traffic``), none waiting, in one sweep of ``/v1/loads`` (which a server
+    republishes after every prefill): then a pause finds each one decoding. Fails if a request
+    of ``traffic`` finished first (make the requests longer)."""
+    wanted = len(traffic) if requests is None else requests
+    counts: list[tuple[int, int]] = []
     async with httpx.AsyncClient(timeout=60) as client:
 
-        async def holds() -> bool:
-            counts[:] = [await held(client, url) for url in urls]
-            return min(counts) >= each
+        async def all_running() -> bool:
+            assert not any(r.done() for r in traffic), "a request finished before the pause"
+            counts[:] = [await loads(client, url) for url in urls]
+            running = sum(r for r, _ in counts)
+            return running >= wanted and not any(w for _, w in counts)
 
         try:
             await until(
-                holds, what=f"every server to hold {each} requests", deadline=120, every=0.05
+                all_running,
+                what=f"the servers to run all {wanted} requests",
+                deadline=120,
+                every=0.05,
             )
         except AssertionError as error:
-            raise AssertionError(f"{error}; they hold {counts}") from None
+            raise AssertionError(f"{error}; (running, waiting) per server: {counts}") from None
 
 
 def assert_engines(server: RolloutServer, state: ServerState, **expected: Any) -> None:
@@ -232,7 +239,7 @@ async def test_default_offload_cycle_keeps_six_requests_in_flight_on_one_real_se
             traffic = [
                 asyncio.ensure_future(post_generate(client, real.url, request(i))) for i in range(6)
             ]
-            await admitted([real.url], 4)
+            await admitted([real.url], traffic)
             unanswered = await cycle(server, real_sglang.model, "v1", PauseMode.RETRACT, traffic)
             answers = await asyncio.wait_for(asyncio.gather(*traffic), timeout=600)
         print(tally(answers, 6, started), server.metrics)
@@ -274,7 +281,7 @@ async def test_retract_cycle_over_two_real_actors_loses_nothing_and_retracts_wha
     server = RolloutServer([EngineGroup("actor", actors)])
     started = time.monotonic()
     traffic = [asyncio.ensure_future(server.generate(request(i, LONG))) for i in range(8)]
-    await admitted([r.url for r in reals], 3)
+    await admitted([r.url for r in reals], traffic)
     unanswered = await cycle(server, real_sglang.model, "v2-retract", PauseMode.RETRACT, traffic)
     answers = await asyncio.wait_for(asyncio.gather(*traffic), timeout=600)
     print(tally(answers, 8, started), server.generation.stats())
@@ -302,7 +309,7 @@ async def test_abort_cycle_over_two_real_actors_resubmits_every_aborted_request_
     with capture_logs() as logs:
         sent = [dict(request(i, LONG), rid=f"abort-cycle-{i}") for i in range(8)]
         traffic = [asyncio.ensure_future(server.generate(r)) for r in sent]
-        await admitted([r.url for r in reals], 3)
+        await admitted([r.url for r in reals], traffic)
         unanswered = await cycle(server, real_sglang.model, "v3-abort", PauseMode.ABORT, traffic)
         answers = await asyncio.wait_for(asyncio.gather(*traffic), timeout=600)
     print(tally(answers, 8, started), server.generation.stats())
@@ -347,7 +354,7 @@ async def test_in_place_pause_around_a_weight_update_keeps_requests_and_their_kv
     server = RolloutServer([EngineGroup("actor", actors)], config=config)
     started = time.monotonic()
     batch = asyncio.ensure_future(server.generate_batch([request(i, LONG) for i in range(8)]))
-    await admitted([r.url for r in reals], 3)
+    await admitted([r.url for r in reals], [batch], 8)
     async with server.paused():
         assert phase_names(server, "pause") == ["pause"]
         assert_engines(server, S.DRAINED, paused=True, pause_mode="in_place", released=())
@@ -455,7 +462,7 @@ async def test_launched_engine_in_an_actor_runs_the_cycle_with_a_shared_server_t
         )
         started = time.monotonic()
         traffic = [asyncio.ensure_future(server.generate(request(i, LONG))) for i in range(8)]
-        await admitted([url, real_servers[0].url], 3)
+        await admitted([url, real_servers[0].url], traffic)
         unanswered = await cycle(
             server, real_sglang.model, "v5-launched", PauseMode.RETRACT, traffic
         )
