@@ -318,7 +318,7 @@ class SimState:
         # arg_groups/serving_hook.py). Drawn from the system's randomness, never the seed, so
         # that two processes (a restart, or two engines built with one seed) never share them.
         draw = _SYSTEM_RANDOM.uniform
-        # Kept as numbers only (``startup_info`` adds the empty ``cuda_graph`` entry), so that
+        # Kept as numbers only (``startup_time()`` adds the empty ``cuda_graph`` entry), so that
         # CPython's collector does not track the dict: see ``record``.
         self.startup_durations: dict[str, float] = {
             "load_weight": draw(0.01, 0.1),
