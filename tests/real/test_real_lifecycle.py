@@ -7,7 +7,7 @@ resubmitted as the pause mode says), the real server afterwards (alive, serving,
 version), the server's state and ``snapshot()`` after each call, and the barriers and the
 contract's fatal misuses on the timeline of engine calls (``lifecycle_checks``).
 
-Requests are held in flight by their length (hundreds of tokens at tens of tokens a second
+Requests are held in flight by their length (hundreds of tokens: a second or more of decoding
 here), and a pause is sent only once the servers' schedulers run them all (``admitted``).
 """
 
