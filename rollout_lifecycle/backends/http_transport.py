@@ -63,10 +63,12 @@ _SECRET_FLAG = re.compile(
 
 @dataclass(frozen=True)
 class _Failure:
-    """One failed attempt, translated, and whether a safe-to-repeat call may try again."""
+    """One failed attempt, translated; whether a safe-to-repeat call may try again; and whether
+    the request is known never to have left the client (any call may then try again)."""
 
     error: EngineError
     retryable: bool
+    unsent: bool = False
 
 
 def _seconds_param(value: float) -> str:
@@ -253,7 +255,7 @@ class HTTPTransport:
             # The server closes it after answering, so the closed connection's TIME_WAIT is kept
             # on its side, not on one of the client's ports (a connection per generate adds up).
             headers["Connection"] = "close"
-        attempts = 1 + self._retries if retry else 1
+        attempts = 1 + self._retries
         first = time.monotonic()
         for attempt in range(1, attempts + 1):
             params: dict[str, str | list[str]] | None = None if query is None else dict(query)
@@ -294,7 +296,7 @@ class HTTPTransport:
             if failure is None:
                 assert response is not None
                 return response
-            if not (retry and failure.retryable and attempt < attempts):
+            if not ((failure.unsent or (retry and failure.retryable)) and attempt < attempts):
                 raise failure.error
             await asyncio.sleep(min(_MAX_BACKOFF, self._retry_backoff * 2 ** (attempt - 1)))
         raise AssertionError("unreachable")  # pragma: no cover
@@ -312,10 +314,14 @@ class HTTPTransport:
         cause = self.scrub(str(exc))[:_CAUSE_LIMIT]
         detail = f"{type(exc).__name__}: {cause}" if cause else type(exc).__name__
         if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
-            # The request was never sent; trying again is safe for a repeatable call.
+            # No connection was made, so the request was never sent: trying again is safe even
+            # for a call sent once (seen in CI: a loaded machine stalled one connect to a live
+            # server past its bound). A refused connection is not tried again for such a call:
+            # its server is gone, and a new process may soon hold the address.
             return _Failure(
                 EngineTimeout(self._label, op, f"{where}: could not connect in time ({detail})"),
                 retryable=True,
+                unsent=True,
             )
         if isinstance(exc, httpx.TimeoutException):
             return _Failure(

@@ -716,6 +716,21 @@ async def test_release_resume_weights_and_generate_are_never_retried(
     assert len(server.requests) == 1
 
 
+@pytest.mark.parametrize(("name", "call"), NEVER_REPEATED, ids=[c[0] for c in NEVER_REPEATED])
+async def test_a_call_sent_once_is_tried_again_when_no_connection_was_made(
+    name: str, call: Call
+) -> None:
+    # A connect that timed out sent nothing: the second attempt is the call's only delivery.
+    server = FakeServer(failing(1, raising(httpx.ConnectTimeout)))
+    await call(make_engine(server, retries=3, retry_backoff=0.01))
+    assert len(server.requests) == 2
+    # Bounded like any retry: the last attempt's timeout is what the caller sees.
+    server = FakeServer(raising(httpx.ConnectTimeout))
+    with pytest.raises(EngineTimeout, match=r"attempt 3\): could not connect in time"):
+        await call(make_engine(server, retries=2, retry_backoff=0.01))
+    assert len(server.requests) == 3
+
+
 async def test_a_timed_out_pause_is_not_repeated() -> None:
     # The server got it and is slow; repeating would only double the wait.
     server = FakeServer(raising(httpx.ReadTimeout))
