@@ -9,7 +9,7 @@ import os
 import platform
 import signal
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -187,26 +187,49 @@ async def loads(client: httpx.AsyncClient, url: str = "") -> tuple[int, int]:
     )
 
 
+async def running_all(
+    client: httpx.AsyncClient,
+    futures: Sequence[asyncio.Future[Any]],
+    wanted: int,
+    *,
+    urls: Sequence[str] = ("",),
+    deadline: float = CALL_TIMEOUT,
+    every: float = 0.005,
+) -> None:
+    """Return once the schedulers at ``urls`` run ``wanted`` requests between them, none
+    waiting, in one sweep of ``/v1/loads`` (a server republishes it after every prefill): a
+    pause then finds each one decoding (a request still waiting when a retract pause comes is
+    not retracted). Fails if one of ``futures`` finished first (make the requests longer)."""
+    counts: list[tuple[int, int]] = []
+
+    async def all_running() -> bool:
+        assert not any(f.done() for f in futures), "a request finished before the pause"
+        counts[:] = [await loads(client, url) for url in urls]
+        return sum(r for r, _ in counts) >= wanted and not any(w for _, w in counts)
+
+    try:
+        await until(
+            all_running,
+            what=f"the servers to run {wanted} requests",
+            deadline=deadline,
+            every=every,
+        )
+    except AssertionError as error:
+        raise AssertionError(f"{error}; (running, waiting) per server: {counts}") from None
+
+
 async def in_flight(
     client: httpx.AsyncClient, n: int, tokens: int, *, rids: list[str] | None = None
 ) -> list[asyncio.Task[dict[str, Any]]]:
-    """Start ``n`` generate requests and return once the scheduler runs all of them, none
-    waiting (a request still waiting when a retract pause comes is not retracted), and none
-    finished yet."""
+    """Start ``n`` generate requests and return once the scheduler runs all of them
+    (``running_all``)."""
     tasks = [
         asyncio.create_task(
             generate(client, gen_request(tokens, i, None if rids is None else rids[i]))
         )
         for i in range(n)
     ]
-
-    async def all_running() -> bool:
-        for task in tasks:
-            assert not task.done(), "a request finished before the scenario began: make it longer"
-        running, waiting = await loads(client)
-        return running >= n and waiting == 0
-
-    await until(all_running, what=f"the scheduler to run {n} requests", deadline=CALL_TIMEOUT)
+    await running_all(client, tasks, n)
     return tasks
 
 

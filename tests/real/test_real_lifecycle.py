@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 import ray
-from contract.helpers import loads
+from contract.helpers import running_all
 from real.lifecycle_checks import (
     engine_calls,
     histories,
@@ -52,7 +52,6 @@ from rollout_lifecycle import (
     start_engine_actor,
 )
 from rollout_lifecycle.testing import cycle_order_violations, released_ops
-from rollout_lifecycle.testing.waits import until
 
 pytestmark = pytest.mark.real_sglang
 
@@ -100,29 +99,11 @@ async def post_generate(client: httpx.AsyncClient, url: str, body: dict[str, Any
 async def admitted(
     urls: Sequence[str], traffic: Sequence[asyncio.Future[Any]], requests: int | None = None
 ) -> None:
-    """Return once the servers' schedulers run ``requests`` requests between them (by default
-    one per future of ``traffic``), none waiting, in one sweep of ``/v1/loads`` (which a server
-    republishes after every prefill): then a pause finds each one decoding. Fails if a request
-    of ``traffic`` finished first (make the requests longer)."""
+    """Return once the servers run ``requests`` requests between them (by default one per
+    future of ``traffic``), none waiting: then a pause finds each one decoding."""
     wanted = len(traffic) if requests is None else requests
-    counts: list[tuple[int, int]] = []
     async with httpx.AsyncClient(timeout=60) as client:
-
-        async def all_running() -> bool:
-            assert not any(r.done() for r in traffic), "a request finished before the pause"
-            counts[:] = [await loads(client, url) for url in urls]
-            running = sum(r for r, _ in counts)
-            return running >= wanted and not any(w for _, w in counts)
-
-        try:
-            await until(
-                all_running,
-                what=f"the servers to run all {wanted} requests",
-                deadline=120,
-                every=0.05,
-            )
-        except AssertionError as error:
-            raise AssertionError(f"{error}; (running, waiting) per server: {counts}") from None
+        await running_all(client, traffic, wanted, urls=urls, deadline=120, every=0.05)
 
 
 def assert_engines(server: RolloutServer, state: ServerState, **expected: Any) -> None:
