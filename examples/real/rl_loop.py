@@ -77,7 +77,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rollouts", type=int, default=32, help="completions per step")
     parser.add_argument("--tokens", type=int, default=16, help="new tokens per completion")
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--lr", type=float, default=5.0, help="plain SGD's learning rate")
+    parser.add_argument(
+        "--max-grad-norm", type=float, default=0.25, help="the gradient's norm is clipped to this"
+    )
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--sglang-python", default=sys.executable)
     parser.add_argument("--sglang-args", default="", help="extra server arguments (one string)")
@@ -176,10 +179,12 @@ def train_step(
     prompts: list[list[int]],
     outs: list[Any],
     targets: set[int],
+    max_grad_norm: float,
 ) -> float:
     """One policy-gradient step on the reward (the targets' share of a completion), split by
     token: each token is credited with the target hits from it to the end (reward to go), less
-    the batch's mean at that position (the baseline)."""
+    the batch's mean at that position (the baseline); the gradient's norm is clipped to
+    ``max_grad_norm``."""
     hits = torch.tensor([[float(t in targets) for t in o["output_ids"]] for o in outs])
     togo = (hits / hits.shape[1]).flip(1).cumsum(1).flip(1)
     advantage = togo - togo.mean(0, keepdim=True)
@@ -189,6 +194,7 @@ def train_step(
     )
     loss = -(advantage * logps).sum() / len(outs)
     loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
     return float(loss.detach())
 
@@ -222,7 +228,18 @@ async def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     model = GPT2LMHeadModel.from_pretrained(args.model, torch_dtype=torch.float32)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    # Plain SGD with a clipped gradient norm, not Adam: Adam's first steps move every weight by
+    # about ``lr`` whatever its gradient, noise included, and a step large enough to learn in
+    # five steps now and then collapsed the policy onto one token that is not a target (its
+    # reward then stays 0: no hit, no gradient). Seen over simulated five-step runs (the
+    # trainer sampling its own rollouts, the reward's rise from the first step to the last):
+    # Adam at lr 0.05 rose by < 0.2 in 1 of 60 runs, at lr 0.1 in 3 of 150. SGD with the norm
+    # clipped to 0.25: at lr 5 it rose by >= 0.55 in 100 of 100 (to >= 0.99 in 94; the
+    # policy is rarely that sharp before the last step, so the engines' log-probabilities are
+    # compared where they are not all 0); at lr 4, by >= 0.23; at lr 10 and 20 it rose by
+    # >= 0.96 in 660 of 660, but was often certain (reward 1.000) from the fourth step; at
+    # lr 40 it collapsed in 3 of 60.
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     vocab = model.config.vocab_size
     engines = [launch(args, kind, f"{kind}{i}") for i, kind in enumerate(args.kinds)]
     # Every call's spans are kept for the timeline (four calls a step).
@@ -265,7 +282,7 @@ async def run(args: argparse.Namespace) -> int:
             times = row["phases"]
             times["offload"] = short(await server.offload())
             start = time.monotonic()
-            row["loss"] = train_step(model, optimizer, prompts, outs, targets)
+            row["loss"] = train_step(model, optimizer, prompts, outs, targets, args.max_grad_norm)
             times["train_s"] = time.monotonic() - start
             times["onload_weights"] = short(await server.onload_weights())
             version = f"step-{step}"
