@@ -7,8 +7,8 @@ resubmitted as the pause mode says), the real server afterwards (alive, serving,
 version), the server's state and ``snapshot()`` after each call, and the barriers and the
 contract's fatal misuses on the timeline of engine calls (``lifecycle_checks``).
 
-Requests are held in flight by their length (hundreds of tokens: a second or more of decoding
-here), and a pause is sent only once the servers' schedulers run them all (``admitted``).
+Requests are held in flight by their length while the servers are slowed (``slowed``), and a
+pause is sent only once the servers' schedulers run them all (``admitted``).
 """
 
 from __future__ import annotations
@@ -60,11 +60,18 @@ S = ServerState
 TOKENS = 300
 #: Requests a pause must find decoding on every engine (a retraction shows only on a request that
 #: was running when the pause landed; a flush is refused only while one is). ``admitted`` waits
-#: until the schedulers run them all, and fails if one finished first. On this CPU the tiny
-#: model decodes a lone request at up to ~400 tokens/s, and the requests reach their servers up
-#: to a few hundred ms apart here (more on a loaded machine): the length is the margin. Four per
-#: server fit its KV cache (``--max-total-tokens 4096``) and the model's 2048 positions.
+#: until the schedulers run them all, and fails if one finished first. Four per server fit its
+#: KV cache (``--max-total-tokens 4096``) and the model's 2048 positions.
 LONG = 900
+#: Seconds a server's scheduler sleeps in every batch while a test stages a pause (``slowed``).
+#: At full speed (up to ~400 tokens/s here) a LONG request lasts a few seconds, and on a loaded
+#: machine the requests of one actor reached their server seconds after the other's, and a
+#: pause through an actor took up to 5.5 s to land: a server finished its requests first.
+#: Slowed, a LONG request lasts over 900 * 0.25 = 225 s, longer than ``admitted`` and the pause
+#: may take together (deadlines of 120 s and 60 s): a server that runs its requests still runs
+#: them when the pause lands, or the pause itself has failed. (TOKENS last 75 s so: enough for
+#: one server the library calls in-process, where nothing staggers and a pause lands at once.)
+SLOW_STEP_S = 0.25
 ALL = tuple(t.value for t in ALL_TAGS)
 KV_ONLY = ("kv_cache", "cuda_graph")
 
@@ -94,6 +101,29 @@ async def post_generate(client: httpx.AsyncClient, url: str, body: dict[str, Any
     answer = await client.post(f"{url}/generate", json=body)
     answer.raise_for_status()
     return answer.json()
+
+
+@contextlib.asynccontextmanager
+async def slowed(urls: Sequence[str]) -> AsyncIterator[None]:
+    """Slow the servers at ``urls`` to ``SLOW_STEP_S`` per batch for the block, full speed after.
+
+    SGLang's testing route ``/slow_down`` (sglang: http_server.py slow_down ->
+    Scheduler.slow_down sets ``forward_sleep_time``, which Scheduler.run_batch sleeps before
+    every batch; ``None`` ends it). A pause, flush, release or weight write runs no batch, so
+    the cycle itself is not slowed; requests decode one token per step.
+    """
+
+    async def slow_down(step: float | None) -> None:
+        for url in urls:
+            answer = await client.post(f"{url}/slow_down", json={"forward_sleep_time": step})
+            assert answer.status_code == 200, (url, answer.text)
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        await slow_down(SLOW_STEP_S)
+        try:
+            yield
+        finally:
+            await slow_down(None)
 
 
 async def admitted(
@@ -217,11 +247,15 @@ async def test_default_offload_cycle_keeps_six_requests_in_flight_on_one_real_se
     server = RolloutServer([EngineGroup("actor", [engine])], config=LifecycleConfig())
     try:
         async with httpx.AsyncClient(timeout=600) as client:
-            traffic = [
-                asyncio.ensure_future(post_generate(client, real.url, request(i))) for i in range(6)
-            ]
-            await admitted([real.url], traffic)
-            unanswered = await cycle(server, real_sglang.model, "v1", PauseMode.RETRACT, traffic)
+            async with slowed([real.url]):
+                traffic = [
+                    asyncio.ensure_future(post_generate(client, real.url, request(i)))
+                    for i in range(6)
+                ]
+                await admitted([real.url], traffic)
+                unanswered = await cycle(
+                    server, real_sglang.model, "v1", PauseMode.RETRACT, traffic
+                )
             answers = await asyncio.wait_for(asyncio.gather(*traffic), timeout=600)
         print(tally(answers, 6, started), server.metrics)
         assert_full(answers, TOKENS)
@@ -261,9 +295,12 @@ async def test_retract_cycle_over_two_real_actors_loses_nothing_and_retracts_wha
     actors, reals = actor_server
     server = RolloutServer([EngineGroup("actor", actors)])
     started = time.monotonic()
-    traffic = [asyncio.ensure_future(server.generate(request(i, LONG))) for i in range(8)]
-    await admitted([r.url for r in reals], traffic)
-    unanswered = await cycle(server, real_sglang.model, "v2-retract", PauseMode.RETRACT, traffic)
+    async with slowed([r.url for r in reals]):
+        traffic = [asyncio.ensure_future(server.generate(request(i, LONG))) for i in range(8)]
+        await admitted([r.url for r in reals], traffic)
+        unanswered = await cycle(
+            server, real_sglang.model, "v2-retract", PauseMode.RETRACT, traffic
+        )
     answers = await asyncio.wait_for(asyncio.gather(*traffic), timeout=600)
     print(tally(answers, 8, started), server.generation.stats())
 
@@ -288,10 +325,13 @@ async def test_abort_cycle_over_two_real_actors_resubmits_every_aborted_request_
     server = RolloutServer([EngineGroup("actor", actors)], config=config)
     started = time.monotonic()
     with capture_logs() as logs:
-        sent = [dict(request(i, LONG), rid=f"abort-cycle-{i}") for i in range(8)]
-        traffic = [asyncio.ensure_future(server.generate(r)) for r in sent]
-        await admitted([r.url for r in reals], traffic)
-        unanswered = await cycle(server, real_sglang.model, "v3-abort", PauseMode.ABORT, traffic)
+        async with slowed([r.url for r in reals]):
+            sent = [dict(request(i, LONG), rid=f"abort-cycle-{i}") for i in range(8)]
+            traffic = [asyncio.ensure_future(server.generate(r)) for r in sent]
+            await admitted([r.url for r in reals], traffic)
+            unanswered = await cycle(
+                server, real_sglang.model, "v3-abort", PauseMode.ABORT, traffic
+            )
         answers = await asyncio.wait_for(asyncio.gather(*traffic), timeout=600)
     print(tally(answers, 8, started), server.generation.stats())
     why = {}  # request id -> why each resubmission was made, in order
@@ -334,28 +374,31 @@ async def test_in_place_pause_around_a_weight_update_keeps_requests_and_their_kv
     config = LifecycleConfig(pause_mode=PauseMode.IN_PLACE)
     server = RolloutServer([EngineGroup("actor", actors)], config=config)
     started = time.monotonic()
-    batch = asyncio.ensure_future(server.generate_batch([request(i, LONG) for i in range(8)]))
-    await admitted([r.url for r in reals], [batch], 8)
-    async with server.paused():
-        assert phase_names(server, "pause") == ["pause"]
-        assert_engines(server, S.DRAINED, paused=True, pause_mode="in_place", released=())
-        assert all(not e.flushed for e in server.snapshot().engines().values())
-        # What the library does not send: a flush here is refused, the requests keep running.
-        async with httpx.AsyncClient(timeout=60) as client:
-            for real in reals:
-                refused = await client.post(f"{real.url}/flush_cache")
-                assert refused.status_code == 400, refused.text
-        await server.update_weights(FromDisk(real_sglang.model), version="v4-in-place")
-        # Drained, not released: the update runs without a flush after it.
-        assert phase_names(server, "update_weights") == [
-            "begin_weight_update",
-            "push",
-            "end_weight_update",
-            "update_weight_version",
-            "flush_after_update",
-        ]
-        assert not [s for s in engine_calls(server, "update_weights") if s.name == "flush_cache"]
-        assert_engines(server, S.DRAINED, paused=True, pause_mode="in_place", released=())
+    async with slowed([r.url for r in reals]):
+        batch = asyncio.ensure_future(server.generate_batch([request(i, LONG) for i in range(8)]))
+        await admitted([r.url for r in reals], [batch], 8)
+        async with server.paused():
+            assert phase_names(server, "pause") == ["pause"]
+            assert_engines(server, S.DRAINED, paused=True, pause_mode="in_place", released=())
+            assert all(not e.flushed for e in server.snapshot().engines().values())
+            # What the library does not send: a flush here is refused, the requests keep running.
+            async with httpx.AsyncClient(timeout=60) as client:
+                for real in reals:
+                    refused = await client.post(f"{real.url}/flush_cache")
+                    assert refused.status_code == 400, refused.text
+            await server.update_weights(FromDisk(real_sglang.model), version="v4-in-place")
+            # Drained, not released: the update runs without a flush after it.
+            assert phase_names(server, "update_weights") == [
+                "begin_weight_update",
+                "push",
+                "end_weight_update",
+                "update_weight_version",
+                "flush_after_update",
+            ]
+            assert not [
+                s for s in engine_calls(server, "update_weights") if s.name == "flush_cache"
+            ]
+            assert_engines(server, S.DRAINED, paused=True, pause_mode="in_place", released=())
     assert phase_names(server, "resume") == ["check_versions", "continue"]
     assert_engines(server, S.SERVING, paused=False, pause_mode=None, released=())
     answers = await asyncio.wait_for(batch, timeout=600)
@@ -442,11 +485,12 @@ async def test_launched_engine_in_an_actor_runs_the_cycle_with_a_shared_server_t
             [EngineGroup("launched", [launched]), EngineGroup("shared", [shared])]
         )
         started = time.monotonic()
-        traffic = [asyncio.ensure_future(server.generate(request(i, LONG))) for i in range(8)]
-        await admitted([url, real_servers[0].url], traffic)
-        unanswered = await cycle(
-            server, real_sglang.model, "v5-launched", PauseMode.RETRACT, traffic
-        )
+        async with slowed([url, real_servers[0].url]):
+            traffic = [asyncio.ensure_future(server.generate(request(i, LONG))) for i in range(8)]
+            await admitted([url, real_servers[0].url], traffic)
+            unanswered = await cycle(
+                server, real_sglang.model, "v5-launched", PauseMode.RETRACT, traffic
+            )
         answers = await asyncio.wait_for(asyncio.gather(*traffic), timeout=600)
         print(tally(answers, 8, started), server.generation.stats())
 
