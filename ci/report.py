@@ -1,5 +1,5 @@
 """Reads a real-server tier's JUnit report and fails unless every test ran and passed; prints
-the slowest tests (where the tier's time goes).
+the slowest tests (where the tier's time goes) and what each failure raised.
 
 Usage: python ci/report.py TIER REPORT PYTEST_EXIT_CODE. Under CI a skipped real-server test is a
 failure, as is a run that executes none (pytest's "no tests collected", exit 5).
@@ -10,6 +10,8 @@ import xml.etree.ElementTree as ET
 
 #: How many of the slowest tests to name.
 SLOWEST = 12
+#: How much of each failure's message to print.
+MESSAGE = 600
 
 tier, path, rc = sys.argv[1], sys.argv[2], int(sys.argv[3])
 try:
@@ -28,5 +30,10 @@ cases = sorted(suite.iter("testcase"), key=lambda c: -float(c.get("time", 0)))
 for case in cases[:SLOWEST]:
     name = f"{case.get('classname')}::{case.get('name')}"
     print(f"{tier}:   {float(case.get('time', 0)):6.0f} s  {name}")
+# What each failure raised, last: the end of a long log is what a reader sees first.
+for case in suite.iter("testcase"):
+    for failed in (*case.findall("failure"), *case.findall("error")):
+        message = " ".join((failed.get("message") or failed.text or "").split())
+        print(f"{tier}: FAILED {case.get('classname')}::{case.get('name')}: {message[:MESSAGE]}")
 if rc != 0 or passed == 0 or count["skipped"]:
     sys.exit(f"{tier}: the tier must run every test and pass them all")
