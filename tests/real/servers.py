@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 from collections import deque
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from threading import Thread
@@ -372,3 +373,27 @@ def _continue_if_paused(server: RealServer, key: str | None = None) -> None:
     if httpx.get(f"{server.url}/ready", timeout=10.0).status_code != 200:
         httpx.post(f"{server.url}/continue_generation", json={}, headers=headers, timeout=60.0)
         server.wait_ready(120.0)
+
+
+@contextlib.asynccontextmanager
+async def slowed(urls: Sequence[str], step: float) -> AsyncIterator[None]:
+    """Slow the SGLang servers at ``urls`` to ``step`` seconds a batch for the block, full speed
+    after, so that requests a test stages stay in flight however loaded the machine is.
+
+    SGLang's testing route ``/slow_down`` (sglang: http_server.py slow_down ->
+    Scheduler.slow_down sets ``forward_sleep_time``, which Scheduler.run_batch sleeps before
+    every batch; ``None`` ends it). A pause, flush, release or weight write runs no batch, so
+    a cycle inside the block is not slowed; requests decode one token per step.
+    """
+
+    async def slow_down(seconds: float | None) -> None:
+        for url in urls:
+            answer = await client.post(f"{url}/slow_down", json={"forward_sleep_time": seconds})
+            assert answer.status_code == 200, (url, answer.text)
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        await slow_down(step)
+        try:
+            yield
+        finally:
+            await slow_down(None)

@@ -34,7 +34,7 @@ from real.lifecycle_checks import (
     phase_names,
     phase_overlaps,
 )
-from real.servers import CPU_FLAGS, RealServer, RealSGLang
+from real.servers import CPU_FLAGS, RealServer, RealSGLang, slowed
 from structlog.testing import capture_logs
 
 from rollout_lifecycle import (
@@ -101,29 +101,6 @@ async def post_generate(client: httpx.AsyncClient, url: str, body: dict[str, Any
     answer = await client.post(f"{url}/generate", json=body)
     answer.raise_for_status()
     return answer.json()
-
-
-@contextlib.asynccontextmanager
-async def slowed(urls: Sequence[str]) -> AsyncIterator[None]:
-    """Slow the servers at ``urls`` to ``SLOW_STEP_S`` per batch for the block, full speed after.
-
-    SGLang's testing route ``/slow_down`` (sglang: http_server.py slow_down ->
-    Scheduler.slow_down sets ``forward_sleep_time``, which Scheduler.run_batch sleeps before
-    every batch; ``None`` ends it). A pause, flush, release or weight write runs no batch, so
-    the cycle itself is not slowed; requests decode one token per step.
-    """
-
-    async def slow_down(step: float | None) -> None:
-        for url in urls:
-            answer = await client.post(f"{url}/slow_down", json={"forward_sleep_time": step})
-            assert answer.status_code == 200, (url, answer.text)
-
-    async with httpx.AsyncClient(timeout=60) as client:
-        await slow_down(SLOW_STEP_S)
-        try:
-            yield
-        finally:
-            await slow_down(None)
 
 
 async def admitted(
@@ -247,7 +224,7 @@ async def test_default_offload_cycle_keeps_six_requests_in_flight_on_one_real_se
     server = RolloutServer([EngineGroup("actor", [engine])], config=LifecycleConfig())
     try:
         async with httpx.AsyncClient(timeout=600) as client:
-            async with slowed([real.url]):
+            async with slowed([real.url], SLOW_STEP_S):
                 traffic = [
                     asyncio.ensure_future(post_generate(client, real.url, request(i)))
                     for i in range(6)
@@ -295,7 +272,7 @@ async def test_retract_cycle_over_two_real_actors_loses_nothing_and_retracts_wha
     actors, reals = actor_server
     server = RolloutServer([EngineGroup("actor", actors)])
     started = time.monotonic()
-    async with slowed([r.url for r in reals]):
+    async with slowed([r.url for r in reals], SLOW_STEP_S):
         traffic = [asyncio.ensure_future(server.generate(request(i, LONG))) for i in range(8)]
         await admitted([r.url for r in reals], traffic)
         unanswered = await cycle(
@@ -325,7 +302,7 @@ async def test_abort_cycle_over_two_real_actors_resubmits_every_aborted_request_
     server = RolloutServer([EngineGroup("actor", actors)], config=config)
     started = time.monotonic()
     with capture_logs() as logs:
-        async with slowed([r.url for r in reals]):
+        async with slowed([r.url for r in reals], SLOW_STEP_S):
             sent = [dict(request(i, LONG), rid=f"abort-cycle-{i}") for i in range(8)]
             traffic = [asyncio.ensure_future(server.generate(r)) for r in sent]
             await admitted([r.url for r in reals], traffic)
@@ -374,7 +351,7 @@ async def test_in_place_pause_around_a_weight_update_keeps_requests_and_their_kv
     config = LifecycleConfig(pause_mode=PauseMode.IN_PLACE)
     server = RolloutServer([EngineGroup("actor", actors)], config=config)
     started = time.monotonic()
-    async with slowed([r.url for r in reals]):
+    async with slowed([r.url for r in reals], SLOW_STEP_S):
         batch = asyncio.ensure_future(server.generate_batch([request(i, LONG) for i in range(8)]))
         await admitted([r.url for r in reals], [batch], 8)
         async with server.paused():
@@ -485,7 +462,7 @@ async def test_launched_engine_in_an_actor_runs_the_cycle_with_a_shared_server_t
             [EngineGroup("launched", [launched]), EngineGroup("shared", [shared])]
         )
         started = time.monotonic()
-        async with slowed([url, real_servers[0].url]):
+        async with slowed([url, real_servers[0].url], SLOW_STEP_S):
             traffic = [asyncio.ensure_future(server.generate(request(i, LONG))) for i in range(8)]
             await admitted([url, real_servers[0].url], traffic)
             unanswered = await cycle(

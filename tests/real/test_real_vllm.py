@@ -28,6 +28,7 @@ from real.servers import (
     RealVLLM,
     RealVLLMServer,
     running_in_group,
+    slowed,
 )
 from real.vllm_models import API_KEY
 
@@ -63,6 +64,11 @@ pytestmark = pytest.mark.real_vllm
 TOKENS = 3000
 #: SGLang on a CPU decodes tens of tokens a second.
 SGLANG_TOKENS = 150
+#: Seconds the mixed fleet's SGLang server sleeps in every batch while a cycle is staged
+#: (``slowed``): its requests then last over 150 * 0.5 = 75 s. At full speed they lasted a few
+#: seconds, and on a loaded CI machine they ended while the test still waited for the vLLM
+#: server's requests (it then waited 300 s for two SGLang requests that were gone).
+SGLANG_STEP_S = 0.5
 
 
 @pytest.fixture(scope="session")
@@ -520,18 +526,22 @@ async def test_a_mixed_sglang_and_vllm_fleet_runs_ten_cycles_with_traffic_and_lo
     try:
         async with httpx.AsyncClient(base_url=mixed_sglang.url, timeout=30) as client:
             for step in range(MIXED_CYCLES):
-                traffic = [
-                    *(asyncio.ensure_future(server.generate(request(), "vllm")) for _ in range(2)),
-                    *(
-                        asyncio.ensure_future(server.generate(request(SGLANG_TOKENS), "sglang"))
-                        for _ in range(2)
-                    ),
-                ]
-                await holding(vllm_servers[1].url, 2, traffic)
-                await until(
-                    lambda: both_held(client), deadline=300, what="two requests held by SGLang"
-                )
-                await server.offload()
+                async with slowed([mixed_sglang.url], SGLANG_STEP_S):
+                    traffic = [
+                        *(
+                            asyncio.ensure_future(server.generate(request(), "vllm"))
+                            for _ in range(2)
+                        ),
+                        *(
+                            asyncio.ensure_future(server.generate(request(SGLANG_TOKENS), "sglang"))
+                            for _ in range(2)
+                        ),
+                    ]
+                    await holding(vllm_servers[1].url, 2, traffic)
+                    await until(
+                        lambda: both_held(client), deadline=300, what="two requests held by SGLang"
+                    )
+                    await server.offload()
                 await server.onload_weights()
                 await server.update_weights(FromDisk(real_vllm.model), version=f"mixed-{step}")
                 await server.onload_kv()
