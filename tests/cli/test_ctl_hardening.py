@@ -4,7 +4,8 @@ that are not ledgers.
 Each signal case runs ``rollout-lifecycle ctl`` as a subprocess against stand-in servers whose
 target operation takes a while inside the engine, signals it once every engine is running that
 operation, and checks what the state file says, what the next run refuses, and that the
-documented way out brings the fleet back to serving with every engine alive.
+documented way out brings the fleet back to serving with every engine alive (the runs around
+the signalled one go through ``main(argv)`` in this process: same code, no interpreter start).
 
 A state file of any other content (bytes that are not UTF-8 or not JSON, JSON nested without
 end, any JSON value in any field) ends every action in exit 6 with one line naming the file,
@@ -112,11 +113,11 @@ class Fleet:
         return {**os.environ, "PYTHONPATH": str(ROOT)}
 
     def run(self, action: str, *extra: str) -> tuple[int, dict[str, Any]]:
-        done = subprocess.run(
-            self.argv(action, *extra), env=self.env(), capture_output=True, text=True, timeout=120
-        )
-        report: dict[str, Any] = json.loads(done.stdout) if done.stdout.strip() else {}
-        return done.returncode, report
+        """Run ``ctl`` to its end in this process (only a call a test signals needs a process
+        of its own, ``start``): its exit code and its JSON report."""
+        code, out, _ = run_main(self.argv(action, *extra)[3:])
+        report: dict[str, Any] = json.loads(out) if out.strip() else {}
+        return code, report
 
     def start(self, action: str) -> subprocess.Popen[str]:
         return subprocess.Popen(
@@ -441,12 +442,18 @@ def changed(ledger: Any, at: tuple[str | int, ...], value: Any) -> Any:
     return out
 
 
-def ctl_in_process(action: str, url: str, state: Path, *extra: str) -> tuple[int, str]:
-    """Run ``ctl`` in this process (``main(argv)``); its exit code and stderr."""
+def run_main(argv: list[str]) -> tuple[int, str, str]:
+    """Run the command line in this process (``main(argv)``); its exit code, stdout and stderr."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(["ctl", action, "--engine", url, "--state-file", str(state), *extra])
-    return code, err.getvalue()
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+def ctl_in_process(action: str, url: str, state: Path, *extra: str) -> tuple[int, str]:
+    """Run ``ctl`` in this process; its exit code and stderr."""
+    code, _, err = run_main(["ctl", action, "--engine", url, "--state-file", str(state), *extra])
+    return code, err
 
 
 def assert_state_refusal(action: str, code: int, err: str, state: Path) -> None:
