@@ -103,11 +103,9 @@ class Fleet:
         )
 
     def argv(self, action: str, *extra: str) -> list[str]:
+        """The command line's arguments (``main(argv)``'s) for ``ctl action``."""
         engines = [a for s in self.servers for a in ("--engine", s.url)]
-        return [
-            sys.executable, "-m", "rollout_lifecycle.cli", "ctl", action, *engines,
-            "--state-file", str(self.state_file), "--json", *extra,
-        ]  # fmt: skip
+        return ["ctl", action, *engines, "--state-file", str(self.state_file), "--json", *extra]
 
     def env(self) -> dict[str, str]:
         return {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -115,13 +113,14 @@ class Fleet:
     def run(self, action: str, *extra: str) -> tuple[int, dict[str, Any]]:
         """Run ``ctl`` to its end in this process (only a call a test signals needs a process
         of its own, ``start``): its exit code and its JSON report."""
-        code, out, _ = run_main(self.argv(action, *extra)[3:])
+        code, out, _ = run_main(self.argv(action, *extra))
         report: dict[str, Any] = json.loads(out) if out.strip() else {}
         return code, report
 
     def start(self, action: str) -> subprocess.Popen[str]:
         return subprocess.Popen(
-            self.argv(action), env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            [sys.executable, "-m", "rollout_lifecycle.cli", *self.argv(action)],
+            env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True,
         )  # fmt: skip
 
