@@ -1,12 +1,16 @@
 """Engine URLs: what the library accepts as a server's address, and when two addresses reach
 the same server (an engine's identity in the router, the claims and the seam).
 
-Part of the contract layer: plain string work, nothing resolved, nothing sent.
+Part of the contract layer: nothing is sent; a host name is resolved once per process (the
+resolver of this machine, as the HTTP client's connect resolves it).
 """
 
 from __future__ import annotations
 
+import functools
 import ipaddress
+import re
+import socket
 from urllib.parse import urlsplit
 
 from rollout_lifecycle.contract.exceptions import InvalidArgument
@@ -50,29 +54,89 @@ def validate_url(url: object) -> str:
     return url.rstrip("/")
 
 
-#: Host names that reach this machine's loopback interface.
+#: Host names that reach this machine's loopback interface, without asking a resolver.
 _LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
+#: What every address of this machine is called in an engine's identity.
+THIS_HOST = "this-host"
+#: The characters of the numeric IPv4 forms ``inet_aton`` reads (``127.1``, ``2130706433``,
+#: ``0x7f000001``, ``0177.0.0.1``): the resolver and so the HTTP client take them too.
+_NUMERIC_V4 = re.compile(r"[0-9a-fx.]+")
+
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def _literal(host: str) -> Address | None:
+    """``host`` as an IP address when it spells one (any numeric IPv4 form included)."""
+    try:
+        address: Address = ipaddress.ip_address(host)
+    except ValueError:
+        if not _NUMERIC_V4.fullmatch(host) or not host[0].isdigit():
+            return None
+        try:
+            address = ipaddress.IPv4Address(socket.inet_aton(host))
+        except OSError:
+            return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+@functools.lru_cache(maxsize=1024)
+def _is_this_host(address: Address) -> bool:
+    """Whether ``address`` is one of this machine's: loopback, unspecified (``0.0.0.0``, which
+    a client's connect takes to this machine), or assigned to one of its interfaces (a socket
+    can be bound to it)."""
+    if address.is_loopback or address.is_unspecified:
+        return True
+    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((str(address), 0))
+        except OSError:
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=1024)
+def _resolved(name: str) -> tuple[Address, ...]:
+    """The addresses a host name resolves to (empty when it does not resolve); looked up once
+    per process."""
+    try:
+        found = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return ()
+    out = {_literal(str(info[4][0]).partition("%")[0]) for info in found}
+    return tuple(sorted((a for a in out if a is not None), key=lambda a: (a.version, a)))
+
+
+def host_identity(host: str) -> str:
+    """The machine ``host`` names, as an engine's identity spells it: ``this-host`` for every
+    name and address of this machine (loopback, ``0.0.0.0``, its interfaces' addresses, its
+    own host name), the canonical address for any other IP address in any spelling, the first
+    address a host name resolves to (IPv4 first), or the lower-case name of one that does not
+    resolve."""
+    host = host.lower().rstrip(".")
+    if host in _LOOPBACK_NAMES:
+        return THIS_HOST
+    address = _literal(host)
+    addresses = (address,) if address is not None else _resolved(host)
+    if any(_is_this_host(a) for a in addresses):
+        return THIS_HOST
+    return addresses[0].compressed if addresses else host
 
 
 def url_identity(url: object) -> str:
     """The server a URL reaches, for telling engines apart: ``scheme://host:port/path`` with
-    every name and address of this machine's loopback (``localhost``, ``127.0.0.1``, ``::1``,
-    ``0.0.0.0``) as one host ``loopback``, IP addresses in canonical form, host names lower
-    case and the default port explicit. No name is resolved (nothing is looked up); raises
-    ``InvalidArgument`` for what ``SGLangHTTPEngine`` would refuse."""
+    the host as ``host_identity`` names it (every spelling of this machine one host, IP
+    addresses canonical, host names resolved) and the default port explicit. Raises
+    ``InvalidArgument`` for what ``SGLangHTTPEngine`` would refuse.
+
+    Two URLs with one identity reach one server. The converse does not hold (a port forward,
+    a proxy): an engine's incarnation is what names its process once it has answered."""
     parts = urlsplit(validate_url(url))
-    host = (parts.hostname or "").lower().rstrip(".")
-    try:
-        address: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(host)
-    except ValueError:
-        address = None
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    if host in _LOOPBACK_NAMES or (
-        address is not None and (address.is_loopback or address.is_unspecified)
-    ):
-        host = "loopback"
-    elif address is not None:
-        host = address.compressed
+    host = host_identity(parts.hostname or "")
     port = parts.port or (443 if parts.scheme == "https" else 80)
     return f"{parts.scheme}://{host}:{port}{parts.path.rstrip('/')}"
+
+
+__all__ = ["MASK", "THIS_HOST", "host_identity", "mask_userinfo", "url_identity", "validate_url"]

@@ -23,6 +23,15 @@ from rollout_lifecycle.core.ledger import EngineRecord, EngineSnapshot
 from rollout_lifecycle.core.runner import Calls, Plan, issue
 
 
+def _spellings(first: Any, second: Any, key: Hashable) -> str:
+    """How a message names one engine given twice: both URLs where they differ, and the
+    identity they share."""
+    urls = [getattr(getattr(h, "backend", None), "url", None) for h in (first, second)]
+    if all(isinstance(u, str) for u in urls) and urls[0] != urls[1]:
+        return f"{urls[1]} and {urls[0]} reach one server, {shown(key)}"
+    return shown(key)
+
+
 class EngineGroup:
     """A set of engines that share a role and an offload policy.
 
@@ -49,9 +58,10 @@ class EngineGroup:
             handle = seam.as_handle(engine, name, index)
             key = seam.identity(handle)
             if key in seen:
+                first = handles[seen[key]]
                 raise InvalidArgument(
                     f"engine #{index} of group {name!r} is the same engine as engine "
-                    f"#{seen[key]} ({shown(key)})"
+                    f"#{seen[key]} ({_spellings(first, handle, key)}); give each engine once"
                 )
             seen[key] = index
             handles.append(handle)

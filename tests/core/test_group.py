@@ -71,7 +71,8 @@ def test_a_backend_and_a_host_of_that_backend_are_one_engine() -> None:
         EngineGroup("a", [engine, EngineHost(engine)])
     with pytest.raises(
         InvalidArgument,
-        match=r"engine #2 of group 'a' is the same engine as engine #0 \(url http://loopback:30000\)",
+        match=r"engine #2 of group 'a' is the same engine as engine #0 \(http://localhost:30000 "
+        r"and http://127.0.0.1:30000 reach one server, url http://this-host:30000\); give each",
     ):
         EngineGroup(
             "a",
