@@ -16,6 +16,7 @@ import json
 from collections.abc import Awaitable, Hashable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from rollout_lifecycle.backends.sglang_api import SESSION_ALREADY_OPEN
 from rollout_lifecycle.contract import seam
 from rollout_lifecycle.contract.exceptions import (
     EngineDead,
@@ -29,7 +30,7 @@ from rollout_lifecycle.contract.exceptions import (
 )
 from rollout_lifecycle.contract.identity import Expectation, disagreement
 from rollout_lifecycle.contract.ops import CHECKED_OPS
-from rollout_lifecycle.contract.outcome import Outcome
+from rollout_lifecycle.contract.outcome import SESSION_OPEN, Outcome
 from rollout_lifecycle.contract.urls import url_identity
 from rollout_lifecycle.contract.values import (
     DEFAULT_GROUP_NAME,
@@ -309,8 +310,14 @@ class EngineHost:
         await self._backend.resume_memory_occupation(list(parse_tags(tags, what="resume tags")))
 
     async def begin_weight_update(self) -> None:
-        """Open a weight-update session."""
-        await self._backend.begin_weight_update()
+        """Open a weight-update session; one already open is refused with ``SESSION_OPEN``
+        (409), the lifecycle's word for it."""
+        try:
+            await self._backend.begin_weight_update()
+        except EngineRejected as exc:
+            if exc.status == 400 and SESSION_ALREADY_OPEN in exc.message:
+                raise EngineRejected(exc.engine, exc.op, exc.message, SESSION_OPEN) from None
+            raise
 
     async def end_weight_update(self) -> None:
         """Close a weight-update session."""

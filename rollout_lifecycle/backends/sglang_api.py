@@ -418,6 +418,10 @@ WEIGHTS_WRITTEN_FLUSH_FAILED = (
     "or queued. Retract or finish them, then call /flush_cache."
 )
 
+#: A begin of a weight-update session while one is open (400).
+# sglang: scheduler_components/weight_updater.py begin_weight_update
+SESSION_ALREADY_OPEN = "a weight-update session is already open; call end_weight_update() first"
+
 
 def endpoint(name: str) -> Endpoint:
     """The row called ``name``."""
@@ -450,6 +454,7 @@ __all__ = [
     "OPEN_PREFIXES",
     "PAUSE_MODES",
     "SELECTORS",
+    "SESSION_ALREADY_OPEN",
     "WEIGHTS_WRITTEN_FLUSH_FAILED",
     "Answer",
     "Auth",

@@ -40,6 +40,11 @@ class Outcome(str, Enum):
         return self.value
 
 
+#: The status of a rejected begin of a weight-update session that says one is open already
+#: (each backend maps its engine's answer to it: SGLang's 400 "a weight-update session is
+#: already open"). Evidence of a session nothing recorded, which is closed, not an error.
+SESSION_OPEN = 409
+
 #: What an engine showed of itself that its record does not describe (``core/identity``).
 DISAGREEMENTS = frozenset({Outcome.RESTARTED, Outcome.CONFLICT})
 

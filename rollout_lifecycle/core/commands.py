@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rollout_lifecycle.contract.ops import CHECKED_OPS, Op
+from rollout_lifecycle.contract.outcome import SESSION_OPEN
 from rollout_lifecycle.contract.values import PauseMode, Tag
 
 if TYPE_CHECKING:
@@ -143,8 +144,21 @@ def _resumed(record: EngineRecord, tags: Tags, mode: PauseMode | None) -> None:
     record.released.difference_update(tags)
 
 
+def _session_opened(record: EngineRecord, tags: Tags, mode: PauseMode | None) -> None:
+    # Open until its end lands: a journal written meanwhile (a push in progress) says so, and
+    # a process killed before the end leaves records that close it before anything else.
+    record.session_unknown = True
+
+
 def _session_closed(record: EngineRecord, tags: Tags, mode: PauseMode | None) -> None:
     record.session_unknown = False
+
+
+def _begin_refused(record: EngineRecord, out: EngineOutcome) -> None:
+    # "A session is already open": one this record did not know of (left by a controller
+    # that died without a journal, say); it is closed before the next begin.
+    if out.status == SESSION_OPEN:
+        record.session_unknown = True
 
 
 def _end_refused(record: EngineRecord, out: EngineOutcome) -> None:
@@ -234,7 +248,13 @@ def _table() -> dict[Op, Command]:
             MEMORY,
             _resumed,
         ),
-        Command(Op.BEGIN_UPDATE, weights, part=SESSION),
+        Command(
+            Op.BEGIN_UPDATE,
+            weights,
+            part=SESSION,
+            landed=_session_opened,
+            refused=_begin_refused,
+        ),
         Command(Op.END_UPDATE, weights, part=SESSION, landed=_session_closed, refused=_end_refused),
         Command(Op.SET_VERSION, weights),
     ]

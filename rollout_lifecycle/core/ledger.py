@@ -56,7 +56,8 @@ class EngineSnapshot:
     stale: bool
     #: A pause or continue did not answer: the engine may be paused or serving.
     pause_unknown: bool = False
-    #: A weight-update session may be open (its begin or end did not complete).
+    #: A weight-update session may be open (opened and not yet closed, or its begin or end
+    #: did not complete).
     session_unknown: bool = False
     #: The process the record describes (None: not seen yet).
     incarnation: str | None = None
@@ -115,8 +116,8 @@ class EngineRecord:
     #: recorded as paused and not flushed, so it is continued or paused again before anything
     #: else, and never released on the strength of an old flush.
     pause_unknown: bool = False
-    #: A begin or end of a weight-update session did not complete: a session may be open, and
-    #: the next update closes it first.
+    #: A weight-update session may be open: from its begin until its end lands, or a begin or
+    #: end that did not complete. The next update, ``reset()`` and ``recover()`` close it first.
     session_unknown: bool = False
     #: The process this record describes (``contract/identity``): recorded from the first answer
     #: that names it, checked before every call in ``CHECKED_OPS``. None until then.

@@ -151,6 +151,34 @@ class Phases(Client):
         keepers = [r for g in self._fleet.groups if not g.needs_offload for r in g.records]
         await self.reconciler.require(state, keepers, KEEPER_PHASES)
 
+    # -- weight-update sessions -----------------------------------------------------------------
+
+    async def close_sessions(
+        self, phase: str, records: Sequence[EngineRecord]
+    ) -> dict[str, EngineOutcome]:
+        """End the weight-update sessions that may be open on ``records``.
+
+        A begin still in flight would open its session after the end: it gets until the
+        deadline to land, and an engine whose begin still has not answered keeps its session
+        marked unknown for the next update to close. Ending a session that is not open is a
+        harmless 400, which the ledger reads as closed.
+        """
+        deadline = self._config.deadlines.weight_update
+        for record in records:
+            record.session_unknown = True
+        ready = await self._runner.landed(records, deadline, Op.END_UPDATE)
+        return (await self._runner.run(phase, Plan(Op.END_UPDATE, tuple(ready)), deadline)).outcomes
+
+    async def close_open_sessions(self) -> None:
+        """Close every weight-update session the records say may be open (``session_unknown``:
+        an update that did not complete, a process killed in its push); ``PhaseFailed`` if one
+        may still be open."""
+        left_open = [r for r in self._fleet.live() if r.session_unknown]
+        if left_open:
+            outcomes = await self.close_sessions("close_weight_update", left_open)
+            if any(r.session_unknown for r in left_open if r.alive):
+                raise PhaseFailed("close_weight_update", outcomes, FAILED)
+
     async def check_versions(self, targets: Sequence[EngineRecord]) -> None:
         """Refuse to continue engines without the expected weights (``StaleWeights``).
 

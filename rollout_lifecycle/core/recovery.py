@@ -49,9 +49,11 @@ class Recovery(Client):
         self._machine = machine
 
     async def reset(self) -> None:
-        """Leave ``failed`` for the state the records imply; let the keepers serve there."""
+        """Leave ``failed`` for the state the records imply once every engine has been read
+        (``survey``); let the keepers serve there."""
         machine = self._machine
         machine.plan("reset")
+        await self.survey("reset_probe")
         unsettled = self._fleet.unsettled()
         if unsettled:
             raise IllegalTransition(
@@ -70,12 +72,29 @@ class Recovery(Client):
                 await machine.fail()
                 raise
 
-    async def take_in(self, records: Sequence[EngineRecord]) -> dict[str, EngineOutcome]:
+    async def survey(self, phase: str) -> list[EngineRecord]:
+        """Before ``reset()`` or ``recover()`` settles anything on the records: read every live
+        engine and let its record learn what it shows (a process restarted at its address is a
+        fresh server; one paused or continued behind the records' back is in an unknown
+        state), then close every weight-update session that may be open (a process killed in
+        its push left one). The records found restarted (fresh servers now); ``PhaseFailed``
+        if a session may still be open."""
+        outcomes = await self.take_in(self._fleet.live(), phase)
+        await self._phases.close_open_sessions()
+        return [
+            r
+            for r in self._fleet.live()
+            if r.id in outcomes and outcomes[r.id].outcome is Outcome.RESTARTED
+        ]
+
+    async def take_in(
+        self, records: Sequence[EngineRecord], phase: str = "probe_again"
+    ) -> dict[str, EngineOutcome]:
         """Look at ``records`` again (a probe found them restarted or not paused as recorded)
         and let each record learn what its engine shows now; fail the server if the records
         then imply another state. Under the server's lock."""
         plan = Plan(Op.OBSERVE, tuple(r for r in records if r.alive))
-        result = await self._runner.run("probe_again", plan, self._config.deadlines.probe)
+        result = await self._runner.run(phase, plan, self._config.deadlines.probe)
         for record in plan.targets:
             out = result.outcomes[record.id]
             if out.outcome in DISAGREEMENTS:
@@ -95,9 +114,10 @@ class Recovery(Client):
     async def recover(self, factory: EngineFactory) -> dict[str, EngineOutcome]:
         """Replace the broken engines, heal the rest; the outcome of every step."""
         fleet, machine = self._fleet, self._machine
+        renewed = await self.survey("recover_survey")  # fresh servers now, like replacements
         broken = fleet.broken()
         state = machine.state
-        skip = {r.id for r in broken}
+        skip = {r.id for r in broken} | {r.id for r in renewed}
         goal = fleet.settled_state(skip=skip) if state is S.FAILED else state
         if goal is None and state is S.FAILED:
             goal = fleet.majority_state(skip)
@@ -130,6 +150,7 @@ class Recovery(Client):
             await seam.retire(old, self._config.deadlines.probe)
         try:
             outcomes, fresh = await self._verify([r for r, _ in replacements], previous)
+            fresh += [r for r in renewed if r.alive and r.id not in {b.id for b in broken}]
             if self._runner.succeeded(outcomes):
                 # the fresh replacements and every healthy engine (one handed back as the same
                 # process among them) reconciled to the goal together, phase by phase

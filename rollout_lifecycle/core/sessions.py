@@ -17,7 +17,7 @@ from typing import Any
 from rollout_lifecycle.contract.exceptions import PhaseFailed
 from rollout_lifecycle.contract.fingerprint import Fingerprint
 from rollout_lifecycle.contract.ops import Op
-from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
+from rollout_lifecycle.contract.outcome import SESSION_OPEN, EngineOutcome
 from rollout_lifecycle.contract.values import PauseMode, without_wait
 from rollout_lifecycle.core.ledger import EngineRecord
 from rollout_lifecycle.core.machine import PhaseArgs
@@ -41,10 +41,6 @@ class WeightUpdate:
 
 #: Writes weights into the engines of a ``WeightUpdate`` (sync or async).
 WeightPush = Callable[[WeightUpdate], Any]
-
-
-#: Outcomes of a begin that cannot have opened a session: refused, or never sent.
-_NOT_OPENED = (Outcome.REJECTED, Outcome.REFUSED, Outcome.NOT_ATTEMPTED)
 
 
 class WeightWriter(Client):
@@ -72,24 +68,24 @@ class WeightWriter(Client):
             mode = without_wait(self._config.pause_mode)
             plan = Plan(Op.PAUSE, tuple(serving), (mode.value,), mode=mode)
             await runner.require("pause_for_update", plan, deadlines.pause)
-        # A session that an earlier update left open (its begin or end did not complete) is
-        # closed first, or this begin would be refused with "a weight update session is open".
-        left_open = [r for r in fleet.live() if r.session_unknown]
-        if left_open:
-            outcomes = await self.close_sessions("close_weight_update", left_open)
-            if any(r.session_unknown for r in left_open if r.alive):
-                raise PhaseFailed("close_weight_update", outcomes, FAILED)
-        begin = Plan.over(fleet.groups, Op.BEGIN_UPDATE)
-        outcomes = (
-            await runner.run("begin_weight_update", begin, deadlines.weight_update)
-        ).outcomes
+        # A session that an earlier update left open (its begin or end did not complete, or a
+        # process killed in its push) is closed first, or this begin would be refused with "a
+        # weight update session is already open".
+        await self._phases.close_open_sessions()
+        outcomes = await self._begin()
+        if not runner.succeeded(outcomes) and all(
+            o.ok or o.status == SESSION_OPEN for o in outcomes.values()
+        ):
+            # Engines that answered "a session is already open" (one nothing recorded: a
+            # controller that died without a journal) hold one: closed, the begin goes again.
+            await self._phases.close_open_sessions()
+            outcomes = await self._begin()
         if not runner.succeeded(outcomes):
             # Close the sessions that did (or may have) opened, or every later update would be
             # refused with "a weight update session is open".
-            opened = [
-                r for r in begin.targets if r.alive and outcomes[r.id].outcome not in _NOT_OPENED
-            ]
-            await self.close_sessions("end_weight_update", opened)
+            await self._phases.close_sessions(
+                "end_weight_update", [r for r in fleet.live() if r.session_unknown]
+            )
             raise PhaseFailed("begin_weight_update", outcomes, FAILED)
         before: dict[str, Fingerprint | str] = {}
         if spec is not None and not spec.may_be_noop:
@@ -144,21 +140,11 @@ class WeightWriter(Client):
             deadline = self._config.deadlines.continue_
             await self._runner.require("continue_after_update", plan, deadline)
 
-    async def close_sessions(
-        self, phase: str, records: Sequence[EngineRecord]
-    ) -> dict[str, EngineOutcome]:
-        """End the weight-update sessions that may be open on ``records``.
-
-        A begin still in flight would open its session after the end: it gets until the
-        deadline to land, and an engine whose begin still has not answered keeps its session
-        marked unknown for the next update to close. Ending a session that is not open is a
-        harmless 400, which the ledger reads as closed.
-        """
+    async def _begin(self) -> dict[str, EngineOutcome]:
+        """Open a session on every live engine (``begin_weight_update``); the outcomes."""
+        begin = Plan.over(self._fleet.groups, Op.BEGIN_UPDATE)
         deadline = self._config.deadlines.weight_update
-        for record in records:
-            record.session_unknown = True
-        ready = await self._runner.landed(records, deadline, Op.END_UPDATE)
-        return (await self._runner.run(phase, Plan(Op.END_UPDATE, tuple(ready)), deadline)).outcomes
+        return (await self._runner.run("begin_weight_update", begin, deadline)).outcomes
 
     async def _call_push(self, push: WeightPush, update: WeightUpdate) -> None:
         start = time.monotonic()

@@ -91,9 +91,11 @@ def adopt(fleet: Fleet, snapshot: ServerSnapshot) -> ServerState:
     The groups must be the snapshot's (names, order, ``needs_offload``, engine ids), and the
     records must imply the snapshot's state (``failed`` takes any). A snapshot taken mid-call
     (records with a call in flight) whose records no longer imply its state is adopted as
-    ``failed``; one whose records still do (a weight session left unknown in ``drained``) keeps
-    its state, the records keeping what is unknown for the guards. Raises ``InvalidArgument``,
-    changing nothing, otherwise.
+    ``failed``, the records keeping what is unknown for the guards. So is one with a
+    weight-update session that may be open (a process killed in its push, or before the end
+    of one answered): its engines may hold half the new weights, so they are stale (held
+    paused until a write completes), and ``reset()``, ``recover()`` and the next update close
+    the session before anything else. Raises ``InvalidArgument``, changing nothing, otherwise.
     """
     if not isinstance(snapshot, ServerSnapshot):
         raise InvalidArgument(f"expected a ServerSnapshot, got {snapshot!r}")
@@ -113,6 +115,11 @@ def adopt(fleet: Fleet, snapshot: ServerSnapshot) -> ServerState:
             record.load(engine)
         implied = fleet.settled_state()
         if state not in (S.FAILED, implied) and in_flight:
+            state = S.FAILED
+        interrupted = [r for r in records if r.alive and r.session_unknown]
+        for record in interrupted:
+            record.stale = True  # (what the push wrote is not known)
+        if interrupted:
             state = S.FAILED
         if not fleet.implies(state):
             shown = "no single state" if implied is None else repr(implied.value)

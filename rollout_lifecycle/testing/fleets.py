@@ -48,6 +48,15 @@ def received_ops(engine: object) -> list[str]:
     return [str(e["op"]) for e in calls_received(simulated(engine).history())]
 
 
+#: The calls that only read an engine (what a check, a probe or a survey sends).
+READS = frozenset({"observe", "server_info", "ping", "ready", "model_info"})
+
+
+def received_changes(engine: object) -> list[str]:
+    """``received_ops`` without the reads: the calls that could change the engine."""
+    return [op for op in received_ops(engine) if op not in READS]
+
+
 async def no_push(update: WeightUpdate) -> None:
     """A weight push that writes nothing (the version still changes)."""
 
@@ -89,12 +98,14 @@ async def bring_to(server: RolloutServer, state: ServerState) -> None:
 
 
 __all__ = [
+    "READS",
     "ROUTES",
     "bring_to",
     "faulty_engines",
     "no_push",
     "pickled_tensors",
     "push_reaching",
+    "received_changes",
     "received_ops",
     "simulated",
     "simulated_engines",

@@ -10,7 +10,11 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from rollout_lifecycle.backends.sglang_api import SELECTORS, WEIGHTS_WRITTEN_FLUSH_FAILED
+from rollout_lifecycle.backends.sglang_api import (
+    SELECTORS,
+    SESSION_ALREADY_OPEN,
+    WEIGHTS_WRITTEN_FLUSH_FAILED,
+)
 from rollout_lifecycle.backends.tensor_payload import deadly, decoded
 from rollout_lifecycle.contract.exceptions import EngineRejected
 from rollout_lifecycle.contract.fingerprint import SIMULATED_SCHEME, Fingerprint
@@ -56,12 +60,7 @@ class SimWeights:
             self._check_selector(op, selector)
             await self._wait_unpaused_idle(op)
             if state.session_open:
-                raise EngineRejected(
-                    state.label,
-                    op,
-                    "a weight-update session is already open; call end_weight_update() first",
-                    400,
-                )
+                raise EngineRejected(state.label, op, SESSION_ALREADY_OPEN, 400)
             state.session_open = True
             state.session_selector = selector
 

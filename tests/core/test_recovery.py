@@ -27,6 +27,7 @@ from rollout_lifecycle import (
 from rollout_lifecycle.testing.faults import FaultyEngine
 from rollout_lifecycle.testing.fleets import ROUTES, bring_to
 from rollout_lifecycle.testing.fleets import faulty_engines as faulty
+from rollout_lifecycle.testing.fleets import received_changes as changes
 from rollout_lifecycle.testing.fleets import received_ops as ops
 from rollout_lifecycle.testing.fleets import simulated as inner
 
@@ -79,13 +80,14 @@ async def test_dead_engines_are_replaced_at_their_target_and_healthy_ones_get_no
     await bring_to(server, start)
     await kill(server, actor[0], reward[1])
     healthy = [actor[1], reward[0]]
-    before = [ops(e) for e in healthy]
+    before = [changes(e) for e in healthy]
     factory = Factory()
     outcomes = await server.recover(factory)
     assert factory.asked == ["actor/0", "reward/1"]
     assert outcomes["actor/0"].ok and outcomes["reward/1"].ok
     assert server.state is start
-    assert [ops(e) for e in healthy] == before, "a healthy engine at its target was called"
+    # (read once, by the survey before anything is settled on the records)
+    assert [changes(e) for e in healthy] == before, "a healthy engine at its target was called"
     new_actor, new_reward = factory.made
     assert inner(server.engines()["actor/0"]) is new_actor
     assert inner(server.engines()["reward/1"]) is new_reward
@@ -127,10 +129,10 @@ async def test_every_replacement_is_made_before_any_old_engine_is_retired() -> N
 async def test_nothing_broken_means_no_factory_call_and_no_engine_call() -> None:
     server, actor, reward = fleet()
     await server.offload()
-    before = [ops(e) for e in actor + reward]
+    before = [changes(e) for e in actor + reward]
     assert await server.recover(lambda engine_id: pytest.fail("nothing to replace")) == {}
     assert server.state is S.RELEASED
-    assert [ops(e) for e in actor + reward] == before
+    assert [changes(e) for e in actor + reward] == before  # (each read by the survey)
     await close(*actor, *reward)
 
 
@@ -202,7 +204,7 @@ async def test_a_replacement_dead_at_its_probe_fails_recover_naming_it() -> None
     server = RolloutServer([EngineGroup("actor", engines)])
     await server.pause()
     await kill(server, engines[2])
-    before = [ops(e) for e in engines[:2]]
+    before = [changes(e) for e in engines[:2]]
     stillborn = FaultyEngine(SimulatedEngine("stillborn", token_latency=0.001))
     stillborn.arm("server_info", "die")
     with pytest.raises(PhaseFailed) as err:
@@ -210,7 +212,7 @@ async def test_a_replacement_dead_at_its_probe_fails_recover_naming_it() -> None
     assert err.value.phase == "recover" and err.value.failed_engines == ["actor/2"]
     assert err.value.outcomes["actor/2"].outcome is Outcome.DEAD
     assert server.state is S.FAILED
-    assert [ops(e) for e in engines[:2]] == before  # nothing reconciled past the failed probe
+    assert [changes(e) for e in engines[:2]] == before  # nothing reconciled past the probe
     factory = Factory()
     await server.recover(factory)
     assert server.state is S.DRAINED  # what the healthy engines imply

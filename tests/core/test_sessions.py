@@ -220,7 +220,9 @@ async def test_a_begin_refused_on_one_engine_closes_the_sessions_that_opened() -
     await close(*engines)
 
 
-async def test_a_session_an_earlier_write_left_unknown_is_closed_before_the_next_opens() -> None:
+async def test_a_session_an_earlier_write_left_unknown_is_closed_by_reset_before_the_next_opens() -> (
+    None
+):
     engines = faulty(2)
     server = RolloutServer([EngineGroup("actor", engines)])
     await server.pause()
@@ -228,10 +230,15 @@ async def test_a_session_an_earlier_write_left_unknown_is_closed_before_the_next
     with pytest.raises(PhaseFailed, match="end_weight_update"):
         await server.update_weights(Push(), version="v1")
     assert server.groups[0].records[0].session_unknown
+    start = [len(ops(e)) for e in engines]
     assert await server.reset() is S.DRAINED
+    # reset() read every engine, then closed the session that may be open, before settling
+    assert since(engines[0], start[0])[-1] == "end_weight_update"
+    assert "end_weight_update" not in since(engines[1], start[1])
+    assert not any(r.session_unknown for r in server.groups[0].records)
     start = [len(ops(e)) for e in engines]
     await server.update_weights(Push(), version="v1")
-    assert since(engines[0], start[0]) == ["end_weight_update", *SESSION, "flush_cache"]
+    assert since(engines[0], start[0]) == [*SESSION, "flush_cache"]
     assert since(engines[1], start[1]) == [*SESSION, "flush_cache"]
     assert not any(r.session_unknown for r in server.groups[0].records)
     await close(*engines)

@@ -151,17 +151,23 @@ def test_a_snapshot_taken_mid_call_is_adopted_as_failed(
     assert knowledge(target) == knowledge(source)
 
 
-def test_a_session_left_unknown_in_drained_keeps_the_state_and_the_unknown() -> None:
-    # The records still imply drained: the snapshot keeps its state, and the record keeps the
-    # unknown session (the next weight update closes it before opening its own).
-    source = settle(fleet(), S.DRAINED)
+@pytest.mark.parametrize("state", [S.DRAINED, S.WEIGHTS_RESTORED])
+def test_a_session_that_may_be_open_is_adopted_as_failed_with_its_engines_stale(
+    state: ServerState,
+) -> None:
+    # A process killed in its push: the records imply the state, but the engines hold a
+    # session and maybe half the new weights. Adopted as failed, the session kept unknown (the
+    # next reset, recover or update closes it first) and the engine stale (held paused until
+    # a write completes).
+    source = settle(fleet(), state)
     source.records()[0].session_unknown = True
-    snapshot = ServerSnapshot.of("old", S.DRAINED, source)
+    snapshot = ServerSnapshot.of("old", state, source)
     assert snapshot.in_flight()
     target = fleet()
-    assert adopt(target, snapshot) is S.DRAINED
-    assert target.records()[0].session_unknown
-    assert knowledge(target) == knowledge(source)
+    assert adopt(target, snapshot) is S.FAILED
+    first, second = target.records()[:2]
+    assert first.session_unknown and first.stale
+    assert not second.session_unknown and not second.stale
 
 
 def test_a_refused_snapshot_leaves_every_record_as_it_was() -> None:
