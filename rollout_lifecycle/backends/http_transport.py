@@ -245,6 +245,7 @@ class HTTPTransport:
         """
         op = row.name if op is None else op
         method, path, retry = row.method, row.path if path is None else path, row.repeatable
+        memory = row.timeout == "memory"
         wait_field = row.wait_field
         if flush_wait is not None and wait_field is None:
             raise AssertionError(f"{row.path} has no query field for a server-side wait")
@@ -281,7 +282,9 @@ class HTTPTransport:
             except (httpx.HTTPError, httpx.InvalidURL, OSError) as exc:
                 failure = self.translate(exc, op, method, path, attempt)
             if response is not None:
-                failure = self.check_status(op, method, path, response, key, repeatable=retry)
+                failure = self.check_status(
+                    op, method, path, response, key, repeatable=retry, memory=memory
+                )
             logger().debug(
                 "http.request",
                 engine=self._label,
@@ -361,6 +364,7 @@ class HTTPTransport:
         key: tuple[str, Secret] | None,
         *,
         repeatable: bool,
+        memory: bool = False,
     ) -> _Failure | None:
         status = response.status_code
         if response.is_success:
@@ -373,10 +377,14 @@ class HTTPTransport:
             )
             return _Failure(EngineRejected(self._label, op, said, 401), retryable=False)
         message = f"{method} {path} answered {status}: {self.detail(response)}"
-        if status in RETRY_STATUSES and not repeatable:
-            # A gateway's 502/504 (or a 503 on the way) does not say the server did not do the
-            # call: it may have forwarded it and lost the answer. For a call that must not be
-            # repeated (a release twice kills), the effect is unknown, not refused.
+        if not repeatable and (status in RETRY_STATUSES or (status >= 500 and memory)):
+            # A 5xx does not say the server did not do the call: a gateway's 502/504 (or a 503
+            # on the way) may have forwarded it and lost the answer, and a release's or
+            # resume's 500 is a handler that raised part-way (a process shutting down, a
+            # scheduler that failed after it acted). For a call that must not be repeated (a
+            # release twice kills), the effect is unknown, not refused. (Elsewhere a 500 is
+            # how both engines refuse: SGLang's asserts before a call is dispatched, vLLM's
+            # every refusal.)
             return _Failure(
                 EngineUnreachable(self._label, op, f"{message}; effect unknown"), retryable=False
             )

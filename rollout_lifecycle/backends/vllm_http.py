@@ -305,7 +305,8 @@ class VLLMHTTPEngine:
         if Tag.WEIGHTS.value not in names:
             try:
                 await self._send(op, "wake_up", query={"tags": ["weights"]})
-            except EngineRejected as exc:  # the sleep landed: no refusal may hide it
+            except (EngineRejected, EngineUnreachable) as exc:  # the sleep landed: no refusal
+                # (or unknown effect) may hide it
                 raise EngineError(
                     self._label, op, f"slept, then the weights' wake failed: {exc}"
                 ) from None
@@ -361,19 +362,19 @@ class VLLMHTTPEngine:
             # vllm: serve/dev/rpc/api_router.py collective_rpc -> Worker.reload_weights ->
             # model_executor/model_loader/reload/inplace.py reload_weights
             await self._send(op, "collective_rpc", body)
-        except EngineRejected as exc:
+        except (EngineRejected, EngineUnreachable) as exc:
             # vLLM drops the connection behind a failed collective_rpc's 500 without a
             # "Connection: close"; a call that reused it would fail with its effect unknown.
             await self._wire.drop_connections()
             self._broken = f"a reload failed (from {model_path!r}: {exc})"
             self._session_ended = False
-            raise EngineRejected(
-                self._label,
-                op,
+            said = (
                 f"the reload from {model_path!r} failed and left the weights unusable until a "
-                f"reload succeeds: {exc}",
-                exc.status,
-            ) from None
+                f"reload succeeds: {exc}"
+            )
+            if isinstance(exc, EngineRejected):
+                raise EngineRejected(self._label, op, said, exc.status) from None
+            raise EngineUnreachable(self._label, op, said) from None  # (its effect unknown)
         self._broken = None
         if version is not None:
             await self._send(op, "update_weight_version", {"new_version": version})

@@ -636,6 +636,36 @@ async def test_a_dropped_connection_during_release_is_unreachable_not_retried() 
     assert len(server.requests) == 1
 
 
+@pytest.mark.parametrize("code", [500, 502, 503, 504])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda e: e.release_memory_occupation([Tag.KV_CACHE]),
+        lambda e: e.resume_memory_occupation([Tag.KV_CACHE]),
+    ],
+    ids=["release", "resume"],
+)
+async def test_a_memory_call_answered_5xx_has_an_unknown_effect_and_is_not_retried(
+    code: int, call: Call
+) -> None:
+    # A process shutting down, or a handler that raised after it acted: the tags may or may
+    # not have moved, so the ledger must not read "nothing happened" (a second release kills).
+    server = FakeServer(status(code, "Internal Server Error"))
+    with pytest.raises(EngineUnreachable, match=f"answered {code}.*effect unknown"):
+        await call(make_engine(server, retries=3))
+    assert len(server.requests) == 1
+
+
+async def test_a_weight_call_answered_500_is_a_refusal() -> None:
+    # How SGLang refuses a tensor push on a data-parallel server (an assert before dispatch).
+    server = FakeServer(status(500, "data-parallel replicas are not supported"))
+    with pytest.raises(EngineRejected) as info:
+        await make_engine(server).update_weights_from_tensor(
+            ["t"], weight_version="v", flush_cache=False, abort_all_requests=False
+        )
+    assert info.value.status == 500
+
+
 # --------------------------------------------------------------------------------- retries
 
 REPEATABLE: list[tuple[str, Call]] = [
