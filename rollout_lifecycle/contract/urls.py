@@ -35,6 +35,13 @@ def validate_url(url: object) -> str:
     if not isinstance(url, str) or not url.strip():
         raise InvalidArgument(f"url must be a non-empty string, got {url!r}")
     shown = mask_userinfo(url)
+    for i, char in enumerate(url):
+        if char.isspace() or not char.isprintable():
+            # (urlsplit drops a tab or newline without a word; the HTTP client refuses them)
+            raise InvalidArgument(
+                f"url {shown!r} holds whitespace or a control character ({char!r} at position "
+                f"{i + 1}); give the server's URL alone, as http://HOST:PORT"
+            )
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - parsing the port validates it
@@ -49,6 +56,12 @@ def validate_url(url: object) -> str:
         )
     if not parts.hostname:
         raise InvalidArgument(f"url {shown!r} has no host")
+    try:
+        parts.hostname.encode("idna")
+    except UnicodeError:
+        raise InvalidArgument(
+            f"url {shown!r}: {parts.hostname!r} is not a valid host name"
+        ) from None
     if parts.query or parts.fragment:
         raise InvalidArgument(f"url {shown!r} must not have a query or fragment")
     return url.rstrip("/")
