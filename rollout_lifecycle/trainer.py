@@ -6,7 +6,10 @@ exactly what I pushed", not only "the engines agree". The digest is over the byt
 holds, so the trainer's tensors must first be put in the engine's layout: its tensor names
 (``rename``), its dtype (``dtype``: the engine's serving dtype, e.g. float16) and its shapes
 (``transform``: a GPT-2 ``Conv1D`` weight is held transposed, as a ``Linear`` weight, by both
-SGLang and vLLM). Each scheme's algorithm is read from the engine's source:
+SGLang and vLLM). The fingerprint also records each tensor's dtype and, asked for (``casts``,
+e.g. ``SERVING_DTYPES``), its digest cast to other dtypes, so that verification can tell an
+engine that holds the trainer's tensors in another dtype (``Fingerprint.recast``). Each scheme's
+algorithm is read from the engine's source:
 
 - ``SGLANG_SCHEME``: the first 8 bytes of a sha256 of each tensor's bytes, as 16 hex digits,
   over parameters and persistent buffers (sglang: ``utils/weight_checker.py``
@@ -38,6 +41,11 @@ from rollout_lifecycle.contract.values import check_int
 
 #: The name prefix vLLM gives the tensors of a single worker (no parallelism).
 VLLM_PREFIX = "dp0:pp0:pcp0:tp0:"
+
+#: The dtypes an engine serves a model's floating-point tensors in: ``fingerprint`` digests each
+#: such tensor in the others too (``casts``), so that a verification can name the dtype an
+#: engine holds it in.
+SERVING_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
 
 #: How each scheme digests one tensor's bytes.
 _DIGESTS: dict[str, Callable[[memoryview], str]] = {
@@ -73,6 +81,35 @@ def scheme_digest(scheme: str) -> Callable[[Any], str]:
 def tensor_digest(tensor: Any, scheme: str) -> str:
     """``tensor``'s digest in ``scheme`` (``SGLANG_SCHEME`` or ``VLLM_SCHEME``)."""
     return scheme_digest(scheme)(tensor)
+
+
+def dtype_name(dtype: Any) -> str:
+    """A dtype's name as the fingerprint records it, e.g. ``"bfloat16"``: a string as it is, a
+    torch dtype without its ``torch.`` prefix, a numpy dtype (or scalar type) by its name."""
+    if isinstance(dtype, str):
+        return dtype
+    if type(dtype).__module__ == "torch":  # torch.float16 -> "torch.float16"
+        return str(dtype).removeprefix("torch.")
+    return str(importlib.import_module("numpy").dtype(dtype).name)
+
+
+def _is_float(tensor: Any) -> bool:
+    if hasattr(tensor, "detach"):
+        return bool(tensor.is_floating_point())
+    numpy = importlib.import_module("numpy")
+    return bool(numpy.issubdtype(tensor.dtype, numpy.floating))
+
+
+def _cast(tensor: Any, dtype: str) -> Any:
+    """``tensor`` cast to the dtype named ``dtype``, or None when its library has no such dtype
+    (numpy has no bfloat16 without ``ml_dtypes``)."""
+    if hasattr(tensor, "detach"):
+        target = getattr(importlib.import_module("torch"), dtype, None)
+        return tensor.to(target) if target is not None else None
+    try:
+        return tensor.astype(importlib.import_module("numpy").dtype(dtype))
+    except TypeError:
+        return None
 
 
 #: The weights of a Hugging Face GPT-2 stored as ``Conv1D`` (``[in, out]``), which the engines
@@ -119,6 +156,7 @@ def fingerprint(
     transform: Callable[[str, Any], Any] | None = None,
     prefix: str = "",
     digest: Callable[[Any], str] | None = None,
+    casts: Iterable[Any] = (),
 ) -> Fingerprint:
     """The fingerprint an engine of ``scheme`` reports once it holds ``tensors``.
 
@@ -127,22 +165,43 @@ def fingerprint(
     engine's name), cast to ``dtype`` (``tensor.to(dtype)`` / ``astype``) and digested (by
     ``digest(tensor)`` when given, else by ``scheme``'s digest); the engine's name is
     ``prefix`` + the new name (``VLLM_PREFIX`` for a single vLLM worker).
+
+    The fingerprint records the dtype each tensor was digested in, and each floating-point
+    tensor's digest once cast from the trainer's values to each other dtype of ``casts`` that
+    its library has: what an engine serving that dtype would report, so that a verification
+    can say an engine holds the trainer's tensors in another dtype. That is one more digest per
+    tensor and dtype (``casts=SERVING_DTYPES`` triples the hashing of a push's verification),
+    so none by default: then an engine whose every tensor differs is told only that a dtype
+    may be why.
     """
+    if isinstance(casts, str):
+        raise InvalidArgument(f"casts must be a sequence of dtypes, got the string {casts!r}")
     digest_of = digest if digest is not None else scheme_digest(scheme)
+    others = tuple(dict.fromkeys(dtype_name(d) for d in casts))
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     out: dict[str, str] = {}
+    dtypes: dict[str, str] = {}
+    cast_digests: dict[str, dict[str, str]] = {}
     for name, tensor in items:
         held = rename(name) if rename is not None else name
         if held is None:
             continue
-        value = transform(held, tensor) if transform is not None else tensor
+        source = transform(held, tensor) if transform is not None else tensor
+        value = source
         if dtype is not None:
             value = value.to(dtype) if hasattr(value, "detach") else value.astype(dtype)
         key = prefix + held
         if key in out:
             raise InvalidArgument(f"two tensors are named {key!r} in the engine's layout")
         out[key] = digest_of(value)
-    return Fingerprint(scheme, out)
+        dtypes[key] = dtype_name(value.dtype)
+        if not _is_float(source):
+            continue
+        for other in others:
+            cast = _cast(source, other) if other != dtypes[key] else None
+            if cast is not None:
+                cast_digests.setdefault(other, {})[key] = digest_of(cast)
+    return Fingerprint(scheme, out, dtypes, cast_digests)
 
 
 def sglang_tensor_payload(
@@ -173,9 +232,11 @@ def sglang_tensor_payload(
 
 __all__ = [
     "GPT2_CONV1D_WEIGHTS",
+    "SERVING_DTYPES",
     "SGLANG_SCHEME",
     "VLLM_PREFIX",
     "VLLM_SCHEME",
+    "dtype_name",
     "emptying",
     "fingerprint",
     "scheme_digest",

@@ -6,7 +6,10 @@ each parameter and persistent buffer, vLLM's ``/weight_checker {"action": "check
 sha256 over each parameter. A ``Fingerprint`` is such an answer together with its ``scheme``
 (the kind of digest), since two engines that hash differently can hold the same weights and
 still disagree. ``update_weights(verify=True)`` compares them (``core/verify``), and
-``rollout_lifecycle.trainer`` computes them from the trainer's side.
+``rollout_lifecycle.trainer`` computes them from the trainer's side. A fingerprint computed there
+also says the dtype it digested each tensor in (``dtypes``) and each tensor's digest in the other
+dtypes an engine may serve (``casts``), so that an engine holding the trainer's tensors in another
+dtype is told from one holding other weights (``recast``); an engine's checksum says neither.
 
 Fingerprints cross process boundaries as plain values (``to_wire`` / ``from_wire``).
 """
@@ -46,21 +49,38 @@ EMPTY_DIGESTS: Mapping[str, str] = MappingProxyType(
 
 @dataclass(frozen=True)
 class Fingerprint:
-    """The digest of every tensor an engine holds, by tensor name, in one ``scheme``."""
+    """The digest of every tensor an engine holds, by tensor name, in one ``scheme``.
+
+    Two fingerprints are equal when their schemes and tensors are: ``dtypes`` and ``casts``
+    (known on the trainer's side only) explain a difference and take no part in comparisons.
+    """
 
     scheme: str
     tensors: Mapping[str, str] = field(default_factory=dict)
+    #: The dtype each tensor was digested in (e.g. ``"float32"``), by name, where known.
+    dtypes: Mapping[str, str] = field(default_factory=dict)
+    #: Each tensor's digest once cast to another dtype, by dtype and then name: what an engine
+    #: holding the same values in that dtype reports.
+    casts: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.scheme, str) or not self.scheme:
             raise InvalidArgument(f"a fingerprint's scheme must be a string, got {self.scheme!r}")
-        if not isinstance(self.tensors, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in self.tensors.items()
+        object.__setattr__(self, "tensors", _names_to_strings("tensors", "digests", self.tensors))
+        dtypes = _names_to_strings("dtypes", "dtypes", self.dtypes, self.tensors)
+        object.__setattr__(self, "dtypes", dtypes)
+        if not isinstance(self.casts, Mapping) or not all(
+            isinstance(k, str) and k for k in self.casts
         ):
             raise InvalidArgument(
-                f"a fingerprint's tensors must map names to digests, got {self.tensors!r}"
+                "a fingerprint's casts must map dtypes to digests by name, "
+                f"got {_short(self.casts)}"
             )
-        object.__setattr__(self, "tensors", MappingProxyType(dict(self.tensors)))
+        casts = {
+            k: _names_to_strings(f"casts[{k!r}]", "digests", v, self.tensors)
+            for k, v in self.casts.items()
+        }
+        object.__setattr__(self, "casts", MappingProxyType(casts))
 
     def __hash__(self) -> int:
         return hash((self.scheme, self.digest))
@@ -94,9 +114,32 @@ class Fingerprint:
         empty = EMPTY_DIGESTS.get(self.scheme)
         return tuple(sorted(n for n, d in self.tensors.items() if d == empty))
 
+    def recast(self, held: Fingerprint) -> dict[str, tuple[str, str]]:
+        """The tensors that ``held`` holds as this fingerprint's values cast to another dtype,
+        by name, in name order: for each, the dtype ``held`` holds it in and the dtype this
+        fingerprint digested it in (``casts``, ``dtypes``); none when the schemes differ."""
+        if held.scheme != self.scheme:
+            return {}
+        out: dict[str, tuple[str, str]] = {}
+        for name in self.differing(held):
+            found, said = held.tensors.get(name), self.dtypes.get(name)
+            if found is None or said is None:
+                continue
+            for dtype, digests in self.casts.items():
+                if dtype != said and digests.get(name) == found:
+                    out[name] = (dtype, said)
+                    break
+        return out
+
     def to_wire(self) -> dict[str, Any]:
-        """As plain JSON values: ``{"scheme", "tensors"}``."""
-        return {"scheme": self.scheme, "tensors": dict(self.tensors)}
+        """As plain JSON values: ``{"scheme", "tensors"}``, with ``"dtypes"`` and ``"casts"``
+        when it has them."""
+        wire: dict[str, Any] = {"scheme": self.scheme, "tensors": dict(self.tensors)}
+        if self.dtypes:
+            wire["dtypes"] = dict(self.dtypes)
+        if self.casts:
+            wire["casts"] = {k: dict(v) for k, v in self.casts.items()}
+        return wire
 
     @classmethod
     def from_wire(cls, data: object) -> Fingerprint:
@@ -104,14 +147,31 @@ class Fingerprint:
         ``InvalidArgument`` naming what is wrong otherwise."""
         if isinstance(data, Fingerprint):
             return data
-        if not isinstance(data, Mapping) or set(data) != {"scheme", "tensors"}:
+        if not isinstance(data, Mapping) or not (
+            {"scheme", "tensors"} <= set(data) <= {"scheme", "tensors", "dtypes", "casts"}
+        ):
             raise InvalidArgument(
-                f"a fingerprint must be {{'scheme', 'tensors'}}, got {_short(data)}"
+                f"a fingerprint must be {{'scheme', 'tensors'}} (and optionally 'dtypes', "
+                f"'casts'), got {_short(data)}"
             )
-        return cls(data["scheme"], data["tensors"])
+        return cls(data["scheme"], data["tensors"], data.get("dtypes", {}), data.get("casts", {}))
 
     def __repr__(self) -> str:
         return f"Fingerprint({self.scheme!r}, {len(self.tensors)} tensors, {self.digest[:12]})"
+
+
+def _names_to_strings(
+    what: str, values: str, found: object, names: Mapping[str, str] | None = None
+) -> Mapping[str, str]:
+    """``found`` frozen, once checked to map names (of ``names``, when given) to strings."""
+    if not isinstance(found, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in found.items()
+    ):
+        raise InvalidArgument(f"a fingerprint's {what} must map names to {values}, got {found!r}")
+    unknown = sorted(set(found) - set(names)) if names is not None else []
+    if unknown:
+        raise InvalidArgument(f"a fingerprint's {what} name tensors it does not hold: {unknown}")
+    return MappingProxyType(dict(found))
 
 
 def _short(value: object) -> str:

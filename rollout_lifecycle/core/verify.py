@@ -7,10 +7,14 @@ compared), which engines fail:
 
 - every engine whose fingerprint could not be read, or reads some tensors as empty (no weight
   is: its checksum cannot see them; ``Fingerprint.blind``);
-- unless the push may be a no-op: every engine that holds what it held before the push (a push
-  that never reached it);
-- of the others, with an ``expected`` fingerprint of their scheme: every engine that differs
-  from it; without one: every engine that differs from what most of them hold (with no
+- with an ``expected`` fingerprint of their scheme: every engine that differs from it. One that
+  holds it passes whatever it held before the push (re-pushing the checkpoint an engine holds
+  is the way back from a failed verification); where the difference is the dtype alone (the
+  engine holds the trainer's tensors cast to another dtype: ``Fingerprint.recast``), the verdict
+  says so and how to fix it;
+- without one: unless the push may be a no-op, every engine that holds what it held before the
+  push (a push that never reached it: agreeing with the others proves nothing, they may have
+  missed it too); of the others, every engine that differs from what most of them hold (with no
   majority, every one of them).
 
 ``Verifier.verify`` marks each engine that fails stale and unverified: it stays paused and out
@@ -46,7 +50,8 @@ class Verification:
 
     #: The fingerprints the engines must hold, at most one per scheme.
     expected: tuple[Fingerprint, ...] = ()
-    #: Whether an engine may hold what it held before the push (a push of the same weights).
+    #: Whether an engine may hold what it held before the push (a push of the same weights);
+    #: one that holds the ``expected`` fingerprint of its scheme may in any case.
     may_be_noop: bool = False
 
     @classmethod
@@ -122,23 +127,85 @@ def judge(
         else:
             peers[(groups[engine], found.scheme)][engine] = found
     for (group, scheme), prints in peers.items():
+        want = expected.get(scheme)
+        if want is not None:
+            # The expected fingerprint proves an engine right whatever it held before.
+            for engine, held in prints.items():
+                if held != want:
+                    unchanged = not spec.may_be_noop and before.get(engine) == held
+                    failed[engine] = _against(held, want, unchanged)
+            continue
         if not spec.may_be_noop:
-            # An engine the push did not change is wrong whatever the others hold; the rest
-            # are compared among themselves.
+            # Nothing proves an engine the push did not change right (the others may have
+            # missed the push as well): it fails whatever they hold, and the rest are compared
+            # among themselves.
             for engine, held in list(prints.items()):
                 if before.get(engine) == held:
-                    failed[engine] = Verdict("holds the weights it held before the push")
+                    failed[engine] = Verdict(UNCHANGED)
                     del prints[engine]
-        want = expected.get(scheme)
-        if want is None:
-            failed.update(_disagreeing(group, prints))
-            continue
-        for engine, held in prints.items():
-            if held != want:
-                failed[engine] = Verdict(
-                    "differs from the expected fingerprint", held.differing(want)
-                )
+        failed.update(_disagreeing(group, prints))
     return failed
+
+
+#: Why an engine that holds what it held before the push fails.
+UNCHANGED = "holds the weights it held before the push"
+
+
+def _against(held: Fingerprint, want: Fingerprint, unchanged: bool) -> Verdict:
+    """The verdict on an engine that holds ``held`` where ``want`` was expected: the dtype it
+    holds the expected tensors in when that is the whole difference (``Fingerprint.recast``)."""
+    differing = held.differing(want)
+    recast = want.recast(held)
+    if recast and len(recast) == len(differing):
+        return Verdict(_dtype_problem(recast), differing)
+    problem = UNCHANGED if unchanged else "differs from the expected fingerprint"
+    said = sorted(set(want.dtypes.values()))
+    if not recast and said and set(differing) >= set(want.tensors):
+        problem += (
+            f" in every tensor: if it serves another dtype than the fingerprint's "
+            f"({', '.join(said)}), fingerprint the trainer's tensors in that dtype "
+            f"(trainer.fingerprint(..., dtype=...)), or give casts=SERVING_DTYPES to have this "
+            f"error name it"
+        )
+    if recast:
+        share = f"{len(recast)} of the {len(differing)} tensors that differ"
+        problem += f" ({share}: {_dtype_problem(recast, fix=False)})"
+    return Verdict(problem, differing)
+
+
+def _dtype_problem(recast: Mapping[str, tuple[str, str]], fix: bool = True) -> str:
+    """What ``Fingerprint.recast`` found, e.g. "holds bfloat16 where the trainer's fingerprint
+    says float32 for 15 tensors (first: a.weight)", and with ``fix`` how to put it right."""
+    by_pair: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for name, pair in recast.items():
+        by_pair[pair].append(name)
+    held_dtypes = sorted({h for h, _ in by_pair})
+    said_dtypes = sorted({s for _, s in by_pair})
+    parts = []
+    for held in held_dtypes:
+        says = [
+            f"{said} for {_count(names)} (first: {names[0]})"
+            for (h, said), names in sorted(by_pair.items())
+            if h == held
+        ]
+        parts.append(f"holds {held} where the trainer's fingerprint says {' and '.join(says)}")
+    text = ", and ".join(parts)
+    if not fix:
+        return text
+    if len(held_dtypes) == 1:
+        cast = f"trainer.fingerprint(..., dtype={held_dtypes[0]!r})"
+    else:
+        cast = "a transform= that casts each tensor to the dtype the engine holds it in"
+    serve = " or ".join(said_dtypes)
+    return (
+        f"{text}: it holds the trainer's tensors in another dtype; cast them to the engine's "
+        f"dtype when you fingerprint them ({cast}), or serve the engine in {serve} if that is "
+        f"the dtype meant"
+    )
+
+
+def _count(names: Sequence[str]) -> str:
+    return f"{len(names)} tensor{'s' if len(names) != 1 else ''}"
 
 
 def _disagreeing(group: str, prints: Mapping[str, Fingerprint]) -> dict[str, Verdict]:
@@ -220,4 +287,4 @@ class Verifier(Client):
             raise error
 
 
-__all__ = ["Verdict", "Verification", "Verifier", "judge"]
+__all__ = ["BLIND", "UNCHANGED", "Verdict", "Verification", "Verifier", "judge"]

@@ -29,7 +29,7 @@ from rollout_lifecycle import (
     WeightsNotVerified,
 )
 from rollout_lifecycle.contract.fingerprint import EMPTY_DIGESTS, VLLM_SCHEME
-from rollout_lifecycle.core.verify import BLIND, Verdict, Verification, judge
+from rollout_lifecycle.core.verify import BLIND, UNCHANGED, Verdict, Verification, judge
 from rollout_lifecycle.testing.fleets import (
     faulty_engines,
     push_reaching,
@@ -92,6 +92,60 @@ def test_an_expected_fingerprint_is_checked_per_scheme_and_unreadable_engines_fa
     # another scheme's expectation says nothing of these engines: they must agree
     agreeing = {**after, "g/1": NEW}
     assert set(judge(groups, agreeing, {}, Verification((fp("x", a="1"),)))) == {"g/2"}
+
+
+def test_an_engine_that_holds_the_expected_fingerprint_passes_whatever_it_held_before() -> None:
+    groups = {"g/0": "g", "g/1": "g"}
+    # a re-push of the checkpoint both already hold: the expected fingerprint proves them right
+    assert (
+        judge(groups, {"g/0": NEW, "g/1": NEW}, {"g/0": NEW, "g/1": NEW}, Verification((NEW,)))
+        == {}
+    )
+    # one that held other weights before and holds them still fails, naming the tensors
+    verdicts = judge(
+        groups, {"g/0": NEW, "g/1": OLD}, {"g/0": NEW, "g/1": OLD}, Verification((NEW,))
+    )
+    assert verdicts == {"g/1": Verdict(UNCHANGED, ("a", "b"))}
+    # without expected nothing proves it: agreeing with an engine the push changed is not enough
+    # (both may hold what the push missed), and another scheme's expectation says nothing
+    after = {"g/0": NEW, "g/1": NEW}
+    for spec in (Verification(), Verification((fp("x", a="2", b="2"),))):
+        verdicts = judge(groups, after, {"g/0": NEW, "g/1": OLD}, spec)
+        assert verdicts == {"g/0": Verdict(UNCHANGED)}
+
+
+def test_an_engine_holding_the_expected_tensors_in_another_dtype_is_told_so() -> None:
+    dtypes = {"a": "float32", "b": "float32", "c": "float32"}
+    casts = {"bfloat16": {"a": "a16", "b": "b16", "c": "c16"}, "float16": {"a": "ah"}}
+    want = Fingerprint("s", {"a": "a32", "b": "b32", "c": "c32"}, dtypes, casts)
+    groups = {"g/0": "g", "g/1": "g", "g/2": "g"}
+    after = {
+        "g/0": fp(a="a16", b="b16", c="c16"),  # the same values, in bfloat16
+        "g/1": fp(a="a16", b="b16", c="other"),  # in bfloat16, and one tensor is other weights
+        "g/2": fp(a="a32", b="b32", c="c32"),
+    }
+    verdicts = judge(groups, after, {}, Verification((want,)))
+    assert set(verdicts) == {"g/0", "g/1"} and verdicts["g/0"].tensors == ("a", "b", "c")
+    assert verdicts["g/0"].problem.startswith(
+        "holds bfloat16 where the trainer's fingerprint says float32 for 3 tensors (first: a): "
+    )
+    assert "dtype='bfloat16'" in verdicts["g/0"].problem
+    assert verdicts["g/1"].problem == (
+        "differs from the expected fingerprint (2 of the 3 tensors that differ: holds bfloat16 "
+        "where the trainer's fingerprint says float32 for 2 tensors (first: a))"
+    )
+    error = WeightsNotVerified("v1", {k: v.problem for k, v in verdicts.items()}, {})
+    assert "g/0 holds bfloat16 where the trainer's fingerprint says float32" in str(error)
+    # the dtypes and casts explain; they take no part in comparisons, and cross the wire
+    assert want == fp(a="a32", b="b32", c="c32") and Fingerprint.from_wire(want.to_wire()) == want
+    assert Fingerprint.from_wire(want.to_wire()).recast(after["g/0"])["c"] == (
+        "bfloat16",
+        "float32",
+    )
+    with pytest.raises(InvalidArgument, match="tensors it does not hold"):
+        Fingerprint("s", {"a": "1"}, {"z": "float32"})
+    with pytest.raises(InvalidArgument, match="casts must map dtypes"):
+        Fingerprint("s", {"a": "1"}, {}, {"": {"a": "2"}})
 
 
 def test_fingerprints_compare_by_content_cross_the_wire_and_refuse_bad_values() -> None:
@@ -203,6 +257,30 @@ async def test_a_push_of_the_same_weights_fails_unless_it_may_be_a_no_op() -> No
     await server.resume()
     assert server.state is S.SERVING
     assert received_ops(engines[0]).count("weight_fingerprint") == 5  # no read before a no-op
+
+
+async def test_re_pushing_the_checkpoint_an_engine_holds_passes_against_the_expected_one() -> None:
+    engines = simulated_engines(2)
+    server = server_of(*engines)
+    await server.pause()
+    want = await fingerprint_of("/ckpt/step1")
+    with pytest.raises(WeightsNotVerified) as caught:
+        await server.update_weights(push_reaching("/ckpt/step1", "actor/0"), "v1", expected=want)
+    assert set(caught.value.problems) == {"actor/1"}
+    # without expected the engine that already held it cannot show the push reached it
+    with pytest.raises(WeightsNotVerified) as caught:
+        await server.update_weights(FromDisk("/ckpt/step1"), "v1", verify=True)
+    assert caught.value.problems == {"actor/0": UNCHANGED}
+    # with it, both hold what they must: the way back is the same checkpoint
+    await server.update_weights(FromDisk("/ckpt/step1"), "v1", expected=want)
+    assert not any(r.unverified for r in server.snapshot().engines().values())
+    await server.resume()
+    assert server.state is S.SERVING and not any(e.state()["paused"] for e in engines)
+    # an engine that holds other weights than expected, unchanged, still fails
+    await server.pause()
+    other = await fingerprint_of("/ckpt/step2")
+    with pytest.raises(WeightsNotVerified, match="actor/0 holds the weights it held before"):
+        await server.update_weights(push_reaching("/ckpt/step2", "actor/1"), "v2", expected=other)
 
 
 async def test_under_skip_the_engines_that_pass_go_on_and_the_others_wait_paused() -> None:
