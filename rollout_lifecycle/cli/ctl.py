@@ -44,9 +44,11 @@ from rollout_lifecycle.cli.ctl_state import (
     ExitCode,
     Setup,
     T,
+    check_lock_dir,
     close_backends,
     default_state_path,
     error_of,
+    exit_code_of,
     journal_entry,
     locked,
     make_backends,
@@ -69,9 +71,7 @@ from rollout_lifecycle.contract.exceptions import (
     LifecycleError,
     PhaseFailed,
     RouterError,
-    StaleWeights,
 )
-from rollout_lifecycle.contract.outcome import Outcome
 from rollout_lifecycle.contract.values import PauseMode
 from rollout_lifecycle.core.calls import PUBLIC_CALLS
 from rollout_lifecycle.core.config import Deadlines
@@ -85,7 +85,8 @@ servers (>= 0.32, started with VLLM_SERVER_DEV_MODE=1, and on a GPU with --enabl
 without which a release frees nothing) through the lifecycle, one call per run, through the
 same RolloutServer and guards as the library (in this process, no Ray).
 
-Engines: --engine URL (repeatable) and/or --engines-file PATH (one URL per line, '#' comments).
+Engines: --engine URL (repeatable) and/or --engines-file PATH (one URL per line, '#' comments);
+whitespace around a URL (a line end from a file, say) is dropped.
 Keys: --admin-key-env VAR / --api-key-env VAR name environment variables; keys are never taken
 from the command line and never printed.
 
@@ -119,7 +120,8 @@ control-plane key.
 
 exit codes:
   0   ok
-  2   usage: bad command line or input (option, URL, key variable, engines file)
+  2   usage: bad command line or input (option, URL, key variable or a key no HTTP header
+      carries, engines file, a lock directory $ROLLOUT_LIFECYCLE_LOCK_DIR that cannot be made)
   3   refused: an illegal transition, a guard, stale weights or the router; no engine was
       changed
   4   failed: a phase failed on some engine; the state file records what happened
@@ -240,6 +242,8 @@ def run(args: argparse.Namespace) -> int:
         setup = make_setup(args)
     except CtlError as exc:
         return report_error(args.action, bool(args.json), exc.code, exc.message, None)
+    except LifecycleError as exc:  # (one the checks above missed: still one line)
+        return report_error(args.action, bool(args.json), exit_code_of(exc), str(exc), None)
     if setup.engine_kind == "vllm" and setup.api_key is not None:
         print(f"rollout-lifecycle ctl {setup.action}: {VLLM_KEY_WARNING}", file=sys.stderr)
     with events_to_stderr(args.verbose):
@@ -247,10 +251,13 @@ def run(args: argparse.Namespace) -> int:
             if setup.action == "status":
                 code, report = _run_async(lambda: run_status(setup))
             else:
+                check_lock_dir()  # the engines' claims need it: refused before anything is sent
                 with locked(setup.state_path, setup.lock_timeout):
                     code, report = _run_async(lambda: _drive(setup))
         except CtlError as exc:
             return report_error(setup.action, setup.json, exc.code, exc.message, setup)
+        except LifecycleError as exc:  # raised outside the call (its setup, its checks)
+            return report_error(setup.action, setup.json, exit_code_of(exc), str(exc), setup)
         except (KeyboardInterrupt, _Terminated) as exc:
             terminated = isinstance(exc, _Terminated)
             message = "terminated (SIGTERM)" if terminated else "interrupted"
@@ -502,31 +509,22 @@ async def _drive(setup: Setup) -> tuple[ExitCode, dict[str, Any]]:
                     routed = await server.sync_router()
                 except RouterError as exc:  # the call was made: the engines changed
                     code, error = ExitCode.FAILED, error_of(exc)
-        except EngineClaimed as exc:  # another controller drives the engines: nothing sent
-            code, error = ExitCode.BUSY, error_of(exc)
-            # (a fleet another controller drives may be anywhere by now: a readiness check
-            # proves nothing of it, and without a ledger none is started)
-            record = ledger is not None
-        except (IllegalTransition, IllegalEngineOp, StaleWeights, RouterError) as exc:
-            code, error = ExitCode.REFUSED, error_of(exc)
-        except InvalidArgument as exc:
-            code, error = ExitCode.USAGE, error_of(exc)
-        except PhaseFailed as exc:
-            bad = [o for o in exc.outcomes.values() if not o.ok]
-            lost = all(o.outcome in (Outcome.DEAD, Outcome.UNREACHABLE) for o in bad)
-            code = ExitCode.UNREACHABLE if bad and lost else ExitCode.FAILED
-            error = error_of(exc)
-            outcomes = {
-                engine: {
-                    "url": url_of(engine, urls),
-                    "outcome": o.outcome.value,
-                    "detail": o.detail,
-                    "duration_s": round(o.duration_s, 6),
-                }
-                for engine, o in sorted(exc.outcomes.items())
-            }
         except LifecycleError as exc:
-            code, error = ExitCode.FAILED, error_of(exc)
+            code, error = exit_code_of(exc), error_of(exc)
+            if isinstance(exc, EngineClaimed):  # another controller drives them: nothing sent
+                # (a fleet another controller drives may be anywhere by now: a readiness check
+                # proves nothing of it, and without a ledger none is started)
+                record = ledger is not None
+            if isinstance(exc, PhaseFailed):
+                outcomes = {
+                    engine: {
+                        "url": url_of(engine, urls),
+                        "outcome": o.outcome.value,
+                        "detail": o.detail,
+                        "duration_s": round(o.duration_s, 6),
+                    }
+                    for engine, o in sorted(exc.outcomes.items())
+                }
         except asyncio.CancelledError:
             code = ExitCode.TERMINATED if _STOPPED_BY else ExitCode.INTERRUPTED
             stopped = "terminated" if _STOPPED_BY else "interrupted"

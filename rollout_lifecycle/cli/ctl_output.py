@@ -67,7 +67,47 @@ def _yes(value: bool | None) -> str:
 
 
 def _paused(row: Mapping[str, Any]) -> str:
+    if row.get("pause_unknown"):
+        return "unknown"
     return str(row["pause_mode"] or "yes") if row["paused"] else "no"
+
+
+def _uncertain(rec: Mapping[str, Any] | None) -> str:
+    """What a record does not know, for the REC UNCERTAIN column: the tags that may or may not
+    be released, and ``session`` for a weight-update session that may be open."""
+    if rec is None:
+        return "-"
+    return _tags([*rec["uncertain"], *(["session"] if rec.get("session_unknown") else [])])
+
+
+def _agrees(row: Mapping[str, Any]) -> str:
+    if row["agrees"] is None:
+        return "-" if row.get("record_certain", True) else "unknown"
+    return _yes(row["agrees"])
+
+
+def _uncertain_notes(engines: Sequence[Mapping[str, Any]]) -> list[str]:
+    """A line per engine whose record is not certain: what is unknown, and the way out."""
+    notes = []
+    for e in engines:
+        rec = e["recorded"]
+        if rec is None or e.get("record_certain", True):
+            continue
+        if rec["uncertain"]:
+            notes.append(
+                f"{e['id']}: the state file cannot say whether {_tags(rec['uncertain'])} "
+                f"{'is' if len(rec['uncertain']) == 1 else 'are'} released (a release or "
+                f"resume was in flight when a run stopped, and the engine cannot report it): "
+                f"restart the server, then run 'ctl reset --restarted {e['url']}'"
+            )
+        if rec.get("pause_unknown"):
+            notes.append(
+                f"{e['id']}: its pause state is unknown (a pause or continue was in flight when "
+                f"a run stopped): 'ctl reset' continues it"
+            )
+        if rec.get("session_unknown"):
+            notes.append(f"{e['id']}: a weight-update session may be open")
+    return notes
 
 
 def _number(value: float) -> str:
@@ -114,15 +154,21 @@ def render_drive(report: Mapping[str, Any]) -> str:
 def render_status(report: Mapping[str, Any]) -> str:
     if report["ledger"]:
         last = report["last_call"] or {}
+        ended = (
+            "in flight when its run stopped"
+            if last.get("in_flight")
+            else f"exit {last.get('exit_code', '?')}"
+        )
         head = (
             f"recorded state: {report['recorded_state']} (last call {last.get('action', '?')} "
-            f"exit {last.get('exit_code', '?')} at {report['updated_at']})"
+            f"{ended} at {report['updated_at']})"
         )
     else:
         head = "recorded state: none (no state file: engines are taken to be serving)"
+    notes = _uncertain_notes(report["engines"])
     if report.get("engine_kind") == "vllm":
         table = _vllm_status_table(report["engines"])
-        return "\n".join([head, table, f"state file: {report['state_file']}"])
+        return "\n".join([head, table, *notes, f"state file: {report['state_file']}"])
     rows = []
     for e in report["engines"]:
         rec = e["recorded"]
@@ -136,7 +182,8 @@ def render_status(report: Mapping[str, Any]) -> str:
                 "-" if e["weight_version"] is None else str(e["weight_version"]),
                 "-" if rec is None else _paused(rec),
                 "-" if rec is None else _tags(rec["released"]),
-                "-" if e["agrees"] is None else _yes(e["agrees"]),
+                _uncertain(rec),
+                _agrees(e),
                 " ".join(f"{k}={_number(v)}" for k, v in memory.items()) if memory else "-",
             ]
         )
@@ -148,10 +195,11 @@ def render_status(report: Mapping[str, Any]) -> str:
         "WEIGHTS",
         "REC PAUSED",
         "REC RELEASED",
+        "REC UNCERTAIN",
         "AGREES",
         "MEMORY",
     ]
-    lines = [head, _table(headers, rows), f"state file: {report['state_file']}"]
+    lines = [head, _table(headers, rows), *notes, f"state file: {report['state_file']}"]
     return "\n".join(lines)
 
 
@@ -172,7 +220,8 @@ def _vllm_status_table(engines: Sequence[Mapping[str, Any]]) -> str:
                 "-" if e["weight_version"] is None else str(e["weight_version"]),
                 "-" if rec is None else _paused(rec),
                 "-" if rec is None else _tags(rec["released"]),
-                "-" if e["agrees"] is None else _yes(e["agrees"]),
+                _uncertain(rec),
+                _agrees(e),
             ]
         )
     headers = [
@@ -185,6 +234,7 @@ def _vllm_status_table(engines: Sequence[Mapping[str, Any]]) -> str:
         "WEIGHTS",
         "REC PAUSED",
         "REC RELEASED",
+        "REC UNCERTAIN",
         "AGREES",
     ]
     return _table(headers, rows)

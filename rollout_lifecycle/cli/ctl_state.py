@@ -21,14 +21,29 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
+
 from rollout_lifecycle.backends.http import HTTPTimeouts, SGLangHTTPEngine, check_seconds
 from rollout_lifecycle.backends.router import SGLangRouter
 from rollout_lifecycle.backends.secret import Secret
 from rollout_lifecycle.backends.vllm_api import GUARDED_PREFIXES
 from rollout_lifecycle.backends.vllm_http import VLLMHTTPEngine
-from rollout_lifecycle.contract.exceptions import InvalidArgument
-from rollout_lifecycle.contract.urls import url_identity
+from rollout_lifecycle.contract.exceptions import (
+    EngineClaimed,
+    EngineDead,
+    EngineUnreachable,
+    IllegalEngineOp,
+    IllegalTransition,
+    InvalidArgument,
+    LifecycleError,
+    PhaseFailed,
+    RouterError,
+    StaleWeights,
+)
+from rollout_lifecycle.contract.outcome import Outcome
+from rollout_lifecycle.contract.urls import mask_userinfo, url_identity
 from rollout_lifecycle.contract.values import PauseMode, parse_tags, short_repr
+from rollout_lifecycle.core.claims import LOCK_DIR_ENV, lock_dir
 from rollout_lifecycle.core.config import Deadlines, LifecycleConfig
 from rollout_lifecycle.core.server import ServerSnapshot
 from rollout_lifecycle.core.states import ServerState
@@ -73,7 +88,9 @@ class ExitCode(IntEnum):
     """What a ``ctl`` run exits with; scripts can rely on these."""
 
     OK = 0
-    #: Bad command line or input: unknown option, bad URL, unset key variable, unreadable file.
+    #: Bad command line or input: unknown option, bad URL, unset key variable or a key no HTTP
+    #: header can carry, unreadable file, a lock directory (``ROLLOUT_LIFECYCLE_LOCK_DIR``) that
+    #: cannot be made; any ``InvalidArgument`` the library raises.
     USAGE = 2
     #: Refused by the lifecycle (illegal transition, a guard, stale weights): nothing was sent.
     REFUSED = 3
@@ -250,7 +267,7 @@ def make_setup(args: argparse.Namespace) -> Setup:
     if args.router is not None:
         try:
             router = SGLangRouter(
-                args.router,
+                clean_url(args.router, "--router"),
                 api_key=keys["router"],
                 worker_api_key=keys["api"],
                 timeout=max(connect, deadlines.probe),
@@ -264,7 +281,7 @@ def make_setup(args: argparse.Namespace) -> Setup:
     given = {url_identity(u): u for u in urls}
     for raw in getattr(args, "restarted", []):
         try:
-            key = url_identity(raw)
+            key = url_identity(clean_url(raw, "--restarted"))
         except InvalidArgument as exc:
             raise CtlError(ExitCode.USAGE, f"--restarted: {exc}") from None
         if key not in given:
@@ -287,7 +304,7 @@ def make_setup(args: argparse.Namespace) -> Setup:
 
 
 def _engine_urls(given: Sequence[str], engines_file: str | None) -> tuple[str, ...]:
-    raw = list(given)
+    raw = [(u, "--engine") for u in given]
     if engines_file is not None:
         try:
             lines = Path(engines_file).read_text().splitlines()
@@ -295,14 +312,15 @@ def _engine_urls(given: Sequence[str], engines_file: str | None) -> tuple[str, .
             raise CtlError(
                 ExitCode.USAGE, f"cannot read --engines-file {engines_file}: {exc}"
             ) from None
-        raw += [u for u in (line.partition("#")[0].strip() for line in lines) if u]
+        found = (line.partition("#")[0].strip() for line in lines)
+        raw += [(u, f"--engines-file {engines_file}") for u in found if u]
     if not raw:
         raise CtlError(ExitCode.USAGE, "no engines: give --engine URL or --engines-file PATH")
     urls: list[str] = []
     seen: dict[str, str] = {}
-    for url in raw:
+    for url, where in raw:
         try:
-            normal = SGLangHTTPEngine(url).url  # validates; opens nothing
+            normal = clean_url(url, where)
         except InvalidArgument as exc:
             raise CtlError(ExitCode.USAGE, str(exc)) from None
         key = url_identity(normal)
@@ -312,6 +330,79 @@ def _engine_urls(given: Sequence[str], engines_file: str | None) -> tuple[str, .
         seen[key] = normal
         urls.append(normal)
     return tuple(urls)
+
+
+def clean_url(raw: str, where: str) -> str:
+    """A server's URL as ``where`` (an option) gave it, normalized as ``SGLangHTTPEngine`` does;
+    ``InvalidArgument`` naming the value and the fix for one no client can reach.
+
+    Whitespace around it is dropped: no URL has any (RFC 3986, appendix C: whitespace around a
+    URL in text is not part of it), and that is what a shell or a file adds, a line end from a
+    file with CRLF line ends or a ``$(cat url.txt)`` in quotes; the engines file's lines are
+    read the same way. Whitespace or a control character inside is refused (``validate_url``),
+    as is anything the HTTP client could not send to (``httpx.URL``), so that no run ends in
+    the client's error at its first call.
+    """
+    url = raw.strip()
+    try:
+        normal = SGLangHTTPEngine(url).url  # validates (whitespace inside too); opens nothing
+        httpx.URL(normal)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{where}: {exc}") from None
+    except httpx.InvalidURL as exc:
+        shown = mask_userinfo(url)
+        raise InvalidArgument(
+            f"{where} {shown!r} is not a URL the HTTP client takes: {exc}"
+        ) from None
+    return normal
+
+
+def check_lock_dir() -> None:
+    """Refuse a claims lock directory (``core/claims``) that cannot exist, before anything is
+    sent: a path under a file, or a missing directory whose nearest existing parent is not a
+    directory this process can create one in (read-only, no permission). An existing directory
+    passes: its lock files may be open to all (claims makes them so) even where it is not
+    writable."""
+    directory = lock_dir()
+    where = (
+        f"{LOCK_DIR_ENV}={directory}"
+        if os.environ.get(LOCK_DIR_ENV)
+        else f"the lock directory {directory}"
+    )
+    fix = (
+        f"set {LOCK_DIR_ENV} to a directory every controller on this host can write (it is "
+        f"made if missing)"
+    )
+    if directory.is_dir():
+        return
+    if directory.exists() or directory.is_symlink():
+        raise InvalidArgument(f"{where} is not a directory; {fix}")
+    parent = directory.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise InvalidArgument(f"{where} cannot be made: {parent} is not a directory; {fix}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InvalidArgument(
+            f"{where} cannot be made: {parent} is read-only or not writable by this user; {fix}"
+        )
+
+
+def exit_code_of(exc: LifecycleError) -> ExitCode:
+    """The exit code of a run the library's ``exc`` stopped."""
+    if isinstance(exc, EngineClaimed):  # another controller drives the engines: nothing sent
+        return ExitCode.BUSY
+    if isinstance(exc, IllegalTransition | IllegalEngineOp | StaleWeights | RouterError):
+        return ExitCode.REFUSED
+    if isinstance(exc, InvalidArgument):
+        return ExitCode.USAGE
+    if isinstance(exc, EngineDead | EngineUnreachable):
+        return ExitCode.UNREACHABLE
+    if isinstance(exc, PhaseFailed):
+        bad = [o for o in exc.outcomes.values() if not o.ok]
+        lost = all(o.outcome in (Outcome.DEAD, Outcome.UNREACHABLE) for o in bad)
+        return ExitCode.UNREACHABLE if bad and lost else ExitCode.FAILED
+    return ExitCode.FAILED
 
 
 def default_state_path(urls: Sequence[str]) -> Path:
@@ -512,7 +603,10 @@ def write_ledger(
     last_call: Mapping[str, Any],
     engine_kind: str = "sglang",
 ) -> None:
-    """Write the state file atomically: a temporary file in its directory, then a rename."""
+    """Write the state file atomically: a temporary file in its directory, then a rename.
+
+    A state file that is a symbolic link stays one: the file written is the one it points to
+    (``real_path``), so the rename replaces the target, not the link."""
     data = {
         "format": STATE_FORMAT,
         "engine_kind": engine_kind,
@@ -521,6 +615,7 @@ def write_ledger(
         "last_call": dict(last_call),
         "server": snapshot.to_dict(),
     }
+    path = real_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -541,9 +636,24 @@ def write_ledger(
             os.close(directory)
 
 
+def real_path(path: Path) -> Path:
+    """The file ``path`` names once every symbolic link is followed (a link to a file not yet
+    there names where it will be); ``OSError`` for a loop of links."""
+    try:
+        return path.resolve()
+    except RuntimeError as exc:  # a loop of links (an OSError from Python 3.13)
+        raise OSError(f"{path}: {exc}") from None
+
+
 @contextlib.contextmanager
 def locked(path: Path, timeout: float) -> Iterator[None]:
-    """Hold ``<state file>.lock`` for the run, so two runs never drive one fleet at once."""
+    """Hold ``<state file>.lock`` for the run, so two runs never drive one fleet at once; a
+    state file given through a symbolic link is locked beside its target, so that every link
+    to one ledger takes the same lock."""
+    try:
+        path = real_path(path)
+    except OSError as exc:
+        raise CtlError(ExitCode.STATE, f"cannot resolve state file {path}: {exc}") from None
     lock = path.with_name(path.name + ".lock")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -102,10 +102,35 @@ def recorded_row(engine: EngineSnapshot, url: str | None) -> dict[str, Any]:
         "flushed": engine.flushed,
         "released": list(engine.released),
         "uncertain": list(engine.uncertain),
+        "pause_unknown": engine.pause_unknown,
+        "session_unknown": engine.session_unknown,
         "stale": engine.stale,
         "last_op": engine.last_op,
         "last_outcome": engine.last_outcome,
     }
+
+
+def record_certain(recorded: EngineSnapshot | None) -> bool:
+    """Whether the ledger knows the engine's state: no tag it may or may not hold released
+    (a release or resume was in flight when a run stopped), no pause or continue unanswered,
+    no weight-update session that may be open. What an engine shows can agree with an
+    uncertain record only by chance: SGLang reports no released tags, and ``/ready`` answers
+    503 whether a release landed or not."""
+    return recorded is None or not (
+        recorded.uncertain or recorded.pause_unknown or recorded.session_unknown
+    )
+
+
+def agreement(observed_paused: bool | None, recorded: EngineSnapshot | None) -> bool | None:
+    """Whether what an engine shows (paused or not; None: it did not say) agrees with its
+    record (none: serving): False on a pause state the record knows and the engine
+    contradicts; None (unknown) when the engine did not say, or the record is not certain
+    (``record_certain``), since what the engine shows then cannot confirm it."""
+    if observed_paused is None or (recorded is not None and recorded.pause_unknown):
+        return None
+    if observed_paused != (recorded.paused if recorded is not None else False):
+        return False
+    return True if record_certain(recorded) else None
 
 
 async def run_status(setup: Setup) -> tuple[ExitCode, dict[str, Any]]:
@@ -187,8 +212,7 @@ async def _probe(
         ready_status(backend.url, timeouts),
     )
     reachable = info is not None
-    recorded_paused = recorded.paused if recorded is not None else False
-    agrees = None if ready not in (200, 503) else (ready == 503) == recorded_paused
+    agrees = agreement(None if ready not in (200, 503) else ready == 503, recorded)
     return {
         "id": engine_id,
         "url": backend.url,
@@ -198,6 +222,7 @@ async def _probe(
         "weight_version": version,
         "memory": _memory(info) if isinstance(info, dict) else None,
         "recorded": None if recorded is None else recorded_row(recorded, backend.url),
+        "record_certain": record_certain(recorded),
         "agrees": agrees,
         "error": info_error or ready_error,
     }
@@ -220,7 +245,6 @@ async def _vllm_probe(
         _attempt(backend.observe(identify=False)),
     )
     paused = seen.get("paused") if isinstance(seen, dict) else None
-    recorded_paused = recorded.paused if recorded is not None else False
     return {
         "id": engine_id,
         "url": backend.url,
@@ -232,7 +256,8 @@ async def _vllm_probe(
         "weight_version": version,
         "memory": None,
         "recorded": None if recorded is None else recorded_row(recorded, backend.url),
-        "agrees": None if paused is None else paused == recorded_paused,
+        "record_certain": record_certain(recorded),
+        "agrees": agreement(paused if isinstance(paused, bool) else None, recorded),
         "error": info_error or paused_error,
     }
 

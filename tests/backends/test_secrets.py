@@ -202,3 +202,45 @@ def test_ctl_never_shows_keys_published_by_server_info(
     assert status["engines"][0]["memory"] == {"weight": 1.5, "kvcache": 2.0}
     everything = seen + repr(events) + caplog.text + (tmp_path / "state.json").read_text()
     assert not [k for k in PUBLISHED if k in everything]
+
+
+#: Keys no HTTP header can carry (httpx encodes header values as ASCII; h11 refuses control
+#: characters and whitespace at either end): key -> what the refusal names.
+UNSENDABLE = {
+    "sk-clé-7f3e9b": "non-ASCII",
+    "sk-k€y-7f3e9b": "non-ASCII",
+    "sk-key-7f3e9b\n": "control character",
+    "sk-key-7f3e9b\r\n": "control character",
+    "sk-key\x00-7f3e9b": "control character",
+    " sk-key-7f3e9b": "whitespace",
+    "sk-key-7f3e9b\t": "whitespace",
+}
+
+
+@pytest.mark.parametrize("key", list(UNSENDABLE), ids=repr)
+def test_a_key_no_http_header_can_carry_is_refused_naming_what_is_wrong_not_the_key(
+    key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rollout_lifecycle import InvalidArgument, Secret
+    from rollout_lifecycle.backends.secret import as_secret
+
+    refusals = [
+        lambda: Secret(key),
+        lambda: as_secret(key, what="admin_key"),
+        lambda: SGLangHTTPEngine("http://127.0.0.1:1", admin_key=key),
+    ]
+    if "\x00" not in key:  # (no environment variable holds a NUL)
+        monkeypatch.setenv("UNSENDABLE_KEY", key)
+        refusals.append(lambda: Secret.from_env("UNSENDABLE_KEY"))
+        with pytest.raises(InvalidArgument) as from_env:
+            Secret.from_env("UNSENDABLE_KEY")
+        assert "'UNSENDABLE_KEY'" in str(from_env.value)
+    for refuse in refusals:
+        with pytest.raises(InvalidArgument) as err:
+            refuse()
+        message = str(err.value)
+        assert UNSENDABLE[key] in message and "HTTP header" in message, message
+        assert "sk-" not in message and key.strip() not in message, message
+    # a key a header carries, spaces and tabs inside included, is taken
+    for fine in ("sk-key-7f3e9b", "sk key\twith inner blanks", "~!#$%&'*+-.^_`|"):
+        assert Secret(fine).reveal() == fine

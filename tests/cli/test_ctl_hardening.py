@@ -611,3 +611,257 @@ def test_any_json_value_in_any_field_exits_6_in_one_line_or_is_read_as_a_ledger(
         assert_state_refusal(action, code, err, state)
     if value is not DELETE and not _types_kept(good_value, value, at):
         assert code == ExitCode.STATE, (at, value, err)
+
+
+# -- input a shell or a file mangles, and the environment ---------------------------------------
+
+
+def assert_one_line(action: str, code: int, err: str, expected: ExitCode, *needles: str) -> None:
+    """Exit ``expected`` with one line on stderr naming every needle (no traceback)."""
+    assert code == expected, err
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert err.startswith(f"rollout-lifecycle ctl {action}: "), err
+    for needle in needles:
+        assert needle in err, (needle, err)
+
+
+@pytest.mark.parametrize("around", ["\n", "\r\n", " ", "\t\r\n"], ids=repr)
+def test_whitespace_around_a_url_is_not_part_of_it(
+    standin: StandInServer, tmp_path: Path, around: str
+) -> None:
+    """What ``--engine "$(cat url.txt)"`` of a CRLF file, or a paste, gives: the URL without
+    it (as the engines file reads each line), the same server and state file."""
+    state = tmp_path / "fleet.json"
+    argv = ["ctl", "status", "--engine", around + standin.url + around, "--json"]
+    code, out, err = run_main([*argv, "--router", "http://127.0.0.1:1" + around])
+    assert code == 0 and "Traceback" not in err, err
+    (row,) = json.loads(out)["engines"]
+    assert row["url"] == standin.url and row["reachable"] and row["ready"]
+    assert json.loads(out)["state_file"] == str(default_state_path([standin.url]))
+    code, err = ctl_in_process("reset", around + standin.url, state, "--restarted", standin.url)
+    assert_one_line("reset", code, err, ExitCode.STATE, "no state file")  # (got that far)
+
+
+#: URLs with whitespace or a control character inside: refused, naming the character.
+MANGLED = {
+    "http://127.0.0.1:3\n0000": "'\\n' at position 19",
+    "http://127.0.0.1:30000/a b": "' ' at position 25",
+    "http://127.0.0.1:30000/\x7f": "'\\x7f' at position 24",
+    "http://127.0.0.1:\r30000": "'\\r' at position 18",
+}
+
+
+@pytest.mark.parametrize("url", list(MANGLED), ids=repr)
+@pytest.mark.parametrize("option", ["--engine", "--router", "--restarted"])
+def test_a_url_with_whitespace_or_a_control_character_inside_is_refused_in_one_line(
+    standin: StandInServer, tmp_path: Path, url: str, option: str
+) -> None:
+    state = tmp_path / "fleet.json"
+    engine = url if option == "--engine" else standin.url
+    extra = [] if option == "--engine" else [option, url]
+    before = len(standin.history())
+    for action in ("status", "offload", "reset"):
+        if option == "--restarted" and action != "reset":
+            continue
+        code, err = ctl_in_process(action, engine, state, *extra)
+        assert_one_line(action, code, err, ExitCode.USAGE, option, repr(url), MANGLED[url])
+        assert "URL alone" in err
+    assert len(standin.history()) == before and not state.exists()
+
+
+@pytest.mark.parametrize("key", ["sk-clé-4d1f9a", "sk-k€y-4d1f9a", "sk-4d1f9a\r\n", "sk-4d\n1f9a"])
+def test_a_key_no_http_header_can_carry_is_refused_in_one_line_without_showing_it(
+    standin: StandInServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, key: str
+) -> None:
+    monkeypatch.setenv("CTL_ODD_KEY", key)
+    state = tmp_path / "fleet.json"
+    before = len(standin.history())
+    for option in ("--admin-key-env", "--api-key-env"):
+        for action in ("status", "offload"):
+            code, out, err = run_main(
+                ["ctl", action, "--engine", standin.url, "--state-file", str(state), "--json",
+                 option, "CTL_ODD_KEY"]
+            )  # fmt: skip
+            assert_one_line(action, code, err, ExitCode.USAGE, option, "'CTL_ODD_KEY'")
+            assert "HTTP header" in err and json.loads(out)["exit_code"] == ExitCode.USAGE
+            assert "sk-" not in out + err and "4d1f9a" not in out + err
+    assert len(standin.history()) == before and not state.exists()
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_a_lock_dir_that_cannot_be_made_is_refused_in_one_line_before_anything_is_sent(
+    standin: StandInServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """The engines' claims (``core/claims``) need the lock directory: one that cannot exist is
+    named with the fix, exit 2, before any engine is asked anything (status claims nothing)."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    locks = blocker if where == "a file" else blocker / "locks"
+    monkeypatch.setenv("ROLLOUT_LIFECYCLE_LOCK_DIR", str(locks))
+    state = tmp_path / "fleet.json"
+    before = len(standin.history())
+    for action in ("offload", "pause", "resume", "reset"):
+        code, err = ctl_in_process(action, standin.url, state)
+        assert_one_line(
+            action, code, err, ExitCode.USAGE, f"ROLLOUT_LIFECYCLE_LOCK_DIR={locks}",
+            "not a directory", "set ROLLOUT_LIFECYCLE_LOCK_DIR to a directory",
+        )  # fmt: skip
+    assert len(standin.history()) == before and not state.exists()
+    assert ctl_in_process("status", standin.url, state)[0] == 0
+
+
+def test_a_refused_claim_of_the_lock_dir_is_a_clean_usage_error(
+    standin: StandInServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The claims' own refusal of a lock it cannot open (``InvalidArgument``, raised once the
+    call claims its engines) ends the run with exit 2 and its message on one stderr line."""
+    from rollout_lifecycle.contract.exceptions import InvalidArgument
+    from rollout_lifecycle.core import claims
+
+    def refuse(directory: Path, key: str) -> int:
+        raise InvalidArgument(
+            f"cannot open the controller lock under {directory} of engine {key}; set "
+            f"{claims.LOCK_DIR_ENV} to a directory every controller on this host can write"
+        )
+
+    monkeypatch.setattr(claims, "_open_lock", refuse)
+    state = tmp_path / "fleet.json"
+    code, out, err = run_main(
+        ["ctl", "pause", "--engine", standin.url, "--state-file", str(state), "--json"]
+    )
+    assert_one_line("pause", code, err, ExitCode.USAGE, "set ROLLOUT_LIFECYCLE_LOCK_DIR")
+    report = json.loads(out)
+    assert report["error"]["kind"] == "InvalidArgument" and report["state"] == "serving"
+    ops = [e["op"] for e in standin.history()]
+    assert "pause_generation" not in ops  # nothing sent
+
+
+def test_a_library_error_outside_the_call_is_one_line_with_its_exit_code(
+    standin: StandInServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``LifecycleError`` raised while ctl sets up or checks, outside the lifecycle call,
+    ends in one line and the exit code of its kind (``exit_code_of``), never a traceback."""
+    from rollout_lifecycle.cli import ctl_state, ctl_status
+    from rollout_lifecycle.contract.exceptions import EngineClaimed, InvalidArgument
+
+    def raising(exc: Exception) -> Any:
+        def raise_it(*args: Any, **kwargs: Any) -> Any:
+            raise exc
+
+        return raise_it
+
+    state = tmp_path / "fleet.json"
+    odd = InvalidArgument("an odd value; give another")
+    with monkeypatch.context() as patch:  # in the attach check before the call
+        patch.setattr(SGLangHTTPEngine, "check_version", raising(odd))
+        code, err = ctl_in_process("offload", standin.url, state)
+        assert_one_line("offload", code, err, ExitCode.USAGE, "an odd value; give another")
+        claimed = EngineClaimed("http://loopback:1", "pid 1 on elsewhere", {})
+        patch.setattr(SGLangHTTPEngine, "check_version", raising(claimed))
+        code, err = ctl_in_process("drain", standin.url, state)
+        assert_one_line("drain", code, err, ExitCode.BUSY, "pid 1 on elsewhere")
+    with monkeypatch.context() as patch:  # in status's setup
+        patch.setattr(ctl_status, "make_backends", raising(odd))
+        code, err = ctl_in_process("status", standin.url, state)
+        assert_one_line("status", code, err, ExitCode.USAGE, "an odd value")
+    with monkeypatch.context() as patch:  # in the command line's (no --state-file)
+        patch.setattr(ctl_state, "default_state_path", raising(odd))
+        code, _, err = run_main(["ctl", "status", "--engine", standin.url, "--json"])
+        assert_one_line("status", code, err, ExitCode.USAGE, "an odd value")
+    assert not state.exists()
+
+
+def test_a_symlinked_state_file_stays_a_link_and_its_target_holds_the_ledger(
+    tmp_path: Path,
+) -> None:
+    """The atomic write renames beside the link's target, not over the link: a ledger kept
+    elsewhere (a shared volume, a versioned directory) stays where the link points, and every
+    link to it takes one lock."""
+    (server,) = StandInServer.start_many(1, token_latency=0.002)
+    try:
+        (tmp_path / "kept").mkdir()
+        target = tmp_path / "kept" / "fleet.json"
+        link = tmp_path / "fleet.json"
+        link.symlink_to(Path("kept") / "fleet.json")  # relative, and dangling until written
+        for action, state in (
+            ("offload", "released"),
+            ("onload-weights", "weights_restored"),
+            ("onload-kv", "serving"),
+        ):
+            code, err = ctl_in_process(action, server.url, link)
+            assert code == 0, err
+            assert link.is_symlink() and os.readlink(link) == str(Path("kept") / "fleet.json")
+            assert json.loads(target.read_text())["server"]["state"] == state
+        assert (tmp_path / "kept" / "fleet.json.lock").exists()
+        assert not (tmp_path / "fleet.json.lock").exists()
+        assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [
+            "fleet.json",
+            "fleet.json.lock",
+        ]  # no temporary file left
+        code, out, _ = run_main(
+            ["ctl", "status", "--engine", server.url, "--state-file", str(link), "--json"]
+        )
+        assert code == 0 and json.loads(out)["recorded_state"] == "serving"
+        # a loop of links is a state file problem, in one line
+        loop = tmp_path / "loop.json"
+        loop.symlink_to(loop)
+        for action in ("status", "offload"):
+            code, err = ctl_in_process(action, server.url, loop)
+            assert_one_line(action, code, err, ExitCode.STATE, str(loop))
+        assert server.alive()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    ("op", "rec_paused"),
+    [("release_memory_occupation", "retract"), ("pause_generation", "unknown")],
+)
+def test_status_after_a_sigkill_mid_call_shows_what_the_state_file_does_not_know(
+    fleet_for: Any, op: str, rec_paused: str
+) -> None:
+    """A run killed mid-release leaves tags uncertain, mid-pause a pause state unknown: status
+    shows them (REC UNCERTAIN, REC PAUSED unknown), says AGREES unknown rather than yes, and
+    how to settle them; its JSON carries them."""
+    fleet = fleet_for(op)
+    proc = fleet.start("offload")
+    fleet.wait_in_flight()
+    proc.kill()
+    proc.communicate(timeout=BOUND)
+    fleet.wait_settled()
+    code, status = fleet.run("status")
+    assert code == 0, status
+    assert status["recorded_state"] == "failed" and status["last_call"]["in_flight"] is True
+    tags = ["weights", "kv_cache", "cuda_graph"] if op == "release_memory_occupation" else []
+    for row in status["engines"]:
+        assert row["reachable"] and row["ready_status"] == 503  # paused, whatever landed
+        assert sorted(row["recorded"]["uncertain"]) == sorted(tags)
+        assert row["recorded"]["pause_unknown"] is (op == "pause_generation")
+        assert row["recorded"]["session_unknown"] is False
+        assert row["record_certain"] is False and row["agrees"] is None
+    code, out, err = run_main([a for a in fleet.argv("status") if a != "--json"])
+    assert code == 0, err
+    lines = out.splitlines()
+    assert "in flight when its run stopped" in lines[0]
+    header = next(line for line in lines if line.startswith("ENGINE"))
+    for server in fleet.servers:
+        row = next(line for line in lines if line.startswith("sglang/") and server.url in line)
+        assert row[header.index("REC PAUSED") :].startswith(rec_paused)
+        assert row[header.index("REC RELEASED") :].startswith("- ")
+        uncertain = row[header.index("REC UNCERTAIN") :]
+        assert uncertain.startswith(",".join(tags) or "- "), row
+        assert row[header.index("AGREES") :].startswith("unknown"), row
+    if tags:
+        for server in fleet.servers:
+            assert f"'ctl reset --restarted {server.url}'" in out
+    else:
+        assert out.count("its pause state is unknown") == 2 and "'ctl reset'" in out
+    # once settled, the record is certain again and agrees
+    if tags:
+        fleet.restart()
+        restarted = [a for s in fleet.servers for a in ("--restarted", s.url)]
+        assert fleet.run("reset", *restarted)[0] == 0
+    else:
+        assert fleet.run("reset")[0] == 0
+    code, status = fleet.run("status")
+    assert [(r["record_certain"], r["agrees"]) for r in status["engines"]] == [(True, True)] * 2
