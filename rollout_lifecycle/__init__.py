@@ -28,6 +28,7 @@ from rollout_lifecycle.contract.exceptions import (
     PhaseFailed,
     RouterError,
     StaleWeights,
+    WeightPushFailed,
     WeightsNotVerified,
 )
 from rollout_lifecycle.contract.fingerprint import Fingerprint
@@ -64,12 +65,7 @@ if TYPE_CHECKING:
     from rollout_lifecycle.backends.secret import Secret
     from rollout_lifecycle.backends.vllm_http import VLLMHTTPEngine, vllm_http_factory
     from rollout_lifecycle.backends.vllm_launch import LaunchedVLLMEngine, launched_vllm_factory
-    from rollout_lifecycle.backends.weights import (
-        FromDisk,
-        FromDistributed,
-        FromTensor,
-        WeightPushFailed,
-    )
+    from rollout_lifecycle.backends.weights import FromDisk, FromDistributed, FromTensor
     from rollout_lifecycle.sync import SyncRolloutServer
     from rollout_lifecycle.testing.simulated import SimulatedEngine
 
@@ -99,7 +95,6 @@ _LAZY: dict[str, str] = {
     "FromDisk": "rollout_lifecycle.backends.weights",
     "FromDistributed": "rollout_lifecycle.backends.weights",
     "FromTensor": "rollout_lifecycle.backends.weights",
-    "WeightPushFailed": "rollout_lifecycle.backends.weights",
     "SyncRolloutServer": "rollout_lifecycle.sync",
     "SimulatedEngine": "rollout_lifecycle.testing.simulated",
 }

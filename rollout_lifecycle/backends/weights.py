@@ -15,23 +15,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rollout_lifecycle.backends.tensor_payload import check_tensor_payloads
-from rollout_lifecycle.contract.exceptions import InvalidArgument, LifecycleError
+from rollout_lifecycle.contract.exceptions import InvalidArgument, WeightPushFailed
 from rollout_lifecycle.contract.seam import classify, send
 from rollout_lifecycle.contract.values import check_int
 
 if TYPE_CHECKING:
     from rollout_lifecycle.core.server import WeightUpdate
-
-
-class WeightPushFailed(LifecycleError):
-    """Some engines did not take the new weights; ``failures`` says why, by engine id."""
-
-    def __init__(self, strategy: str, failures: Mapping[str, str]) -> None:
-        self._init = (strategy, dict(failures))
-        self.strategy = strategy
-        self.failures = dict(failures)
-        detail = "; ".join(f"{k}: {v}" for k, v in sorted(self.failures.items()))
-        super().__init__(f"{strategy} failed on {len(self.failures)} engine(s): {detail}")
 
 
 async def _write_all(

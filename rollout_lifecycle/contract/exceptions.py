@@ -110,6 +110,20 @@ class HookFailed(LifecycleError):
         return f"hook {self.hook} for event {self.event!r} {self.reason} ({where})"
 
 
+class WeightPushFailed(LifecycleError):
+    """Some engines did not take the new weights (a built-in push: ``FromDisk``,
+    ``FromTensor``, ``FromDistributed``); ``failures`` says why, by engine id. Like a push of
+    the caller's own that raised, it leaves the server where it was: the update may be tried
+    again, and no engine continues on what it holds until a write completes."""
+
+    def __init__(self, strategy: str, failures: Mapping[str, str]) -> None:
+        self._init = (strategy, dict(failures))
+        self.strategy = strategy
+        self.failures = dict(failures)
+        detail = "; ".join(f"{k}: {v}" for k, v in sorted(self.failures.items()))
+        super().__init__(f"{strategy} failed on {len(self.failures)} engine(s): {detail}")
+
+
 class StaleWeights(LifecycleError):
     """Engines do not report the expected weight version; generation stays paused on them."""
 

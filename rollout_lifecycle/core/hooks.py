@@ -131,6 +131,7 @@ class Hooks:
         *,
         wrap: bool = True,
         grace: float | None = -1.0,
+        own: tuple[type[Exception], ...] = (),
     ) -> Any:
         """Run user code (a hook, the weight push, a ``recover()`` factory) inside the
         operation in progress, in a ``Scope`` of its own; its result.
@@ -138,7 +139,8 @@ class Hooks:
         An awaitable it returns runs as a task bounded by ``deadline`` and cancelled when the
         operation is. Whatever it raises, ``BaseException`` included, becomes ``HookFailed``
         (``KeyboardInterrupt`` propagates as it is; with ``wrap=False`` an ``Exception``
-        does too); a cancellation of the operation becomes ``HookCancelled``. Past its
+        does too, and so does one of ``own``, the library's own errors a built-in strategy
+        raises); a cancellation of the operation becomes ``HookCancelled``. Past its
         deadline it is cancelled and given ``grace`` seconds to stop (the probe deadline by
         default; ``None`` waits for it: a weight push must not write after its session
         closed). A sync callable runs on the loop and cannot be bounded: it must not block.
@@ -192,7 +194,7 @@ class Hooks:
             state = self._state().value
             if isinstance(exc, asyncio.CancelledError) and op.cancelled:
                 raise HookCancelled(event, name, state, "was cancelled") from exc
-            if not wrap and isinstance(exc, Exception) and not stopped:
+            if (not wrap or isinstance(exc, own)) and isinstance(exc, Exception) and not stopped:
                 raise
             logger().warning(
                 "hook.failed",

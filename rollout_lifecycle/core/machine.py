@@ -34,6 +34,7 @@ from rollout_lifecycle.contract.exceptions import (
     LifecycleError,
     RouterError,
     StaleWeights,
+    WeightPushFailed,
 )
 from rollout_lifecycle.core.bus import RECORDS_CHANGED, Bus, StateEntered
 from rollout_lifecycle.core.hooks import Hooks
@@ -162,6 +163,7 @@ class Machine:
                 IllegalEngineOp,
                 InvalidArgument,
                 HookFailed,
+                WeightPushFailed,
                 StaleWeights,
                 RouterError,
             ):

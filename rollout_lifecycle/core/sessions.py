@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rollout_lifecycle.contract.exceptions import PhaseFailed
+from rollout_lifecycle.contract.exceptions import PhaseFailed, WeightPushFailed
 from rollout_lifecycle.contract.fingerprint import Fingerprint
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import SESSION_OPEN, EngineOutcome
@@ -149,8 +149,14 @@ class WeightWriter(Client):
     async def _call_push(self, push: WeightPush, update: WeightUpdate) -> None:
         start = time.monotonic()
         try:
+            # A built-in push's own failure reaches the caller as it is (``WeightPushFailed``).
             await self._hooks.run_user(
-                "update_weights", push, update, self._config.deadlines.weight_update, grace=None
+                "update_weights",
+                push,
+                update,
+                self._config.deadlines.weight_update,
+                grace=None,
+                own=(WeightPushFailed,),
             )
         finally:
             self._runner.observe(PhaseResult("push", {}, start, time.monotonic() - start))

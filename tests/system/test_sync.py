@@ -27,6 +27,7 @@ from rollout_lifecycle import (
     ServerState,
     SimulatedEngine,
     StaleWeights,
+    WeightPushFailed,
     WeightUpdate,
 )
 from rollout_lifecycle.sync import (
@@ -187,8 +188,9 @@ def test_server_errors_propagate_with_their_types(make: Any) -> None:
     rollout.offload(timeout=T)
     rollout.onload_weights(timeout=T)
     engines[0].arm("update_weights_from_disk", "reject")
-    with pytest.raises(HookFailed):
+    with pytest.raises(WeightPushFailed) as push:
         rollout.update_weights(FromDisk("/ckpt/1"), version="v1", timeout=T)
+    assert list(push.value.failures) == ["actor/0"]
     with pytest.raises(StaleWeights) as stale:
         rollout.onload_kv(timeout=T)
     assert stale.value.engines == {"actor/0": "default"}
