@@ -15,6 +15,7 @@ reaches the caller once the records are exact.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from typing import Any, Protocol
 
 from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import HookFailed, IllegalTransition
+from rollout_lifecycle.core import terminate
 from rollout_lifecycle.core.calls import LIFECYCLE_CALLS
 
 # A lifecycle call (``calls.LIFECYCLE_CALLS``) made from user code that runs in the middle of a
@@ -142,6 +144,7 @@ class Serializer:
         #: of step with the engines that serve raises there: ``RouterSync.check``).
         self._completed = completed
         self.lock = asyncio.Lock()
+        terminate.install()  # a SIGTERM lets the call in progress settle first
 
     async def run(self, call: str, body: Callable[[], Awaitable[None]]) -> dict[str, float]:
         """Run ``body`` as the public call ``call``; its metrics.
@@ -169,8 +172,20 @@ class Serializer:
             # it returned, waits for the lock.
             op = Operation(call)
             task = asyncio.ensure_future(self._locked(op, body))
+        # A SIGTERM to the process cancels an outermost call as its caller would (terminate).
+        settling = terminate.settling() if found is None else contextlib.nullcontext()
+        with settling:
+            metrics = await self._settled(op, task, call)
+        if found is None and self._completed is not None and call in LIFECYCLE_CALLS:
+            self._completed()
+        return metrics
+
+    async def _settled(
+        self, op: Operation, task: asyncio.Future[dict[str, float]], call: str
+    ) -> dict[str, float]:
+        """``task``'s metrics; a cancelled caller waits for it to settle first."""
         try:
-            metrics = await asyncio.shield(task)
+            return await asyncio.shield(task)
         except asyncio.CancelledError:
             # Settle what is in flight before letting go: the operation stops at the next phase
             # boundary (its running hook is cancelled), and the caller sees CancelledError only
@@ -185,9 +200,6 @@ class Serializer:
                     error=str(task.exception()),
                 )
             raise
-        if found is None and self._completed is not None and call in LIFECYCLE_CALLS:
-            self._completed()
-        return metrics
 
     async def _inline(
         self, op: Operation, scope: Scope, body: Callable[[], Awaitable[None]]

@@ -15,6 +15,7 @@ from typing import Any
 
 from rollout_lifecycle.contract.exceptions import InvalidArgument
 from rollout_lifecycle.core.ledger import EngineSnapshot, Fleet
+from rollout_lifecycle.core.parts import Versions
 from rollout_lifecycle.core.states import ServerState
 
 S = ServerState
@@ -36,15 +37,28 @@ class ServerSnapshot:
     name: str
     state: ServerState
     groups: tuple[GroupSnapshot, ...]
+    #: The weight version every engine must report to continue (the last versioned update's).
+    expected_version: str | None = None
+    #: An unversioned push raised and no write completed since: no engine continues on what
+    #: it holds until one does (``core/parts.Versions``).
+    interrupted: bool = False
 
     @classmethod
-    def of(cls, name: str, state: ServerState, fleet: Fleet) -> ServerSnapshot:
-        """The snapshot of ``fleet``'s records now."""
+    def of(
+        cls, name: str, state: ServerState, fleet: Fleet, versions: Versions | None = None
+    ) -> ServerSnapshot:
+        """The snapshot of ``fleet``'s records now (and of ``versions``)."""
         groups = tuple(
             GroupSnapshot(g.name, g.needs_offload, tuple(r.snapshot() for r in g.records))
             for g in fleet.groups
         )
-        return cls(name, state, groups)
+        if versions is None:
+            return cls(name, state, groups)
+        return cls(name, state, groups, versions.expected, versions.interrupted)
+
+    def versions(self) -> tuple[str | None, bool]:
+        """What the server knew of the weights: ``(expected_version, interrupted)``."""
+        return self.expected_version, self.interrupted
 
     def engines(self) -> dict[str, EngineSnapshot]:
         """Every engine's snapshot by id."""
@@ -75,13 +89,24 @@ class ServerSnapshot:
                 GroupSnapshot(g["name"], g["needs_offload"], tuple(map(engine, g["engines"])))
                 for g in data["groups"]
             )
-            snapshot = cls(data["name"], ServerState(data["state"]), groups)
+            snapshot = cls(
+                data["name"],
+                ServerState(data["state"]),
+                groups,
+                data.get("expected_version"),
+                data.get("interrupted", False),
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgument(f"not a server snapshot: {type(exc).__name__}: {exc}") from None
         if not isinstance(snapshot.name, str) or not all(
             isinstance(g.name, str) and isinstance(g.needs_offload, bool) for g in groups
         ):
             raise InvalidArgument("not a server snapshot: a name or needs_offload is mistyped")
+        version = snapshot.expected_version
+        if not (version is None or isinstance(version, str)) or not isinstance(
+            snapshot.interrupted, bool
+        ):
+            raise InvalidArgument("not a server snapshot: expected_version or interrupted")
         return snapshot
 
 

@@ -220,9 +220,7 @@ async def test_a_begin_refused_on_one_engine_closes_the_sessions_that_opened() -
     await close(*engines)
 
 
-async def test_a_session_an_earlier_write_left_unknown_is_closed_by_reset_before_the_next_opens() -> (
-    None
-):
+async def test_a_session_left_unknown_is_closed_by_reset_before_the_next_opens() -> None:
     engines = faulty(2)
     server = RolloutServer([EngineGroup("actor", engines)])
     await server.pause()
