@@ -10,6 +10,7 @@ in-process fleets, what an ``EngineGroup`` calls directly.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import hashlib
 import json
@@ -246,6 +247,14 @@ class EngineHost:
                 label, op, f"the engine could not be read before {op}, which was not sent: {exc}"
             ) from None
         found = disagreement(expect, seen)
+        if found is not None and found[0] is Outcome.CONFLICT and not identify and expect[0]:
+            # Not paused as recorded: a new process at the address looks so too. Which one it
+            # is, its incarnation tells (read now, only on a disagreement).
+            named = None
+            with contextlib.suppress(EngineError):
+                named = (await self.observe(False, op, True))["incarnation"]
+            if named is not None and named != expect[0]:
+                raise EngineRestarted(label, op, expect[0], named)
         if found is not None:
             outcome, records, reported = found
             if outcome is Outcome.RESTARTED:

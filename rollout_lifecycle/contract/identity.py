@@ -16,6 +16,16 @@ from typing import Any
 
 from rollout_lifecycle.contract.outcome import Outcome
 
+#: Seconds within which no new process can answer at an engine's address after its process
+#: answered a call: the default of ``LifecycleConfig.proof_window``, and how long the
+#: simulator and the stand-in take at least to come back after a restart. A new process binds
+#: the port only once it has started, and it starts only once the old one has let the port go:
+#: SGLang 0.5.23 binds it after loading the model (``http_server.launch_server``: uvicorn's
+#: ``Server.run`` after ``_launch_subprocesses``), vLLM 0.32 after importing itself and parsing
+#: its arguments (``api_server.run_server``: ``create_server_socket`` before the engine
+#: starts); both take seconds (``docs/design.md``, "The checks cost next to nothing").
+PROOF_WINDOW = 0.5
+
 #: What a record expects of its engine before a checked call: its incarnation (None: not known
 #: yet) and whether it is paused (None: the record does not say, or it need not be checked).
 Expectation = Sequence[Any]
@@ -50,4 +60,4 @@ def disagreement(
     return None
 
 
-__all__ = ["Expectation", "disagreement", "paused_words"]
+__all__ = ["PROOF_WINDOW", "Expectation", "disagreement", "paused_words"]

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 
 from rollout_lifecycle.contract.exceptions import InvalidArgument
+from rollout_lifecycle.contract.identity import PROOF_WINDOW
 from rollout_lifecycle.contract.values import (
     ALL_TAGS,
     PauseMode,
@@ -88,6 +89,13 @@ class LifecycleConfig:
     #: ``WeightsNotVerified`` (``FAIL``), or go on without them (``SKIP``). Either way they stay
     #: paused, stale and out of the router until a write reaches them.
     unverified_engines: DeadEnginePolicy = DeadEnginePolicy.FAIL
+    #: Seconds for which an engine's answer proves that a call sent to it reaches the same
+    #: process, measured from the send of the call it answered: within it, a checked call
+    #: reads nothing of an engine that no other controller can have touched (``core/claims``).
+    #: No engine restarts faster (``contract.identity.PROOF_WINDOW``); 0 reads the engine
+    #: before every checked call. Behind a proxy that may send one connection to another
+    #: server, set 0.
+    proof_window: float = PROOF_WINDOW
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pause_mode", member(PauseMode, self.pause_mode, "pause_mode"))
@@ -111,3 +119,4 @@ class LifecycleConfig:
             "unverified_engines",
             member(DeadEnginePolicy, self.unverified_engines, "unverified_engines"),
         )
+        check_seconds("proof_window", self.proof_window, positive=False, maximum=PROOF_WINDOW)

@@ -31,6 +31,11 @@ _PAUSE, _CONTINUE = Op.PAUSE, Op.CONTINUE
 _RELEASE, _RESUME, _SET_VERSION = Op.RELEASE, Op.RESUME, Op.SET_VERSION
 _DEAD, _RESTARTED, _CONFLICT = Outcome.DEAD, Outcome.RESTARTED, Outcome.CONFLICT
 
+#: The operations that set the pause state whatever it was.
+_PAUSING = frozenset({Op.PAUSE, Op.CONTINUE})
+#: Outcomes that are an answer of the process the call reached (or no call at all).
+_ANSWERED = frozenset({Outcome.REJECTED, Outcome.REFUSED, Outcome.NOT_ATTEMPTED})
+
 #: Outcomes after which an engine may or may not have carried out the call.
 _EFFECT_UNKNOWN = frozenset({Outcome.TIMED_OUT, Outcome.UNREACHABLE, Outcome.ERROR})
 
@@ -130,6 +135,16 @@ class EngineRecord:
     #: A call that missed its phase's deadline and may still land (the phase runner's), and
     #: its operation: nothing that it would matter to is sent to this engine before it lands.
     in_flight: InFlight | None = field(default=None, repr=False, compare=False)
+    #: Until when (the loop's clock) a call sent reaches the process this record describes:
+    #: its last answer, to a call sent while the process was proven, proves it for
+    #: ``LifecycleConfig.proof_window`` seconds from that call's send (no engine restarts
+    #: faster; ``contract/identity.PROOF_WINDOW``). Not part of a snapshot: another process's
+    #: clock is not this one's.
+    proven_until: float = field(default=0.0, repr=False, compare=False)
+    #: Another controller may have acted on the engine since its last answer: this server's
+    #: claims were let go in between and cannot tell that nobody else took them
+    #: (``core/claims``). A checked call then reads the engine's pause state again.
+    unwatched: bool = field(default=True, repr=False, compare=False)
 
     def busy_for(self, op: Op) -> bool:
         """Whether the call still in flight on this engine would matter to a call of ``op``
@@ -207,24 +222,45 @@ class EngineRecord:
 
     # -- identity ----------------------------------------------------------------------------
 
-    def expect(self, op: Op) -> list[Any]:
-        """What the engine must show before ``op`` (one of ``CHECKED_OPS``) is sent:
-        ``[incarnation, paused, identify]``.
+    def expect(self, op: Op, now: float) -> list[Any] | None:
+        """What the engine must show before ``op`` (one of ``CHECKED_OPS``) is sent at ``now``
+        (the loop's clock): ``[incarnation, paused, identify]``, or None when nothing need be
+        read.
 
-        Every call but a pause reads the engine's incarnation (``identify``): sent to another
-        process, a release, resume, continue or weight write could kill it or leave it with the
-        wrong weights. Each also wants the pause state the record holds, where it holds one (a
-        pause or continue that did not answer leaves it open): one another controller continued
-        would hit live requests or run on released memory. A pause is harmless to a new process
-        (the release after it reads the incarnation), so it reads only the pause state, and
-        only where the record says the engine serves: one another controller paused has likely
-        been released by it too. A repeated pause asks nothing. The first checked call of an
-        engine whose incarnation the record does not know yet reads it, whatever the call (the
-        record names its process from then on)."""
-        identify = op is not _PAUSE or self.incarnation is None
-        if self.pause_unknown or (op is _PAUSE and self.paused):
-            return [self.incarnation, None, identify]
-        return [self.incarnation, self.paused, identify]
+        Nothing, while its last answer proves the process (``proven_until``) and no other
+        controller can have acted since (not ``unwatched``). Otherwise the pause state the
+        record holds, where it holds one (a pause or continue that did not answer leaves it
+        open): one another controller continued would hit live requests or run on released
+        memory; one it paused has likely been released by it too. Where the process is not
+        proven, the pause state proves it wherever the record says paused: a new process at the
+        address is not paused. Elsewhere (a pause of a serving engine, an unknown pause state,
+        a pause sent again) the incarnation is read (``identify``), as by the first checked
+        call of an engine whose incarnation the record does not know yet."""
+        proven = now < self.proven_until
+        if proven and not self.unwatched:
+            return None
+        paused = None if self.pause_unknown or (op is _PAUSE and self.paused) else self.paused
+        identify = self.incarnation is None or (not proven and paused is not True)
+        if paused is None and not identify:
+            return None
+        return [self.incarnation, paused, identify]
+
+    def answered(
+        self, op: Op, out: EngineOutcome, expected: list[Any] | None, proven: bool, until: float
+    ) -> None:
+        """What an answer says of the process behind this record (``proven_until``,
+        ``unwatched``): an answer to a call sent while the process was proven, or whose check
+        proved it (its incarnation, or a pause state only it can have), proves it until
+        ``until``; an answer that did not come (no answer, a dropped connection, a death, another
+        process) proves nothing further. A check that read the pause state, and a pause or
+        continue that landed, leave nothing another controller did unseen."""
+        if out.ok:
+            if proven or (expected is not None and (expected[2] or expected[1] is True)):
+                self.proven_until = until
+            if (expected is not None and expected[1] is not None) or op in _PAUSING:
+                self.unwatched = False
+        elif out.outcome not in _ANSWERED:
+            self.proven_until = 0.0
 
     def observed(self) -> list[Any]:
         """What a probe compares the engine's report with: its incarnation, and the pause
@@ -323,6 +359,7 @@ class EngineRecord:
         self.uncertain.clear()
         self.last_op, self.last_outcome, self.stale = None, None, True
         self.incarnation, self.unverified = None, False
+        self.proven_until, self.unwatched = 0.0, True
         self._intent = None
 
     def snapshot(self) -> EngineSnapshot:
@@ -376,6 +413,7 @@ class EngineRecord:
         self.session_unknown = snapshot.session_unknown
         self.incarnation = snapshot.incarnation
         self.unverified = snapshot.unverified
+        self.proven_until, self.unwatched = 0.0, True  # (what another process saw)
         self._intent = None
 
 

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 from rollout_lifecycle.contract import seam
 from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import PhaseFailed
-from rollout_lifecycle.contract.identity import disagreement
+from rollout_lifecycle.contract.identity import PROOF_WINDOW, disagreement
 from rollout_lifecycle.contract.ops import CHECKED, Op
 from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
 from rollout_lifecycle.contract.seam import Landed
@@ -44,6 +44,8 @@ _FLUSH = Op.FLUSH
 _OBSERVE = Op.OBSERVE
 _OK, _RESTARTED, _UNREACHABLE = Outcome.OK, Outcome.RESTARTED, Outcome.UNREACHABLE
 _FAILED = EngineOutcome(Outcome.NOT_ATTEMPTED)
+#: What an answered observation proved: the engine's incarnation (``EngineRecord.answered``).
+_IDENTIFIED: list[Any] = [None, None, True]
 
 
 def default_targets(group: GroupRecords, op: Op) -> list[EngineRecord]:
@@ -105,7 +107,18 @@ class Calls:
     gives ``PendingCall`` views, for the paths that are not per-engine-per-phase.
     """
 
-    __slots__ = ("handles", "modes", "ops", "records", "refs", "starts", "tags")
+    __slots__ = (
+        "expects",
+        "handles",
+        "modes",
+        "ops",
+        "proven",
+        "records",
+        "refs",
+        "sent",
+        "starts",
+        "tags",
+    )
 
     def __init__(self) -> None:
         self.records: list[EngineRecord] = []
@@ -116,6 +129,12 @@ class Calls:
         self.starts: list[float] = []
         #: The handle each call went to (a record may get a replacement while it flies).
         self.handles: list[Any] = []
+        #: What each checked call's engine had to show first (None: sent plain).
+        self.expects: list[list[Any] | None] = []
+        #: Whether each call went to a process its record had proven (``proven_until``).
+        self.proven: list[bool] = []
+        #: When the calls were sent, by the loop's clock (before the first of them).
+        self.sent: list[float] = []
 
     @classmethod
     def join(cls, parts: Iterable[Calls]) -> Calls:
@@ -142,9 +161,13 @@ def issue(plan: Plan, before_send: Callable[[], None] | None = None) -> Calls:
     plan.check()
     op, chosen = plan.op, list(plan.targets)
     cmd = COMMANDS[op]
+    now = asyncio.get_running_loop().time()
     # What each engine must show before a checked call: taken before the intent below changes
     # the records (a continue's intent makes the pause state unknown).
-    expects = [r.expect(op) for r in chosen] if cmd.checked else None
+    expects: list[list[Any] | None] = (
+        [r.expect(op, now) for r in chosen] if cmd.checked else [None] * len(chosen)
+    )
+    proven = [now < r.proven_until for r in chosen]
     if chosen and cmd.part is not None:
         for record in chosen:
             record.intend(op, plan.tags, plan.mode)
@@ -167,11 +190,13 @@ def issue(plan: Plan, before_send: Callable[[], None] | None = None) -> Calls:
         assert send is not None
         starts.append(time.monotonic())
         handles.append(handle)
-        if expects is None:
+        expect = expects[i]
+        if expect is None:
             refs.append(send(handle, name, args))
         else:  # the engine shows who it is before the call is carried out (EngineHost.checked)
-            refs.append(send(handle, CHECKED, (expects[i], name, *args)))
+            refs.append(send(handle, CHECKED, (expect, name, *args)))
     calls.records = chosen
+    calls.expects, calls.proven, calls.sent = expects, proven, [now] * len(chosen)
     calls.ops = [op] * len(chosen)
     calls.tags = [plan.tags] * len(chosen)
     calls.modes = [plan.mode] * len(chosen)
@@ -232,8 +257,11 @@ class PhaseRunner:
         name: str,
         dead_engines: DeadEnginePolicy,
         bus: Bus,
+        proof_window: float = PROOF_WINDOW,
     ) -> None:
         self._name = name
+        #: How long an answer proves the process that gave it (``LifecycleConfig``).
+        self.proof_window = proof_window
         self._skip_dead = dead_engines is DeadEnginePolicy.SKIP
         self._bus = bus
         #: The engines with a call that missed its phase's deadline and may still land
@@ -407,6 +435,7 @@ class PhaseRunner:
         outcomes, spans = result.outcomes, result.spans
         slowest: tuple[str, float] | None = None
         retries: int | None = None
+        window = self.proof_window
         columns = (calls.records, calls.ops, calls.tags, calls.modes, calls.starts, calls.handles)
         for i, (record, op, tags, mode, began, sent_to) in enumerate(zip(*columns, strict=True)):
             # ``recover()`` may have given the record a replacement while the call flew: what
@@ -442,7 +471,7 @@ class PhaseRunner:
                 exc = landed.errors[i]
                 if exc is None:
                     out = EngineOutcome(_OK, "", took)
-                    if COMMANDS[op].checked:
+                    if calls.expects[i] is not None:
                         seen, landed.values[i] = _checked_value(landed.values[i])
                     elif op is _OBSERVE:
                         out, seen = judge(record, landed.values[i], took)
@@ -460,6 +489,8 @@ class PhaseRunner:
             spans += (record.id, record.group, op._value_, began, end, out.outcome._value_)
             if current:
                 record.apply(op, tags, mode, out, seen)
+                expected = _IDENTIFIED if op is _OBSERVE else calls.expects[i]
+                record.answered(op, out, expected, calls.proven[i], calls.sent[i] + window)
             outcomes[record.id] = out
             if debug:
                 log.debug(

@@ -90,7 +90,7 @@ class RolloutServer:
         self._generation: GenerationClient | None = None
         self._fleet = fleet = Fleet(self._groups, config.release_tags)
         self._hooks = hooks = Hooks(self, lambda: self.state, config.deadlines)
-        self._runner = runner = PhaseRunner(name, config.dead_engines, bus)
+        self._runner = runner = PhaseRunner(name, config.dead_engines, bus, config.proof_window)
         self._recorder = recorder = Recorder(self, name, config, fleet, self._state, runner.ask)
         bus.subscribe(PhaseSettled, lambda settled: recorder.phase(settled.result))
         urls = WorkerUrls(runner, config.deadlines.probe)
@@ -122,13 +122,13 @@ class RolloutServer:
         )
         by_name = {g.name: g for g in self._groups}
         self._recovery = Recovery(parts, by_name, phases, machine)
-        claims = Claims(name, fleet.records, urls)
+        claims = Claims(name, fleet.records, urls, runner, config.deadlines.probe)
         self._serializer = Serializer(
             self,
             name,
             recorder,
             fleet.check_live,
-            claims.claim,
+            claims.hold,
             None if self._router is None else self._router.check,
         )
 
@@ -217,7 +217,7 @@ class RolloutServer:
 
     def snapshot(self) -> ServerSnapshot:
         """The state and what the server knows of every engine."""
-        return ServerSnapshot.of(self._name, self.state, self._fleet)
+        return ServerSnapshot.of(self._name, self.state, self._fleet, self._versions)
 
     def adopt(self, snapshot: ServerSnapshot) -> None:
         """Take over engines in the state a ``snapshot()`` recorded, without calling them.
@@ -228,16 +228,17 @@ class RolloutServer:
         (paused, flushed, released and uncertain tags, alive, stale) and the server enters the
         snapshot's state, so every guard applies as if this server had made those calls. The
         records must imply that state (``failed`` takes any). A snapshot a ``journal`` took
-        mid-call (records with a call in flight: uncertain tags, a pause or session unknown)
-        whose records no longer imply its state is adopted as ``failed``: that process died
-        with calls unanswered. One whose records still imply it keeps it (a weight session
-        left unknown in ``drained``: the next update closes it before opening its own).
+        mid-call (records with a call in flight: uncertain tags, a pause unknown) whose records
+        no longer imply its state is adopted as ``failed``: that process died with calls
+        unanswered; so is one taken while a weight-update session may be open (a process
+        killed in its push: ``core/snapshots.adopt``). The expected version carries over.
         Raises ``InvalidArgument``, changing nothing, when the records imply another state, a
         ``pausing`` snapshot has no call in flight, or a call is in progress.
         """
         if self._serializer.lock.locked():
             raise InvalidArgument("cannot adopt a snapshot while a lifecycle call is in progress")
         self._machine.set_state(adopt(self._fleet, snapshot))
+        self._versions.expected, self._versions.interrupted = snapshot.versions()
 
     def _write_journal(self) -> None:
         self._bus.publish(RECORDS_CHANGED)

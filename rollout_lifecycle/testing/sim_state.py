@@ -8,6 +8,7 @@ share live here too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import random
@@ -19,6 +20,7 @@ from typing import Any
 
 from rollout_lifecycle.backends.engine import CHECKING, incarnation_of
 from rollout_lifecycle.contract.exceptions import EngineDead, InvalidArgument
+from rollout_lifecycle.contract.identity import PROOF_WINDOW
 from rollout_lifecycle.contract.values import (
     ALL_TAGS,
     PauseMode,
@@ -272,6 +274,9 @@ class SimState:
         #: The checkpoint a (re)started process loads: what its weights hold at first.
         self.initial_content = INITIAL_CONTENT if model_path is None else model_path
         self.closed = False
+        #: When the last call reached the process (the loop's clock): a restart answers no
+        #: sooner than ``PROOF_WINDOW`` after it (``SimulatedEngine.restart``).
+        self.last_call_at = -math.inf
         # The newest history entries, and older finished ones as tuples of their items, in
         # tuples of ``HISTORY_CHUNK`` (see ``record``). The history, like the counters, is what
         # a test sees of every process that served at this engine's place, restarts included.
@@ -424,6 +429,14 @@ class SimState:
 
     # ----------------------------------------------------------------------------- history
 
+    async def new_process_may_answer(self) -> None:
+        """Wait until a new process could answer at this engine's address: ``PROOF_WINDOW``
+        after the old one's last call (a real server takes seconds to start, once the old one
+        has let its port go); calls that come meanwhile reach the old one."""
+        loop = asyncio.get_running_loop()
+        while (wait := self.last_call_at + PROOF_WINDOW - loop.time()) > 0:  # noqa: ASYNC110
+            await asyncio.sleep(wait)  # (a time, not an event: calls meanwhile move it on)
+
     def record(self, op: str, **fields: Any) -> dict[str, Any]:
         """Append the history entry of a call that starts now; the caller fills in its end.
 
@@ -446,6 +459,8 @@ class SimState:
         check = CHECKING.get()
         if check is not None:  # a read the engine host makes to check the engine
             entry["check_of"] = check
+        with contextlib.suppress(RuntimeError):  # (a call made outside any loop)
+            self.last_call_at = asyncio.get_running_loop().time()
         recent = self.recent
         recent.append(entry)
         if len(recent) >= 2 * HISTORY_CHUNK:

@@ -397,7 +397,8 @@ class SimulatedEngine:
     # ----------------------------------------------------------------------------- the process
 
     async def restart(self) -> None:
-        """The server process is restarted at the same place: a fresh server answers there.
+        """The server process is restarted at the same place: a fresh server answers there
+        ``PROOF_WINDOW`` seconds after the old one's last call at the soonest.
 
         Every request in flight is lost as a dropped connection (``EngineUnreachable``), the
         calls in flight fail, and the engine starts over as SGLang does: every tag resident, not
@@ -406,6 +407,7 @@ class SimulatedEngine:
         ``restart`` entry marks the moment; ``stats()["restarts"]`` counts them).
         """
         state = self._state
+        await state.new_process_may_answer()
         entry = state.record("restart", outcome="ok")
         for req in state.in_flight.values():
             if not req.future.done():

@@ -25,7 +25,7 @@ from rollout_lifecycle import (
     SimulatedEngine,
 )
 from rollout_lifecycle.contract.urls import url_identity
-from rollout_lifecycle.core.claims import LOCK_DIR_ENV, Claims, describe, lock_dir
+from rollout_lifecycle.core.claims import LOCK_DIR_ENV, Claims, HostClaims, describe, lock_dir
 from rollout_lifecycle.core.ledger import EngineRecord
 
 A, B = "http://127.0.0.1:31001", "http://127.0.0.1:31002"
@@ -66,47 +66,102 @@ def claims(server: str, *urls: str | None) -> Claims:
 
 
 async def test_a_claim_holds_every_address_until_it_is_released() -> None:
-    release = await claims("trainer", A, B).claim("offload")
+    lease = await claims("trainer", A, B).claim("offload")
     # the same engine, spelled another way: one address
-    other = claims("operator", A.replace("127.0.0.1", "localhost"))
-    with pytest.raises(EngineClaimed) as refused:
-        await other.claim("pause")
-    error = refused.value
-    assert error.engine == url_identity(A)
-    assert (error.details["server"], error.details["call"]) == ("trainer", "offload")
-    assert error.details["pid"] == os.getpid()
-    assert f"pid {os.getpid()} on " in error.holder and "server 'trainer'" in error.holder
-    release()
+    for spelling in ("localhost", "127.1", "2130706433", "0x7f000001"):
+        other = claims("operator", A.replace("127.0.0.1", spelling))
+        with pytest.raises(EngineClaimed) as refused:
+            await other.claim("pause")
+        error = refused.value
+        assert error.engine == f"address:{url_identity(A)}"
+        assert (error.details["server"], error.details["call"]) == ("trainer", "offload")
+        assert error.details["pid"] == os.getpid()
+        assert f"pid {os.getpid()} on " in error.holder and "server 'trainer'" in error.holder
+    lease.release()
     again = await other.claim("pause")  # free once released
-    again()
+    again.release()
+
+
+async def test_a_claim_in_another_lock_directory_is_refused_all_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two containers on one host network, each with its own /tmp: the abstract socket of the
+    # network namespace is shared, whatever the directory.
+    lease = await claims("trainer", A).claim("offload")
+    monkeypatch.setenv(LOCK_DIR_ENV, str(tmp_path / "another"))
+    with pytest.raises(EngineClaimed) as refused:
+        await claims("operator", A).claim("pause")
+    # what it can tell of the holder without its lock file: the pid its socket answers with
+    assert refused.value.details == {"seen": "socket", "pid": os.getpid()}
+    assert f"pid {os.getpid()} in this network namespace" in refused.value.holder
+    lease.release()
+    (await claims("operator", A).claim("pause")).release()
 
 
 async def test_a_refused_claim_keeps_none_of_the_addresses_it_had_locked() -> None:
-    release = await claims("first", B).claim("pause")
+    lease = await claims("first", B).claim("pause")
     with pytest.raises(EngineClaimed, match="server 'first'"):
         await claims("second", A, B).claim("offload")  # A is locked first (sorted), then B
     only_a = await claims("third", A).claim("offload")  # A was let go
-    only_a()
-    release()
+    only_a.release()
+    lease.release()
 
 
-async def test_the_lock_file_says_who_holds_it_and_is_emptied_on_release(locks: Path) -> None:
-    release = await claims("trainer", A).claim("onload")
+async def test_the_lock_file_says_who_holds_it_and_keeps_only_the_count_on_release(
+    locks: Path,
+) -> None:
+    lease = await claims("trainer", A).claim("onload")
     (name,) = lock_files(locks)
-    holder = json.loads((locks / name).read_text())
+    written = json.loads((locks / name).read_text())
+    holder = written["holder"]
     assert (holder["server"], holder["call"], holder["pid"]) == ("trainer", "onload", os.getpid())
     assert describe(holder).startswith(f"pid {os.getpid()} on {holder['host']}, ")
-    release()
-    assert (locks / name).read_text() == ""  # a later claimant reads no stale holder
+    lease.release()
+    left = json.loads((locks / name).read_text())
+    assert "holder" not in left  # a later claimant reads no stale holder
+    assert left["epoch"] == written["epoch"] == 1  # claims taken so far
     assert lock_files(locks) == [name]  # the file stays, for the next claim
 
 
+async def test_a_claim_tells_whether_anyone_else_claimed_since_this_store_did() -> None:
+    store = HostClaims()
+    first = store.acquire(["address:x"], {"server": "trainer"})
+    assert not first.continuous("address:x")  # (never held before)
+    first.release()
+    second = store.acquire(["address:x"], {"server": "trainer"})
+    assert second.continuous("address:x")  # nobody between
+    second.release()
+    HostClaims().acquire(["address:x"], {"server": "operator"}).release()  # someone else
+    third = store.acquire(["address:x"], {"server": "trainer"})
+    assert not third.continuous("address:x")
+    third.release()
+
+
+async def test_an_incarnation_is_claimed_whatever_address_reaches_it() -> None:
+    # Two spellings no resolver tells apart (a port forward): one process, one claim.
+    store, other = HostClaims(), HostClaims()
+    lease = store.acquire(["address:http://a:1", "incarnation:abc"], {"server": "trainer"})
+    with pytest.raises(EngineClaimed, match="server 'trainer'"):
+        other.acquire(["address:http://b:2", "incarnation:abc"], {"server": "operator"})
+    later = other.acquire(["address:http://b:2"], {"server": "operator"})  # (not named yet)
+    with pytest.raises(EngineClaimed):
+        later.extend(["incarnation:abc"])  # named at first contact: refused there
+    later.release()
+    lease.release()
+
+
 async def test_engines_without_an_address_are_not_claimed(locks: Path) -> None:
-    release = await claims("first", None, A, None).claim("pause")
+    lease = await claims("first", None, A, None).claim("pause")
     assert len(lock_files(locks)) == 1
     second = await claims("second", None).claim("pause")  # nothing to contend for
-    second()
-    release()
+    second.release()
+    lease.release()
+
+
+async def test_one_server_given_twice_under_two_spellings_is_refused_naming_both() -> None:
+    with pytest.raises(InvalidArgument, match=r"actor/0 \(http://127.0.0.1:31001\) and actor/1 "
+                       r"\(http://localhost:31001\) are one server"):  # fmt: skip
+        await claims("trainer", A, A.replace("127.0.0.1", "localhost")).claim("pause")
 
 
 async def test_simulated_engines_without_an_address_are_not_claimed(locks: Path) -> None:
@@ -138,8 +193,7 @@ async def test_the_lock_directory_is_made_for_every_user_of_the_host(
     locks: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert lock_dir() == locks and mode(locks) is None
-    release = await claims("trainer", A).claim("pause")
-    release()
+    (await claims("trainer", A).claim("pause")).release()
     assert mode(locks) == 0o1777  # sticky and writable by all, as /tmp
     monkeypatch.delenv(LOCK_DIR_ENV)
     assert lock_dir() == Path(tempfile.gettempdir()) / "rollout-lifecycle-locks"
@@ -151,5 +205,11 @@ async def test_a_lock_directory_that_cannot_hold_files_names_the_setting(
     not_a_directory = tmp_path / "file"
     not_a_directory.write_text("")
     monkeypatch.setenv(LOCK_DIR_ENV, str(not_a_directory))
-    with pytest.raises(InvalidArgument, match=f"cannot open the controller lock .*{LOCK_DIR_ENV}"):
+    with pytest.raises(
+        InvalidArgument, match=f"lock directory .* is not a directory; set {LOCK_DIR_ENV}"
+    ):
+        await claims("trainer", A).claim("pause")
+    under = not_a_directory / "locks"
+    monkeypatch.setenv(LOCK_DIR_ENV, str(under))
+    with pytest.raises(InvalidArgument, match=f"cannot make the controller lock directory {under}"):
         await claims("trainer", A).claim("pause")

@@ -24,6 +24,7 @@ from typing import IO, Any
 import rollout_lifecycle
 from rollout_lifecycle.backends.secret import Secret, as_secret
 from rollout_lifecycle.contract.exceptions import InvalidArgument, LifecycleError
+from rollout_lifecycle.contract.identity import PROOF_WINDOW
 from rollout_lifecycle.contract.values import check_flag, check_seconds
 from rollout_lifecycle.testing.simulated import SimulatedEngine, check_engine_options
 from rollout_lifecycle.testing.standin.app import (
@@ -554,9 +555,14 @@ class StandInServer:
     def restart(self, timeout: float = 5.0) -> StandInServer:
         """Stop the server and start a new one at the same URL, as an orchestrator restarts a
         server in place: what answers there then is a fresh server with a new incarnation (every
-        tag resident, not paused, the initial weights), and whatever was in flight is lost."""
+        tag resident, not paused, the initial weights), and whatever was in flight is lost. The
+        new one answers ``PROOF_WINDOW`` seconds after the old one stopped at the soonest."""
         port = self.port
         self.stop(timeout)
+        # A real server takes seconds to start once the old one let its port go; a new
+        # stand-in answers no sooner than PROOF_WINDOW after the old one's last answer, so that
+        # a controller may take an answer as proof of the process for that long.
+        time.sleep(PROOF_WINDOW)
         if self._stderr is not None:
             self._stderr.close()
         self._port_asked, self._port = port, None
