@@ -23,7 +23,7 @@ from rollout_lifecycle.core.ledger import EngineRecord, EngineSnapshot
 from rollout_lifecycle.core.runner import Calls, Plan, issue
 
 
-def _spellings(first: Any, second: Any, key: Hashable) -> str:
+def spellings(first: Any, second: Any, key: Hashable) -> str:
     """How a message names one engine given twice: both URLs where they differ, and the
     identity they share."""
     urls = [getattr(getattr(h, "backend", None), "url", None) for h in (first, second)]
@@ -61,7 +61,7 @@ class EngineGroup:
                 first = handles[seen[key]]
                 raise InvalidArgument(
                     f"engine #{index} of group {name!r} is the same engine as engine "
-                    f"#{seen[key]} ({_spellings(first, handle, key)}); give each engine once"
+                    f"#{seen[key]} ({spellings(first, handle, key)}); give each engine once"
                 )
             seen[key] = index
             handles.append(handle)
@@ -184,4 +184,4 @@ def shown(identity: Hashable) -> str:
     return "the same object"
 
 
-__all__ = ["EngineGroup", "EngineSnapshot"]
+__all__ = ["EngineGroup", "EngineSnapshot", "spellings"]

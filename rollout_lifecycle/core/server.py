@@ -29,7 +29,7 @@ from rollout_lifecycle.core.bus import (
 from rollout_lifecycle.core.claims import Claims
 from rollout_lifecycle.core.config import LifecycleConfig
 from rollout_lifecycle.core.generation import GenerationClient
-from rollout_lifecycle.core.group import EngineGroup
+from rollout_lifecycle.core.group import EngineGroup, spellings
 from rollout_lifecycle.core.hooks import HOOK_EVENTS, HOOK_PHASES, Hook, Hooks, LifecycleEvent
 from rollout_lifecycle.core.ledger import Fleet
 from rollout_lifecycle.core.machine import NO_ARGS, Machine, PhaseArgs
@@ -490,7 +490,7 @@ def _check_groups(groups: object) -> None:
     if not groups:
         raise InvalidArgument("a RolloutServer needs at least one EngineGroup")
     names: set[str] = set()
-    owners: dict[Hashable, str] = {}
+    owners: dict[Hashable, Any] = {}
     for group in groups:
         if not isinstance(group, EngineGroup):
             raise InvalidArgument(f"expected an EngineGroup, got {group!r}")
@@ -499,12 +499,14 @@ def _check_groups(groups: object) -> None:
         names.add(group.name)
         for record in group.records:
             key = seam.identity(record.handle)
-            if key in owners:
+            first = owners.get(key)
+            if first is not None:
                 raise InvalidArgument(
-                    f"engine {record.id} is also engine {owners[key]}; an engine belongs "
-                    f"to one group, once"
+                    f"engine {record.id} is also engine {first.id} "
+                    f"({spellings(first.handle, record.handle, key)}); an engine belongs to "
+                    f"one group, once"
                 )
-            owners[key] = record.id
+            owners[key] = record
 
 
 __all__ = [

@@ -8,9 +8,12 @@ without an address) are ``tests/core/test_claims.py``'s."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import pickle
 import signal
+import socket
 import sys
 import textwrap
 from collections.abc import AsyncIterator, Iterator
@@ -147,3 +150,86 @@ async def test_a_claim_held_by_another_process_refuses_and_dies_with_it(
     await asyncio.wait_for(server.pause(), BOUND)
     await server.resume()
     assert server.state is S.SERVING
+
+
+RACER = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    from rollout_lifecycle import (
+        EngineClaimed, EngineGroup, PhaseFailed, RolloutServer, SGLangHTTPEngine,
+    )
+
+    async def trial(urls):
+        engines = [SGLangHTTPEngine(u, retries=0) for u in urls]
+        server = RolloutServer([EngineGroup("actor", engines)], name=sys.argv[1])
+        try:
+            await server.offload()
+            await server.onload()  # (back to serving for the next trial)
+            return "cycled"
+        except EngineClaimed:
+            return "claimed"
+        except PhaseFailed as exc:
+            return "refused: " + ", ".join(sorted({o.outcome.value for o in exc.outcomes.values()}))
+        finally:
+            await asyncio.gather(*(e.close() for e in engines))
+
+    async def main():
+        for line in sys.stdin:  # one trial per "go", all started at once by the test
+            print(json.dumps(await trial(sys.argv[2:])), flush=True)
+
+    asyncio.run(main())
+    """
+)
+
+TRIALS = 20
+
+
+@pytest.mark.parametrize("lock_dirs", ["one lock directory", "a lock directory each"])
+async def test_two_controllers_spelling_one_engine_differently_kill_nothing(
+    servers: list[StandInServer], tmp_path: Path, lock_dirs: str
+) -> None:
+    """Two controller processes race a full offload and onload over the same two engines, one
+    spelling them 127.0.0.1 and the other by this host's name and 127.1, ``TRIALS`` times:
+    each time one cycles and the other is refused before it sends a release (claimed, or its
+    pause found the engines paused), whichever lock directory each has (two containers on one
+    host network, each with its own /tmp). No engine dies."""
+    spellings = {
+        "a": [s.url for s in servers],
+        "b": [
+            servers[0].url.replace("127.0.0.1", socket.gethostname()),
+            servers[1].url.replace("127.0.0.1", "127.1"),
+        ],
+    }
+    racers = {}
+    for name, urls in spellings.items():
+        env = dict(os.environ)
+        if lock_dirs != "one lock directory":
+            env[LOCK_DIR_ENV] = str(tmp_path / f"locks-{name}")
+        racers[name] = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", RACER, name, *urls,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
+        )  # fmt: skip
+    outcomes: dict[str, list[str]] = {name: [] for name in racers}
+    try:
+        for _ in range(TRIALS):
+            for racer in racers.values():
+                assert racer.stdin is not None
+                racer.stdin.write(b"go\n")
+            await asyncio.gather(*(r.stdin.drain() for r in racers.values() if r.stdin))
+            for name, racer in racers.items():
+                assert racer.stdout is not None
+                line = await asyncio.wait_for(racer.stdout.readline(), BOUND)
+                assert line, f"racer {name} exited ({await racer.wait()})"
+                outcomes[name].append(json.loads(line))
+            assert all(s.alive() for s in servers), f"an engine died: {outcomes}"
+    finally:
+        for racer in racers.values():
+            with contextlib.suppress(ProcessLookupError):
+                racer.kill()
+            await racer.wait()
+    both = list(zip(outcomes["a"], outcomes["b"], strict=True))
+    assert all("cycled" in pair for pair in both), both  # one of the two went through
+    refused = [o for pair in both for o in pair if o != "cycled"]
+    assert all(o == "claimed" or o.startswith("refused: conflict") for o in refused), both
+    # left serving, every tag resident
+    assert not any(s.state()["paused"] or s.state()["released_tags"] for s in servers)

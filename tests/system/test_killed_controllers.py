@@ -1,0 +1,158 @@
+"""A controller killed at any instant leaves a journal that tells the truth, and the next one
+heals what it left.
+
+A training process driving two stand-in servers is killed in the middle of its weight push,
+with SIGKILL (nothing of it runs) or SIGTERM (how Ray and Kubernetes stop a process; the
+library lets the call in progress settle, then the process ends as SIGTERM ends it). A second
+process adopts its journal and must find the engines as they are: with SIGKILL a weight-update
+session is open on both (the journal says it may be: adopted as failed, the engines stale until
+a write completes, and ``reset()`` closes the sessions first); with SIGTERM it was closed before
+the process ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import textwrap
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from rollout_lifecycle import (
+    EngineGroup,
+    FromDisk,
+    RolloutServer,
+    ServerState,
+    SGLangHTTPEngine,
+)
+from rollout_lifecycle.core.claims import LOCK_DIR_ENV
+from rollout_lifecycle.core.snapshots import ServerSnapshot
+from rollout_lifecycle.testing import StandInServer
+
+S = ServerState
+BOUND = 60.0
+
+TRAINER = textwrap.dedent(
+    """
+    import asyncio, json, os, sys
+    from rollout_lifecycle import EngineGroup, RolloutServer, SGLangHTTPEngine
+
+    def journal(path):
+        def write(snapshot):
+            with open(path + ".tmp", "w") as f:
+                json.dump(snapshot.to_dict(), f)
+            os.replace(path + ".tmp", path)
+        return write
+
+    async def main():
+        path, urls = sys.argv[1], sys.argv[2:]
+        engines = [SGLangHTTPEngine(u, retries=0) for u in urls]
+        server = RolloutServer(
+            [EngineGroup("actor", engines)], name="trainer", journal=journal(path)
+        )
+        await server.offload()
+        await server.onload_weights()
+
+        async def push(update):
+            print("pushing", flush=True)  # the sessions are open
+            await asyncio.sleep(3600)
+
+        await server.update_weights(push)
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.fixture
+def servers() -> Iterator[list[StandInServer]]:
+    with StandInServer.running(2, token_latency=0.001) as running:
+        yield running
+
+
+@pytest.fixture(autouse=True)
+def lock_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    directory = tmp_path / "locks"
+    monkeypatch.setenv(LOCK_DIR_ENV, str(directory))
+    return directory
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[list[SGLangHTTPEngine]]:
+    made: list[SGLangHTTPEngine] = []
+    yield made
+    await asyncio.gather(*(e.close() for e in made))
+
+
+async def killed_in_its_push(
+    servers: list[StandInServer], journal: Path, how: signal.Signals
+) -> int:
+    """Run the trainer until its push has begun, send it ``how``; its exit status."""
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", TRAINER, str(journal), *(s.url for s in servers),
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None
+        line = await asyncio.wait_for(child.stdout.readline(), BOUND)
+        assert line.strip() == b"pushing", f"the trainer did not push (exit {child.returncode})"
+        assert all(s.state()["weight_update_session_open"] for s in servers)
+        child.send_signal(how)
+        return await asyncio.wait_for(child.wait(), BOUND)
+    finally:
+        if child.returncode is None:
+            child.kill()
+            await child.wait()
+
+
+def successor(
+    servers: list[StandInServer], made: list[SGLangHTTPEngine], journal: Path
+) -> RolloutServer:
+    """A new process's server over the same engines, the journal adopted."""
+    engines = [SGLangHTTPEngine(s.url, retries=0) for s in servers]
+    made.extend(engines)
+    server = RolloutServer([EngineGroup("actor", engines)], name="successor")
+    server.adopt(ServerSnapshot.from_dict(json.loads(journal.read_text())))
+    return server
+
+
+async def test_a_trainer_sigkilled_in_its_push_leaves_a_journal_that_says_a_session_may_be_open(
+    servers: list[StandInServer], engines: list[SGLangHTTPEngine], tmp_path: Path
+) -> None:
+    journal = tmp_path / "journal.json"
+    assert await killed_in_its_push(servers, journal, signal.SIGKILL) == -signal.SIGKILL
+    assert all(s.state()["weight_update_session_open"] for s in servers)  # left open
+    server = successor(servers, engines, journal)
+    # a call was in progress and the push may have written half the weights
+    assert server.state is S.FAILED
+    records = server.snapshot().engines().values()
+    assert all(r.session_unknown and r.stale for r in records)
+    assert await server.reset() is S.WEIGHTS_RESTORED  # the sessions closed first
+    assert not any(s.state()["weight_update_session_open"] for s in servers)
+    await server.update_weights(FromDisk("/ckpt/after-the-kill"), version="v1")
+    await server.onload_kv()
+    assert server.state is S.SERVING
+    assert not any(s.state()["paused"] or s.state()["released_tags"] for s in servers)
+    assert all(s.alive() for s in servers)
+
+
+async def test_a_trainer_sigtermed_in_its_push_settles_then_ends_as_sigterm_ends_it(
+    servers: list[StandInServer], engines: list[SGLangHTTPEngine], tmp_path: Path
+) -> None:
+    journal = tmp_path / "journal.json"
+    assert await killed_in_its_push(servers, journal, signal.SIGTERM) == -signal.SIGTERM
+    # the push was cancelled, and the sessions closed, before the process ended
+    assert not any(s.state()["weight_update_session_open"] for s in servers)
+    server = successor(servers, engines, journal)
+    assert server.state is S.WEIGHTS_RESTORED  # (a cancelled call leaves the server in place)
+    snapshot = server.snapshot()
+    assert not any(r.session_unknown for r in snapshot.engines().values())
+    # the push wrote who knows what, and no version tells: no engine continues until a write
+    assert snapshot.interrupted
+    await server.update_weights(FromDisk("/ckpt/after-the-stop"), version="v1")
+    await server.onload_kv()
+    assert server.state is S.SERVING and all(s.alive() for s in servers)
