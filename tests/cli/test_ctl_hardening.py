@@ -21,6 +21,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -865,3 +866,20 @@ def test_status_after_a_sigkill_mid_call_shows_what_the_state_file_does_not_know
         assert fleet.run("reset")[0] == 0
     code, status = fleet.run("status")
     assert [(r["record_certain"], r["agrees"]) for r in status["engines"]] == [(True, True)] * 2
+
+
+@pytest.mark.parametrize("spelling", [socket.gethostname(), "127.1", "2130706433", "0x7f000001"])
+def test_one_server_under_two_spellings_is_one_engine_given_twice(
+    standin: StandInServer, tmp_path: Path, spelling: str
+) -> None:
+    """``ctl`` given one engine as 127.0.0.1 and under another spelling of this host refuses
+    it, naming both, before anything is sent (released twice, it would die)."""
+    state = tmp_path / "fleet.json"
+    other = standin.url.replace("127.0.0.1", spelling)
+    before = len(standin.history())
+    for action in ("status", "offload"):
+        code, _, err = run_main(
+            ["ctl", action, "--engine", standin.url, "--engine", other, "--state-file", str(state)]
+        )
+        assert_one_line(action, code, err, ExitCode.USAGE, f"{other} is {standin.url} again")
+    assert len(standin.history()) == before and not state.exists() and standin.alive()
