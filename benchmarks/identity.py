@@ -64,22 +64,26 @@ from unittest import mock
 from benchmarks._common import (
     Profile,
     complete_round,
+    cpu_vllm_setup,
     machine,
     median,
     table,
     violations,
 )
-from benchmarks.soak_traffic import cpu_sglang_launch
+from benchmarks.soak_traffic import SGLANG_CACHE, cpu_sglang_launch
 from rollout_lifecycle import (
     EngineGroup,
     EngineHost,
     FromDisk,
-    LaunchedSGLangEngine,
+    LifecycleConfig,
     RolloutServer,
     ServerState,
     SGLangHTTPEngine,
     SimulatedEngine,
+    VLLMHTTPEngine,
     WeightUpdate,
+    free_port,
+    launched_vllm_factory,
 )
 from rollout_lifecycle.testing import local_ray, simulated_engine_actors
 
@@ -89,78 +93,84 @@ CONTENDERS = (CHECKED, UNCHECKED)
 #: Where the baseline patches the checks away: the phase runner decides, per call, whether to
 #: send it as ``checked(...)``. (A string, not an import: benchmarks use public names only.)
 RUNNER_CHECKED_OPS = "rollout_lifecycle.core.commands.CHECKED_OPS"
-#: What a check reads: the pause state only (a pause, once the record knows the engine's
-#: incarnation, as it does after the warm-up cycle), or the incarnation and the pause state
-#: (every other checked call of a cycle: the record holds a pause state throughout).
+#: What a check reads when its engine's last answer no longer proves its process (the calls of
+#: a cycle spaced by more than ``LifecycleConfig.proof_window``, as a trainer's work spaces
+#: them): the pause state where the record says paused (a new process is not paused), and the
+#: incarnation with it for a pause of a serving engine. The first checked call of each call
+#: reads; the ones after it in the same call are proven by the answers before them.
 PAUSE_STATE = ("pause state",)
 IDENTITY = ("incarnation", "pause state")
+#: How long an answer proves the process that gave it (the default ``proof_window``).
+PROOF_WINDOW = LifecycleConfig().proof_window
+#: Seconds between the calls of a cycle in the spaced pace: past the proof window.
+SPACED_S = PROOF_WINDOW + 0.1
+#: The paces a fleet's cycles run at: each call right after the one before, or spaced.
+PACES = {"back to back": 0.0, f"calls {SPACED_S:g} s apart": SPACED_S}
 
 
 class Phase(NamedTuple):
     """A phase reported: its name, its metric (``lifecycle/<call>_s``), the engine op each
-    engine receives in it, and what that op's check reads (nothing: not in ``CHECKED_OPS``)."""
+    engine receives in it, whether that op is checked (``CHECKED_OPS``), and what its check
+    reads of each engine in the spaced pace (back to back, no check reads anything: every
+    answer proves the process for the next call)."""
 
     name: str
     call: str
     op: str
-    reads: tuple[str, ...] = ()
+    checked: bool = False
+    spaced: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:
         """The server's metric of the phase."""
         return f"lifecycle/{self.call}_s"
 
-    @property
-    def checked(self) -> bool:
-        """Whether the phase's calls are checked."""
-        return bool(self.reads)
-
-    @property
-    def identify(self) -> bool:
-        """Whether the phase's check reads the engine's incarnation."""
-        return "incarnation" in self.reads
+    def reads(self, gap: float) -> tuple[str, ...]:
+        """What the phase's check reads at the pace ``gap``."""
+        return self.spaced if gap > PROOF_WINDOW else ()
 
 
 PHASES: tuple[Phase, ...] = (
-    Phase("pause", "offload/pause", "pause_generation", PAUSE_STATE),
+    Phase("pause", "offload/pause", "pause_generation", True, IDENTITY),
     Phase("flush", "offload/flush", "flush_cache"),
-    Phase("release", "offload/release", "release_memory_occupation", IDENTITY),
-    Phase("resume_weights", "onload_weights/weights", "resume_memory_occupation", IDENTITY),
+    Phase("release", "offload/release", "release_memory_occupation", True),
+    Phase(
+        "resume_weights", "onload_weights/weights", "resume_memory_occupation", True, PAUSE_STATE
+    ),
     Phase(
         "begin_weight_update",
         "update_weights/begin_weight_update",
         "begin_weight_update",
-        IDENTITY,
+        True,
+        PAUSE_STATE,
     ),
     Phase("end_weight_update", "update_weights/end_weight_update", "end_weight_update"),
     Phase(
         "update_weight_version",
         "update_weights/update_weight_version",
         "update_weight_version",
-        IDENTITY,
+        True,
     ),
-    Phase("resume_kv", "onload_kv/kv", "resume_memory_occupation", IDENTITY),
+    Phase("resume_kv", "onload_kv/kv", "resume_memory_occupation", True, PAUSE_STATE),
     Phase("check_versions", "onload_kv/check_versions", "weight_version"),
-    Phase("continue", "onload_kv/continue", "continue_generation", IDENTITY),
+    Phase("continue", "onload_kv/continue", "continue_generation", True),
 )
 CHECKED_PHASES = tuple(p.key for p in PHASES if p.checked)
-#: Checked calls per engine per cycle (one per checked phase).
-CHECKS_PER_CYCLE = len(CHECKED_PHASES)
-#: Reads per checked call of an engine that answers ``observe()`` itself (the simulator: one
-#: ``observe`` entry in its history, whatever it was asked for).
-READS_PER_CHECK = 1
+#: The calls of a cycle, whose total times add up to the cycle (the gaps between them left out).
+CALLS = ("offload", "onload_weights", "update_weights", "onload_kv")
 
 
-def expected_reads(one_call: bool = True) -> Counter[str]:
-    """The reads a cycle's checks make of one engine, by the operation they check (their
-    ``check_of``), derived from ``PHASES``: one per checked call where the backend answers
-    ``observe()`` in one call (``one_call``, the simulator); else ``server_info`` where the
-    check identifies the engine, plus ``ping`` and ``ready`` (every check of a cycle reads the
-    pause state), as ``EngineHost.observe`` reads a backend without ``observe()``."""
+def expected_reads(gap: float = 0.0, one_call: bool = True) -> Counter[str]:
+    """The reads a cycle's checks make of one engine at the pace ``gap``, by the operation
+    they check (their ``check_of``), derived from ``PHASES``: one per reading check where the
+    backend answers ``observe()`` in one call (``one_call``, the simulator); else
+    ``server_info`` where the check identifies the engine, plus ``ping`` and ``ready``, as
+    ``EngineHost.observe`` reads a backend without ``observe()``."""
     reads: Counter[str] = Counter()
     for phase in PHASES:
-        if phase.checked:
-            reads[phase.op] += READS_PER_CHECK if one_call else int(phase.identify) + 2
+        found = phase.reads(gap)
+        if found:
+            reads[phase.op] += 1 if one_call else int("incarnation" in found) + 2
     return reads
 
 
@@ -202,10 +212,13 @@ async def no_op_push(update: WeightUpdate) -> None:
 
 @dataclass
 class FleetRun:
-    """One fleet's cycles, per contender, and what the checks of each cycle found."""
+    """One fleet's cycles at one pace, per contender, and what the checks of each cycle
+    found."""
 
     fleet: str
     engines: int
+    #: Seconds between the calls of a cycle (untimed): 0, or past the proof window.
+    gap: float = 0.0
     #: Contender -> one metrics dict per timed cycle (plus ``cycle_s`` and ``checked_phases_s``).
     cycles: dict[str, list[dict[str, float]]] = field(
         default_factory=lambda: {name: [] for name in CONTENDERS}
@@ -227,15 +240,23 @@ class FleetRun:
     reads_s: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
 
 
-async def timed_cycle(server: RolloutServer, push: Any, version: str) -> dict[str, float]:
-    """One cycle; the server's metrics of it, its wall time and the sum of its checked phases."""
+async def timed_cycle(
+    server: RolloutServer, push: Any, version: str, gap: float = 0.0
+) -> dict[str, float]:
+    """One cycle, ``gap`` seconds before each of its calls (a trainer's work, untimed); the
+    server's metrics of it, the sum of its calls' times and the sum of its checked phases."""
     metrics: dict[str, float] = {}
-    began = time.perf_counter()
-    metrics.update(await server.offload())
-    metrics.update(await server.onload_weights())
-    metrics.update(await server.update_weights(push, version=version))
-    metrics.update(await server.onload_kv())
-    metrics[CYCLE_KEY] = time.perf_counter() - began
+    calls: list[Callable[[], Awaitable[dict[str, float]]]] = [
+        server.offload,
+        server.onload_weights,
+        lambda: server.update_weights(push, version=version),
+        server.onload_kv,
+    ]
+    for call in calls:
+        if gap:
+            await asyncio.sleep(gap)
+        metrics.update(await call())
+    metrics[CYCLE_KEY] = sum(metrics[f"lifecycle/{c}/total_s"] for c in CALLS)
     metrics[CHECKED_SUM_KEY] = sum(metrics.get(key, 0.0) for key in CHECKED_PHASES)
     return metrics
 
@@ -267,7 +288,7 @@ def inspect_cycle(
     run.bad[name] += failed[:5] + violations(histories, [labels])
     if not complete_round(histories, labels):
         run.bad[name].append("an engine missed a phase")
-    want = expected_reads() if name == CHECKED else Counter()
+    want = expected_reads(run.gap) if name == CHECKED else Counter()
     counts = []
     for engine, history in histories.items():
         reads = Counter(str(e["check_of"]) for e in history if e.get("check_of") is not None)
@@ -303,7 +324,7 @@ async def _interleave(
             gc.collect()
             began = time.monotonic()
             with checks(name == CHECKED), profile.running() if name == CHECKED else _nothing():
-                metrics = await timed_cycle(server, push, f"v{count}")
+                metrics = await timed_cycle(server, push, f"v{count}", run.gap)
             ended = time.monotonic()
             faults = server_faults(server)
             if k >= 0:
@@ -330,11 +351,14 @@ def _finish(run: FleetRun, server: RolloutServer) -> None:
 # -- in process ----------------------------------------------------------------------------------
 
 
-async def run_in_process(engines: int, rounds: int, profile: Profile | None = None) -> FleetRun:
-    """``rounds`` rounds on ``engines`` in-process simulated engines with zero latency."""
+async def run_in_process(
+    engines: int, rounds: int, profile: Profile | None = None, gap: float = 0.0
+) -> FleetRun:
+    """``rounds`` rounds on ``engines`` in-process simulated engines with zero latency, the
+    calls ``gap`` seconds apart."""
     fleet = [SimulatedEngine(f"sim-{i}", token_latency=0, seed=i) for i in range(engines)]
     server = RolloutServer([EngineGroup("actor", fleet)], name="identity-bench")
-    run = FleetRun("in-process", engines)
+    run = FleetRun("in-process", engines, gap)
 
     async def after(name: str, began: float, ended: float) -> None:
         # Taken every cycle, so that the engines' histories do not grow through the run.
@@ -359,8 +383,10 @@ async def run_on_ray(
     latency_ms: tuple[float, float] = (1.0, 2.0),
     read_latency_ms: tuple[float, float] = (0.0, 0.0),
     seed: int = 0,
+    gap: float = 0.0,
 ) -> FleetRun:
-    """``rounds`` rounds on ``actors`` simulated engine actors; needs a running Ray."""
+    """``rounds`` rounds on ``actors`` simulated engine actors, the calls ``gap`` seconds
+    apart; needs a running Ray."""
     import ray
 
     low, high = latency_ms[0] / 1000, latency_ms[1] / 1000
@@ -371,7 +397,7 @@ async def run_on_ray(
     started = simulated_engine_actors(
         actors, label="sim", seed=seed, token_latency=0.0, op_latency=latency
     )
-    run = FleetRun("ray", actors)
+    run = FleetRun("ray", actors, gap)
     windows: list[tuple[str, float, float]] = []
 
     async def after(name: str, began: float, ended: float) -> None:
@@ -445,39 +471,65 @@ async def time_reads(
     return out
 
 
+def real_launch(kind: str, python: str | None, model: str | None) -> tuple[Callable[[], Any], str]:
+    """A factory of CPU servers of ``kind`` (``sglang`` or ``vllm``) as the real-server test
+    tiers run them, and the model path; defaults: ``ci/sglang-env``'s and ``ci/vllm-env``'s."""
+    if kind == "sglang":
+        return cpu_sglang_launch(python=python, model=model)
+    venv = SGLANG_CACHE / "vllm-0.32.0"
+    if python is None and not (venv / ".complete").exists():
+        raise RuntimeError(f"no vLLM environment under {SGLANG_CACHE}: run bash ci/vllm-env")
+    chosen = python or str(venv / "bin" / "python")
+    path = model or str(SGLANG_CACHE / "tiny-gpt2")
+    flags, env = cpu_vllm_setup()
+
+    def launch() -> Any:
+        return launched_vllm_factory(
+            path, port=free_port(), python=chosen, env=env, extra_args=flags
+        )()
+
+    return launch, path
+
+
 async def run_real(
     *,
+    kind: str,
     servers: int,
     rounds: int,
     budget_s: float,
     samples: int,
     python: str | None,
     model: str | None,
-) -> FleetRun:
-    """Start ``servers`` CPU SGLang servers, time the reads, then the contenders' cycles."""
-    launch, model_path = cpu_sglang_launch(python=python, model=model)
-    launched: list[LaunchedSGLangEngine] = [launch() for _ in range(servers)]
-    run = FleetRun("real", servers)
+    gaps: Sequence[float] = (0.0,),
+) -> list[FleetRun]:
+    """Start ``servers`` CPU servers of ``kind``, then run the contenders' cycles at each pace
+    of ``gaps`` and time the reads (kept with the first pace's run)."""
+    launch, model_path = real_launch(kind, python, model)
+    launched: list[Any] = [launch() for _ in range(servers)]
+    runs = [FleetRun(f"real {kind}", servers, gap) for gap in gaps]
     began = time.perf_counter()
-    print(f"starting {servers} real SGLang server(s)", flush=True)
-    backends: list[SGLangHTTPEngine] = []
+    print(f"starting {servers} real {kind} server(s)", flush=True)
+    backends: list[Any] = []
+    client = SGLangHTTPEngine if kind == "sglang" else VLLMHTTPEngine
     try:
         await asyncio.gather(*(e.start() for e in launched))
-        run.start_s = time.perf_counter() - began
-        print(f"ready in {run.start_s:.1f} s", flush=True)
-        backends = [SGLangHTTPEngine(e.url) for e in launched]
-        server = RolloutServer([EngineGroup("sglang", list(backends))], name="identity-bench")
+        start_s = time.perf_counter() - began
+        print(f"ready in {start_s:.1f} s", flush=True)
+        backends = [client(e.url) for e in launched]
+        server = RolloutServer([EngineGroup(kind, list(backends))], name="identity-bench")
         hosts: list[EngineHost] = list(server.groups[0].engines)
-        await _interleave(run, server, rounds, FromDisk(model_path), budget_s=budget_s)
-        run.reads_s = await time_reads(hosts, samples, "serving")
+        for run in runs:
+            run.start_s = start_s
+            await _interleave(run, server, rounds, FromDisk(model_path), budget_s=budget_s)
+            _finish(run, server)
+        runs[0].reads_s = await time_reads(hosts, samples, "serving")
         await server.pause()
-        run.reads_s.update(await time_reads(hosts, samples, "paused"))
+        runs[0].reads_s.update(await time_reads(hosts, samples, "paused"))
         await server.resume()
-        _finish(run, server)
     finally:
         await asyncio.gather(*(b.close() for b in backends), return_exceptions=True)
         await asyncio.gather(*(e.close() for e in launched), return_exceptions=True)
-    return run
+    return runs
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -496,8 +548,11 @@ def phase_rows(run: FleetRun) -> list[list[object]]:
     """Per phase: median (min-max) ms with and without checks, the added ms (median of each
     round's difference), per engine in microseconds, and with / without."""
     rows: list[list[object]] = []
-    labels = [(p.name, p.key, ", ".join(p.reads) or "no") for p in PHASES]
-    labels += [("checked phases, sum", CHECKED_SUM_KEY, ""), ("cycle (wall)", CYCLE_KEY, "")]
+    labels = [
+        (p.name, p.key, ", ".join(p.reads(run.gap)) or ("nothing" if p.checked else "-"))
+        for p in PHASES
+    ]
+    labels += [("checked phases, sum", CHECKED_SUM_KEY, ""), ("cycle (4 calls)", CYCLE_KEY, "")]
     digits = 3 if run.fleet == "in-process" and run.engines < 1000 else 2
     for name, key, checked in labels:
         w = [c.get(key, float("nan")) for c in run.cycles[CHECKED]]
@@ -524,16 +579,20 @@ def report(run: FleetRun) -> str:
         "in-process": f"{run.engines:,} in-process simulated engines (zero latency), one group",
         "ray": f"{run.engines} simulated engine actors, one group "
         f"(fleet started in {run.start_s:.1f} s)",
-        "real": f"{run.engines} real CPU SGLang servers as SGLangHTTPEngine, one group "
+        "real sglang": f"{run.engines} real CPU SGLang servers as SGLangHTTPEngine, one group "
+        f"(ready in {run.start_s:.1f} s)",
+        "real vllm": f"{run.engines} real CPU vLLM servers as VLLMHTTPEngine, one group "
         f"(ready in {run.start_s:.1f} s)",
     }[run.fleet]
+    pace = next(name for name, gap in PACES.items() if gap == run.gap)
     cycles = {n: len(run.cycles[n]) for n in CONTENDERS}
     lines = [
-        f"{head}; {cycles[CHECKED]} / {cycles[UNCHECKED]} timed cycles with / without checks",
+        f"{head}, {pace}; {cycles[CHECKED]} / {cycles[UNCHECKED]} timed cycles with / without "
+        f"checks",
         table(
             [
                 "phase",
-                "checked (reads)",
+                "check reads",
                 "with checks ms, median (min-max)",
                 "without ms, median (min-max)",
                 "added ms (median of rounds)",
@@ -544,7 +603,7 @@ def report(run: FleetRun) -> str:
         ),
     ]
     for name in CONTENDERS:
-        want = expected_reads().total() if name == CHECKED else 0
+        want = expected_reads(run.gap).total() if name == CHECKED else 0
         reads = (
             f", check reads per engine per cycle {median(run.reads[name]):g} (expected {want})"
             if run.inspected[name]
@@ -574,6 +633,7 @@ def as_json(runs: Sequence[FleetRun]) -> dict[str, Any]:
             {
                 "fleet": r.fleet,
                 "engines": r.engines,
+                "gap_s": r.gap,
                 "cycles": r.cycles,
                 "reads_per_engine": r.reads,
                 "problems": r.bad,
@@ -623,7 +683,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar=("LOW", "HIGH"),
         help="Ray: the check's read (observe) takes U(LOW, HIGH) ms (default 0 0)",
     )
-    parser.add_argument("--real", action="store_true", help="also two real CPU SGLang servers")
+    parser.add_argument(
+        "--real", action="store_true", help="also two real CPU servers of each kind"
+    )
+    parser.add_argument(
+        "--real-kinds", nargs="+", choices=("sglang", "vllm"), default=["sglang", "vllm"]
+    )
+    parser.add_argument(
+        "--pace", action="append", choices=list(PACES), help="repeatable (default: every pace)"
+    )
+    parser.add_argument("--vllm-python", metavar="PY", help="real: the interpreter with vllm")
     parser.add_argument("--real-servers", type=int, default=2)
     parser.add_argument("--real-rounds", type=int, default=15)
     parser.add_argument(
@@ -645,41 +714,53 @@ def main(argv: Sequence[str] | None = None) -> int:
     fleets = args.fleet or ["in-process", "ray"]
     if args.real and "real" not in fleets:
         fleets.append("real")
+    gaps = [PACES[name] for name in args.pace] if args.pace else list(PACES.values())
     print(f"machine: {machine()}")
     runs: list[FleetRun] = []
+
+    def show(run: FleetRun) -> None:
+        runs.append(run)
+        print(report(run), flush=True)
+
     if "in-process" in fleets:
         for engines in args.sizes:
-            rounds = args.rounds or (41 if engines <= 100 else 21)
-            profile = Profile(args.profile if engines == max(args.sizes) else None)
-            run = asyncio.run(run_in_process(engines, rounds, profile))
-            profile.write(f"checked cycles, {engines} in-process engines")
-            runs.append(run)
-            print(report(run), flush=True)
+            for gap in gaps:
+                rounds = args.rounds or (41 if engines <= 100 else 21)
+                rounds = rounds if not gap else max(3, rounds // 3)  # (3 s of gaps a round)
+                profile = Profile(args.profile if engines == max(args.sizes) else None)
+                run = asyncio.run(run_in_process(engines, rounds, profile, gap))
+                profile.write(f"checked cycles, {engines} in-process engines, gap {gap:g} s")
+                show(run)
     if "ray" in fleets:
         with local_ray():
-            run = asyncio.run(
-                run_on_ray(
-                    args.ray_actors,
-                    args.ray_rounds,
-                    (args.latency_ms[0], args.latency_ms[1]),
-                    (args.read_latency_ms[0], args.read_latency_ms[1]),
+            for gap in gaps:
+                rounds = args.ray_rounds if not gap else max(3, args.ray_rounds // 3)
+                show(
+                    asyncio.run(
+                        run_on_ray(
+                            args.ray_actors,
+                            rounds,
+                            (args.latency_ms[0], args.latency_ms[1]),
+                            (args.read_latency_ms[0], args.read_latency_ms[1]),
+                            gap=gap,
+                        )
+                    )
                 )
-            )
-        runs.append(run)
-        print(report(run), flush=True)
-    if "real" in fleets:
-        run = asyncio.run(
-            run_real(
-                servers=args.real_servers,
-                rounds=args.real_rounds,
-                budget_s=args.real_budget_s,
-                samples=args.observe_samples,
-                python=args.sglang_python,
-                model=args.model,
-            )
-        )
-        runs.append(run)
-        print(report(run), flush=True)
+    for kind in ("sglang", "vllm"):
+        if "real" in fleets and kind in args.real_kinds:
+            for run in asyncio.run(
+                run_real(
+                    kind=kind,
+                    servers=args.real_servers,
+                    rounds=args.real_rounds,
+                    budget_s=args.real_budget_s,
+                    samples=args.observe_samples,
+                    python=args.sglang_python if kind == "sglang" else args.vllm_python,
+                    model=args.model,
+                    gaps=gaps,
+                )
+            ):
+                show(run)
     if args.json:
         Path(args.json).write_text(json.dumps(as_json(runs), indent=2, default=str))
         print(f"cycles written to {args.json}")

@@ -29,7 +29,7 @@ from rollout_lifecycle.contract.exceptions import (
     IllegalEngineOp,
     InvalidArgument,
 )
-from rollout_lifecycle.contract.identity import Expectation, disagreement
+from rollout_lifecycle.contract.identity import COARSE, Expectation, disagreement
 from rollout_lifecycle.contract.ops import CHECKED_OPS
 from rollout_lifecycle.contract.outcome import SESSION_OPEN, Outcome
 from rollout_lifecycle.contract.urls import url_identity
@@ -140,7 +140,9 @@ def incarnation_of(info: Mapping[str, Any]) -> str | None:
     if all(value is None for value in parts.values()):
         return None
     text = json.dumps(parts, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    # A start time alone (vLLM's, to the clock tick) may be two processes' (COARSE).
+    return digest if parts["random_seed"] is not None else COARSE + digest
 
 
 async def observe(backend: object, *, paused: bool, identify: bool) -> dict[str, Any]:

@@ -26,6 +26,17 @@ from rollout_lifecycle.contract.outcome import Outcome
 #: starts); both take seconds (``docs/design.md``, "The checks cost next to nothing").
 PROOF_WINDOW = 0.5
 
+#: The prefix of an incarnation that names a process by its start time alone (vLLM's: the
+#: Prometheus ``process_start_time_seconds``, to the clock tick), which two processes started
+#: together may share: it tells a restart, not two engines apart.
+COARSE = "start-time:"
+
+
+def distinguishes(incarnation: str | None) -> bool:
+    """Whether ``incarnation`` names one process among all (two engines showing it are one)."""
+    return incarnation is not None and not incarnation.startswith(COARSE)
+
+
 #: What a record expects of its engine before a checked call: its incarnation (None: not known
 #: yet) and whether it is paused (None: the record does not say, or it need not be checked).
 Expectation = Sequence[Any]
@@ -60,4 +71,4 @@ def disagreement(
     return None
 
 
-__all__ = ["PROOF_WINDOW", "Expectation", "disagreement", "paused_words"]
+__all__ = ["COARSE", "PROOF_WINDOW", "Expectation", "disagreement", "distinguishes", "paused_words"]

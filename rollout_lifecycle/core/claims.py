@@ -58,6 +58,7 @@ from typing import Any, Protocol
 
 from rollout_lifecycle.contract import seam
 from rollout_lifecycle.contract.exceptions import EngineClaimed, InvalidArgument
+from rollout_lifecycle.contract.identity import distinguishes
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.urls import url_identity
 from rollout_lifecycle.core.ledger import EngineRecord
@@ -434,7 +435,8 @@ class Claims:
         urls = await self._urls.of(list(self._records()))
         seen: dict[str, EngineRecord] = {}
         for record in self._records():
-            if record.alive and record.incarnation is not None:
+            if record.alive and distinguishes(record.incarnation):
+                assert record.incarnation is not None
                 other = seen.get(record.incarnation)
                 if other is not None:
                     raise InvalidArgument(
@@ -443,7 +445,9 @@ class Claims:
                         f"{record.incarnation}): give each engine once"
                     )
                 seen[record.incarnation] = record
-        lease.extend([f"incarnation:{r.incarnation}" for r in records if r.incarnation])
+        lease.extend(
+            [f"incarnation:{r.incarnation}" for r in records if distinguishes(r.incarnation)]
+        )
 
     def _in_process(self, record: EngineRecord) -> bool:
         """Whether this server made the last claim of an engine reachable only through this
@@ -461,7 +465,7 @@ def _keys(address: str | None, record: EngineRecord) -> list[str]:
     if address is None:
         return []
     keys = [f"address:{address}"]
-    if record.incarnation is not None:
+    if distinguishes(record.incarnation):
         keys.append(f"incarnation:{record.incarnation}")
     return keys
 

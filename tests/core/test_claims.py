@@ -24,6 +24,8 @@ from rollout_lifecycle import (
     RolloutServer,
     SimulatedEngine,
 )
+from rollout_lifecycle.backends.engine import incarnation_of
+from rollout_lifecycle.contract.identity import COARSE
 from rollout_lifecycle.contract.urls import url_identity
 from rollout_lifecycle.core.claims import LOCK_DIR_ENV, Claims, HostClaims, describe, lock_dir
 from rollout_lifecycle.core.ledger import EngineRecord
@@ -213,3 +215,27 @@ async def test_a_lock_directory_that_cannot_hold_files_names_the_setting(
     monkeypatch.setenv(LOCK_DIR_ENV, str(under))
     with pytest.raises(InvalidArgument, match=f"cannot make the controller lock directory {under}"):
         await claims("trainer", A).claim("pause")
+
+
+async def test_two_engines_showing_one_process_are_refused_unless_its_name_is_coarse() -> None:
+    records = [EngineRecord(f"actor/{i}", "actor", None) for i in range(2)]
+    addresses = Addresses({"actor/0": A, "actor/1": B})  # (a port forward, say)
+    server = Claims("trainer", lambda: records, addresses)  # type: ignore[arg-type]
+    lease = await server.claim("pause")
+    try:
+        for record in records:
+            record.incarnation = "ab12"  # both showed this process at first contact
+        with pytest.raises(InvalidArgument, match=rf"actor/0 \({A}\) and actor/1 \({B}\) are one"):
+            await server.named(lease, records)
+        # vLLM names a process by its start time, to the clock tick: two started together may
+        # share it, so it tells nothing of two engines (and claims nothing)
+        coarse = incarnation_of({"startup_time": "1764400000.12"})
+        assert coarse is not None and coarse.startswith(COARSE)
+        assert not incarnation_of({"startup_time": "1", "random_seed": 7}).startswith(COARSE)
+        for record in records:
+            record.incarnation = coarse
+        await server.named(lease, records)
+        other = HostClaims().acquire([f"incarnation:{coarse}"], {"server": "operator"})
+        other.release()
+    finally:
+        lease.release()

@@ -103,30 +103,35 @@ def test_identity_checks_the_phases_the_library_checks() -> None:
     checked = {op.value for op in CHECKED_OPS}
     for phase in identity.PHASES:
         assert phase.checked == (phase.op in checked), phase
-        # `EngineRecord.expect`: every checked call of a cycle but the pause identifies.
-        assert phase.identify == (phase.checked and phase.op != Op.PAUSE.value), phase
+        assert phase.reads(0.0) == ()  # back to back, every answer proves the next call
+        # `EngineRecord.expect`, spaced: the first checked call of each call reads (a pause of
+        # a serving engine its incarnation too), the others are proven by the answers before.
+        first = phase.name in ("pause", "resume_weights", "begin_weight_update", "resume_kv")
+        assert bool(phase.reads(identity.SPACED_S)) == first, phase
+        assert ("incarnation" in phase.reads(identity.SPACED_S)) == (phase.op == Op.PAUSE.value)
     assert {p.op for p in identity.PHASES if p.checked} == checked  # every one is measured
 
 
-async def test_identity_times_both_contenders_and_the_checks_really_read() -> None:
-    run = await identity.run_in_process(engines=3, rounds=2)
+@pytest.mark.parametrize("gap", list(identity.PACES.values()))
+async def test_identity_times_both_contenders_and_the_checks_really_read(gap: float) -> None:
+    run = await identity.run_in_process(engines=3, rounds=2, gap=gap)
     for name in identity.CONTENDERS:
         assert len(run.cycles[name]) == 2, name  # every round ran a cycle of each
         assert run.inspected[name] == 2 and run.bad[name] == [], name
         for cycle in run.cycles[name]:
             assert all(p.key in cycle for p in identity.PHASES), name
-            # The phases are inside the cycle, one after another.
+            # The phases are inside the cycle's calls, one after another.
             assert 0 < cycle[identity.CHECKED_SUM_KEY] <= cycle[identity.CYCLE_KEY], name
-    # With checks every checked call read the engine first (the simulator answers a check's
-    # read in one `observe`, so one read per checked phase; `inspect_cycle` compared every
-    # engine's reads, by the op they checked); the patched baseline sent plain.
-    per_cycle = identity.CHECKS_PER_CYCLE * identity.READS_PER_CHECK
-    assert per_cycle == identity.expected_reads().total() == 7
+    # With checks, every check read what the pace calls for (the simulator answers a check's
+    # read in one `observe`; `inspect_cycle` compared every engine's reads, by the op they
+    # checked); the patched baseline sent plain.
+    per_cycle = 0 if not gap else 4
+    assert identity.expected_reads(gap).total() == per_cycle
     assert run.reads[identity.CHECKED] == [per_cycle, per_cycle]
     assert run.reads[identity.UNCHECKED] == [0, 0]
-    # Read through server_info / ping / ready, a pause reads the pause state only.
-    assert identity.expected_reads(one_call=False)["pause_generation"] == 2
-    assert identity.expected_reads(one_call=False).total() == 6 * 3 + 2
+    # Read through server_info / ping / ready, spaced: the pause reads all three (a serving
+    # engine's incarnation and pause state), the three others the pause state.
+    assert identity.expected_reads(gap, one_call=False).total() == (0 if not gap else 3 + 3 * 2)
     assert run.final_state == "serving" and run.dead == 0
     text = identity.report(run)
     assert "update_weight_version" in text and "added us per engine" in text
