@@ -26,6 +26,7 @@ from rollout_lifecycle.contract.exceptions import InvalidArgument, LifecycleErro
 from rollout_lifecycle.contract.fingerprint import Fingerprint
 from rollout_lifecycle.contract.outcome import EngineOutcome
 from rollout_lifecycle.contract.values import MAX_SECONDS
+from rollout_lifecycle.core import terminate
 from rollout_lifecycle.core.calls import LIFECYCLE_CALLS
 from rollout_lifecycle.core.config import LifecycleConfig
 from rollout_lifecycle.core.group import EngineGroup
@@ -405,6 +406,7 @@ class SyncRolloutServer:
         return facade
 
     def _start(self, name: str | None, factory: Callable[[], Any]) -> None:
+        terminate.install()  # (here: the server is built on the loop's thread, not the main one)
         self._runtime = _Runtime(name if isinstance(name, str) and name else "rollout")
         self._finalizer = weakref.finalize(self, _Runtime.stop, self._runtime)
 

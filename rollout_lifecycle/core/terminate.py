@@ -28,10 +28,13 @@ _installed = False
 
 
 def _end() -> None:
-    """End the process as SIGTERM's default action does."""
+    """End the process as SIGTERM's default action does. (Only the main thread may set a
+    handler: from another, a sync facade's loop, SIGTERM is sent again for the main thread's
+    handler to end it, which finds no call left.)"""
     global _installed
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _installed = False
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _installed = False
     os.kill(os.getpid(), signal.SIGTERM)
 
 

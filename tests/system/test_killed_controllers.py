@@ -68,6 +68,40 @@ TRAINER = textwrap.dedent(
 )
 
 
+SYNC_TRAINER = textwrap.dedent(
+    """
+    import json, os, sys, time
+    from rollout_lifecycle import EngineGroup, RolloutServer, SGLangHTTPEngine
+    from rollout_lifecycle.sync import SyncRolloutServer
+
+    def journal(path):
+        def write(snapshot):
+            with open(path + ".tmp", "w") as f:
+                json.dump(snapshot.to_dict(), f)
+            os.replace(path + ".tmp", path)
+        return write
+
+    path, urls = sys.argv[1], sys.argv[2:]
+    server = SyncRolloutServer.wrap(
+        lambda: RolloutServer(
+            [EngineGroup("actor", [SGLangHTTPEngine(u, retries=0) for u in urls])],
+            name="trainer",
+            journal=journal(path),
+        )
+    )
+    server.offload()
+    server.onload_weights()
+
+    async def push(update):
+        import asyncio
+        print("pushing", flush=True)  # the sessions are open
+        await asyncio.sleep(3600)
+
+    server.update_weights(push)
+    """
+)
+
+
 @pytest.fixture
 def servers() -> Iterator[list[StandInServer]]:
     with StandInServer.running(2, token_latency=0.001) as running:
@@ -89,11 +123,11 @@ async def engines() -> AsyncIterator[list[SGLangHTTPEngine]]:
 
 
 async def killed_in_its_push(
-    servers: list[StandInServer], journal: Path, how: signal.Signals
+    servers: list[StandInServer], journal: Path, how: signal.Signals, trainer: str = TRAINER
 ) -> int:
     """Run the trainer until its push has begun, send it ``how``; its exit status."""
     child = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", TRAINER, str(journal), *(s.url for s in servers),
+        sys.executable, "-c", trainer, str(journal), *(s.url for s in servers),
         stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
@@ -140,11 +174,12 @@ async def test_a_trainer_sigkilled_in_its_push_leaves_a_journal_that_says_a_sess
     assert all(s.alive() for s in servers)
 
 
+@pytest.mark.parametrize("trainer", [TRAINER, SYNC_TRAINER], ids=["async", "sync facade"])
 async def test_a_trainer_sigtermed_in_its_push_settles_then_ends_as_sigterm_ends_it(
-    servers: list[StandInServer], engines: list[SGLangHTTPEngine], tmp_path: Path
+    servers: list[StandInServer], engines: list[SGLangHTTPEngine], tmp_path: Path, trainer: str
 ) -> None:
     journal = tmp_path / "journal.json"
-    assert await killed_in_its_push(servers, journal, signal.SIGTERM) == -signal.SIGTERM
+    assert await killed_in_its_push(servers, journal, signal.SIGTERM, trainer) == -signal.SIGTERM
     # the push was cancelled, and the sessions closed, before the process ended
     assert not any(s.state()["weight_update_session_open"] for s in servers)
     server = successor(servers, engines, journal)
