@@ -16,7 +16,7 @@ import signal
 import socket
 import sys
 import textwrap
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,12 +42,7 @@ def servers() -> Iterator[list[StandInServer]]:
         yield running
 
 
-@pytest.fixture(autouse=True)
-def lock_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Each test its own lock directory (the host-wide one by default)."""
-    directory = tmp_path / "locks"
-    monkeypatch.setenv(LOCK_DIR_ENV, str(directory))
-    return directory
+pytestmark = pytest.mark.usefixtures("own_lock_dir")
 
 
 def history_ops(server: StandInServer) -> list[str]:
@@ -55,10 +50,8 @@ def history_ops(server: StandInServer) -> list[str]:
 
 
 @pytest.fixture
-async def engines() -> AsyncIterator[list[SGLangHTTPEngine]]:
-    made: list[SGLangHTTPEngine] = []
-    yield made
-    await asyncio.gather(*(e.close() for e in made))
+def engines(http_clients: list[SGLangHTTPEngine]) -> list[SGLangHTTPEngine]:
+    return http_clients
 
 
 def fleet(

@@ -29,6 +29,7 @@ from rollout_lifecycle import (
 )
 from rollout_lifecycle.backends.http import SGLangHTTPEngine
 from rollout_lifecycle.backends.launch import sglang_http_factory
+from rollout_lifecycle.core.bus import PhaseSettled
 from rollout_lifecycle.testing import cycle_order_violations
 from rollout_lifecycle.testing.standin import StandInServer
 
@@ -175,18 +176,59 @@ async def test_guard_refuses_fatal_misuse_over_http_and_the_servers_live(
     await asyncio.gather(*(e.close() for e in engines))
 
 
+class _HeldPauses(httpx.AsyncBaseTransport):
+    """The link to a slow server: its pause is held on the way until ``go`` is set, so it is
+    answered as late as the test says, however fast or loaded the machine. Other calls go
+    through at once."""
+
+    def __init__(self) -> None:
+        self._inner = httpx.AsyncHTTPTransport()
+        self.go = asyncio.Event()
+        self.held = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/pause_generation":
+            self.held += 1
+            await self.go.wait()
+        return await self._inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
 async def test_slow_server_fails_the_phase_by_its_deadline_and_is_named() -> None:
-    slow = StandInServer(admin_key=ADMIN_KEY, op_latency={"pause_generation": 5.0})
+    slow = StandInServer(admin_key=ADMIN_KEY)
     fast = StandInServer(admin_key=ADMIN_KEY)
     StandInServer.start_all([slow, fast])
+    late = _HeldPauses()
     try:
-        engines = [SGLangHTTPEngine(u, admin_key=ADMIN_KEY) for u in (fast.url, slow.url)]
+        engines = [
+            SGLangHTTPEngine(fast.url, admin_key=ADMIN_KEY),
+            SGLangHTTPEngine(slow.url, admin_key=ADMIN_KEY, transport=late),
+        ]
+        # A deadline the fast server meets on a loaded machine too (it answers in
+        # milliseconds; at 0.5 s it was named with the slow one under load). The slow one's
+        # pause is held until the pause phase has settled, so it cannot answer in time; then it
+        # lands, and the continue after the failed drain, which waits for a late pause, follows.
         server = RolloutServer(
             [EngineGroup("actor", engines)],
-            LifecycleConfig(deadlines=Deadlines(pause=0.5)),
+            LifecycleConfig(deadlines=Deadlines(pause=5.0)),
         )
+        # Per settled pause phase: each engine's outcome, and whether the pause was held then.
+        settled: list[tuple[dict[str, Outcome], bool]] = []
+
+        def on_settled(event: PhaseSettled) -> None:
+            if event.result.phase == "pause":
+                outcomes = {k: o.outcome for k, o in event.result.outcomes.items()}
+                settled.append((outcomes, late.held == 1 and not late.go.is_set()))
+                late.go.set()
+
+        server.bus.subscribe(PhaseSettled, on_settled)
         with pytest.raises(PhaseFailed) as err:
-            await asyncio.wait_for(server.offload(), timeout=10)
+            await asyncio.wait_for(server.offload(), timeout=60)
+        # The phase settled on its deadline, with the slow server's pause still held.
+        assert settled == [({"actor/0": Outcome.OK, "actor/1": Outcome.TIMED_OUT}, True)]
+        assert late.held == 1
         assert err.value.failed_engines == ["actor/1"]
         assert err.value.outcomes["actor/1"].outcome is Outcome.TIMED_OUT
         assert server.state is ServerState.FAILED

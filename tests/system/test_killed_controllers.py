@@ -17,7 +17,6 @@ import json
 import signal
 import sys
 import textwrap
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -29,48 +28,17 @@ from rollout_lifecycle import (
     ServerState,
     SGLangHTTPEngine,
 )
-from rollout_lifecycle.core.claims import LOCK_DIR_ENV
 from rollout_lifecycle.core.snapshots import ServerSnapshot
 from rollout_lifecycle.testing import StandInServer
 
 S = ServerState
 BOUND = 60.0
 
-TRAINER = textwrap.dedent(
+#: What both trainers share: imports, a journal kept in a file (written whole, then renamed),
+#: the engines from the command line, and a push that says it runs, then runs for an hour.
+COMMON = textwrap.dedent(
     """
     import asyncio, json, os, sys
-    from rollout_lifecycle import EngineGroup, RolloutServer, SGLangHTTPEngine
-
-    def journal(path):
-        def write(snapshot):
-            with open(path + ".tmp", "w") as f:
-                json.dump(snapshot.to_dict(), f)
-            os.replace(path + ".tmp", path)
-        return write
-
-    async def main():
-        path, urls = sys.argv[1], sys.argv[2:]
-        engines = [SGLangHTTPEngine(u, retries=0) for u in urls]
-        server = RolloutServer(
-            [EngineGroup("actor", engines)], name="trainer", journal=journal(path)
-        )
-        await server.offload()
-        await server.onload_weights()
-
-        async def push(update):
-            print("pushing", flush=True)  # the sessions are open
-            await asyncio.sleep(3600)
-
-        await server.update_weights(push)
-
-    asyncio.run(main())
-    """
-)
-
-
-SYNC_TRAINER = textwrap.dedent(
-    """
-    import json, os, sys, time
     from rollout_lifecycle import EngineGroup, RolloutServer, SGLangHTTPEngine
     from rollout_lifecycle.sync import SyncRolloutServer
 
@@ -81,45 +49,48 @@ SYNC_TRAINER = textwrap.dedent(
             os.replace(path + ".tmp", path)
         return write
 
-    path, urls = sys.argv[1], sys.argv[2:]
-    server = SyncRolloutServer.wrap(
-        lambda: RolloutServer(
-            [EngineGroup("actor", [SGLangHTTPEngine(u, retries=0) for u in urls])],
-            name="trainer",
-            journal=journal(path),
-        )
-    )
-    server.offload()
-    server.onload_weights()
+    def server():
+        engines = [SGLangHTTPEngine(u, retries=0) for u in sys.argv[2:]]
+        group = EngineGroup("actor", engines)
+        return RolloutServer([group], name="trainer", journal=journal(sys.argv[1]))
 
     async def push(update):
-        import asyncio
         print("pushing", flush=True)  # the sessions are open
         await asyncio.sleep(3600)
+    """
+)
+TRAINER = COMMON + textwrap.dedent(
+    """
+    async def main():
+        trainer = server()
+        await trainer.offload()
+        await trainer.onload_weights()
+        await trainer.update_weights(push)
 
-    server.update_weights(push)
+    asyncio.run(main())
+    """
+)
+SYNC_TRAINER = COMMON + textwrap.dedent(
+    """
+    trainer = SyncRolloutServer.wrap(server)
+    trainer.offload()
+    trainer.onload_weights()
+    trainer.update_weights(push)
     """
 )
 
 
 @pytest.fixture
-def servers() -> Iterator[list[StandInServer]]:
-    with StandInServer.running(2, token_latency=0.001) as running:
-        yield running
+def servers(two_standins: list[StandInServer]) -> list[StandInServer]:
+    return two_standins
 
 
-@pytest.fixture(autouse=True)
-def lock_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    directory = tmp_path / "locks"
-    monkeypatch.setenv(LOCK_DIR_ENV, str(directory))
-    return directory
+pytestmark = pytest.mark.usefixtures("own_lock_dir")
 
 
 @pytest.fixture
-async def engines() -> AsyncIterator[list[SGLangHTTPEngine]]:
-    made: list[SGLangHTTPEngine] = []
-    yield made
-    await asyncio.gather(*(e.close() for e in made))
+def engines(http_clients: list[SGLangHTTPEngine]) -> list[SGLangHTTPEngine]:
+    return http_clients
 
 
 async def killed_in_its_push(

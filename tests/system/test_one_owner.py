@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,7 +30,6 @@ from rollout_lifecycle import (
 )
 from rollout_lifecycle.backends.launch import sglang_http_factory
 from rollout_lifecycle.contract.outcome import Outcome
-from rollout_lifecycle.core.claims import LOCK_DIR_ENV
 from rollout_lifecycle.testing import StandInServer
 
 S = ServerState
@@ -42,23 +39,16 @@ SPELLINGS = [socket.gethostname(), "127.1", "2130706433", "0x7f000001"]
 
 
 @pytest.fixture
-def servers() -> Iterator[list[StandInServer]]:
-    with StandInServer.running(2, token_latency=0.001) as running:
-        yield running
+def servers(two_standins: list[StandInServer]) -> list[StandInServer]:
+    return two_standins
 
 
-@pytest.fixture(autouse=True)
-def lock_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    directory = tmp_path / "locks"
-    monkeypatch.setenv(LOCK_DIR_ENV, str(directory))
-    return directory
+pytestmark = pytest.mark.usefixtures("own_lock_dir")
 
 
 @pytest.fixture
-async def made() -> AsyncIterator[list[SGLangHTTPEngine]]:
-    engines: list[SGLangHTTPEngine] = []
-    yield engines
-    await asyncio.gather(*(e.close() for e in engines))
+def made(http_clients: list[SGLangHTTPEngine]) -> list[SGLangHTTPEngine]:
+    return http_clients
 
 
 def client(url: str, made: list[SGLangHTTPEngine]) -> SGLangHTTPEngine:
