@@ -62,7 +62,7 @@ from rollout_lifecycle.contract.identity import distinguishes
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.urls import url_identity
 from rollout_lifecycle.core.ledger import EngineRecord
-from rollout_lifecycle.core.runner import PhaseRunner, Plan, WorkerUrls
+from rollout_lifecycle.core.runner import PhaseRunner, WorkerUrls
 
 #: Where the lock files are, unless ``ROLLOUT_LIFECYCLE_LOCK_DIR`` names another directory.
 LOCK_DIR_ENV = "ROLLOUT_LIFECYCLE_LOCK_DIR"
@@ -409,19 +409,26 @@ class Claims:
 
     async def hold(self, call: str) -> Callable[[], None]:
         """Claim the engines for ``call`` (``claim``); what lets them go. An engine with an
-        address whose process the records do not know yet is read first (phase ``identify``,
-        no router step around it): two engines that turn out to be one process are refused
-        (``InvalidArgument``) and its incarnation is claimed too (``named``), so that two
-        controllers that spell it differently meet there, before anything is sent."""
+        address whose process the records do not know yet is read first (a read beside the
+        lifecycle, ``PhaseRunner.ask``, marked ``identify``): two engines that turn out to be
+        one process are refused (``InvalidArgument``) and its incarnation is claimed too
+        (``named``), so that two controllers that spell it differently meet there, before
+        anything is sent."""
         lease = await self.claim(call)
         try:
             live = [r for r in self._records() if r.alive]
             urls = await self.addresses(live)
             unnamed = tuple(r for r in live if r.incarnation is None and r.id in urls)
             if unnamed and self._runner is not None:
-                runner = self._runner
-                plan = Plan(Op.OBSERVE, unnamed, (False, "identify", True))
-                await runner.settle("identify", runner.issue(plan), self._deadline)
+                # (a read beside the lifecycle: an engine that does not answer is the call's
+                # to find, and one whose incarnation is not known is read by its first check)
+                found = await self._runner.ask(
+                    Op.OBSERVE, unnamed, self._deadline, (False, "identify", True)
+                )
+                for record in unnamed:
+                    answer = found.get(record.id)
+                    if isinstance(answer, Mapping) and isinstance(answer.get("incarnation"), str):
+                        record.met(answer["incarnation"])
                 await self.named(lease, unnamed)
         except BaseException:
             lease.release()

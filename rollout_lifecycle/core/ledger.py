@@ -280,6 +280,12 @@ class EngineRecord:
             self.paused, self.flushed, self.pause_unknown = True, False, True
             self.uncertain.update(ALL_TAGS)
 
+    def met(self, incarnation: str) -> None:
+        """The engine showed ``incarnation`` at first contact (``core/claims``): the record names
+        its process from now on (an incarnation already known is kept: its checks decide)."""
+        if self.incarnation is None:
+            self.incarnation = incarnation
+
     def restart(self, incarnation: str | None) -> None:
         """The process at this engine's address is a new one: the record describes a fresh
         server (alive, serving, all memory resident, stale until it receives the fleet's

@@ -333,7 +333,13 @@ class PhaseRunner:
         if look.restarted:
             self._bus.publish(RECORDS_CHANGED)
 
-    async def ask(self, op: Op, records: Sequence[EngineRecord], deadline: float) -> dict[str, Any]:
+    async def ask(
+        self,
+        op: Op,
+        records: Sequence[EngineRecord],
+        deadline: float,
+        args: tuple[Any, ...] = (),
+    ) -> dict[str, Any]:
         """What each engine of ``records`` answers to the read ``op`` within ``deadline``, by
         engine id; one that fails (a dead one), cannot take ``op`` or does not answer in time is
         left out (a late call is cancelled). For what the server reads beside the lifecycle (the
@@ -347,7 +353,7 @@ class PhaseRunner:
         sent: list[tuple[EngineRecord, Awaitable[Any]]] = []
         for record in records:
             with contextlib.suppress(Exception):  # a handle without ``op`` answers nothing
-                sent.append((record, seam.send(record.handle, op)))
+                sent.append((record, seam.send(record.handle, op, args)))
         if not sent:
             return {}
         landed = await seam.wait([ref for _, ref in sent], deadline)
