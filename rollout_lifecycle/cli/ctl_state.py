@@ -43,7 +43,7 @@ from rollout_lifecycle.contract.exceptions import (
 from rollout_lifecycle.contract.outcome import Outcome
 from rollout_lifecycle.contract.urls import mask_userinfo, url_identity
 from rollout_lifecycle.contract.values import PauseMode, parse_tags, short_repr
-from rollout_lifecycle.core.claims import LOCK_DIR_ENV, lock_dir
+from rollout_lifecycle.core.claims import lock_dir, make_lock_dir
 from rollout_lifecycle.core.config import Deadlines, LifecycleConfig
 from rollout_lifecycle.core.server import ServerSnapshot
 from rollout_lifecycle.core.states import ServerState
@@ -358,34 +358,9 @@ def clean_url(raw: str, where: str) -> str:
 
 
 def check_lock_dir() -> None:
-    """Refuse a claims lock directory (``core/claims``) that cannot exist, before anything is
-    sent: a path under a file, or a missing directory whose nearest existing parent is not a
-    directory this process can create one in (read-only, no permission). An existing directory
-    passes: its lock files may be open to all (claims makes them so) even where it is not
-    writable."""
-    directory = lock_dir()
-    where = (
-        f"{LOCK_DIR_ENV}={directory}"
-        if os.environ.get(LOCK_DIR_ENV)
-        else f"the lock directory {directory}"
-    )
-    fix = (
-        f"set {LOCK_DIR_ENV} to a directory every controller on this host can write (it is "
-        f"made if missing)"
-    )
-    if directory.is_dir():
-        return
-    if directory.exists() or directory.is_symlink():
-        raise InvalidArgument(f"{where} is not a directory; {fix}")
-    parent = directory.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise InvalidArgument(f"{where} cannot be made: {parent} is not a directory; {fix}")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise InvalidArgument(
-            f"{where} cannot be made: {parent} is read-only or not writable by this user; {fix}"
-        )
+    """Refuse a claims lock directory (``core/claims``) that cannot be made, before anything is
+    sent (made now if missing, as the first claim would)."""
+    make_lock_dir(lock_dir())
 
 
 def exit_code_of(exc: LifecycleError) -> ExitCode:

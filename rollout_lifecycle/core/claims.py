@@ -87,19 +87,19 @@ def make_lock_dir(directory: Path) -> None:
     setting and the fix when it cannot be made."""
     if directory.is_dir():
         return
+    given = os.environ.get(LOCK_DIR_ENV)
+    where = f"{LOCK_DIR_ENV}={directory}" if given else f"the lock directory {directory}"
+    if directory.exists() or directory.is_symlink():
+        raise InvalidArgument(f"{where} is not a directory; {_fix()}")
     try:
         directory.mkdir(parents=True)
         os.chmod(directory, 0o1777)
     except FileExistsError:
         if not directory.is_dir():
-            raise InvalidArgument(
-                f"the controller lock directory {directory} is not a directory; {_fix()}"
-            ) from None
+            raise InvalidArgument(f"{where} is not a directory; {_fix()}") from None
     except OSError as exc:
-        raise InvalidArgument(
-            f"cannot make the controller lock directory {directory} "
-            f"({exc.strerror or type(exc).__name__}); {_fix()}"
-        ) from None
+        why = (exc.strerror or type(exc).__name__).lower()
+        raise InvalidArgument(f"{where} cannot be made ({why}); {_fix()}") from None
 
 
 def key_name(key: str) -> str:

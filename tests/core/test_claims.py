@@ -208,12 +208,14 @@ async def test_a_lock_directory_that_cannot_hold_files_names_the_setting(
     not_a_directory.write_text("")
     monkeypatch.setenv(LOCK_DIR_ENV, str(not_a_directory))
     with pytest.raises(
-        InvalidArgument, match=f"lock directory .* is not a directory; set {LOCK_DIR_ENV}"
+        InvalidArgument, match=f"{LOCK_DIR_ENV}=.* is not a directory; set {LOCK_DIR_ENV}"
     ):
         await claims("trainer", A).claim("pause")
     under = not_a_directory / "locks"
     monkeypatch.setenv(LOCK_DIR_ENV, str(under))
-    with pytest.raises(InvalidArgument, match=f"cannot make the controller lock directory {under}"):
+    with pytest.raises(
+        InvalidArgument, match=f"{LOCK_DIR_ENV}={under} cannot be made \\(not a dir"
+    ):
         await claims("trainer", A).claim("pause")
 
 
