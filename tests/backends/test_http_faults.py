@@ -4,12 +4,17 @@ Faults are injected in the stand-in (``/_standin/faults``): a proxy's 502/503, a
 connection before the engine is touched (``drop``) or after the call ran (``drop_after``), a
 delay, and a sudden death. Calls that are safe to repeat must ride them out; release and resume
 must never be repeated, and the ledger must say what is known (and what is not) afterwards.
+
+An answer later than a phase's deadline is staged by holding the call on its way to the server
+(``_Held``) until the test lets it go, not by a fixed delay: it is late whatever the machine's
+speed, so the engines that must answer in time can have deadlines a loaded machine meets.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import random
 import time
@@ -41,6 +46,7 @@ from rollout_lifecycle import (
     Tag,
     WeightUpdate,
 )
+from rollout_lifecycle.core.bus import PhaseSettled
 from rollout_lifecycle.testing import until
 from rollout_lifecycle.testing.standin import DEATH_EXIT_CODE, FAULTS_PATH, StandInServer
 
@@ -61,7 +67,9 @@ BOUND = 15.0
 Start = Callable[..., Awaitable[list[StandInServer]]]
 
 
-def engine_for(server: StandInServer, retries: int = 3) -> SGLangHTTPEngine:
+def engine_for(
+    server: StandInServer, retries: int = 3, transport: httpx.AsyncBaseTransport | None = None
+) -> SGLangHTTPEngine:
     return SGLangHTTPEngine(
         server.url,
         admin_key=ADMIN_KEY,
@@ -72,6 +80,7 @@ def engine_for(server: StandInServer, retries: int = 3) -> SGLangHTTPEngine:
         label=server.label,
         # The attach check's GET /server_info would be one more entry in every history here.
         check_version=False,
+        transport=transport,
     )
 
 
@@ -113,6 +122,12 @@ async def drained(*servers: StandInServer) -> None:
         await until(lambda s=server: not s.state()["in_flight"], what=f"{server.label} to drain")
 
 
+async def submitted_at_least(servers: list[StandInServer], n: int) -> bool:
+    """Whether every one of ``servers`` has received ``n`` generate requests so far."""
+    counts = await asyncio.gather(*(asyncio.to_thread(s.stats) for s in servers))
+    return all(c["submitted"] >= n for c in counts)
+
+
 async def wait_for_op(server: StandInServer, op: str, count: int = 1, timeout: float = 5.0) -> None:
     """Wait (bounded) until ``count`` ``op`` entries are in the server's history."""
     deadline = time.monotonic() + timeout
@@ -122,35 +137,57 @@ async def wait_for_op(server: StandInServer, op: str, count: int = 1, timeout: f
         await asyncio.sleep(0.05)
 
 
-#: Fresh servers the tests take (one batch: a stand-in spends most of its start importing).
-POOL_SIZE = 24
+#: Fresh servers are started this many at a time, when a test needs more (a stand-in spends
+#: most of its start importing: on an idle machine a batch takes little longer than one). Not
+#: the module's 24 at once: under six CPU hogs that took 110 s to over 120 s, the timeout of the
+#: test that set the pool up; a batch of six takes about 20 s there.
+BATCH = 6
 
 
-@pytest.fixture(scope="module")
-def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[StandInServer]]:
-    """Every server this module uses, started at once; each test takes fresh ones."""
-    where = tmp_path_factory.mktemp("fault-history")
-    servers = [
-        StandInServer(
+class _Pool:
+    """Fresh servers for the tests of this module, started a batch at a time."""
+
+    def __init__(self, where: Path) -> None:
+        self._where = where
+        self._ready: list[StandInServer] = []
+        #: Every server started (or being started): all are stopped when the module ends.
+        self.started: list[StandInServer] = []
+
+    def take(self, n: int) -> list[StandInServer]:
+        """``n`` fresh servers (never used by another test), ready."""
+        if len(self._ready) < n:
+            batch = [self._new() for _ in range(max(BATCH, n - len(self._ready)))]
+            StandInServer.start_all(batch)
+            self._ready.extend(batch)
+        taken, self._ready = self._ready[:n], self._ready[n:]
+        return taken
+
+    def _new(self) -> StandInServer:
+        i = len(self.started)
+        server = StandInServer(
             label=f"pool-{i}",
             admin_key=ADMIN_KEY,
             api_key=API_KEY,
             token_latency=0.002,
-            history_file=where / f"pool-{i}.jsonl",
+            history_file=self._where / f"pool-{i}.jsonl",
         )
-        for i in range(POOL_SIZE)
-    ]
-    StandInServer.start_all(servers)
-    left = list(servers)
-    yield left
-    for server in servers:
+        self.started.append(server)
+        return server
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Pool]:
+    """The servers this module uses; each test takes fresh ones."""
+    servers = _Pool(tmp_path_factory.mktemp("fault-history"))
+    yield servers
+    for server in servers.started:
         server.stop()
 
 
 @pytest.fixture(scope="module")
-def shared(pool: list[StandInServer]) -> StandInServer:
+def shared(pool: _Pool) -> StandInServer:
     """One server for calls that leave it serving (retries, faults the engine never sees)."""
-    return pool.pop()
+    return pool.take(1)[0]
 
 
 @pytest.fixture
@@ -161,13 +198,12 @@ def plain(shared: StandInServer) -> Iterator[StandInServer]:
 
 
 @pytest.fixture
-async def standins(pool: list[StandInServer]) -> AsyncIterator[Start]:
+async def standins(pool: _Pool) -> AsyncIterator[Start]:
     """Take ``n`` fresh servers (never used by another test); stopped when the test ends."""
     taken: list[StandInServer] = []
 
     async def take(n: int) -> list[StandInServer]:
-        assert len(pool) >= n, "the server pool is used up: raise POOL_SIZE"
-        servers = [pool.pop(0) for _ in range(n)]
+        servers = await asyncio.to_thread(pool.take, n)
         taken.extend(servers)
         return servers
 
@@ -176,12 +212,21 @@ async def standins(pool: list[StandInServer]) -> AsyncIterator[Start]:
         server.stop(2.0)
 
 
+Make = Callable[..., list[SGLangHTTPEngine]]
+
+
 @pytest.fixture
-async def engines() -> AsyncIterator[Callable[[list[StandInServer]], list[SGLangHTTPEngine]]]:
+async def engines() -> AsyncIterator[Make]:
+    """``make(servers)``: an engine per server, closed when the test ends; ``transports``
+    (one per server, None for the default) gives the link to each."""
     made: list[SGLangHTTPEngine] = []
 
-    def make(servers: list[StandInServer]) -> list[SGLangHTTPEngine]:
-        out = [engine_for(s) for s in servers]
+    def make(
+        servers: list[StandInServer],
+        transports: list[httpx.AsyncBaseTransport | None] | None = None,
+    ) -> list[SGLangHTTPEngine]:
+        links = transports if transports is not None else [None] * len(servers)
+        out = [engine_for(s, transport=t) for s, t in zip(servers, links, strict=True)]
         made.extend(out)
         return out
 
@@ -572,56 +617,124 @@ async def test_release_that_landed_before_the_drop_is_uncertain_and_never_sent_a
     assert target.alive() and servers[1].alive()
 
 
+class _Held(httpx.AsyncBaseTransport):
+    """The link to a server, holding the first call to ``path`` on its way until the test
+    lets it go (``go``): the engine's answer to it comes as late as the test says, whatever the
+    machine's speed. Every other call goes through at once."""
+
+    def __init__(self, path: str) -> None:
+        self._inner = httpx.AsyncHTTPTransport()
+        self._path = path
+        #: Set once the held call was sent by the client (it waits here).
+        self.sent = asyncio.Event()
+        #: Set by the test: the held call goes on to the server.
+        self.go = asyncio.Event()
+        #: When the held call's answer came back (``time.monotonic()``), once it did.
+        self.answered_at: float | None = None
+
+    @property
+    def holding(self) -> bool:
+        """The call was sent and is held: the server has not seen it, so no answer can come."""
+        return self.sent.is_set() and not self.go.is_set()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == self._path and not self.sent.is_set():
+            self.sent.set()
+            await self.go.wait()
+            response = await self._inner.handle_async_request(request)
+            self.answered_at = time.monotonic()
+            return response
+        return await self._inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+def settled_while_held(server: RolloutServer, phase: str, held: _Held) -> list[bool]:
+    """For each time ``phase`` settles: whether ``held`` was still holding its call then.
+    Settled while held, the phase ended on its deadline: no answer could have come."""
+    seen: list[bool] = []
+
+    def settled(event: PhaseSettled) -> None:
+        if event.result.phase == phase:
+            seen.append(held.holding)
+
+    server.bus.subscribe(PhaseSettled, settled)
+    return seen
+
+
 @pytest.mark.parametrize(
     ("path", "phase", "deadline"),
     [
-        ("/pause_generation", "pause", {"pause": 0.3}),
-        ("/flush_cache", "flush", {"flush": 0.15, "probe": 0.15}),
-        ("/release_memory_occupation", "release", {"release": 0.3}),
+        # Each phase waits 5 s (a flush's wait is its deadline plus the probe's): ample for the
+        # engine that answers, a stand-in on loopback that answers in milliseconds, on a loaded
+        # machine too (at 0.3 s it was named with the slow one under load).
+        ("/pause_generation", "pause", {"pause": 5.0}),
+        ("/flush_cache", "flush", {"flush": 2.5, "probe": 2.5}),
+        ("/release_memory_occupation", "release", {"release": 5.0}),
     ],
 )
 async def test_a_delay_past_the_deadline_fails_the_phase_on_time_naming_the_engine(
     standins: Start,
-    engines: Callable[[list[StandInServer]], list[SGLangHTTPEngine]],
+    engines: Make,
     path: str,
     phase: str,
     deadline: dict[str, float],
 ) -> None:
     limit = sum(deadline.values())  # how long the phase waits for an answer
-    # Far past the phase's deadline (a phase that waited for the answer takes this long), and
-    # short of the client's HTTP timeouts (the late call lands rather than being given up).
-    delay = 3.0
-    assert limit * 5 < delay < min(TIMEOUTS.control, TIMEOUTS.memory)
     servers = await standins(2)
     slow = servers[1]
-    slow.inject({"path": path, "kind": "delay", "seconds": delay})
-    server = rollout(engines(servers), **deadline)
-    started = time.monotonic()
+    # The slow engine's call is held until the test lets it go: past the phase's deadline
+    # however fast the machine. A late pause or flush is let go as soon as its phase settled
+    # (the continue after a failed drain may wait for it); a late release only once the offload
+    # failed (nothing waits for it: an offload that waited would never end).
+    held = _Held(path)
+    server = rollout(engines(servers, [None, held]), **deadline)
+    settled = settled_while_held(server, phase, held)
+    if phase != "release":  # (subscribed after the check: subscribers run in order)
+        server.bus.subscribe(
+            PhaseSettled, lambda e: held.go.set() if e.result.phase == phase else None
+        )
     with pytest.raises(PhaseFailed) as err:
         await asyncio.wait_for(server.offload(), BOUND)
-    took = time.monotonic() - started
+    held_after = held.holding  # still held once the offload had failed
+    held.go.set()
     assert err.value.phase == phase and err.value.failed_engines == ["actor/1"]
     outcome = err.value.outcomes["actor/1"]
     assert outcome.outcome is Outcome.TIMED_OUT and "no answer within" in outcome.detail
-    # Timed out by the phase's deadline, not by the answer, however loaded the machine.
-    assert limit <= outcome.duration_s < delay
+    # Timed out by the phase's deadline, not by the answer: the call was still held when the
+    # phase settled, so no answer could have come.
+    assert limit <= outcome.duration_s
+    assert settled == [True]
     assert err.value.outcomes["actor/0"].ok
     assert server.state is ServerState.FAILED
     snap = server.snapshot().engines()
     if phase == "release":
+        # The offload failed with the release still held: it did not wait for the answer.
+        assert held_after
         # The call may land (it will): neither a release nor a resume of it is safe now.
-        assert took < delay, f"offload took {took:.2f}s"
         assert snap["actor/1"].uncertain == tuple(ALL)
         await wait_for_op(slow, "release_memory_occupation", timeout=BOUND)
         assert sorted((await info(slow))["released_tags"]) == sorted(ALL)
     else:
         # After a failed drain the engines are continued. A late pause would overtake the
-        # continue, so the continue waits for it to land; a late flush does not matter to a
-        # continue, which goes at once. Both land in the end.
+        # continue, so the continue waits for it to land (it was let go when its phase
+        # settled); a late flush does not endanger a continue, so only a pause's order is fixed.
+        # Both land in the end.
         await wait_for_op(slow, phase_op(phase), timeout=BOUND)
+        await drained(*servers)
         entries = await history(slow)
         order = [e["op"] for e in entries if e["op"] in (phase_op(phase), "continue_generation")]
         if phase == "pause":
+            # The continue was sent once the late pause had been answered, not just reached
+            # the server first.
+            continues = [
+                s.start
+                for s in server.timeline.spans("engine_call")
+                if s.engine == "actor/1" and s.op == "continue_generation"
+            ]
+            assert held.answered_at is not None and len(continues) == 1
+            assert continues[0] >= held.answered_at
             assert order == [phase_op(phase), "continue_generation"]
         else:
             assert sorted(order) == sorted([phase_op(phase), "continue_generation"])
@@ -638,15 +751,20 @@ def phase_op(phase: str) -> str:
 
 
 async def test_a_pause_later_than_the_continue_deadline_is_still_reflected_in_the_snapshot(
-    standins: Start, engines: Callable[[list[StandInServer]], list[SGLangHTTPEngine]]
+    standins: Start, engines: Make
 ) -> None:
     (slow,) = await standins(1)
-    slow.inject({"path": "/pause_generation", "kind": "delay", "seconds": 1.5})
-    server = rollout(engines([slow]), pause=0.3, continue_=0.3)
+    # The pause is held until the offload has failed: later than its own deadline and than
+    # the continue's wait for it, however fast the machine. The continue's deadline is the
+    # generous one of DEADLINES: recover() below must have its continue answered in time.
+    held = _Held("/pause_generation")
+    server = rollout(engines([slow], [held]), pause=0.3)
     with pytest.raises(PhaseFailed) as err:
         await asyncio.wait_for(server.offload(), BOUND)
     assert err.value.outcomes["actor/0"].outcome is Outcome.TIMED_OUT
-    await wait_for_op(slow, "pause_generation")
+    assert held.holding  # the offload gave up on the pause: it still has not reached the server
+    held.go.set()
+    await wait_for_op(slow, "pause_generation", timeout=BOUND)
     await drained(slow)
     entries = await history(slow)
     order = [e["op"] for e in entries if e["op"] in ("pause_generation", "continue_generation")]
@@ -712,11 +830,11 @@ async def test_a_server_that_dies_under_release_is_found_dead_and_no_one_is_rele
     servers = await standins(3)
     victim = servers[1]
     victim.inject({"path": "/release_memory_occupation", "kind": "die"})
-    server = rollout(engines(servers))
-    started = time.monotonic()
+    # The release's deadline is far past the offload's bound: an offload that waited for the
+    # dead engine's deadline, instead of failing on its dropped connection, would not end in it.
+    server = rollout(engines(servers), release=4 * BOUND)
     with pytest.raises(PhaseFailed) as err:
         await asyncio.wait_for(server.offload(), BOUND)
-    assert time.monotonic() - started < 5.0
     assert err.value.phase == "release" and err.value.failed_engines == ["actor/1"]
     assert err.value.outcomes["actor/1"].outcome in (Outcome.UNREACHABLE, Outcome.DEAD)
     assert await asyncio.to_thread(victim.wait_dead, 5.0)
@@ -780,7 +898,11 @@ async def test_colocated_cycles_over_three_servers_with_random_faults_on_safe_ca
                 for s in servers
                 for i in range(2)
             ]
-            await asyncio.sleep(0.02)
+            # The offload comes with this cycle's traffic on every server (a fact, not a sleep).
+            await until(
+                functools.partial(submitted_at_least, servers, 2 * (cycle + 1)),
+                what="every server to receive its requests",
+            )
             await asyncio.wait_for(server.offload(), BOUND)
             assert server.state is ServerState.RELEASED
             await asyncio.wait_for(server.probe(), BOUND)
