@@ -1,0 +1,140 @@
+"""One owner per real SGLang 0.5.23 server, whatever its name, and a journal that tells the truth
+after a kill: the stand-in scenarios of ``tests/system/test_claims_between_controllers.py`` and
+``tests/system/test_killed_controllers.py``, run against real servers.
+
+Two controller processes race full cycles over the same two servers, one spelling them
+127.0.0.1 and the other by this host's name and 127.1, each with a lock directory of its own:
+one goes through, the other is refused, and no server dies. A trainer killed in its push
+(SIGKILL) leaves both servers holding an open weight-update session, which a begin shows
+("already open"); the next process adopts its journal as failed, and ``reset()`` closes the
+sessions before the next update. (vLLM holds no session without a weight-transfer engine,
+which a CPU cannot run: ``docs/vllm-contract.md``.)"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from real.servers import RealServer
+from system.test_claims_between_controllers import RACER
+from system.test_killed_controllers import TRAINER
+
+from rollout_lifecycle import (
+    EngineGroup,
+    FromDisk,
+    RolloutServer,
+    ServerState,
+    SGLangHTTPEngine,
+)
+from rollout_lifecycle.core.claims import LOCK_DIR_ENV
+from rollout_lifecycle.core.snapshots import ServerSnapshot
+
+pytestmark = pytest.mark.real_sglang
+
+S = ServerState
+#: Generous: a loaded machine runs two CPU servers and two controllers on 2 cores.
+BOUND = 120.0
+TRIALS = 20
+
+
+@pytest.fixture
+async def clients() -> AsyncIterator[list[SGLangHTTPEngine]]:
+    made: list[SGLangHTTPEngine] = []
+    yield made
+    await asyncio.gather(*(e.close() for e in made))
+
+
+def serving(server: RealServer) -> dict[str, Any]:
+    """Whether the real server is alive and serving (``/ready`` 200: not paused)."""
+    answer = httpx.get(f"{server.url}/ready", timeout=30, trust_env=False)
+    return {"alive": server.alive(), "ready": answer.status_code == 200}
+
+
+async def test_two_controllers_spelling_real_servers_differently_kill_nothing(
+    real_servers: list[RealServer], tmp_path: Path
+) -> None:
+    spellings = {
+        "a": [s.url for s in real_servers],
+        "b": [
+            real_servers[0].url.replace("127.0.0.1", socket.gethostname()),
+            real_servers[1].url.replace("127.0.0.1", "127.1"),
+        ],
+    }
+    racers = {}
+    for name, urls in spellings.items():
+        env = {**os.environ, LOCK_DIR_ENV: str(tmp_path / f"locks-{name}")}
+        racers[name] = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", RACER, name, *urls,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
+        )  # fmt: skip
+    outcomes: dict[str, list[str]] = {name: [] for name in racers}
+    try:
+        for _ in range(TRIALS):
+            for racer in racers.values():
+                assert racer.stdin is not None
+                racer.stdin.write(b"go\n")
+            await asyncio.gather(*(r.stdin.drain() for r in racers.values() if r.stdin))
+            for name, racer in racers.items():
+                assert racer.stdout is not None
+                line = await asyncio.wait_for(racer.stdout.readline(), BOUND)
+                assert line, f"racer {name} exited ({await racer.wait()})"
+                outcomes[name].append(json.loads(line))
+            assert all(s.alive() for s in real_servers), f"a server died: {outcomes}"
+    finally:
+        for racer in racers.values():
+            with contextlib.suppress(ProcessLookupError):
+                racer.kill()
+            await racer.wait()
+    both = list(zip(outcomes["a"], outcomes["b"], strict=True))
+    assert all("cycled" in pair for pair in both), both  # one of the two went through
+    refused = [o for pair in both for o in pair if o != "cycled"]
+    assert all(o == "claimed" or o.startswith("refused: conflict") for o in refused), both
+    assert [serving(s) for s in real_servers] == [{"alive": True, "ready": True}] * 2
+
+
+async def test_a_trainer_sigkilled_in_its_push_leaves_real_sessions_that_reset_closes(
+    real_servers: list[RealServer],
+    real_sglang: Any,
+    clients: list[SGLangHTTPEngine],
+    tmp_path: Path,
+) -> None:
+    journal = tmp_path / "journal.json"
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", TRAINER, str(journal), *(s.url for s in real_servers),
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None
+        line = await asyncio.wait_for(child.stdout.readline(), BOUND)
+        assert line.strip() == b"pushing", f"the trainer did not push (exit {child.returncode})"
+        child.send_signal(signal.SIGKILL)
+        assert await asyncio.wait_for(child.wait(), BOUND) == -signal.SIGKILL
+    finally:
+        if child.returncode is None:
+            child.kill()
+            await child.wait()
+    async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
+        for real in real_servers:  # the kill left each server's session open
+            begin = await http.post(f"{real.url}/begin_weight_update", json={"selector": "all"})
+            assert begin.status_code == 400 and "already open" in begin.text, begin.text
+    engines = [SGLangHTTPEngine(s.url, retries=0) for s in real_servers]
+    clients.extend(engines)
+    server = RolloutServer([EngineGroup("actor", engines)], name="successor")
+    server.adopt(ServerSnapshot.from_dict(json.loads(journal.read_text())))
+    assert server.state is S.FAILED
+    assert all(r.session_unknown and r.stale for r in server.snapshot().engines().values())
+    assert await asyncio.wait_for(server.reset(), BOUND) is S.WEIGHTS_RESTORED  # sessions closed
+    await asyncio.wait_for(server.update_weights(FromDisk(real_sglang.model), "v1"), BOUND)
+    await asyncio.wait_for(server.onload_kv(), BOUND)
+    assert server.state is S.SERVING
+    assert [serving(s) for s in real_servers] == [{"alive": True, "ready": True}] * 2
