@@ -21,7 +21,6 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from typing import Any
 
 import httpx
 import pytest
+from core.test_urls import OTHER_SPELLINGS
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -868,7 +868,7 @@ def test_status_after_a_sigkill_mid_call_shows_what_the_state_file_does_not_know
     assert [(r["record_certain"], r["agrees"]) for r in status["engines"]] == [(True, True)] * 2
 
 
-@pytest.mark.parametrize("spelling", [socket.gethostname(), "127.1", "2130706433", "0x7f000001"])
+@pytest.mark.parametrize("spelling", OTHER_SPELLINGS)
 def test_one_server_under_two_spellings_is_one_engine_given_twice(
     standin: StandInServer, tmp_path: Path, spelling: str
 ) -> None:

@@ -32,6 +32,17 @@ def interface_addresses() -> list[str]:
     return found
 
 
+#: Spellings of 127.0.0.1 a fleet may use for an engine served there: this host's name, the
+#: resolver's short and numeric forms, and a node's IP (its interfaces' addresses).
+OTHER_SPELLINGS = [
+    socket.gethostname(),
+    "127.1",
+    "2130706433",
+    "0x7f000001",
+    *interface_addresses(),
+]
+
+
 SPELLINGS_OF_THIS_HOST = [
     "127.0.0.1",
     "localhost",

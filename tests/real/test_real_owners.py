@@ -13,12 +13,9 @@ which a CPU cannot run: ``docs/vllm-contract.md``.)"""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
 import signal
 import socket
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -26,8 +23,8 @@ from typing import Any
 import httpx
 import pytest
 from real.servers import RealServer
-from system.test_claims_between_controllers import RACER
-from system.test_killed_controllers import TRAINER
+from system.test_claims_between_controllers import race
+from system.test_killed_controllers import killed_in_its_push
 
 from rollout_lifecycle import (
     EngineGroup,
@@ -36,7 +33,6 @@ from rollout_lifecycle import (
     ServerState,
     SGLangHTTPEngine,
 )
-from rollout_lifecycle.core.claims import LOCK_DIR_ENV
 from rollout_lifecycle.core.snapshots import ServerSnapshot
 
 pytestmark = pytest.mark.real_sglang
@@ -70,32 +66,9 @@ async def test_two_controllers_spelling_real_servers_differently_kill_nothing(
             real_servers[1].url.replace("127.0.0.1", "127.1"),
         ],
     }
-    racers = {}
-    for name, urls in spellings.items():
-        env = {**os.environ, LOCK_DIR_ENV: str(tmp_path / f"locks-{name}")}
-        racers[name] = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", RACER, name, *urls,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
-        )  # fmt: skip
-    outcomes: dict[str, list[str]] = {name: [] for name in racers}
-    try:
-        for _ in range(TRIALS):
-            for racer in racers.values():
-                assert racer.stdin is not None
-                racer.stdin.write(b"go\n")
-            await asyncio.gather(*(r.stdin.drain() for r in racers.values() if r.stdin))
-            for name, racer in racers.items():
-                assert racer.stdout is not None
-                line = await asyncio.wait_for(racer.stdout.readline(), BOUND)
-                assert line, f"racer {name} exited ({await racer.wait()})"
-                outcomes[name].append(json.loads(line))
-            assert all(s.alive() for s in real_servers), f"a server died: {outcomes}"
-    finally:
-        for racer in racers.values():
-            with contextlib.suppress(ProcessLookupError):
-                racer.kill()
-            await racer.wait()
-    both = list(zip(outcomes["a"], outcomes["b"], strict=True))
+    both = await race(
+        spellings, tmp_path, alive=lambda: all(s.alive() for s in real_servers), bound=BOUND
+    )
     assert all("cycled" in pair for pair in both), both  # one of the two went through
     refused = [o for pair in both for o in pair if o != "cycled"]
     assert all(o == "claimed" or o.startswith("refused: conflict") for o in refused), both
@@ -109,20 +82,10 @@ async def test_a_trainer_sigkilled_in_its_push_leaves_real_sessions_that_reset_c
     tmp_path: Path,
 ) -> None:
     journal = tmp_path / "journal.json"
-    child = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", TRAINER, str(journal), *(s.url for s in real_servers),
-        stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        assert child.stdout is not None
-        line = await asyncio.wait_for(child.stdout.readline(), BOUND)
-        assert line.strip() == b"pushing", f"the trainer did not push (exit {child.returncode})"
-        child.send_signal(signal.SIGKILL)
-        assert await asyncio.wait_for(child.wait(), BOUND) == -signal.SIGKILL
-    finally:
-        if child.returncode is None:
-            child.kill()
-            await child.wait()
+    killed = await killed_in_its_push(
+        [s.url for s in real_servers], journal, signal.SIGKILL, bound=BOUND
+    )
+    assert killed == -signal.SIGKILL
     async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
         for real in real_servers:  # the kill left each server's session open
             begin = await http.post(f"{real.url}/begin_weight_update", json={"selector": "all"})

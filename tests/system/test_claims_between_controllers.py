@@ -16,7 +16,7 @@ import signal
 import socket
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -177,6 +177,47 @@ RACER = textwrap.dedent(
 TRIALS = 20
 
 
+async def race(
+    spellings: dict[str, list[str]],
+    lock_dir: Path | None,
+    alive: Callable[[], bool],
+    trials: int = TRIALS,
+    bound: float = BOUND,
+) -> list[tuple[str, str]]:
+    """Start one ``RACER`` process per entry of ``spellings`` (name: the URLs it drives), each
+    with a lock directory of its own under ``lock_dir`` (None: the default, shared), let them
+    race ``trials`` full cycles, all started at once, and return each trial's pair of outcomes;
+    ``alive()`` is asserted after every trial."""
+    racers = {}
+    for name, urls in spellings.items():
+        env = dict(os.environ)
+        if lock_dir is not None:
+            env[LOCK_DIR_ENV] = str(lock_dir / f"locks-{name}")
+        racers[name] = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", RACER, name, *urls,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
+        )  # fmt: skip
+    outcomes: dict[str, list[str]] = {name: [] for name in racers}
+    try:
+        for _ in range(trials):
+            for racer in racers.values():
+                assert racer.stdin is not None
+                racer.stdin.write(b"go\n")
+            await asyncio.gather(*(r.stdin.drain() for r in racers.values() if r.stdin))
+            for name, racer in racers.items():
+                assert racer.stdout is not None
+                line = await asyncio.wait_for(racer.stdout.readline(), bound)
+                assert line, f"racer {name} exited ({await racer.wait()})"
+                outcomes[name].append(json.loads(line))
+            assert alive(), f"an engine died: {outcomes}"
+    finally:
+        for racer in racers.values():
+            with contextlib.suppress(ProcessLookupError):
+                racer.kill()
+            await racer.wait()
+    return list(zip(*outcomes.values(), strict=True))
+
+
 @pytest.mark.parametrize("lock_dirs", ["one lock directory", "a lock directory each"])
 async def test_two_controllers_spelling_one_engine_differently_kill_nothing(
     servers: list[StandInServer], tmp_path: Path, lock_dirs: str
@@ -193,34 +234,8 @@ async def test_two_controllers_spelling_one_engine_differently_kill_nothing(
             servers[1].url.replace("127.0.0.1", "127.1"),
         ],
     }
-    racers = {}
-    for name, urls in spellings.items():
-        env = dict(os.environ)
-        if lock_dirs != "one lock directory":
-            env[LOCK_DIR_ENV] = str(tmp_path / f"locks-{name}")
-        racers[name] = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", RACER, name, *urls,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
-        )  # fmt: skip
-    outcomes: dict[str, list[str]] = {name: [] for name in racers}
-    try:
-        for _ in range(TRIALS):
-            for racer in racers.values():
-                assert racer.stdin is not None
-                racer.stdin.write(b"go\n")
-            await asyncio.gather(*(r.stdin.drain() for r in racers.values() if r.stdin))
-            for name, racer in racers.items():
-                assert racer.stdout is not None
-                line = await asyncio.wait_for(racer.stdout.readline(), BOUND)
-                assert line, f"racer {name} exited ({await racer.wait()})"
-                outcomes[name].append(json.loads(line))
-            assert all(s.alive() for s in servers), f"an engine died: {outcomes}"
-    finally:
-        for racer in racers.values():
-            with contextlib.suppress(ProcessLookupError):
-                racer.kill()
-            await racer.wait()
-    both = list(zip(outcomes["a"], outcomes["b"], strict=True))
+    lock_dir = None if lock_dirs == "one lock directory" else tmp_path
+    both = await race(spellings, lock_dir, alive=lambda: all(s.alive() for s in servers))
     assert all("cycled" in pair for pair in both), both  # one of the two went through
     refused = [o for pair in both for o in pair if o != "cycled"]
     assert all(o == "claimed" or o.startswith("refused: conflict") for o in refused), both

@@ -17,6 +17,7 @@ import json
 import signal
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -93,21 +94,35 @@ def engines(http_clients: list[SGLangHTTPEngine]) -> list[SGLangHTTPEngine]:
     return http_clients
 
 
+def urls(servers: list[StandInServer]) -> list[str]:
+    return [s.url for s in servers]
+
+
+def sessions(servers: list[StandInServer]) -> Callable[[], bool]:
+    """Whether every stand-in holds an open weight-update session."""
+    return lambda: all(s.state()["weight_update_session_open"] for s in servers)
+
+
 async def killed_in_its_push(
-    servers: list[StandInServer], journal: Path, how: signal.Signals, trainer: str = TRAINER
+    urls: list[str],
+    journal: Path,
+    how: signal.Signals,
+    trainer: str = TRAINER,
+    pushing: Callable[[], bool] = lambda: True,
+    bound: float = BOUND,
 ) -> int:
-    """Run the trainer until its push has begun, send it ``how``; its exit status."""
+    """Run the trainer over the engines at ``urls`` until its push has begun (and, asserted,
+    ``pushing()``), send it ``how``; its exit status."""
     child = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", trainer, str(journal), *(s.url for s in servers),
-        stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        sys.executable, "-c", trainer, str(journal), *urls, stdout=asyncio.subprocess.PIPE
+    )
     try:
         assert child.stdout is not None
-        line = await asyncio.wait_for(child.stdout.readline(), BOUND)
+        line = await asyncio.wait_for(child.stdout.readline(), bound)
         assert line.strip() == b"pushing", f"the trainer did not push (exit {child.returncode})"
-        assert all(s.state()["weight_update_session_open"] for s in servers)
+        assert pushing()
         child.send_signal(how)
-        return await asyncio.wait_for(child.wait(), BOUND)
+        return await asyncio.wait_for(child.wait(), bound)
     finally:
         if child.returncode is None:
             child.kill()
@@ -129,7 +144,10 @@ async def test_a_trainer_sigkilled_in_its_push_leaves_a_journal_that_says_a_sess
     servers: list[StandInServer], engines: list[SGLangHTTPEngine], tmp_path: Path
 ) -> None:
     journal = tmp_path / "journal.json"
-    assert await killed_in_its_push(servers, journal, signal.SIGKILL) == -signal.SIGKILL
+    killed = await killed_in_its_push(
+        urls(servers), journal, signal.SIGKILL, pushing=sessions(servers)
+    )
+    assert killed == -signal.SIGKILL
     assert all(s.state()["weight_update_session_open"] for s in servers)  # left open
     server = successor(servers, engines, journal)
     # a call was in progress and the push may have written half the weights
@@ -150,7 +168,12 @@ async def test_a_trainer_sigtermed_in_its_push_settles_then_ends_as_sigterm_ends
     servers: list[StandInServer], engines: list[SGLangHTTPEngine], tmp_path: Path, trainer: str
 ) -> None:
     journal = tmp_path / "journal.json"
-    assert await killed_in_its_push(servers, journal, signal.SIGTERM, trainer) == -signal.SIGTERM
+    assert (
+        await killed_in_its_push(
+            urls(servers), journal, signal.SIGTERM, trainer, pushing=sessions(servers)
+        )
+        == -signal.SIGTERM
+    )
     # the push was cancelled, and the sessions closed, before the process ended
     assert not any(s.state()["weight_update_session_open"] for s in servers)
     server = successor(servers, engines, journal)

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import ray
+from core.test_urls import OTHER_SPELLINGS
 
 from rollout_lifecycle import (
     EngineGroup,
@@ -35,7 +36,7 @@ from rollout_lifecycle.testing import StandInServer
 S = ServerState
 BOUND = 60.0
 #: Spellings of this machine that no text comparison takes for 127.0.0.1.
-SPELLINGS = [socket.gethostname(), "127.1", "2130706433", "0x7f000001"]
+SPELLINGS = OTHER_SPELLINGS
 
 
 @pytest.fixture
