@@ -314,6 +314,25 @@ async def _now(read: Callable[[], T]) -> T:
     return read()
 
 
+def _settle(runtime: _Runtime, pending: _Pending, settled: Future[Any]) -> BaseException | None:
+    """Cancel ``pending`` once and wait until it has settled, whatever interrupts the wait; the
+    first interrupt, if any. A call never abandons a phase in flight, not at a second Ctrl-C
+    either: every phase is bounded by its deadlines, and leaving early would hand the caller a
+    server still moving (a release landing after the caller read ``drained``)."""
+    interrupted: BaseException | None = None
+    cancelled = False
+    while True:
+        try:
+            if not cancelled:
+                cancelled = True
+                runtime.cancel([pending])
+            wait([settled])
+            return interrupted
+        except BaseException as exc:
+            if interrupted is None:
+                interrupted = exc
+
+
 async def _awaited(make: Callable[[], Awaitable[T]]) -> T:
     return await make()
 
@@ -669,12 +688,10 @@ class SyncRolloutServer:
                 finished = bool(wait([settled], timeout=limit).done)
             except BaseException:
                 # Interrupted (Ctrl-C): like a cancelled async caller, settle first, then raise.
-                runtime.cancel([pending])
-                wait([settled])
+                _settle(runtime, pending, settled)
                 raise
-            if not finished:
-                runtime.cancel([pending])
-                wait([settled])
+            if not finished and (interrupted := _settle(runtime, pending, settled)) is not None:
+                raise interrupted
         finally:
             with runtime.guard:
                 runtime.pending.discard(pending)

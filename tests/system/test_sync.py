@@ -457,29 +457,50 @@ def test_a_timeout_cancels_the_call_once_the_phase_in_flight_settles(make: Any) 
 
 
 def test_an_interrupted_caller_gets_its_interrupt_after_the_call_settles(make: Any) -> None:
+    """Ctrl-C during a release, then a second Ctrl-C while the call settles: the caller gets the
+    first interrupt once the release has landed, never a server still moving. The release is
+    held until both interrupts were handled. (A call past its timeout settles the same way:
+    ``sync._settle``.)"""
+
     class Interrupt(BaseException):
         pass
 
-    def interrupt(signum: int, frame: Any) -> None:
-        raise Interrupt
-
     engines = [FaultyEngine(e) for e in sims(2)]
-    rollout = make(EngineGroup("actor", engines))
-    engines[0].arm("release_memory_occupation", "slow", seconds=0.4)
+    handled: list[bool] = []  # per interrupt: whether the release was still in flight
 
-    def interrupt_during_release() -> None:
+    def interrupt(signum: int, frame: Any) -> None:
+        handled.append(engines[0].in_flight > 0)
+        raise Interrupt(len(handled))
+
+    held = threading.Event()
+    release = engines[0].inner.release_memory_occupation
+
+    async def held_release(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.to_thread(held.wait, T)
+        return await release(*args, **kwargs)
+
+    engines[0].inner.release_memory_occupation = held_release  # type: ignore[method-assign]
+    rollout = make(EngineGroup("actor", engines))
+    main = threading.main_thread().ident or 0
+
+    def interrupt_twice_during_release() -> None:
         in_flight(engines[0], "release_memory_occupation")
-        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGUSR1)
+        for n in (1, 2):
+            signal.pthread_kill(main, signal.SIGUSR1)
+            blocking_until(lambda n=n: len(handled) == n, f"interrupt {n} to be handled")
+        held.set()
 
     previous = signal.signal(signal.SIGUSR1, interrupt)
-    sender = threading.Thread(target=interrupt_during_release)
+    sender = threading.Thread(target=interrupt_twice_during_release)
     try:
         sender.start()
-        with pytest.raises(Interrupt):
+        with pytest.raises(Interrupt) as raised:
             rollout.offload(timeout=T)
         sender.join(T)
     finally:
+        held.set()
         signal.signal(signal.SIGUSR1, previous)
+    assert handled == [True, True] and raised.value.args == (1,)
     assert rollout.state is S.RELEASED  # settled, not left half-way
     rollout.onload(timeout=T)
 
