@@ -391,10 +391,12 @@ class SyncRolloutServer:
     * **Nothing is lost, nothing hangs.** A call that outlives its ``timeout``
       (``SyncCallTimeout``) or whose caller is interrupted (Ctrl-C) is cancelled as a cancelled
       async caller is: the server settles the phase in flight first, so the state is exact
-      when the caller hears of it. A hook's worker thread cannot be interrupted: a cancelled
-      call (or a hook past ``Deadlines.hook``, which fails with ``HookFailed``) stops waiting
-      for it and leaves it to return on its own; ``close()`` does not join such a thread, and
-      whatever it calls on the facade later is a call of its own, serialized behind any other.
+      when the caller hears of it (a second Ctrl-C meanwhile does not cut the wait short; the
+      caller gets the first once the call has settled). A hook's worker thread cannot be
+      interrupted: a cancelled call (or a hook past ``Deadlines.hook``, which fails with
+      ``HookFailed``) stops waiting for it and leaves it to return on its own; ``close()``
+      does not join such a thread, and whatever it calls on the facade later is a call of its
+      own, serialized behind any other.
     * Calling a blocking member from the loop thread itself (an async hook, a coroutine on that
       loop) raises ``CalledFromLoopThread`` instead of deadlocking; await ``facade.server``
       there. ``close()`` cancels the calls in flight (each settles; its caller gets
