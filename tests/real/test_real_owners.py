@@ -40,7 +40,6 @@ pytestmark = pytest.mark.real_sglang
 S = ServerState
 #: Generous: a loaded machine runs two CPU servers and two controllers on 2 cores.
 BOUND = 120.0
-TRIALS = 20
 
 
 @pytest.fixture
