@@ -13,7 +13,6 @@ which a CPU cannot run: ``docs/vllm-contract.md``.)"""
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import socket
 from collections.abc import AsyncIterator
@@ -24,16 +23,13 @@ import httpx
 import pytest
 from real.servers import RealServer
 from system.test_claims_between_controllers import race
-from system.test_killed_controllers import killed_in_its_push
+from system.test_killed_controllers import killed_in_its_push, successor
 
 from rollout_lifecycle import (
-    EngineGroup,
     FromDisk,
-    RolloutServer,
     ServerState,
     SGLangHTTPEngine,
 )
-from rollout_lifecycle.core.snapshots import ServerSnapshot
 
 pytestmark = pytest.mark.real_sglang
 
@@ -89,10 +85,7 @@ async def test_a_trainer_sigkilled_in_its_push_leaves_real_sessions_that_reset_c
         for real in real_servers:  # the kill left each server's session open
             begin = await http.post(f"{real.url}/begin_weight_update", json={"selector": "all"})
             assert begin.status_code == 400 and "already open" in begin.text, begin.text
-    engines = [SGLangHTTPEngine(s.url, retries=0) for s in real_servers]
-    clients.extend(engines)
-    server = RolloutServer([EngineGroup("actor", engines)], name="successor")
-    server.adopt(ServerSnapshot.from_dict(json.loads(journal.read_text())))
+    server = successor([s.url for s in real_servers], clients, journal)
     assert server.state is S.FAILED
     assert all(r.session_unknown and r.stale for r in server.snapshot().engines().values())
     assert await asyncio.wait_for(server.reset(), BOUND) is S.WEIGHTS_RESTORED  # sessions closed

@@ -129,11 +129,9 @@ async def killed_in_its_push(
             await child.wait()
 
 
-def successor(
-    servers: list[StandInServer], made: list[SGLangHTTPEngine], journal: Path
-) -> RolloutServer:
-    """A new process's server over the same engines, the journal adopted."""
-    engines = [SGLangHTTPEngine(s.url, retries=0) for s in servers]
+def successor(urls: list[str], made: list[SGLangHTTPEngine], journal: Path) -> RolloutServer:
+    """A new process's server over the engines at ``urls``, the journal adopted."""
+    engines = [SGLangHTTPEngine(u, retries=0) for u in urls]
     made.extend(engines)
     server = RolloutServer([EngineGroup("actor", engines)], name="successor")
     server.adopt(ServerSnapshot.from_dict(json.loads(journal.read_text())))
@@ -149,7 +147,7 @@ async def test_a_trainer_sigkilled_in_its_push_leaves_a_journal_that_says_a_sess
     )
     assert killed == -signal.SIGKILL
     assert all(s.state()["weight_update_session_open"] for s in servers)  # left open
-    server = successor(servers, engines, journal)
+    server = successor(urls(servers), engines, journal)
     # a call was in progress and the push may have written half the weights
     assert server.state is S.FAILED
     records = server.snapshot().engines().values()
@@ -176,7 +174,7 @@ async def test_a_trainer_sigtermed_in_its_push_settles_then_ends_as_sigterm_ends
     )
     # the push was cancelled, and the sessions closed, before the process ended
     assert not any(s.state()["weight_update_session_open"] for s in servers)
-    server = successor(servers, engines, journal)
+    server = successor(urls(servers), engines, journal)
     assert server.state is S.WEIGHTS_RESTORED  # (a cancelled call leaves the server in place)
     snapshot = server.snapshot()
     assert not any(r.session_unknown for r in snapshot.engines().values())
