@@ -46,6 +46,7 @@ from rollout_lifecycle import (
     Tag,
     WeightUpdate,
 )
+from rollout_lifecycle.backends.http_transport import KEEPALIVE_EXPIRY_S
 from rollout_lifecycle.core.bus import PhaseSettled
 from rollout_lifecycle.testing import until
 from rollout_lifecycle.testing.standin import DEATH_EXIT_CODE, FAULTS_PATH, StandInServer
@@ -617,19 +618,28 @@ async def test_release_that_landed_before_the_drop_is_uncertain_and_never_sent_a
     assert target.alive() and servers[1].alive()
 
 
+def passthrough() -> httpx.AsyncHTTPTransport:
+    """The link a test's intercepting transport forwards to, pooled as the library's own link
+    is: an idle connection is let go well before the server closes it (``KEEPALIVE_EXPIRY_S``
+    against its 5 s keep-alive). With httpx's default (5 s, the server's own) a call held about
+    5 s met a connection the server was closing, and went out again on a new one."""
+    return httpx.AsyncHTTPTransport(limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S))
+
+
 class _Held(httpx.AsyncBaseTransport):
     """The link to a server, holding the first call to ``path`` on its way until the test
     lets it go (``go``): the engine's answer to it comes as late as the test says, whatever the
     machine's speed. Every other call goes through at once."""
 
     def __init__(self, path: str) -> None:
-        self._inner = httpx.AsyncHTTPTransport()
+        self._inner = passthrough()
         self._path = path
         #: Set once the held call was sent by the client (it waits here).
         self.sent = asyncio.Event()
         #: Set by the test: the held call goes on to the server.
         self.go = asyncio.Event()
-        #: When the held call's answer came back (``time.monotonic()``), once it did.
+        #: When a call to ``path`` was first answered (``time.monotonic()``): the held one's
+        #: answer, or a repeat's if the held one failed on its way and was tried again.
         self.answered_at: float | None = None
 
     @property
@@ -638,13 +648,15 @@ class _Held(httpx.AsyncBaseTransport):
         return self.sent.is_set() and not self.go.is_set()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path == self._path and not self.sent.is_set():
+        if request.url.path != self._path:
+            return await self._inner.handle_async_request(request)
+        if not self.sent.is_set():
             self.sent.set()
             await self.go.wait()
-            response = await self._inner.handle_async_request(request)
+        response = await self._inner.handle_async_request(request)
+        if self.answered_at is None:
             self.answered_at = time.monotonic()
-            return response
-        return await self._inner.handle_async_request(request)
+        return response
 
     async def aclose(self) -> None:
         await self._inner.aclose()
@@ -784,7 +796,7 @@ class _GatewayTimeout(httpx.AsyncBaseTransport):
     waiting for the upstream's answer, which came after all)."""
 
     def __init__(self) -> None:
-        self._inner = httpx.AsyncHTTPTransport()
+        self._inner = passthrough()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         response = await self._inner.handle_async_request(request)

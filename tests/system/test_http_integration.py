@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 import ray
+from backends.test_http_faults import passthrough
 from structlog.testing import capture_logs
 from system.router_traffic import stats
 
@@ -182,7 +183,7 @@ class _HeldPauses(httpx.AsyncBaseTransport):
     through at once."""
 
     def __init__(self) -> None:
-        self._inner = httpx.AsyncHTTPTransport()
+        self._inner = passthrough()
         self.go = asyncio.Event()
         self.held = 0
 
