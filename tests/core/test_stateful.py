@@ -346,6 +346,13 @@ class Request:
         self.max_new_tokens = n
 
 
+#: The phases of ``update_weights()`` that run once its write completed: the push returned, the
+#: sessions closed and the version was set (``core/sessions.WeightWriter.write``).
+AFTER_THE_WRITE = frozenset(
+    {"flush_after_update", "check_versions", "continue_after_update", "verify_weights"}
+)
+
+
 class LifecycleMachine(RuleBasedStateMachine):
     """Drives one ``RolloutServer`` through random API calls, faults, traffic and cancellations."""
 
@@ -433,6 +440,8 @@ class LifecycleMachine(RuleBasedStateMachine):
             self.write_pending = True
             if isinstance(exc, HookFailed) and version is None:
                 self.unpushed = True  # the push itself raised
+            elif isinstance(exc, PhaseFailed) and exc.phase in AFTER_THE_WRITE:
+                self.unpushed = False  # the write completed; what failed came after it
             raise
         self.write_pending = False
         self.unpushed = False
