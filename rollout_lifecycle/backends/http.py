@@ -10,7 +10,7 @@ error translation); timeouts and value checks are ``http_wire``.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
@@ -26,7 +26,7 @@ from rollout_lifecycle.backends.http_wire import (
     parse_version,
     shown,
 )
-from rollout_lifecycle.backends.secret import Secret, as_secret
+from rollout_lifecycle.backends.secret import Secret, secret_kwargs
 from rollout_lifecycle.backends.tensor_payload import check_tensor_payloads
 from rollout_lifecycle.contract.exceptions import EngineRejected, InvalidArgument
 from rollout_lifecycle.contract.fingerprint import SGLANG_SCHEME, Fingerprint
@@ -483,21 +483,12 @@ def _rank_checksums(answer: dict[str, Any]) -> dict[str, str] | None:
     return tensors
 
 
-def _secret_kwargs(kwargs: dict[str, Any], names: Iterable[str]) -> dict[str, Any]:
-    """``kwargs`` with its keys wrapped in ``Secret`` (a partial's repr shows its arguments)."""
-    out = dict(kwargs)
-    for name in names:
-        if name in out:
-            out[name] = as_secret(out[name], what=name)
-    return out
-
-
 def sglang_http_factory(url: str, **kwargs: Any) -> Callable[[], SGLangHTTPEngine]:
     """A picklable zero-argument factory of ``SGLangHTTPEngine(url, **kwargs)``, for Ray actors.
 
     The arguments are checked now (constructing an engine opens nothing), so a mistake surfaces
     in the driver, not in an actor.
     """
-    kwargs = _secret_kwargs(kwargs, ("admin_key", "api_key"))
+    kwargs = secret_kwargs(kwargs, ("admin_key", "api_key"))
     SGLangHTTPEngine(url, **kwargs)
     return functools.partial(SGLangHTTPEngine, url, **kwargs)

@@ -52,12 +52,14 @@ def check_str(name: str, value: object, *, optional: bool) -> str | None:
     return value
 
 
-def check_str_list(name: str, value: object) -> list[str]:
-    if isinstance(value, str) or not isinstance(value, Sequence):
-        raise InvalidArgument(f"{name} must be a list of strings, got {shown(value)}")
+def check_str_list(name: str, value: object, *, allow_empty: bool = True) -> list[str]:
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        raise InvalidArgument(f"{name} must be a sequence of strings, got {shown(value)}")
     items = list(value)
     if not all(isinstance(item, str) for item in items):
         raise InvalidArgument(f"{name} must hold strings only")
+    if not items and not allow_empty:
+        raise InvalidArgument(f"{name} must not be empty")
     return items
 
 

@@ -21,12 +21,12 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 from rollout_lifecycle.backends.http import (
     HTTPTimeouts,
     SGLangHTTPEngine,
-    _secret_kwargs,
     check_seconds,
     scrub,
     sglang_http_factory,
 )
-from rollout_lifecycle.backends.secret import Secret, as_secret
+from rollout_lifecycle.backends.http_wire import check_str_list
+from rollout_lifecycle.backends.secret import Secret, as_secret, secret_kwargs
 from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import (
     EngineDead,
@@ -86,17 +86,6 @@ _EXIT_GRACE = 0.5
 _T = TypeVar("_T")
 
 
-def _str_list(name: str, value: object, *, allow_empty: bool) -> list[str]:
-    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
-        raise InvalidArgument(f"{name} must be a sequence of strings, got {value!r}")
-    items = list(value)
-    if not all(isinstance(item, str) for item in items):
-        raise InvalidArgument(f"{name} must hold strings only")
-    if not items and not allow_empty:
-        raise InvalidArgument(f"{name} must not be empty")
-    return items
-
-
 def check_launch(
     model_path: object, port: object, host: object, extra_args: object, key_flags: Sequence[str]
 ) -> tuple[list[str], str]:
@@ -108,7 +97,7 @@ def check_launch(
         raise InvalidArgument(f"port must be an int between 1 and 65535, got {port!r}")
     if not isinstance(host, str) or not host:
         raise InvalidArgument(f"host must be a non-empty string, got {host!r}")
-    extra = _str_list("extra_args", extra_args, allow_empty=True)
+    extra = check_str_list("extra_args", extra_args)
     for arg in extra:
         if arg.split("=", 1)[0] in key_flags:
             # Not echoed: the next argument is probably the key.
@@ -557,7 +546,7 @@ class LaunchedSGLangEngine(LaunchedServer[SGLangHTTPEngine]):
         else:
             if python not in (None, sys.executable) or not memory_saver:
                 raise InvalidArgument("python and memory_saver do not apply to a custom command")
-            cmd = _str_list("command", command, allow_empty=False)
+            cmd = check_str_list("command", command, allow_empty=False)
         super().__init__(
             model_path,
             http,
@@ -618,6 +607,6 @@ def launched_sglang_factory(model_path: str, **kwargs: Any) -> Callable[[], Laun
     The arguments are checked now (constructing an engine starts nothing); keys are wrapped in
     ``Secret`` so that the factory's repr never shows them.
     """
-    kwargs = _secret_kwargs(kwargs, ("admin_key", "api_key"))
+    kwargs = secret_kwargs(kwargs, ("admin_key", "api_key"))
     LaunchedSGLangEngine(model_path, **kwargs)
     return functools.partial(LaunchedSGLangEngine, model_path, **kwargs)

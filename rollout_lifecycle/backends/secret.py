@@ -11,6 +11,8 @@ out of logs, events, reprs and exception text by construction.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
+from typing import Any
 
 from rollout_lifecycle.contract.exceptions import InvalidArgument
 
@@ -105,3 +107,13 @@ def as_secret(value: str | Secret | None, *, what: str) -> Secret | None:
             raise InvalidArgument(f"{what} cannot go in an HTTP header: it {problem}")
         return Secret(value)
     raise InvalidArgument(f"{what} must be a string or a Secret, got {type(value).__name__}")
+
+
+def secret_kwargs(kwargs: dict[str, Any], names: Iterable[str]) -> dict[str, Any]:
+    """``kwargs`` with the values of ``names`` wrapped in ``Secret`` (an engine factory is a
+    ``functools.partial``, whose repr shows its arguments)."""
+    out = dict(kwargs)
+    for name in names:
+        if name in out:
+            out[name] = as_secret(out[name], what=name)
+    return out

@@ -33,7 +33,6 @@ from typing import Any
 import httpx
 
 from rollout_lifecycle.backends.engine import incarnation_of
-from rollout_lifecycle.backends.http import _secret_kwargs
 from rollout_lifecycle.backends.http_link import open_wire
 from rollout_lifecycle.backends.http_transport import HTTPTransport
 from rollout_lifecycle.backends.http_wire import (
@@ -43,7 +42,7 @@ from rollout_lifecycle.backends.http_wire import (
     parse_version,
     shown,
 )
-from rollout_lifecycle.backends.secret import Secret, as_secret
+from rollout_lifecycle.backends.secret import Secret, as_secret, secret_kwargs
 from rollout_lifecycle.backends.vllm_api import ENDPOINTS, SLEEP_STATES
 from rollout_lifecycle.contract.exceptions import (
     EngineDead,
@@ -665,7 +664,7 @@ def _as_sglang(wire: HTTPTransport, answer: dict[str, Any], *, logprobs: bool) -
 def vllm_http_factory(url: str, **kwargs: Any) -> Callable[[], VLLMHTTPEngine]:
     """A picklable zero-argument factory of ``VLLMHTTPEngine(url, **kwargs)``, for Ray actors;
     the arguments are checked now."""
-    kwargs = _secret_kwargs(kwargs, ("api_key",))
+    kwargs = secret_kwargs(kwargs, ("api_key",))
     VLLMHTTPEngine(url, **kwargs)
     return functools.partial(VLLMHTTPEngine, url, **kwargs)
 

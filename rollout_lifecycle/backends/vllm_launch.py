@@ -13,16 +13,14 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from rollout_lifecycle.backends.http import _secret_kwargs
-from rollout_lifecycle.backends.http_wire import HTTPTimeouts
+from rollout_lifecycle.backends.http_wire import HTTPTimeouts, check_str_list
 from rollout_lifecycle.backends.launch import (
     LaunchedServer,
-    _str_list,
     check_launch,
     delegate,
     interpreter,
 )
-from rollout_lifecycle.backends.secret import Secret, as_secret
+from rollout_lifecycle.backends.secret import Secret, as_secret, secret_kwargs
 from rollout_lifecycle.backends.vllm_http import VLLMHTTPEngine
 from rollout_lifecycle.contract.exceptions import InvalidArgument
 
@@ -85,7 +83,7 @@ class LaunchedVLLMEngine(LaunchedServer[VLLMHTTPEngine]):
         else:
             if python is not None:
                 raise InvalidArgument("python does not apply to a custom command")
-            cmd = _str_list("command", command, allow_empty=False)
+            cmd = check_str_list("command", command, allow_empty=False)
         super().__init__(
             model_path,
             http,
@@ -115,6 +113,6 @@ def launched_vllm_factory(model_path: str, **kwargs: Any) -> Callable[[], Launch
     """A picklable zero-argument factory of ``LaunchedVLLMEngine(model_path, **kwargs)``; the
     arguments are checked now (constructing an engine starts nothing), and the key is wrapped
     in ``Secret`` so that the factory's repr never shows it."""
-    kwargs = _secret_kwargs(kwargs, ("api_key",))
+    kwargs = secret_kwargs(kwargs, ("api_key",))
     LaunchedVLLMEngine(model_path, **kwargs)
     return functools.partial(LaunchedVLLMEngine, model_path, **kwargs)

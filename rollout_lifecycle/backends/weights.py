@@ -12,15 +12,13 @@ import asyncio
 import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rollout_lifecycle.backends.tensor_payload import check_tensor_payloads
 from rollout_lifecycle.contract.exceptions import InvalidArgument, WeightPushFailed
+from rollout_lifecycle.contract.push import WeightUpdate
 from rollout_lifecycle.contract.seam import classify, send
 from rollout_lifecycle.contract.values import check_int
-
-if TYPE_CHECKING:
-    from rollout_lifecycle.core.server import WeightUpdate
 
 
 async def _write_all(
