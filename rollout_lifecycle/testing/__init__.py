@@ -1,21 +1,19 @@
-"""Test support: fleets of simulated engines on Ray, and checks of the lifecycle invariants.
+"""Test support: fleets of simulated engines, in process or on Ray, and checks of the lifecycle
+invariants.
 
 Used by the library's own tests, the demo and the benchmarks, and meant for users' tests of code
-built on the library (no GPU needed).
+built on the library (no GPU needed). The in-process simulator and the checks import without
+Ray; the names that need it (the actor fleets, ``local_ray``) load it when first asked for.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import logging
-from collections.abc import Awaitable, Iterator, Mapping
-from typing import Any
+import importlib
+from collections.abc import Awaitable, Mapping
+from typing import TYPE_CHECKING, Any
 
-from rollout_lifecycle.backends.actor import start_engine_actor
-from rollout_lifecycle.backends.hosted import HostedEngine, start_multi_engine_actor
 from rollout_lifecycle.contract import seam
-from rollout_lifecycle.contract.values import check_int
 from rollout_lifecycle.testing.barriers import (
     BARRIER_PAIRS,
     CYCLE_PHASES,
@@ -36,68 +34,32 @@ from rollout_lifecycle.testing.fleets import (
     simulated,
     simulated_engines,
 )
-from rollout_lifecycle.testing.simulated import MAX_FLEET, SimulatedEngine, fleet_factories
+from rollout_lifecycle.testing.simulated import SimulatedEngine
 from rollout_lifecycle.testing.sse import asse_events, sse_events
 from rollout_lifecycle.testing.standin import StandInServer
 from rollout_lifecycle.testing.waits import until, until_actor_gone, until_began
 
+if TYPE_CHECKING:
+    from rollout_lifecycle.backends.actor import start_engine_actor as start_engine_actor
+    from rollout_lifecycle.backends.hosted import HostedEngine as HostedEngine
+    from rollout_lifecycle.backends.hosted import (
+        start_multi_engine_actor as start_multi_engine_actor,
+    )
+    from rollout_lifecycle.testing.actor_fleets import (
+        local_ray,
+        simulated_engine_actors,
+        simulated_multi_engine_actors,
+    )
 
-@contextlib.contextmanager
-def local_ray() -> Iterator[None]:
-    """A local Ray cluster for a script or demo (2 CPUs, no dashboard, quiet), unless one is
-    running already; shut down on exit only if it was started here."""
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(
-            num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False
-        )
-    try:
-        yield
-    finally:
-        if started:
-            ray.shutdown()
-
-
-def simulated_engine_actors(
-    count: int, *, label: str = "sim", seed: int | None = None, **options: Any
-) -> list[Any]:
-    """Start ``count`` Ray engine actors, each hosting a ``SimulatedEngine(**options)``.
-
-    Engine ``i`` is labelled ``f"{label}-{i}"``; with ``seed`` it draws its op latencies from
-    ``seed + i``, so a fleet is reproducible and its engines differ.
-    """
-    check_int("count", count, minimum=1, maximum=MAX_FLEET)
-    factories = fleet_factories(count, label=label, seed=seed, **options)
-    return [start_engine_actor(factory) for factory in factories]
-
-
-def simulated_multi_engine_actors(
-    actors: int,
-    engines_per_actor: int,
-    *,
-    label: str = "sim",
-    seed: int | None = None,
-    **options: Any,
-) -> tuple[list[Any], list[HostedEngine]]:
-    """Start ``actors`` actors of ``engines_per_actor`` ``SimulatedEngine(**options)`` each.
-
-    Engine ``i`` (counting across actors) is labelled ``f"{label}-{i}"`` and, with ``seed``,
-    draws its op latencies from ``seed + i``, as in ``simulated_engine_actors``. Returns the
-    actors and the engine handles in order.
-    """
-    check_int("actors", actors, minimum=1, maximum=MAX_FLEET)
-    check_int("engines_per_actor", engines_per_actor, minimum=1, maximum=MAX_FLEET)
-    factories = fleet_factories(actors * engines_per_actor, label=label, seed=seed, **options)
-    started: list[Any] = []
-    handles: list[HostedEngine] = []
-    for a in range(actors):
-        first = a * engines_per_actor
-        actor, hosted = start_multi_engine_actor(factories[first : first + engines_per_actor])
-        started.append(actor)
-        handles.extend(hosted)
-    return started, handles
+#: Names whose modules load when first asked for: they bring Ray with them.
+_LAZY: dict[str, str] = {
+    "local_ray": "rollout_lifecycle.testing.actor_fleets",
+    "simulated_engine_actors": "rollout_lifecycle.testing.actor_fleets",
+    "simulated_multi_engine_actors": "rollout_lifecycle.testing.actor_fleets",
+    "start_engine_actor": "rollout_lifecycle.backends.actor",
+    "HostedEngine": "rollout_lifecycle.backends.hosted",
+    "start_multi_engine_actor": "rollout_lifecycle.backends.hosted",
+}
 
 
 def send_to_engine(handle: Any, op: str, args: tuple[Any, ...] = ()) -> Awaitable[Any]:
@@ -170,3 +132,16 @@ __all__ = [
     "until_actor_gone",
     "until_began",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next lookup is a plain one
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

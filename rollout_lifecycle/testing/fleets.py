@@ -10,8 +10,8 @@ from typing import Any
 
 from rollout_lifecycle.backends.engine import EngineHost
 from rollout_lifecycle.backends.weights import FromDisk
+from rollout_lifecycle.contract.push import WeightUpdate
 from rollout_lifecycle.core.server import RolloutServer
-from rollout_lifecycle.core.sessions import WeightUpdate
 from rollout_lifecycle.core.states import ServerState
 from rollout_lifecycle.testing.barriers import calls_received
 from rollout_lifecycle.testing.faults import FaultyEngine

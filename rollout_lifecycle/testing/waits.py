@@ -1,7 +1,8 @@
 """Waiting on facts instead of time: a test that needs a moment (a request decoding, a pause
 landed, an actor gone) polls what the engine or the server reports until it holds, with a
 generous deadline, so it passes the same on an idle machine and on a loaded one. For engines
-behind Ray actors: until one is gone, until each has received a call."""
+behind Ray actors: until one is gone, until each has received a call (Ray loads only when a
+wait on an actor needs it)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ import inspect
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
-
-import ray
 
 from rollout_lifecycle.contract.values import check_seconds
 
@@ -46,6 +45,7 @@ async def until(
 async def until_actor_gone(handle: Any, *, deadline: float = DEFAULT_DEADLINE_S) -> None:
     """Return once calls to the engine actor ``handle`` fail because it is gone (``ray.kill``
     returns before the actor is)."""
+    import ray  # only the actor waits need Ray
 
     async def gone() -> bool:
         try:

@@ -11,6 +11,8 @@ the server misbehaves.
 - ``auth``: which key a request carries, and the 401 before a route;
 - ``bodies``: request fields checked against the table, and SGLang's error answer;
 - ``faults``: the injected faults;
+- ``serving``: uvicorn serving a stand-in's app in this process, and its end when the engine
+  dies;
 - ``process``: ``serve`` (in this process), ``StandInServer`` and ``VLLMStandInServer``
   (subprocesses);
 - ``vllm_app``, ``vllm_engine``: the vLLM 0.32.0 stand-in's routes and engine.

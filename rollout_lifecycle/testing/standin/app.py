@@ -209,7 +209,9 @@ class StandInState:
             self.die()
 
 
-async def _wait_disconnect(request: Request) -> None:
+async def wait_disconnect(request: Request) -> None:
+    """Return once the client of ``request`` has gone (its ``http.disconnect``): both stand-ins
+    race a generation against it, to abort a request nobody will read, as the servers do."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
@@ -548,7 +550,7 @@ def create_app(
     @serves("generate")
     async def generate(request: Request, values: dict[str, Any]) -> Any:
         task = asyncio.ensure_future(engine.generate(await request.json()))
-        gone = asyncio.ensure_future(_wait_disconnect(request))
+        gone = asyncio.ensure_future(wait_disconnect(request))
         try:
             await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
@@ -625,4 +627,11 @@ def create_app(
     return app
 
 
-__all__ = ["DEFAULT_MODEL_PATH", "StandInDied", "StandInState", "check_path", "create_app"]
+__all__ = [
+    "DEFAULT_MODEL_PATH",
+    "StandInDied",
+    "StandInState",
+    "check_path",
+    "create_app",
+    "wait_disconnect",
+]

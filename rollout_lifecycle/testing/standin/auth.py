@@ -14,8 +14,10 @@ if TYPE_CHECKING:
     from starlette.types import ASGIApp, Receive, Scope, Send
 
 
-def _token_matches(authorization: str | None, expected: str) -> bool:
-    """``Authorization: Bearer <expected>``, nothing else (no ``X-API-Key``, no other scheme)."""
+def token_matches(authorization: str | None, expected: str) -> bool:
+    """Whether an ``Authorization`` header is ``Bearer <expected>``, nothing else (no
+    ``X-API-Key``, no other scheme); compared in constant time. Both stand-ins' key checks use
+    it."""
     # sglang: utils/auth.py decide_request_auth._check_bearer_token
     if not authorization:
         return False
@@ -44,7 +46,7 @@ def request_allowed(
     # Control: the admin key when one is configured (the api key is then refused), else the api
     # key. Normal: the api key, even when an admin key exists.
     key = (admin or api) if level is Auth.CONTROL else api
-    return key is None or _token_matches(authorization, key.reveal())
+    return key is None or token_matches(authorization, key.reveal())
 
 
 class AuthMiddleware:
@@ -74,4 +76,4 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
 
-__all__ = ["AuthMiddleware", "request_allowed"]
+__all__ = ["AuthMiddleware", "request_allowed", "token_matches"]

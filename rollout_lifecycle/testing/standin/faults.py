@@ -10,15 +10,13 @@ import math
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from rollout_lifecycle.testing.standin.bodies import BadRequest
 
 if TYPE_CHECKING:
     from starlette.responses import Response
     from starlette.types import ASGIApp, Receive, Scope, Send
-
-    from rollout_lifecycle.testing.standin.app import StandInState
 
 #: Where fault rules are posted, listed and cleared (stand-in only; SGLang has no such route).
 FAULTS_PATH = "/_standin/faults"
@@ -184,10 +182,27 @@ async def _drop(send: Send, why: str) -> NoReturn:
     raise _ConnectionDropped(why)
 
 
+class FaultState(Protocol):
+    """What ``FaultMiddleware`` works on: the rules in force, the log of the faults applied and
+    the server's death (a stand-in's shared state, ``app.StandInState``)."""
+
+    def take_fault(self, path: str) -> FaultRule | None:
+        """The rule the request to ``path`` meets, counted now; None when none matches."""
+        ...
+
+    def record_fault(self, rule: FaultRule, method: str, start: float, detail: str) -> None:
+        """Log one applied fault."""
+        ...
+
+    def kill(self, reason: str) -> NoReturn:
+        """Kill the engine and the server (an injected ``die``)."""
+        ...
+
+
 class FaultMiddleware:
     """Applies the injected fault rules (pure ASGI: it must control the raw connection)."""
 
-    def __init__(self, app: ASGIApp, *, state: StandInState) -> None:
+    def __init__(self, app: ASGIApp, *, state: FaultState) -> None:
         self.app = app
         self.state = state
 
@@ -235,6 +250,7 @@ __all__ = [
     "FAULT_KINDS",
     "FaultMiddleware",
     "FaultRule",
+    "FaultState",
     "QuietDrops",
     "parse_fault_rules",
 ]

@@ -1,44 +1,41 @@
-"""Running a stand-in server: ``serve`` runs one in this process (the ``fake-sglang`` command),
-and ``StandInServer`` starts one in a subprocess on loopback and drives it from a test: start,
-stop, restart at the same port, fault rules, the engine's history and state."""
+"""Running a stand-in server: ``serve`` runs one in this process (the ``fake-sglang`` command;
+``serving`` does the serving), and ``StandInServer`` starts one in a subprocess on loopback and
+drives it from a test: start, stop, restart at the same port, fault rules, the engine's history
+and state."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import json
-import logging
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-import rollout_lifecycle
 from rollout_lifecycle.backends.secret import Secret, as_secret
 from rollout_lifecycle.contract.exceptions import InvalidArgument, LifecycleError
 from rollout_lifecycle.contract.identity import PROOF_WINDOW
 from rollout_lifecycle.contract.values import check_flag, check_seconds
 from rollout_lifecycle.testing.simulated import SimulatedEngine, check_engine_options
-from rollout_lifecycle.testing.standin.app import (
-    DEFAULT_MODEL_PATH,
-    NEEDS,
-    check_path,
-    create_app,
+from rollout_lifecycle.testing.standin.app import DEFAULT_MODEL_PATH, check_path, create_app
+from rollout_lifecycle.testing.standin.faults import FAULTS_PATH
+from rollout_lifecycle.testing.standin.serving import (
+    DEATH_EXIT_CODE,
+    READY_PREFIX,
+    check_serving,
+    run_app,
 )
-from rollout_lifecycle.testing.standin.faults import FAULTS_PATH, QuietDrops
 
-#: The one line ``serve`` prints on stdout once the server accepts connections.
-READY_PREFIX = "FAKE_SGLANG_READY"
-#: Exit status of a stand-in whose engine died (SGLang's process dies with its scheduler).
-DEATH_EXIT_CODE = 70
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
 #: How long ``StandInServer.start`` waits for the child to accept connections by default: a
 #: child imports FastAPI, uvicorn and this package, which on a loaded 2-core CI machine has
 #: been seen to take more than 30 s.
@@ -52,15 +49,6 @@ API_KEY_ENV = "ROLLOUT_LIFECYCLE_STANDIN_API_KEY"
 
 class StandInFailed(LifecycleError, RuntimeError):
     """A stand-in server process could not be started (or exited before it was ready)."""
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def serve(
@@ -86,53 +74,32 @@ def serve(
     vLLM's routes instead (``vllm_app``; ``weight_transfer`` for ``--weight-transfer-config``),
     with no admin key.
     """
-    try:
-        import uvicorn
-        import uvloop
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError(NEEDS) from exc
-    if not isinstance(host, str) or not host:
-        raise InvalidArgument(f"host must be a non-empty string, got {host!r}")
-    check_flag("print_ready", print_ready)
-    check_flag("allow_remote", allow_remote)
-    if engine_options is not None and not isinstance(engine_options, Mapping):
-        raise InvalidArgument(f"engine_options must be a mapping or None, got {engine_options!r}")
-    if not allow_remote and not _is_loopback(host):
-        raise InvalidArgument(
-            f"host {host!r} is not a loopback address; the stand-in has no TLS and serves "
-            "control endpoints, so pass allow_remote=True (--allow-remote) to expose it"
-        )
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise InvalidArgument(f"port must be an int in 0..65535, got {port!r}")
+    check_serving(
+        host=host,
+        port=port,
+        engine_options=engine_options,
+        print_ready=print_ready,
+        allow_remote=allow_remote,
+    )
     if kind not in ("sglang", "vllm"):
         raise InvalidArgument(f"kind must be 'sglang' or 'vllm', got {kind!r}")
     check_flag("weight_transfer", weight_transfer)
-    # The engine's weights start as the checkpoint the server was started with.
-    engine = SimulatedEngine(**check_engine_options(engine_options or {}), model_path=model_path)
 
-    def on_death() -> None:
-        sys.stderr.write(
-            f"fake-{kind}: engine {engine.label} died: {engine.death_reason}; "
-            f"exiting with status {DEATH_EXIT_CODE} like a crashed server\n"
-        )
-        sys.stderr.flush()
-        os._exit(DEATH_EXIT_CODE)
+    def make_app(engine: SimulatedEngine, on_death: Callable[[], None]) -> FastAPI:
+        if kind == "vllm":
+            from rollout_lifecycle.testing.standin.vllm_app import create_vllm_app
 
-    if kind == "vllm":
-        from rollout_lifecycle.testing.standin.vllm_app import create_vllm_app
-
-        if admin_key is not None:
-            raise InvalidArgument("vLLM has no admin key; pass api_key only")
-        app = create_vllm_app(
-            engine,
-            api_key=api_key,
-            on_death=on_death,
-            history_file=history_file,
-            model_path=model_path,
-            weight_transfer=weight_transfer,
-        )
-    else:
-        app = create_app(
+            if admin_key is not None:
+                raise InvalidArgument("vLLM has no admin key; pass api_key only")
+            return create_vllm_app(
+                engine,
+                api_key=api_key,
+                on_death=on_death,
+                history_file=history_file,
+                model_path=model_path,
+                weight_transfer=weight_transfer,
+            )
+        return create_app(
             engine,
             api_key=api_key,
             admin_key=admin_key,
@@ -140,50 +107,16 @@ def serve(
             history_file=history_file,
             model_path=model_path,
         )
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    bound_port: int = sock.getsockname()[1]
-    config = uvicorn.Config(
-        app,
-        log_level="warning",
-        access_log=False,
-        lifespan="on",
-        timeout_graceful_shutdown=2,
-        # sglang: environ.py SGLANG_TIMEOUT_KEEP_ALIVE = EnvInt(5), uvicorn's timeout_keep_alive
-        timeout_keep_alive=5,
+
+    return run_app(
+        make_app,
+        name=f"fake-{kind}",
+        host=host,
+        port=port,
+        engine_options=engine_options,
+        model_path=model_path,
+        print_ready=print_ready,
     )
-    # An injected drop raises on purpose once its response has started; it is no app error.
-    uvicorn_log = logging.getLogger("uvicorn.error")
-    if not any(isinstance(f, QuietDrops) for f in uvicorn_log.filters):
-        uvicorn_log.addFilter(QuietDrops())
-    server = uvicorn.Server(config)
-
-    async def main() -> bool:
-        task = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started and not task.done():  # noqa: ASYNC110 - uvicorn has no event
-            await asyncio.sleep(0.01)
-        if server.started and print_ready:
-            sys.stdout.write(f"{READY_PREFIX} port={bound_port}\n")
-            sys.stdout.flush()
-        await task
-        started = bool(server.started)
-        await engine.close()
-        return started
-
-    try:
-        # The real servers run uvicorn on uvloop, whose timers (the keep-alive's among them) run
-        # before the sockets are read: a stall past the keep-alive drops a call written onto a
-        # kept connection, here as there. sglang: entrypoints/http_server.py (loop="uvloop").
-        started = uvloop.run(main())
-    finally:
-        sock.close()
-    return 0 if started else 1
 
 
 def _latency_arg(op: str, value: object) -> str:
@@ -310,8 +243,9 @@ class StandInServer:
             env[ADMIN_KEY_ENV] = self._admin_key.reveal()
         if self._api_key is not None:
             env[API_KEY_ENV] = self._api_key.reveal()
-        # The child must import this very package, installed or not.
-        root = str(Path(rollout_lifecycle.__file__).resolve().parent.parent)
+        # The child must import this very package, installed or not: the folder holding it
+        # (this file is rollout_lifecycle/testing/standin/process.py).
+        root = str(Path(__file__).resolve().parents[3])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         env["PYTHONUNBUFFERED"] = "1"
         return env

@@ -38,16 +38,15 @@ from rollout_lifecycle.testing.simulated import SimulatedEngine
 from rollout_lifecycle.testing.standin.app import (
     NEEDS,
     StandInState,
-    _wait_disconnect,
     check_path,
     fault_rules,
     standin_app,
+    wait_disconnect,
 )
-from rollout_lifecycle.testing.standin.auth import _token_matches
+from rollout_lifecycle.testing.standin.auth import token_matches
 from rollout_lifecycle.testing.standin.bodies import BadRequest, json_body
-from rollout_lifecycle.testing.standin.faults import (
-    FAULTS_PATH,
-)
+from rollout_lifecycle.testing.standin.faults import FAULTS_PATH
+from rollout_lifecycle.testing.standin.serving import check_serving, run_app
 from rollout_lifecycle.testing.standin.vllm_engine import (
     VLLM_VERSION,
     VLLMEngineModel,
@@ -99,7 +98,7 @@ class VLLMAuthMiddleware:
         from starlette.datastructures import Headers
         from starlette.responses import JSONResponse
 
-        if not _token_matches(Headers(scope=scope).get("authorization"), key.reveal()):
+        if not token_matches(Headers(scope=scope).get("authorization"), key.reveal()):
             await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -429,7 +428,7 @@ def create_vllm_app(
         task = asyncio.ensure_future(engine.generate(sim))
         if body.get("stream"):
             return StreamingResponse(stream(task, rid, body, head), media_type="text/event-stream")
-        gone = asyncio.ensure_future(_wait_disconnect(request))
+        gone = asyncio.ensure_future(wait_disconnect(request))
         try:
             await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -498,8 +497,6 @@ def create_vllm_app(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Serve one vLLM stand-in on loopback until stopped (or its engine dies)."""
-    from rollout_lifecycle.testing.standin.process import serve
-
     parser = argparse.ArgumentParser(prog="fake-vllm", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
@@ -515,15 +512,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         if api_key is None:
             print(f"fake-vllm: {args.api_key_env} is not set", file=sys.stderr)
             return 2
-    return serve(
+    engine_options = json.loads(args.engine_options)
+    check_serving(
         host=args.host,
         port=args.port,
-        api_key=api_key,
-        engine_options=json.loads(args.engine_options),
-        history_file=args.history_file,
+        engine_options=engine_options,
+        print_ready=True,
+        allow_remote=False,
+    )
+
+    def make_app(engine: SimulatedEngine, on_death: Callable[[], None]) -> FastAPI:
+        return create_vllm_app(
+            engine,
+            api_key=api_key,
+            on_death=on_death,
+            history_file=args.history_file,
+            model_path=args.model_path,
+            weight_transfer=args.weight_transfer,
+        )
+
+    return run_app(
+        make_app,
+        name="fake-vllm",
+        host=args.host,
+        port=args.port,
+        engine_options=engine_options,
         model_path=args.model_path,
-        kind="vllm",
-        weight_transfer=args.weight_transfer,
+        print_ready=True,
     )
 
 
