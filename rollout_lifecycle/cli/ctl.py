@@ -454,14 +454,14 @@ _CALLS: dict[str, Callable[[RolloutServer], Awaitable[dict[str, float]]]] = {
 async def _drive(setup: Setup) -> tuple[ExitCode, dict[str, Any]]:
     """Adopt the ledger, make the action's call, write the ledger; the exit code and report."""
     urls, ledger = read_ledger(setup.state_path, setup.urls, setup.engine_kind)
-    if ledger is not None:
-        unstale(ledger)
     if setup.restarted:
         if ledger is None:
             raise CtlError(
                 ExitCode.STATE, f"--restarted: there is no state file at {setup.state_path}"
             )
         record_restarted(ledger, urls, await _restarted(setup, urls, ledger), setup.group)
+    if ledger is not None:
+        unstale(ledger)
     backends = make_backends(setup, urls)
     recording: list[dict[str, Any]] = []
 

@@ -45,6 +45,7 @@ from rollout_lifecycle.contract.urls import mask_userinfo, url_identity
 from rollout_lifecycle.contract.values import PauseMode, parse_tags, short_repr
 from rollout_lifecycle.core.claims import lock_dir, make_lock_dir
 from rollout_lifecycle.core.config import Deadlines, LifecycleConfig
+from rollout_lifecycle.core.ledger import EngineRecord
 from rollout_lifecycle.core.server import ServerSnapshot
 from rollout_lifecycle.core.states import ServerState
 
@@ -720,28 +721,20 @@ def record_restarted(
     group: str = GROUP,
 ) -> None:
     """Record each ``restarted`` engine (URL -> the incarnation it shows now) in ``ledger`` as
-    a new server: alive, serving, every tag resident; the server state becomes ``failed``, for
-    ``reset`` to settle."""
+    the library records a new process at an engine's address (``EngineRecord.restart``):
+    alive, serving, every tag resident, stale until a push (``unstale`` says why ``ctl`` takes
+    it as holding its fleet's weights); the server state becomes ``failed``, for ``reset`` to
+    settle."""
     server = ledger.get("server")
     if not isinstance(server, dict) or not isinstance(server.get("groups"), list):
         return  # ServerSnapshot.from_dict refuses it
     ids = {f"{group}/{urls.index(u)}": seen for u, seen in restarted.items()}
     for engine in _engine_records(ledger):
         if engine["id"] in ids:
-            engine.update(
-                alive=True,
-                paused=False,
-                pause_mode=None,
-                flushed=False,
-                released=[],
-                uncertain=[],
-                stale=False,
-                pause_unknown=False,
-                session_unknown=False,
-                last_op="restarted",
-                last_outcome=None,
-                incarnation=ids[engine["id"]],
-            )
+            record = EngineRecord(engine["id"], group, None)
+            record.restart(ids[engine["id"]])
+            fresh = dataclasses.asdict(record.snapshot())
+            engine.update({k: v for k, v in fresh.items() if k not in ("id", "group")})
     server["state"] = ServerState.FAILED.value
 
 

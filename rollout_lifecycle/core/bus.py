@@ -3,8 +3,9 @@ of being called by name from the middle of it.
 
 Three events. ``RecordsChanged``: the records just changed in a way worth keeping (an intent
 recorded before a send, a phase's outcomes written, a state entered, an engine replaced); the
-journal subscribes, and a journal that raises before a send stops the send. ``PhaseSettled``:
-a phase's calls all answered or missed their deadline; the metrics and the timeline subscribe,
+journal subscribes, and a journal that raises before a send stops the send. ``PhaseSettled``
+(defined with the phase result it carries, in ``core.runner``, which publishes it): a phase's
+calls all answered or missed their deadline; the metrics and the timeline subscribe,
 and the generation client (held requests look again: a group paused around a weight update is
 continued inside a phase, with no state change). ``StateEntered``: the server entered a state;
 the generation client subscribes, and the router binding (which engines serve follows the
@@ -18,24 +19,14 @@ from __future__ import annotations
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from rollout_lifecycle.core.states import ServerState
-
-if TYPE_CHECKING:
-    from rollout_lifecycle.core.runner import PhaseResult
 
 
 @dataclass(frozen=True)
 class RecordsChanged:
     """The records changed: a journal writes them now."""
-
-
-@dataclass(frozen=True)
-class PhaseSettled:
-    """A phase settled (every call answered or missed its deadline)."""
-
-    result: PhaseResult
 
 
 @dataclass(frozen=True)
@@ -94,4 +85,4 @@ class Bus:
                 await started
 
 
-__all__ = ["RECORDS_CHANGED", "Bus", "PhaseSettled", "RecordsChanged", "StateEntered"]
+__all__ = ["RECORDS_CHANGED", "Bus", "RecordsChanged", "StateEntered"]

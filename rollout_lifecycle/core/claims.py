@@ -404,7 +404,8 @@ class Claims:
                 watched = all(lease.continuous(k) for k in keys[record.id])
             else:
                 watched = self._in_process(record)
-            record.unwatched = record.unwatched or not watched
+            if not watched:
+                record.lost_sight()
         return lease
 
     async def hold(self, call: str) -> Callable[[], None]:

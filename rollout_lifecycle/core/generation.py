@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rollout_lifecycle.contract import seam
 from rollout_lifecycle.contract.events import logger
@@ -15,7 +15,7 @@ from rollout_lifecycle.contract.exceptions import InvalidArgument
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import Outcome
 from rollout_lifecycle.contract.values import check_int, check_seconds
-from rollout_lifecycle.core.bus import PhaseSettled, StateEntered
+from rollout_lifecycle.core.bus import StateEntered
 from rollout_lifecycle.core.ledger import Fleet
 from rollout_lifecycle.core.requests import (
     GenerationError,
@@ -26,11 +26,9 @@ from rollout_lifecycle.core.requests import (
     resumable_abort,
     short,
 )
-from rollout_lifecycle.core.routing import Router
+from rollout_lifecycle.core.routing import Router, ServerView
+from rollout_lifecycle.core.runner import PhaseSettled
 from rollout_lifecycle.core.states import ServerState
-
-if TYPE_CHECKING:
-    from rollout_lifecycle.core.server import RolloutServer
 
 S = ServerState
 
@@ -97,7 +95,7 @@ class GenerationClient:
 
     def __init__(
         self,
-        server: RolloutServer,
+        server: ServerView,
         *,
         hold_timeout: float = 600.0,
         request_timeout: float = 3600.0,
@@ -146,7 +144,7 @@ class GenerationClient:
     # -- public -------------------------------------------------------------------------------
 
     @property
-    def server(self) -> RolloutServer:
+    def server(self) -> ServerView:
         """The server whose engines this client uses."""
         return self._server
 

@@ -23,8 +23,7 @@ import asyncio
 import contextlib
 import inspect
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import HookFailed, InvalidArgument
@@ -32,12 +31,13 @@ from rollout_lifecycle.core.config import Deadlines
 from rollout_lifecycle.core.scope import CURRENT, HookCancelled, Operation, Scope, cancel, current
 from rollout_lifecycle.core.states import ServerState
 
-if TYPE_CHECKING:
-    from rollout_lifecycle.core.server import RolloutServer
-
 T = TypeVar("T")
 
-Hook = Callable[["LifecycleEvent"], Any]
+#: A hook: called with the event its server makes (``RolloutServer``'s ``LifecycleEvent``).
+Hook = Callable[[Any], Any]
+#: What makes a hook's event: from the event's name, the state entered, the one left and the
+#: phase (for ``before_<phase>`` / ``after_<phase>``).
+EventMaker = Callable[[str, ServerState, ServerState, "str | None"], object]
 
 #: Phases with ``before_<phase>`` / ``after_<phase>`` hook events, in the order a cycle runs them.
 HOOK_PHASES: tuple[str, ...] = (
@@ -56,25 +56,24 @@ HOOK_EVENTS: tuple[str, ...] = (
 )
 
 
-@dataclass(frozen=True)
-class LifecycleEvent:
-    """What a hook receives: the event, the state entered and the one left."""
-
-    event: str
-    state: ServerState
-    previous: ServerState
-    server: RolloutServer
-    #: The phase, for ``before_<phase>`` / ``after_<phase>`` events.
-    phase: str | None = None
-
-
 class Hooks:
-    """The hooks of one server, by event, and the runner of every piece of user code."""
+    """The hooks of one server, by event, and the runner of every piece of user code.
+
+    ``owner`` is the server: user code it runs is inside the server's operation in progress
+    (``core/scope``); ``name`` is the server's name in events; ``event`` makes what a hook
+    receives."""
 
     def __init__(
-        self, server: RolloutServer, state: Callable[[], ServerState], deadlines: Deadlines
+        self,
+        owner: object,
+        name: str,
+        state: Callable[[], ServerState],
+        deadlines: Deadlines,
+        event: EventMaker,
     ) -> None:
-        self._server = server
+        self._owner = owner
+        self._name = name
+        self._event = event
         self._state = state
         self._deadlines = deadlines
         #: The phases of the transition in progress whose ``before_`` hooks ran (``transition``).
@@ -101,7 +100,7 @@ class Hooks:
     ) -> None:
         """Run the hooks of ``event``, in registration order."""
         for hook in list(self.registered[event]):
-            info = LifecycleEvent(event, state, previous, self._server, phase)
+            info = self._event(event, state, previous, phase)
             await self.run_user(event, hook, info, self._deadlines.hook)
 
     @contextlib.contextmanager
@@ -152,13 +151,13 @@ class Hooks:
         """
         if grace is not None and grace < 0:
             grace = self._deadlines.probe
-        found = current(self._server)
+        found = current(self._owner)
         op = found[0] if found is not None else Operation(event)
         name = getattr(fn, "__qualname__", repr(fn))
         scope = Scope(refuse=_refuse(event, name, op), state=self._state().value)
         task: asyncio.Future[Any] | None = None
         stopped = ""
-        token = CURRENT.set((self._server, op, scope))
+        token = CURRENT.set((self._owner, op, scope))
         try:
             try:
                 result = fn(arg)
@@ -198,7 +197,7 @@ class Hooks:
                 raise
             logger().warning(
                 "hook.failed",
-                server=self._server.name,
+                server=self._name,
                 hook_event=event,
                 hook=name,
                 error=repr(exc),
@@ -245,4 +244,4 @@ async def _captured(result: Awaitable[T]) -> tuple[BaseException | None, T | Non
         return exc, None
 
 
-__all__ = ["HOOK_EVENTS", "HOOK_PHASES", "Hook", "Hooks", "LifecycleEvent"]
+__all__ = ["HOOK_EVENTS", "HOOK_PHASES", "EventMaker", "Hook", "Hooks"]

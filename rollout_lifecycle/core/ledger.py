@@ -18,9 +18,9 @@ from typing import Any, Protocol
 
 from rollout_lifecycle.contract.exceptions import IllegalEngineOp, InvalidArgument
 from rollout_lifecycle.contract.ops import Op
-from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
+from rollout_lifecycle.contract.outcome import SESSION_OPEN, EngineOutcome, Outcome
 from rollout_lifecycle.contract.values import ALL_TAGS, WEIGHT_TAGS, PauseMode, Tag, parse_tags
-from rollout_lifecycle.core.commands import Intent, command
+from rollout_lifecycle.core.commands import Command, Effect, Guard, Part, Refusal, Targets, command
 from rollout_lifecycle.core.states import ServerState
 
 S = ServerState
@@ -30,6 +30,7 @@ S = ServerState
 _PAUSE, _CONTINUE = Op.PAUSE, Op.CONTINUE
 _RELEASE, _RESUME, _SET_VERSION = Op.RELEASE, Op.RESUME, Op.SET_VERSION
 _DEAD, _RESTARTED, _CONFLICT = Outcome.DEAD, Outcome.RESTARTED, Outcome.CONFLICT
+_ALIVE, _MEMORY, _PAUSE_PART = Guard.ALIVE, Part.MEMORY, Part.PAUSE
 
 #: The operations that set the pause state whatever it was.
 _PAUSING = frozenset({Op.PAUSE, Op.CONTINUE})
@@ -42,6 +43,46 @@ _EFFECT_UNKNOWN = frozenset({Outcome.TIMED_OUT, Outcome.UNREACHABLE, Outcome.ERR
 
 def _tag_list(tags: Collection[Tag]) -> list[str]:
     return [t.value for t in tags]
+
+
+# -- intents: what a call in flight leaves in its engine's record --------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _TagsIntent:
+    """A release or resume in flight: ``added`` became uncertain with it."""
+
+    added: frozenset[Tag]
+
+    def undo(self, record: EngineRecord) -> None:
+        record.uncertain.difference_update(self.added)
+
+
+@dataclass(frozen=True, slots=True)
+class _PauseIntent:
+    """A pause or continue in flight: the pause fields as they were before it."""
+
+    paused: bool
+    pause_mode: PauseMode | None
+    flushed: bool
+    pause_unknown: bool
+
+    def undo(self, record: EngineRecord) -> None:
+        record.paused, record.pause_mode = self.paused, self.pause_mode
+        record.flushed, record.pause_unknown = self.flushed, self.pause_unknown
+
+
+@dataclass(frozen=True, slots=True)
+class _SessionIntent:
+    """A weight-update session's begin or end in flight: whether one was open unknown before."""
+
+    session_unknown: bool
+
+    def undo(self, record: EngineRecord) -> None:
+        record.session_unknown = self.session_unknown
+
+
+_Intent = _TagsIntent | _PauseIntent | _SessionIntent
 
 
 @dataclass(frozen=True)
@@ -131,7 +172,7 @@ class EngineRecord:
     #: stale whatever version it reports, until a later write reaches it.
     unverified: bool = False
     #: What the call in flight left unknown, and how to forget it if it is refused.
-    _intent: Intent | None = field(default=None, repr=False)
+    _intent: _Intent | None = field(default=None, repr=False)
     #: A call that missed its phase's deadline and may still land (the phase runner's), and
     #: its operation: nothing that it would matter to is sent to this engine before it lands.
     in_flight: InFlight | None = field(default=None, repr=False, compare=False)
@@ -171,6 +212,20 @@ class EngineRecord:
 
     def _refuse(self, op: Op, reason: str) -> IllegalEngineOp:
         return IllegalEngineOp(self.id, op.value, reason)
+
+    def check(self, cmd: Command, tags: Sequence[Tag]) -> None:
+        """Run ``cmd``'s guard (``IllegalEngineOp`` if it refuses ``cmd`` with ``tags``)."""
+        guard = cmd.guard
+        if guard is _ALIVE:
+            self.check_alive(cmd.op)
+        elif guard is Guard.CONTINUE:
+            self.check_continue()
+        elif guard is Guard.RELEASE:
+            self.check_release(tags)
+        elif guard is Guard.RESUME:
+            self.check_resume(tags)
+        else:
+            self.check_write_weights()
 
     def check_alive(self, op: Op) -> None:
         """Refuse any call to an engine known to be dead."""
@@ -302,8 +357,66 @@ class EngineRecord:
         with the call in flight leaves this record, which refuses the call that could kill the
         engine; the outcome (``apply``) replaces it."""
         cmd = command(op)
-        if cmd.part is not None:
-            self._intent = cmd.part.intend(self, cmd.op, tuple(tags), mode)
+        part = cmd.part
+        if part is not None:
+            self._intent = self._saved(part, tags)
+            self._unknown(part, cmd.op, tags, mode)
+
+    def _saved(self, part: Part, tags: Sequence[Tag]) -> _Intent:
+        """What ``part`` holds now, to be restored if the call is refused."""
+        if part is _MEMORY:
+            return _TagsIntent(frozenset(t for t in tags if t not in self.uncertain))
+        if part is _PAUSE_PART:
+            return _PauseIntent(self.paused, self.pause_mode, self.flushed, self.pause_unknown)
+        return _SessionIntent(self.session_unknown)
+
+    def _unknown(self, part: Part, op: Op, tags: Sequence[Tag], mode: PauseMode | None) -> None:
+        """What ``part`` holds while a call that changes it may or may not have landed."""
+        if part is _MEMORY:
+            # Neither a release nor a resume of these tags is safe now.
+            self.uncertain.update(tags)
+        elif part is _PAUSE_PART:
+            # Counted as paused, so that it is continued (harmless if it never paused) and never
+            # taken for serving; a flush alone never makes it releasable.
+            self.paused, self.flushed, self.pause_unknown = True, False, True
+            if op is _PAUSE:
+                self.pause_mode = mode
+        else:
+            self.session_unknown = True
+
+    def _landed(self, effect: Effect, tags: Sequence[Tag], mode: PauseMode | None) -> None:
+        """What a call that landed does to the record."""
+        if effect is Effect.PAUSED:
+            self.paused, self.pause_mode, self.flushed = True, mode, False
+            self.pause_unknown = False
+        elif effect is Effect.CONTINUED:
+            self.paused, self.pause_mode, self.flushed = False, None, False
+            self.pause_unknown = False
+        elif effect is Effect.FLUSHED:
+            self.flushed = True
+        elif effect is Effect.RELEASED:
+            self.released.update(tags)
+        elif effect is Effect.RESUMED:
+            self.released.difference_update(tags)
+        elif effect is Effect.SESSION_OPENED:
+            # Open until its end lands: a journal written meanwhile (a push in progress) says
+            # so, and a process killed before the end leaves records that close it before
+            # anything else.
+            self.session_unknown = True
+        elif effect is Effect.SESSION_CLOSED:
+            self.session_unknown = False
+
+    def _refused(self, refusal: Refusal, out: EngineOutcome) -> None:
+        """What a refused call says beyond "nothing happened"."""
+        if refusal is Refusal.BEGIN:
+            # "A session is already open": one this record did not know of (left by a
+            # controller that died without a journal, say); it is closed before the next begin.
+            if out.status == SESSION_OPEN:
+                self.session_unknown = True
+        else:
+            # SGLang answers 400 when no session is open: then none is. Any other refusal
+            # leaves the session it should have closed open.
+            self.session_unknown = out.status != 400
 
     def undo_intent(self) -> None:
         """Forget what ``intend`` recorded: the call was refused and did nothing."""
@@ -344,16 +457,69 @@ class EngineRecord:
             # No answer, a dropped connection or garbage: the call may or may not have landed.
             self._intent = None
             if cmd.part is not None:
-                cmd.part.unknown(self, cmd.op, tuple(tags), mode)
+                self._unknown(cmd.part, cmd.op, tags, mode)
             return
         # The answer replaces the intent: refused, the call did nothing; landed, its effect
         # sets every field its intent left unknown.
         self.undo_intent()
         if not out.ok:
             if cmd.refused is not None:
-                cmd.refused(self, out)
+                self._refused(cmd.refused, out)
             return
-        cmd.landed(self, tuple(tags), mode)
+        self._landed(cmd.landed, tags, mode)
+
+    # -- what the lifecycle learns beyond a call's own effect -----------------------------------
+
+    def flies(self, op: Op, future: Any) -> InFlight:
+        """A call of ``op`` missed its phase's deadline and may still land (``future``): nothing
+        it would matter to is sent to this engine before it lands (``busy_for``)."""
+        self.in_flight = flying = InFlight(op, future)
+        return flying
+
+    def landed_late(self) -> None:
+        """The call in flight (``flies``) has landed or failed."""
+        self.in_flight = None
+
+    def lost_sight(self) -> None:
+        """Another controller may have acted on the engine since its last answer (this server's
+        claim on it lapsed in between): a checked call reads its pause state again."""
+        self.unwatched = True
+
+    def may_hold_session(self) -> None:
+        """A weight-update session may be open on the engine (an end is about to close it; one
+        that does not land leaves it so for the next update)."""
+        self.session_unknown = True
+
+    def lacks_weights(self) -> None:
+        """The engine does not hold the fleet's weights (it reports others, or what a push
+        wrote is not known): it waits paused for an update, as a replacement does."""
+        self.stale = True
+
+    def holds_weights(self) -> None:
+        """The engine reports the fleet's weights and passed their verification."""
+        self.stale = False
+
+    def written(self, *, versioned: bool) -> None:
+        """A weight write reached the engine: what it failed is overwritten (it is verified
+        again); after an unversioned write, having been written to is all that is known."""
+        self.unverified = False
+        if not versioned:
+            self.stale = False
+
+    def failed_verification(self) -> None:
+        """The engine failed the verification of the last write (``core/verify``): stale,
+        whatever version it reports, until a later write reaches it."""
+        self.stale = self.unverified = True
+
+    def kept(self, saved: EngineSnapshot) -> None:
+        """The process ``saved`` described came back (a factory handed it back): its record is
+        ``saved``, alive."""
+        self.load(saved)
+        self.alive = True
+
+    def identified(self, incarnation: str | None) -> None:
+        """The record's engine is the process that showed ``incarnation``."""
+        self.incarnation = incarnation
 
     def renew(self, handle: Any) -> None:
         """A new engine takes this slot: alive, serving, all memory resident, stale until it
@@ -524,6 +690,18 @@ class GroupRecords(Protocol):
 
     @property
     def records(self) -> tuple[EngineRecord, ...]: ...
+
+
+def default_targets(group: GroupRecords, op: Op) -> list[EngineRecord]:
+    """The engines of ``group`` that ``op`` goes to when the caller names none (its command's
+    ``targets``): memory calls to the groups that offload, continue and flush to the paused
+    engines, the rest to every live engine."""
+    targets = command(op).targets
+    if targets is Targets.PAUSED:
+        return [r for r in group.records if r.alive and r.paused]
+    if targets is Targets.OFFLOADING and not group.needs_offload:
+        return []
+    return [r for r in group.records if r.alive]
 
 
 class Fleet:

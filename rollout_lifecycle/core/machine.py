@@ -18,9 +18,8 @@ in the current state raises ``IllegalTransition``, and ``fail`` from ``failed`` 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 from transitions.core import MachineError
 from transitions.extensions.asyncio import AsyncMachine
@@ -36,34 +35,15 @@ from rollout_lifecycle.contract.exceptions import (
     StaleWeights,
     WeightPushFailed,
 )
+from rollout_lifecycle.core.args import NO_ARGS, PhaseArgs
 from rollout_lifecycle.core.bus import RECORDS_CHANGED, Bus, StateEntered
 from rollout_lifecycle.core.hooks import Hooks
-from rollout_lifecycle.core.ledger import Fleet, GroupRecords
+from rollout_lifecycle.core.ledger import Fleet
 from rollout_lifecycle.core.scope import Operation, current
 from rollout_lifecycle.core.states import CALLS, PHASED, TRANSITIONS, ServerState, sources_of
 
-if TYPE_CHECKING:
-    from rollout_lifecycle.core.sessions import WeightPush
-    from rollout_lifecycle.core.verify import Verification
-
 S = ServerState
 
-
-@dataclass(frozen=True)
-class PhaseArgs:
-    """What a call hands the phases of its transitions."""
-
-    #: The groups a drain pauses (``offload()``: those that offload; ``pause()``: all).
-    groups: Sequence[GroupRecords] = ()
-    #: The weight push and version of ``update_weights()``.
-    push: WeightPush | None = None
-    version: str | None = None
-    #: What a verified write checks; None: the write is not verified.
-    verify: Verification | None = None
-
-
-#: The arguments of a call whose phases need none.
-NO_ARGS = PhaseArgs()
 
 Phase = Callable[[PhaseArgs], Awaitable[None]]
 
@@ -246,4 +226,4 @@ def _plain(value: Any) -> Any:
     return value.value if isinstance(value, ServerState) else value
 
 
-__all__ = ["Machine", "Phase", "PhaseArgs"]
+__all__ = ["Machine", "Phase"]

@@ -18,7 +18,7 @@ from rollout_lifecycle.core.ledger import EngineRecord, Fleet
 from rollout_lifecycle.core.runner import PhaseResult
 from rollout_lifecycle.core.scope import Operation, current
 from rollout_lifecycle.core.states import ServerState
-from rollout_lifecycle.core.timeline import Timeline, _CallRecord
+from rollout_lifecycle.core.timeline import CallRecord, Timeline
 
 #: Metric names of the phases whose event names are longer: ``lifecycle/onload/weights_s``.
 _METRIC_NAMES = {"resume_weights": "weights", "resume_kv": "kv", "push": "update"}
@@ -48,7 +48,7 @@ class Recorder:
         self.timeline = Timeline(config.timeline_calls, name=name)
         #: The public call in progress, as the timeline records it, and the slowest engine of
         #: each of its phases (set under the lock, so one at a time).
-        self._trace: _CallRecord | None = None
+        self._trace: CallRecord | None = None
         self._call_slowest: dict[str, str] = {}
         self._start = 0.0
         self._memory_before: dict[str, int] = {}

@@ -19,9 +19,9 @@ from rollout_lifecycle.contract.exceptions import (
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
 from rollout_lifecycle.contract.values import PauseMode
+from rollout_lifecycle.core.args import PhaseArgs
 from rollout_lifecycle.core.config import DeadEnginePolicy
 from rollout_lifecycle.core.ledger import EngineRecord, GroupRecords
-from rollout_lifecycle.core.machine import PhaseArgs
 from rollout_lifecycle.core.parts import Client, Parts
 from rollout_lifecycle.core.reconcile import KEEPER_PHASES, Reconciler
 from rollout_lifecycle.core.runner import Plan
@@ -165,7 +165,7 @@ class Phases(Client):
         """
         deadline = self._config.deadlines.weight_update
         for record in records:
-            record.session_unknown = True
+            record.may_hold_session()
         ready = await self._runner.landed(records, deadline, Op.END_UPDATE)
         return (await self._runner.run(phase, Plan(Op.END_UPDATE, tuple(ready)), deadline)).outcomes
 

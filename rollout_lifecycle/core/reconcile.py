@@ -308,7 +308,7 @@ class Reconciler(Client):
             if record.id in lacking and not self._versions.interrupted:
                 # it reports other weights than the fleet's (a push that failed under it): it
                 # waits paused for an update, as a replacement does, and never serves them
-                record.stale = True
+                record.lacks_weights()
         plan = Plan(Op.CONTINUE, tuple(r for r in landed if r.id not in lacking))
         await self._step(run, "continue", plan, self._deadline(Op.CONTINUE))
 
@@ -334,7 +334,7 @@ class Reconciler(Client):
                 found = result.value(record.id)
                 if found == expected and not record.unverified:
                     stale.pop(record.id, None)
-                    record.stale = False
+                    record.holds_weights()
                 else:
                     stale[record.id] = found
         return stale

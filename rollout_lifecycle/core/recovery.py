@@ -194,8 +194,7 @@ class Recovery(Client):
             seen = observed.get("incarnation") if isinstance(observed, Mapping) else None
             saved = previous.get(record.id)
             if saved is not None and saved.incarnation is not None and seen == saved.incarnation:
-                record.load(saved)  # the process the record described: it keeps its record
-                record.alive = True
+                record.kept(saved)  # the process the record described: it keeps its record
                 outcomes[record.id] = EngineOutcome(Outcome.OK, "", out.duration_s)
                 if record.uncertain:
                     outcomes[record.id] = EngineOutcome(
@@ -214,7 +213,7 @@ class Recovery(Client):
                     out.duration_s,
                 )
             elif out.ok:
-                record.incarnation = seen
+                record.identified(seen)
                 fresh.append(record)
         return outcomes, fresh
 

@@ -13,15 +13,36 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
-from rollout_lifecycle.core.ledger import EngineRecord, GroupRecords, may_serve
+from rollout_lifecycle.core.bus import Bus
+from rollout_lifecycle.core.ledger import EngineRecord, Fleet, GroupRecords, may_serve
 from rollout_lifecycle.core.requests import GenerationTimeout, NoLiveEngine, Request
 from rollout_lifecycle.core.states import ServerState
 
-if TYPE_CHECKING:
-    from rollout_lifecycle.core.server import RolloutServer
+
+class ServerView(Protocol):
+    """What a generation client reads of the server it sends through (a ``RolloutServer``):
+    its records and state, and its events (``core/bus``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def state(self) -> ServerState: ...
+
+    @property
+    def groups(self) -> Sequence[GroupRecords]: ...
+
+    @property
+    def fleet(self) -> Fleet: ...
+
+    @property
+    def expected_version(self) -> str | None: ...
+
+    @property
+    def bus(self) -> Bus: ...
 
 
 class Router:
@@ -29,7 +50,7 @@ class Router:
 
     def __init__(
         self,
-        server: RolloutServer,
+        server: ServerView,
         counts: dict[str, int],
         hold_timeout: float,
         request_timeout: float,

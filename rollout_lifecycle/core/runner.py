@@ -32,10 +32,10 @@ from rollout_lifecycle.contract.ops import CHECKED, Op
 from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
 from rollout_lifecycle.contract.seam import Landed
 from rollout_lifecycle.contract.values import PauseMode, Tag
-from rollout_lifecycle.core.bus import RECORDS_CHANGED, Bus, PhaseSettled, RecordsChanged
+from rollout_lifecycle.core.bus import RECORDS_CHANGED, Bus, RecordsChanged
 from rollout_lifecycle.core.commands import COMMANDS
 from rollout_lifecycle.core.config import DeadEnginePolicy
-from rollout_lifecycle.core.ledger import EngineRecord, GroupRecords, InFlight
+from rollout_lifecycle.core.ledger import EngineRecord, GroupRecords, InFlight, default_targets
 from rollout_lifecycle.core.states import ServerState
 
 #: The operations as module globals: the ledger and the runner compare them once per engine
@@ -46,13 +46,6 @@ _OK, _RESTARTED, _UNREACHABLE = Outcome.OK, Outcome.RESTARTED, Outcome.UNREACHAB
 _FAILED = EngineOutcome(Outcome.NOT_ATTEMPTED)
 #: What an answered observation proved: the engine's incarnation (``EngineRecord.answered``).
 _IDENTIFIED: list[Any] = [None, None, True]
-
-
-def default_targets(group: GroupRecords, op: Op) -> list[EngineRecord]:
-    """The engines of ``group`` that ``op`` goes to when the caller names none (its command's
-    ``targets``): memory calls to the groups that offload, continue and flush to the paused
-    engines, the rest to every live engine."""
-    return COMMANDS[op].targets(group)
 
 
 @dataclass(frozen=True)
@@ -82,9 +75,9 @@ class Plan:
     def check(self) -> None:
         """Run the command's guard on every target; raises ``IllegalEngineOp`` at the first
         refusal."""
-        check, tags = COMMANDS[self.op].guard, self.tags
+        cmd, tags = COMMANDS[self.op], self.tags
         for record in self.targets:
-            check(record, tags)
+            record.check(cmd, tags)
 
 
 @dataclass(eq=False, slots=True)
@@ -239,6 +232,14 @@ class PhaseResult:
             if record.id == engine:
                 return self.landed.values[i] if self.landed.errors[i] is None else None
         return None
+
+
+@dataclass(frozen=True)
+class PhaseSettled:
+    """A phase settled (every call answered or missed its deadline): an event of the server's
+    bus (``core.bus``)."""
+
+    result: PhaseResult
 
 
 class Gate(Protocol):
@@ -466,7 +467,7 @@ class PhaseRunner:
                         future = asyncio.gather(earlier.future, future, return_exceptions=True)
                         if COMMANDS[op].reads:
                             late_op = earlier.op
-                    record.in_flight = flying = InFlight(late_op, future)
+                    flying = record.flies(late_op, future)
                     self.stragglers.add(record)
                     future.add_done_callback(
                         functools.partial(self._forget_straggler, record, flying)
@@ -528,7 +529,7 @@ class PhaseRunner:
         self, record: EngineRecord, flying: InFlight, future: asyncio.Future[Any]
     ) -> None:
         if record.in_flight is flying:
-            record.in_flight = None
+            record.landed_late()
             self.stragglers.discard(record)
 
 
@@ -590,8 +591,8 @@ __all__ = [
     "PendingCall",
     "PhaseResult",
     "PhaseRunner",
+    "PhaseSettled",
     "Plan",
     "WorkerUrls",
-    "default_targets",
     "issue",
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from rollout_lifecycle.contract import seam
@@ -18,11 +19,12 @@ from rollout_lifecycle.contract.exceptions import InvalidArgument, LifecycleErro
 from rollout_lifecycle.contract.fingerprint import Fingerprint
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import DISAGREEMENTS, EngineOutcome
+from rollout_lifecycle.contract.push import WeightPush, WeightUpdate
 from rollout_lifecycle.contract.values import PauseMode, check_name
+from rollout_lifecycle.core.args import NO_ARGS, PhaseArgs
 from rollout_lifecycle.core.bus import (
     RECORDS_CHANGED,
     Bus,
-    PhaseSettled,
     RecordsChanged,
     StateEntered,
 )
@@ -30,17 +32,17 @@ from rollout_lifecycle.core.claims import Claims
 from rollout_lifecycle.core.config import LifecycleConfig
 from rollout_lifecycle.core.generation import GenerationClient
 from rollout_lifecycle.core.group import EngineGroup, spellings
-from rollout_lifecycle.core.hooks import HOOK_EVENTS, HOOK_PHASES, Hook, Hooks, LifecycleEvent
+from rollout_lifecycle.core.hooks import HOOK_EVENTS, HOOK_PHASES, Hooks
 from rollout_lifecycle.core.ledger import Fleet
-from rollout_lifecycle.core.machine import NO_ARGS, Machine, PhaseArgs
+from rollout_lifecycle.core.machine import Machine
 from rollout_lifecycle.core.observe import Recorder
 from rollout_lifecycle.core.parts import Parts, Versions
 from rollout_lifecycle.core.phases import Phases
 from rollout_lifecycle.core.recovery import EngineFactory, Recovery
 from rollout_lifecycle.core.router_sync import RouterSync, WorkerRouter
-from rollout_lifecycle.core.runner import PhaseRunner, Plan, WorkerUrls
+from rollout_lifecycle.core.runner import PhaseRunner, PhaseSettled, Plan, WorkerUrls
 from rollout_lifecycle.core.scope import Serializer, current
-from rollout_lifecycle.core.sessions import WeightPush, WeightUpdate, WeightWriter
+from rollout_lifecycle.core.sessions import WeightWriter
 from rollout_lifecycle.core.snapshots import GroupSnapshot, ServerSnapshot, adopt
 from rollout_lifecycle.core.states import ServerState
 from rollout_lifecycle.core.timeline import Timeline
@@ -51,6 +53,22 @@ T = TypeVar("T")
 
 #: Receives the server's snapshot whenever its records change (see ``RolloutServer``).
 Journal = Callable[[ServerSnapshot], None]
+
+
+@dataclass(frozen=True)
+class LifecycleEvent:
+    """What a hook receives: the event, the state entered and the one left."""
+
+    event: str
+    state: ServerState
+    previous: ServerState
+    server: RolloutServer
+    #: The phase, for ``before_<phase>`` / ``after_<phase>`` events.
+    phase: str | None = None
+
+
+#: A hook (sync or async): see ``RolloutServer.on``.
+Hook = Callable[[LifecycleEvent], Any]
 
 
 class RolloutServer:
@@ -89,7 +107,7 @@ class RolloutServer:
         self._config = config
         self._generation: GenerationClient | None = None
         self._fleet = fleet = Fleet(self._groups, config.release_tags)
-        self._hooks = hooks = Hooks(self, lambda: self.state, config.deadlines)
+        self._hooks = hooks = Hooks(self, name, lambda: self.state, config.deadlines, self._event)
         self._runner = runner = PhaseRunner(name, config.dead_engines, bus, config.proof_window)
         self._recorder = recorder = Recorder(self, name, config, fleet, self._state, runner.ask)
         bus.subscribe(PhaseSettled, lambda settled: recorder.phase(settled.result))
@@ -303,6 +321,11 @@ class RolloutServer:
         return await self._run("sync_router", sync.sync)
 
     # -- hooks --------------------------------------------------------------------------------
+
+    def _event(
+        self, event: str, state: ServerState, previous: ServerState, phase: str | None
+    ) -> LifecycleEvent:
+        return LifecycleEvent(event, state, previous, self, phase)
 
     def on(self, event: str | ServerState, hook: Hook) -> Callable[[], None]:
         """Call ``hook(LifecycleEvent)`` (sync or async) on ``event``; returns its remover.

@@ -10,17 +10,16 @@ paused, on the expected weights only.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
 
 from rollout_lifecycle.contract.exceptions import PhaseFailed, WeightPushFailed
 from rollout_lifecycle.contract.fingerprint import Fingerprint
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import SESSION_OPEN, EngineOutcome
+from rollout_lifecycle.contract.push import WeightPush, WeightUpdate
 from rollout_lifecycle.contract.values import PauseMode, without_wait
+from rollout_lifecycle.core.args import PhaseArgs
 from rollout_lifecycle.core.ledger import EngineRecord
-from rollout_lifecycle.core.machine import PhaseArgs
 from rollout_lifecycle.core.parts import Client, Parts
 from rollout_lifecycle.core.phases import Phases
 from rollout_lifecycle.core.runner import PhaseResult, Plan
@@ -28,19 +27,6 @@ from rollout_lifecycle.core.states import ServerState
 from rollout_lifecycle.core.verify import Verifier
 
 FAILED = ServerState.FAILED.value
-
-
-@dataclass(frozen=True)
-class WeightUpdate:
-    """What a weight-push callable receives: the version and the engines to write to."""
-
-    version: str | None
-    #: Engine id -> engine handle, for every live engine whose weights are being written.
-    engines: Mapping[str, Any]
-
-
-#: Writes weights into the engines of a ``WeightUpdate`` (sync or async).
-WeightPush = Callable[[WeightUpdate], Any]
 
 
 class WeightWriter(Client):
@@ -107,9 +93,7 @@ class WeightWriter(Client):
             await runner.require("update_weight_version", plan, deadlines.weight_update)
         self._versions.interrupted = False
         for record in fleet.live():
-            record.unverified = False  # what it failed is overwritten; checked again below
-            if version is None:
-                record.stale = False  # unversioned: having been written to is all we know
+            record.written(versioned=version is not None)
         # The prefix cache holds KV computed with the old weights: drop it wherever the KV
         # cache is resident (a released KV cache comes back empty).
         resident = [
@@ -162,4 +146,4 @@ class WeightWriter(Client):
             self._runner.observe(PhaseResult("push", {}, start, time.monotonic() - start))
 
 
-__all__ = ["WeightPush", "WeightUpdate", "WeightWriter"]
+__all__ = ["WeightWriter"]

@@ -143,7 +143,7 @@ def adopt(fleet: Fleet, snapshot: ServerSnapshot) -> ServerState:
             state = S.FAILED
         interrupted = [r for r in records if r.alive and r.session_unknown]
         for record in interrupted:
-            record.stale = True  # (what the push wrote is not known)
+            record.lacks_weights()  # (what the push wrote is not known)
         if interrupted:
             state = S.FAILED
         if not fleet.implies(state):

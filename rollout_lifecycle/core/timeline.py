@@ -49,7 +49,7 @@ class _PhaseRecord:
         self.calls = tuple(calls)  # of strings and floats: untracked after the first pass
 
 
-class _CallRecord:
+class CallRecord:
     """One public call (``offload``, ``onload_kv``, ...) and the phases it ran."""
 
     __slots__ = ("end", "index", "name", "outcome", "phases", "start")
@@ -111,7 +111,7 @@ class Timeline:
             raise InvalidArgument(f"name must be a non-empty string, got {name!r}")
         self._name = name
         self._max_calls = max_calls
-        self._calls: deque[_CallRecord] = deque(maxlen=max_calls)
+        self._calls: deque[CallRecord] = deque(maxlen=max_calls)
         self._count = 0
 
     def __repr__(self) -> str:
@@ -128,17 +128,17 @@ class Timeline:
 
     # -- recording (the server's side; kept cheap) ------------------------------------------
 
-    def begin_call(self, name: str, start: float) -> _CallRecord | None:
+    def begin_call(self, name: str, start: float) -> CallRecord | None:
         """Start recording a public call; None when the timeline keeps nothing."""
         self._count += 1
         if not self._max_calls:
             return None
-        record = _CallRecord(name, self._count, start)
+        record = CallRecord(name, self._count, start)
         self._calls.append(record)
         return record
 
     @staticmethod
-    def end_call(record: _CallRecord | None, end: float, outcome: str) -> None:
+    def end_call(record: CallRecord | None, end: float, outcome: str) -> None:
         """Close a call begun with ``begin_call``."""
         if record is not None:
             record.end = end
@@ -146,7 +146,7 @@ class Timeline:
 
     @staticmethod
     def add_phase(
-        record: _CallRecord,
+        record: CallRecord,
         name: str,
         call: str,
         state: str,

@@ -275,7 +275,7 @@ class Verifier(Client):
         verdicts = judge(groups, after, earlier, spec)
         for record in records:
             if record.id in verdicts:
-                record.stale = record.unverified = True
+                record.failed_verification()
         if not verdicts:
             return
         problems = {k: v.problem for k, v in verdicts.items()}

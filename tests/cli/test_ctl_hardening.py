@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import io
 import json
 import os
@@ -39,6 +40,10 @@ from rollout_lifecycle import EngineGroup, RolloutServer, SGLangHTTPEngine
 from rollout_lifecycle.cli import main
 from rollout_lifecycle.cli.ctl import ExitCode, default_state_path
 from rollout_lifecycle.cli.ctl_state import GROUP, record_restarted, utc_now, write_ledger
+from rollout_lifecycle.contract.ops import Op
+from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
+from rollout_lifecycle.contract.values import PauseMode, Tag
+from rollout_lifecycle.core.ledger import EngineRecord, EngineSnapshot
 from rollout_lifecycle.testing import StandInServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -552,6 +557,25 @@ def test_record_restarted_passes_over_what_is_not_an_engine_record() -> None:
         ledger: dict[str, Any] = {"server": {"groups": [{"engines": engines}, 1, None]}}
         record_restarted(ledger, [url], {url: "a-new-incarnation"})
         assert ledger["server"]["state"] == "failed"
+
+
+def test_record_restarted_records_a_new_process_as_the_library_does() -> None:
+    """``ctl --restarted`` writes the record ``EngineRecord.restart`` leaves, field for field,
+    whatever the old process's record held."""
+    url = "http://127.0.0.1:1"
+    old = EngineRecord(f"{GROUP}/0", GROUP, None)
+    for op, tags in ((Op.PAUSE, ()), (Op.FLUSH, ()), (Op.RELEASE, (Tag.KV_CACHE,))):
+        old.intend(op, tags, PauseMode.RETRACT)
+        old.apply(op, tags, PauseMode.RETRACT, EngineOutcome(Outcome.OK), "the-old-process")
+    old.intend(Op.RESUME, (Tag.WEIGHTS,), None)  # a resume in flight: its tag uncertain
+    assert old.paused and old.released and old.uncertain
+    engine = json.loads(json.dumps(dataclasses.asdict(old.snapshot())))
+    ledger: dict[str, Any] = {"server": {"state": "released", "groups": [{"engines": [engine]}]}}
+    record_restarted(ledger, [url], {url: "a-new-incarnation"})
+    fresh = EngineRecord(old.id, GROUP, None)
+    fresh.restart("a-new-incarnation")
+    assert EngineSnapshot.from_dict(engine) == fresh.snapshot()
+    assert ledger["server"]["state"] == "failed"
 
 
 #: Any JSON value (bounded in size; ints short enough for ``json.dumps``).

@@ -8,7 +8,8 @@ import asyncio
 
 import pytest
 
-from rollout_lifecycle.core.bus import Bus, PhaseSettled, StateEntered
+from rollout_lifecycle.core.bus import Bus, StateEntered
+from rollout_lifecycle.core.runner import PhaseSettled
 from rollout_lifecycle.core.states import ServerState
 
 S = ServerState

@@ -12,14 +12,16 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from rollout_lifecycle import EngineGroup, LifecycleConfig, RolloutServer, SimulatedEngine
 from rollout_lifecycle.contract.exceptions import HookFailed, InvalidArgument
 from rollout_lifecycle.core.config import Deadlines
-from rollout_lifecycle.core.hooks import HOOK_EVENTS, HOOK_PHASES, Hooks, LifecycleEvent
+from rollout_lifecycle.core.hooks import HOOK_EVENTS, HOOK_PHASES, EventMaker, Hooks
 from rollout_lifecycle.core.scope import CURRENT, HookCancelled, Operation, cancel
+from rollout_lifecycle.core.server import LifecycleEvent
 from rollout_lifecycle.core.states import ServerState
 from rollout_lifecycle.testing.waits import until
 
@@ -32,13 +34,26 @@ class Owner:
     name = "hooks-test"
 
 
+def events_of(owner: Any) -> EventMaker:
+    """The events a server ``owner`` makes for its hooks (``RolloutServer``'s)."""
+    return lambda event, state, previous, phase: LifecycleEvent(
+        event, state, previous, owner, phase
+    )
+
+
 class Rig:
     """Hooks over a stand-in server whose state the test sets."""
 
     def __init__(self, hook_deadline: float = 30.0) -> None:
         self.owner = Owner()
         self.state = S.DRAINED
-        self.hooks = Hooks(self.owner, lambda: self.state, Deadlines(hook=hook_deadline))  # type: ignore[arg-type]
+        self.hooks = Hooks(
+            self.owner,
+            self.owner.name,
+            lambda: self.state,
+            Deadlines(hook=hook_deadline),
+            events_of(self.owner),
+        )
         self.seen: list[str] = []
 
     def recorder(self, label: str) -> Callable[[LifecycleEvent], None]:

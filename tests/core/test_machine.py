@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+from core.test_hooks import events_of
 
 from rollout_lifecycle.contract.exceptions import (
     HookFailed,
@@ -24,11 +25,13 @@ from rollout_lifecycle.contract.exceptions import (
     RouterError,
     StaleWeights,
 )
+from rollout_lifecycle.core.args import PhaseArgs
 from rollout_lifecycle.core.bus import Bus, RecordsChanged, StateEntered
 from rollout_lifecycle.core.config import Deadlines
-from rollout_lifecycle.core.hooks import Hooks, LifecycleEvent
-from rollout_lifecycle.core.machine import Machine, PhaseArgs
+from rollout_lifecycle.core.hooks import Hooks
+from rollout_lifecycle.core.machine import Machine
 from rollout_lifecycle.core.scope import CURRENT, Operation, current
+from rollout_lifecycle.core.server import LifecycleEvent
 from rollout_lifecycle.core.states import PHASED, TRANSITIONS, ServerState, destination, sources_of
 
 S = ServerState
@@ -67,7 +70,13 @@ class Rig:
         self.raises: dict[str, BaseException] = {}
         #: The ``before_`` phases each trigger's phase announces (as the real phases do).
         self.befores: dict[str, tuple[str, ...]] = {"drain": ("pause", "flush")}
-        self.hooks = Hooks(self.owner, lambda: self.machine.state, Deadlines(hook=30))  # type: ignore[arg-type]
+        self.hooks = Hooks(
+            self.owner,
+            "machine-test",
+            lambda: self.machine.state,
+            Deadlines(hook=30),
+            events_of(self.owner),
+        )
         self.machine = Machine(
             self.owner,
             "machine-test",
@@ -325,7 +334,7 @@ async def test_reset_stays_failed_when_the_records_imply_no_state() -> None:
 
 def test_the_phases_given_must_be_exactly_the_phased_triggers() -> None:
     owner = Owner()
-    hooks = Hooks(owner, lambda: S.SERVING, Deadlines())  # type: ignore[arg-type]
+    hooks = Hooks(owner, "m", lambda: S.SERVING, Deadlines(), events_of(owner))
     phases: dict[str, Any] = {trigger: None for trigger in PHASED}
     del phases["release"]
     with pytest.raises(InvalidArgument, match="phases must be given for exactly"):

@@ -18,10 +18,16 @@ from rollout_lifecycle import (
 )
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import Outcome
-from rollout_lifecycle.core.bus import Bus, PhaseSettled, RecordsChanged
+from rollout_lifecycle.core.bus import Bus, RecordsChanged
 from rollout_lifecycle.core.config import DeadEnginePolicy
-from rollout_lifecycle.core.ledger import EngineRecord
-from rollout_lifecycle.core.runner import PhaseRunner, Plan, WorkerUrls, default_targets, issue
+from rollout_lifecycle.core.ledger import EngineRecord, default_targets
+from rollout_lifecycle.core.runner import (
+    PhaseRunner,
+    PhaseSettled,
+    Plan,
+    WorkerUrls,
+    issue,
+)
 from rollout_lifecycle.testing.fleets import simulated_engines as sims
 
 RELEASE = ([Tag.KV_CACHE.value],)
