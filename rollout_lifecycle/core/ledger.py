@@ -30,7 +30,13 @@ S = ServerState
 _PAUSE, _CONTINUE = Op.PAUSE, Op.CONTINUE
 _RELEASE, _RESUME, _SET_VERSION = Op.RELEASE, Op.RESUME, Op.SET_VERSION
 _DEAD, _RESTARTED, _CONFLICT = Outcome.DEAD, Outcome.RESTARTED, Outcome.CONFLICT
-_ALIVE, _MEMORY, _PAUSE_PART = Guard.ALIVE, Part.MEMORY, Part.PAUSE
+#: The commands' named values, read on every engine call (a global is read faster than a member).
+_ALIVE, _CONTINUE_GUARD, _RELEASE_GUARD = Guard.ALIVE, Guard.CONTINUE, Guard.RELEASE
+_RESUME_GUARD, _MEMORY, _PAUSE_PART = Guard.RESUME, Part.MEMORY, Part.PAUSE
+_PAUSED, _CONTINUED, _FLUSHED = Effect.PAUSED, Effect.CONTINUED, Effect.FLUSHED
+_RELEASED, _RESUMED = Effect.RELEASED, Effect.RESUMED
+_OPENED, _CLOSED, _BEGIN = Effect.SESSION_OPENED, Effect.SESSION_CLOSED, Refusal.BEGIN
+_ON_PAUSED, _ON_OFFLOADING = Targets.PAUSED, Targets.OFFLOADING
 
 #: The operations that set the pause state whatever it was.
 _PAUSING = frozenset({Op.PAUSE, Op.CONTINUE})
@@ -218,11 +224,11 @@ class EngineRecord:
         guard = cmd.guard
         if guard is _ALIVE:
             self.check_alive(cmd.op)
-        elif guard is Guard.CONTINUE:
+        elif guard is _CONTINUE_GUARD:
             self.check_continue()
-        elif guard is Guard.RELEASE:
+        elif guard is _RELEASE_GUARD:
             self.check_release(tags)
-        elif guard is Guard.RESUME:
+        elif guard is _RESUME_GUARD:
             self.check_resume(tags)
         else:
             self.check_write_weights()
@@ -386,29 +392,29 @@ class EngineRecord:
 
     def _landed(self, effect: Effect, tags: Sequence[Tag], mode: PauseMode | None) -> None:
         """What a call that landed does to the record."""
-        if effect is Effect.PAUSED:
+        if effect is _PAUSED:
             self.paused, self.pause_mode, self.flushed = True, mode, False
             self.pause_unknown = False
-        elif effect is Effect.CONTINUED:
+        elif effect is _CONTINUED:
             self.paused, self.pause_mode, self.flushed = False, None, False
             self.pause_unknown = False
-        elif effect is Effect.FLUSHED:
+        elif effect is _FLUSHED:
             self.flushed = True
-        elif effect is Effect.RELEASED:
+        elif effect is _RELEASED:
             self.released.update(tags)
-        elif effect is Effect.RESUMED:
+        elif effect is _RESUMED:
             self.released.difference_update(tags)
-        elif effect is Effect.SESSION_OPENED:
+        elif effect is _OPENED:
             # Open until its end lands: a journal written meanwhile (a push in progress) says
             # so, and a process killed before the end leaves records that close it before
             # anything else.
             self.session_unknown = True
-        elif effect is Effect.SESSION_CLOSED:
+        elif effect is _CLOSED:
             self.session_unknown = False
 
     def _refused(self, refusal: Refusal, out: EngineOutcome) -> None:
         """What a refused call says beyond "nothing happened"."""
-        if refusal is Refusal.BEGIN:
+        if refusal is _BEGIN:
             # "A session is already open": one this record did not know of (left by a
             # controller that died without a journal, say); it is closed before the next begin.
             if out.status == SESSION_OPEN:
@@ -697,9 +703,9 @@ def default_targets(group: GroupRecords, op: Op) -> list[EngineRecord]:
     ``targets``): memory calls to the groups that offload, continue and flush to the paused
     engines, the rest to every live engine."""
     targets = command(op).targets
-    if targets is Targets.PAUSED:
+    if targets is _ON_PAUSED:
         return [r for r in group.records if r.alive and r.paused]
-    if targets is Targets.OFFLOADING and not group.needs_offload:
+    if targets is _ON_OFFLOADING and not group.needs_offload:
         return []
     return [r for r in group.records if r.alive]
 
