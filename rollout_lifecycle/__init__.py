@@ -8,8 +8,7 @@ memory.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rollout_lifecycle.contract.exceptions import (
     EngineClaimed,
@@ -32,6 +31,7 @@ from rollout_lifecycle.contract.exceptions import (
     WeightsNotVerified,
 )
 from rollout_lifecycle.contract.fingerprint import Fingerprint
+from rollout_lifecycle.contract.lazy import lazy_names
 from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
 from rollout_lifecycle.contract.values import ALL_TAGS, KV_TAGS, WEIGHT_TAGS, PauseMode, Tag
 from rollout_lifecycle.core.config import DeadEnginePolicy, Deadlines, LifecycleConfig
@@ -179,14 +179,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # the next lookup is a plain one
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_names(__name__, globals(), _LAZY)

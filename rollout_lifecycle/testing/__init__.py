@@ -9,11 +9,11 @@ Ray; the names that need it (the actor fleets, ``local_ray``) load it when first
 from __future__ import annotations
 
 import gc
-import importlib
 from collections.abc import Awaitable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from rollout_lifecycle.contract import seam
+from rollout_lifecycle.contract.lazy import lazy_names
 from rollout_lifecycle.testing.barriers import (
     BARRIER_PAIRS,
     CYCLE_PHASES,
@@ -134,14 +134,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # the next lookup is a plain one
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_names(__name__, globals(), _LAZY)

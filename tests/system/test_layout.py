@@ -62,6 +62,17 @@ def imports(path: Path, known: set[str]) -> set[str]:
     return {m for m in out if m in known}
 
 
+def python(script: str, *, ok: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` in a fresh interpreter at the repository's root; with ``ok``, it must exit
+    0 (its stderr is the failure's message)."""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    if ok:
+        assert done.returncode == 0, done.stderr
+    return done
+
+
 def layer_of(module: str) -> str | None:
     parts = module.split(".")
     return parts[1] if len(parts) > 1 and parts[0] == "rollout_lifecycle" else None
@@ -111,22 +122,11 @@ def test_the_core_loads_without_ray_or_httpx() -> None:
         "loaded = sorted(m for m in sys.modules if m.startswith('rollout_lifecycle.backends'))\n"
         "print(len(loaded), loaded)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT
-    )
-    assert done.returncode == 0, done.stderr
+    done = python(script)
     assert done.stdout.strip() == "0 []", done.stdout
     # The blocking really blocks: a backend that needs Ray does not load.
-    blocked = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import sys; sys.modules['ray'] = None\nimport rollout_lifecycle.backends.actor",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
+    blocked = python(
+        "import sys; sys.modules['ray'] = None\nimport rollout_lifecycle.backends.actor", ok=False
     )
     assert blocked.returncode != 0 and "ray" in blocked.stderr
 
@@ -141,10 +141,7 @@ def test_the_command_line_and_ctl_load_without_ray() -> None:
         "code = main(['diagram'])\n"
         "print('exit', code)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT
-    )
-    assert done.returncode == 0, done.stderr
+    done = python(script)
     assert "stateDiagram" in done.stdout and done.stdout.strip().endswith("exit 0")
 
 
@@ -221,10 +218,7 @@ def test_the_simulator_and_the_checks_load_without_ray() -> None:
         "    print('actor needs ray:', isinstance(exc, ImportError))\n"
         "print(sorted(m for m in sys.modules if m.startswith('ray.')))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT
-    )
-    assert done.returncode == 0, done.stderr
+    done = python(script)
     assert done.stdout.splitlines() == ["actor needs ray: True", "[]"], done.stdout
 
 
