@@ -265,9 +265,6 @@ class PhaseRunner:
         self.proof_window = proof_window
         self._skip_dead = dead_engines is DeadEnginePolicy.SKIP
         self._bus = bus
-        #: The engines with a call that missed its phase's deadline and may still land
-        #: (``EngineRecord.in_flight``).
-        self.stragglers: set[EngineRecord] = set()
         #: Runs around every phase with engines (``core/router_sync.RouterSync``), if bound.
         self.gate: Gate | None = None
 
@@ -290,10 +287,11 @@ class PhaseRunner:
         matters has still not landed, nothing is sent to any target and every target's outcome
         is ``not_attempted``.
         """
-        if self.stragglers:
-            busy = await self._still_in_flight(plan, deadline)
-            if busy:
-                return self._not_sent(phase, plan, busy)
+        # (a straggler is a call that missed its phase's deadline and may still land: its
+        # engine's record holds it, ``EngineRecord.in_flight``)
+        busy = await self._still_in_flight(plan, deadline)
+        if busy:
+            return self._not_sent(phase, plan, busy)
         gate = self.gate
         if gate is None or not plan.targets:
             result = await self.settle(phase, self.issue(plan), deadline)
@@ -400,10 +398,11 @@ class PhaseRunner:
     async def _still_in_flight(self, plan: Plan, deadline: float) -> set[str]:
         """The targets of ``plan`` with a call in flight that matters to it after up to
         ``deadline``."""
-        waiting = [r for r in plan.targets if r.busy_for(plan.op)]
+        op = plan.op
+        waiting = [r for r in plan.targets if r.in_flight is not None and r.busy_for(op)]
         if not waiting:
             return set()
-        ready = await self.landed(waiting, deadline, plan.op)
+        ready = await self.landed(waiting, deadline, op)
         return {r.id for r in waiting} - {r.id for r in ready}
 
     def _not_sent(self, phase: str, plan: Plan, busy: set[str]) -> PhaseResult:
@@ -468,7 +467,6 @@ class PhaseRunner:
                         if COMMANDS[op].reads:
                             late_op = earlier.op
                     flying = record.flies(late_op, future)
-                    self.stragglers.add(record)
                     future.add_done_callback(
                         functools.partial(self._forget_straggler, record, flying)
                     )
@@ -530,7 +528,6 @@ class PhaseRunner:
     ) -> None:
         if record.in_flight is flying:
             record.landed_late()
-            self.stragglers.discard(record)
 
 
 class WorkerUrls:
