@@ -341,9 +341,10 @@ class EngineRecord:
             self.paused, self.flushed, self.pause_unknown = True, False, True
             self.uncertain.update(ALL_TAGS)
 
-    def met(self, incarnation: str) -> None:
-        """The engine showed ``incarnation`` at first contact (``core/claims``): the record names
-        its process from now on (an incarnation already known is kept: its checks decide)."""
+    def met(self, incarnation: str | None) -> None:
+        """The engine showed ``incarnation`` at first contact (``core/claims``; a replacement's
+        first read, ``core/recovery``): the record names its process from now on (an
+        incarnation already known is kept: its checks decide; None names none)."""
         if self.incarnation is None:
             self.incarnation = incarnation
 
@@ -482,9 +483,11 @@ class EngineRecord:
         self.in_flight = flying = InFlight(op, future)
         return flying
 
-    def landed_late(self) -> None:
-        """The call in flight (``flies``) has landed or failed."""
-        self.in_flight = None
+    def landed_late(self, flying: InFlight) -> None:
+        """The call ``flying`` (``flies``) has landed or failed: it no longer holds anything
+        back, unless a later call in flight has taken its place."""
+        if self.in_flight is flying:
+            self.in_flight = None
 
     def lost_sight(self) -> None:
         """Another controller may have acted on the engine since its last answer (this server's
@@ -522,10 +525,6 @@ class EngineRecord:
         ``saved``, alive."""
         self.load(saved)
         self.alive = True
-
-    def identified(self, incarnation: str | None) -> None:
-        """The record's engine is the process that showed ``incarnation``."""
-        self.incarnation = incarnation
 
     def renew(self, handle: Any) -> None:
         """A new engine takes this slot: alive, serving, all memory resident, stale until it

@@ -213,7 +213,7 @@ class Recovery(Client):
                     out.duration_s,
                 )
             elif out.ok:
-                record.identified(seen)
+                record.met(seen)  # (a replacement's record is new: it names no process yet)
                 fresh.append(record)
         return outcomes, fresh
 

@@ -398,11 +398,10 @@ class PhaseRunner:
     async def _still_in_flight(self, plan: Plan, deadline: float) -> set[str]:
         """The targets of ``plan`` with a call in flight that matters to it after up to
         ``deadline``."""
-        op = plan.op
-        waiting = [r for r in plan.targets if r.in_flight is not None and r.busy_for(op)]
+        waiting = [r for r in plan.targets if r.busy_for(plan.op)]
         if not waiting:
             return set()
-        ready = await self.landed(waiting, deadline, op)
+        ready = await self.landed(waiting, deadline, plan.op)
         return {r.id for r in waiting} - {r.id for r in ready}
 
     def _not_sent(self, phase: str, plan: Plan, busy: set[str]) -> PhaseResult:
@@ -526,8 +525,7 @@ class PhaseRunner:
     def _forget_straggler(
         self, record: EngineRecord, flying: InFlight, future: asyncio.Future[Any]
     ) -> None:
-        if record.in_flight is flying:
-            record.landed_late()
+        record.landed_late(flying)
 
 
 class WorkerUrls:
