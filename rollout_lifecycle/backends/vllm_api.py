@@ -6,7 +6,7 @@ The routes below exist only when the server runs with ``VLLM_SERVER_DEV_MODE=1``
 developer routers are mounted then), except the OpenAI API and the probes. vLLM's ``--api-key``
 guards only paths under ``/v1``, ``/v2``, ``/inference`` and ``/cohere``; every lifecycle route
 answers whoever reaches the port. Each row cites the vLLM function it was read from (under
-``vllm/entrypoints/``), and ``tests/contract/test_contract_vllm.py`` checks the rows against a
+``vllm/entrypoints/``), and ``tests/wire/test_wire_vllm.py`` checks the rows against a
 real vLLM 0.32.0 server and the vLLM stand-in (``testing/standin/vllm_app.py``, which serves
 this table) side by side.
 """

@@ -1,7 +1,7 @@
 """The HTTP client's connections: a call safe to repeat reuses a pooled connection idle for less
 than the pool's keep-alive expiry (SGLang closes idle connections after 5 s), not one idle for
 longer; a call sent once never reuses one (a server that stalls past its keep-alive drops a call
-written onto a kept connection: ``tests/contract/test_contract_endpoints.py``)."""
+written onto a kept connection: ``tests/wire/test_wire_endpoints.py``)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 import ray
-from contract.helpers import running_all
+from wire.helpers import running_all
 from real.lifecycle_checks import (
     engine_calls,
     histories,

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from contract.helpers import held
+from wire.helpers import held
 from core.test_identity import once
 from real.checkpoints import rewrite_weights, trainer_fingerprint, trainer_logprobs
 from real.servers import (

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 import ray
-from contract.conftest import contract_model_dir, vllm_standin
+from wire.conftest import contract_model_dir, vllm_standin
 
 from rollout_lifecycle import EngineGroup, FromDisk, PhaseFailed, RolloutServer, ServerState
 from rollout_lifecycle.backends.actor import start_engine_actor

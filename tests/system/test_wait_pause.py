@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from contract.conftest import vllm_standin
+from wire.conftest import vllm_standin
 
 from rollout_lifecycle import (
     Deadlines,

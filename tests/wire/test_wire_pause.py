@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from contract.helpers import Target, finish_type, gen_request, in_flight
+from wire.helpers import Target, finish_type, gen_request, in_flight
 
 #: The length of the requests a pause must find in flight: 6 s on the stand-in (15 ms a token),
 #: 4-8 s on the real CPU server. Under twelve CPU hogs a pause lands within 0.1 s of the

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-from contract.helpers import Target, finish_type, in_flight
+from wire.helpers import Target, finish_type, in_flight
 
 SUCCESS = {"success": True, "message": "Success"}
 

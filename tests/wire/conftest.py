@@ -1,4 +1,4 @@
-"""The contract suite's servers: every scenario runs once on a stand-in SGLang server and once on
+"""The wire suite's servers: every scenario runs once on a stand-in SGLang server and once on
 a real SGLang 0.5.23 server (CPU), through one small ``Target`` object, with the same assertions.
 The vLLM scenarios (``vllm_target``) run on a stand-in vLLM server and on the keyless real vLLM
 0.32.0 server of ``vllm_servers`` (marked ``real_vllm``), which they leave awake and resumed.
@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from contract.helpers import (
+from wire.helpers import (
     STANDIN_TOKEN_LATENCY,
     VLLM_STANDIN_TOKEN_LATENCY,
     Kind,

@@ -6,7 +6,7 @@ import asyncio
 
 import httpx
 import pytest
-from contract.helpers import Target
+from wire.helpers import Target
 
 from rollout_lifecycle.testing import until
 

@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
-from contract.conftest import contract_model_dir, vllm_standin
-from contract.helpers import CALL_TIMEOUT, Streamed, VLLMTarget, through_a_stall
+from wire.conftest import contract_model_dir, vllm_standin
+from wire.helpers import CALL_TIMEOUT, Streamed, VLLMTarget, through_a_stall
 
 from rollout_lifecycle.backends.vllm_http import VLLMHTTPEngine
 from rollout_lifecycle.contract.exceptions import EngineRejected, IllegalEngineOp

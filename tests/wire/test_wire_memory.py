@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-from contract.helpers import STANDIN_TOKEN_LATENCY, Target, finish_type, gen_request, in_flight
+from wire.helpers import STANDIN_TOKEN_LATENCY, Target, finish_type, gen_request, in_flight
 
 from rollout_lifecycle import PauseMode, SGLangHTTPEngine, Tag
 from rollout_lifecycle.testing.standin import StandInServer

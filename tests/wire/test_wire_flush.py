@@ -7,7 +7,7 @@ import asyncio
 import time
 
 import httpx
-from contract.helpers import Target, finish_type, in_flight
+from wire.helpers import Target, finish_type, in_flight
 
 FLUSHED = "Cache flushed."
 FAILED = "Flush cache failed."

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from contract.helpers import Target
+from wire.helpers import Target
 
 UNAUTHORIZED = {"error": "Unauthorized"}
 #: Control endpoints whose call is harmless on a serving server.

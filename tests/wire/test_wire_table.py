@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from contract.helpers import Target
+from wire.helpers import Target
 
 from rollout_lifecycle.backends.sglang_api import ENDPOINTS, Auth, Endpoint, Field, rows
 

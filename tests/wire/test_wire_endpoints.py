@@ -1,6 +1,6 @@
 """Lifecycle endpoints' answers on an idle server: status codes and body shapes, defaults,
 unknown keys, and the information endpoints. (Routes, methods, keys and refused bodies of every
-endpoint are checked from the endpoint table, in ``test_contract_table``.)"""
+endpoint are checked from the endpoint table, in ``test_wire_table``.)"""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from contract.helpers import (
+from wire.helpers import (
     KEEP_ALIVE_S,
     Target,
     finish_type,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from contract.helpers import Target, finish_type, in_flight
+from wire.helpers import Target, finish_type, in_flight
 
 TOKENS = 150
 

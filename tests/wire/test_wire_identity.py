@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 import pytest
-from contract.helpers import Target, in_flight
+from wire.helpers import Target, in_flight
 
 from rollout_lifecycle import incarnation_of
 
