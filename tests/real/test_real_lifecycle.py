@@ -26,7 +26,6 @@ from typing import Any
 import httpx
 import pytest
 import ray
-from wire.helpers import running_all
 from real.lifecycle_checks import (
     engine_calls,
     histories,
@@ -36,6 +35,7 @@ from real.lifecycle_checks import (
 )
 from real.servers import CPU_FLAGS, RealServer, RealSGLang, slowed
 from structlog.testing import capture_logs
+from wire.helpers import running_all
 
 from rollout_lifecycle import (
     ALL_TAGS,

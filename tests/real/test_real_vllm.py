@@ -17,7 +17,6 @@ from typing import Any
 
 import httpx
 import pytest
-from wire.helpers import held
 from core.test_identity import once
 from real.checkpoints import rewrite_weights, trainer_fingerprint, trainer_logprobs
 from real.servers import (
@@ -31,6 +30,7 @@ from real.servers import (
     slowed,
 )
 from real.vllm_models import API_KEY
+from wire.helpers import held
 
 from rollout_lifecycle import (
     DeadEnginePolicy,

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+from real.servers import RealServer, RealServerPool
 from wire.helpers import (
     STANDIN_TOKEN_LATENCY,
     VLLM_STANDIN_TOKEN_LATENCY,
@@ -25,7 +26,6 @@ from wire.helpers import (
     Target,
     VLLMTarget,
 )
-from real.servers import RealServer, RealServerPool
 
 from rollout_lifecycle.testing.standin import StandInServer, VLLMStandInServer
 
