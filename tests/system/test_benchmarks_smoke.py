@@ -19,6 +19,7 @@ from benchmarks import (
     memory_plan,
     order,
     overhead,
+    path,
     soak,
     soak_property,
     soak_traffic,
@@ -257,3 +258,29 @@ def _example(passed: bool = True) -> dict[str, Any]:
         "requests": 1,
         "maxrss_mb": 100.0,
     }
+
+
+#: The most package modules one offload may cross from the public call to an engine's request
+#: (docs/design.md, "One offload").
+MOST_MODULES = 12
+
+
+async def test_one_offload_crosses_at_most_twelve_modules_to_each_request(
+    ray_cluster: None,
+) -> None:
+    """In process, the stack at every HTTP request; on Ray, the driver's stack at every actor
+    call plus what runs in the actor (the in-process chain from the engine host down)."""
+    local = await path.http_chains()
+    paths = [name for name, _ in local]
+    assert {"/pause_generation", "/flush_cache", "/release_memory_occupation"} <= set(paths)
+    for name, chain in local:
+        assert chain[0] == "core/server" and chain[-1] == "backends/http_transport", chain
+        assert len(set(chain)) <= MOST_MODULES, (name, chain)
+    (pause,) = [chain for name, chain in local if name == "/pause_generation"]
+    actor_side = pause[pause.index("backends/engine") :]
+    assert "core/reconcile" in pause and "core/runner" in pause  # through the reconciler
+    remote = await path.ray_chains()
+    assert {"checked", "run"} <= {n for n, _ in remote}  # (the command is their argument)
+    for name, chain in remote:
+        assert chain[-1] == "backends/ray_transport", chain
+        assert len(set(chain) | set(actor_side)) <= MOST_MODULES, (name, chain)
