@@ -19,6 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from rollout_lifecycle.backends.sglang_api import SESSION_ALREADY_OPEN
 from rollout_lifecycle.contract import seam
+from rollout_lifecycle.contract.commands import EngineCommand
 from rollout_lifecycle.contract.exceptions import (
     EngineDead,
     EngineError,
@@ -40,6 +41,7 @@ from rollout_lifecycle.contract.values import (
     check_seconds,
     member,
     parse_tags,
+    short_repr,
 )
 
 
@@ -183,10 +185,6 @@ def introspect(backend: object, name: str, default: Any) -> Any:
     return default if method is None else method()
 
 
-#: The host methods ``checked`` carries (their wire names).
-_CHECKED = frozenset(op.value for op in CHECKED_OPS)
-
-
 class EngineHost:
     """Serves one backend's lifecycle operations; the body of an engine actor.
 
@@ -225,10 +223,24 @@ class EngineHost:
         finally:
             CHECKING.reset(token)
 
-    async def checked(self, expect: Expectation, op: str, *args: Any) -> list[Any]:
-        """``op(*args)``, sent only once the engine has shown it is what its record expects
-        (``expect``: ``[incarnation, paused, identify]``, see ``EngineRecord.expect``; the
-        incarnation is read only with ``identify``); returns ``[incarnation, result]``.
+    async def run(self, command: EngineCommand) -> Any:
+        """Carry out ``command``: the lifecycle's one way into an engine. The host's method of
+        the command's operation where it has one (it adapts the call to the backend), else the
+        backend's own method of that name; a backend without it refuses with a 501
+        ``EngineRejected``."""
+        if not isinstance(command, EngineCommand):
+            raise InvalidArgument(f"not an engine command: {short_repr(command)}")
+        name = command.op._value_
+        method = getattr(self, name, None)
+        if method is None:
+            method = self._optional(name)
+        return await method(*command.args)
+
+    async def checked(self, expect: Expectation, command: EngineCommand) -> list[Any]:
+        """``command``, carried out (``run``) only once the engine has shown it is what its
+        record expects (``expect``: ``[incarnation, paused, identify]``, see
+        ``EngineRecord.expect``; the incarnation is read only with ``identify``); returns
+        ``[incarnation, result]``.
 
         Another process at the address raises ``EngineRestarted``; a pause state other than
         the record's raises ``EngineStateConflict``; an engine that cannot be read raises
@@ -236,8 +248,11 @@ class EngineHost:
         not sent. The check and the call follow each other at once, so only a process that
         restarts in between (a start takes SGLang tens of seconds) could slip through.
         """
-        if op not in _CHECKED:
-            raise InvalidArgument(f"{op!r} is not an operation that is checked before it is sent")
+        if not isinstance(command, EngineCommand) or command.op not in CHECKED_OPS:
+            raise InvalidArgument(
+                f"{short_repr(command)} is not a command that is checked before it is sent"
+            )
+        op = command.op._value_
         label = self._backend.label
         try:
             identify = expect[2] if len(expect) > 2 else True
@@ -262,7 +277,7 @@ class EngineHost:
             if outcome is Outcome.RESTARTED:
                 raise EngineRestarted(label, op, expect[0], seen["incarnation"])
             raise EngineStateConflict(label, op, records, reported)
-        result = await getattr(self, op)(*args)
+        result = await self.run(command)
         return [seen["incarnation"], result]
 
     async def pause_generation(self, mode: str) -> None:

@@ -12,21 +12,31 @@ import asyncio
 import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from rollout_lifecycle.backends.tensor_payload import check_tensor_payloads
+from rollout_lifecycle.contract.commands import (
+    EngineCommand,
+    JoinGroup,
+    LeaveGroup,
+    UpdateFromDisk,
+    UpdateFromDistributed,
+    UpdateFromTensor,
+)
 from rollout_lifecycle.contract.exceptions import InvalidArgument, WeightPushFailed
 from rollout_lifecycle.contract.push import WeightUpdate
-from rollout_lifecycle.contract.seam import classify, send
-from rollout_lifecycle.contract.values import check_int
+from rollout_lifecycle.contract.seam import classify, command
+from rollout_lifecycle.contract.values import check_int, check_strings
 
 
 async def _write_all(
-    strategy: str, update: WeightUpdate, op: str, args_for: Mapping[str, tuple[Any, ...]]
+    strategy: str, update: WeightUpdate, commands: Mapping[str, EngineCommand]
 ) -> None:
-    ids = list(args_for)
+    """Send each engine its command, all at once; ``WeightPushFailed`` naming every engine
+    whose command failed, and how."""
+    ids = list(commands)
     results = await asyncio.gather(
-        *(send(update.engines[i], op, args_for[i]) for i in ids), return_exceptions=True
+        *(command(update.engines[i], commands[i]) for i in ids),
+        return_exceptions=True,
     )
     failures = {
         i: str(classify(r))
@@ -41,17 +51,6 @@ def _nonempty(name: str, value: object) -> str:
     if not isinstance(value, str) or not value:
         raise InvalidArgument(f"{name} must be a non-empty string, got {value!r}")
     return value
-
-
-def _strings(name: str, value: object) -> tuple[str, ...]:
-    """A sequence of strings (not one string), as a tuple; else refuse it."""
-    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Sequence):
-        raise InvalidArgument(f"{name} must be a sequence of strings, got {value!r}")
-    items = tuple(value)
-    for item in items:
-        if not isinstance(item, str):
-            raise InvalidArgument(f"{name} must hold strings only, got {item!r}")
-    return items
 
 
 def _shape(name: str, value: object) -> tuple[int, ...]:
@@ -74,10 +73,8 @@ class FromDisk:
         _nonempty("model_path", self.model_path)
 
     async def __call__(self, update: WeightUpdate) -> None:
-        args = (self.model_path, update.version, False)
-        await _write_all(
-            "FromDisk", update, "update_weights_from_disk", dict.fromkeys(update.engines, args)
-        )
+        load = UpdateFromDisk(self.model_path, update.version)
+        await _write_all("FromDisk", update, dict.fromkeys(update.engines, load))
 
 
 @dataclass(frozen=True)
@@ -102,20 +99,23 @@ class FromTensor:
                 if not isinstance(engine, str):
                     raise InvalidArgument(f"payload keys must be engine ids, got {engine!r}")
                 check_tensor_payloads(
-                    f"payload[{engine!r}]", list(_strings(f"payload[{engine!r}]", tensors))
+                    f"payload[{engine!r}]", list(check_strings(f"payload[{engine!r}]", tensors))
                 )
         else:
-            check_tensor_payloads("payload", list(_strings("payload", payload)))
+            check_tensor_payloads("payload", list(check_strings("payload", payload)))
 
     async def __call__(self, update: WeightUpdate) -> None:
         if isinstance(self.payload, Mapping):
             missing = sorted(set(update.engines) - set(self.payload))
             if missing:
                 raise InvalidArgument(f"FromTensor has no payload for engines {missing}")
-            args = {i: (list(self.payload[i]), update.version, False) for i in update.engines}
+            writes = {
+                i: UpdateFromTensor(tuple(self.payload[i]), update.version) for i in update.engines
+            }
         else:
-            args = dict.fromkeys(update.engines, (list(self.payload), update.version, False))
-        await _write_all("FromTensor", update, "update_weights_from_tensor", args)
+            write = UpdateFromTensor(tuple(self.payload), update.version)
+            writes = dict.fromkeys(update.engines, write)
+        await _write_all("FromTensor", update, writes)
 
 
 @dataclass(frozen=True)
@@ -146,8 +146,8 @@ class FromDistributed:
 
     def __post_init__(self) -> None:
         _nonempty("group_name", self.group_name)
-        _strings("names", self.names)
-        _strings("dtypes", self.dtypes)
+        check_strings("names", self.names)
+        check_strings("dtypes", self.dtypes)
         if isinstance(self.shapes, str | bytes | Mapping) or not isinstance(self.shapes, Sequence):
             raise InvalidArgument(f"shapes must be a sequence of shapes, got {self.shapes!r}")
         for i, shape in enumerate(self.shapes):
@@ -184,24 +184,25 @@ class FromDistributed:
                 check_int(f"rank_offsets[{engine!r}]", rank, minimum=1, maximum=self.world_size - 1)
 
     async def __call__(self, update: WeightUpdate) -> None:
-        args = (
-            list(self.names),
-            list(self.dtypes),
-            [list(s) for s in self.shapes],
+        receive = UpdateFromDistributed(
+            tuple(self.names),
+            tuple(self.dtypes),
+            tuple(tuple(s) for s in self.shapes),
             self.group_name,
             update.version,
-            False,
             self.load_format,
         )
-        ids = dict.fromkeys(update.engines, args)
+        writes = dict.fromkeys(update.engines, receive)
         if self.rank_offsets is None:
-            await _write_all("FromDistributed", update, "update_weights_from_distributed", ids)
+            await _write_all("FromDistributed", update, writes)
             return
         missing = sorted(set(update.engines) - set(self.rank_offsets))
         if missing:
             raise InvalidArgument(f"FromDistributed has no rank offset for engines {missing}")
+        assert self.master_address is not None and self.master_port is not None
+        assert self.world_size is not None
         join = {
-            i: (
+            i: JoinGroup(
                 self.master_address,
                 self.master_port,
                 self.rank_offsets[i],
@@ -213,8 +214,8 @@ class FromDistributed:
         }
         # sglang: io_struct.py InitWeightsUpdateGroupReqInput, DestroyWeightsUpdateGroupReqInput
         try:
-            await _write_all("FromDistributed", update, "init_weights_update_group", join)
-            await _write_all("FromDistributed", update, "update_weights_from_distributed", ids)
+            await _write_all("FromDistributed", update, join)
+            await _write_all("FromDistributed", update, writes)
         except BaseException:
             # The first failure is the one to report; leaving is best effort then.
             with contextlib.suppress(WeightPushFailed):
@@ -225,8 +226,5 @@ class FromDistributed:
 
 async def _leave(update: WeightUpdate, group_name: str) -> None:
     await _write_all(
-        "FromDistributed",
-        update,
-        "destroy_weights_update_group",
-        dict.fromkeys(update.engines, (group_name,)),
+        "FromDistributed", update, dict.fromkeys(update.engines, LeaveGroup(group_name))
     )

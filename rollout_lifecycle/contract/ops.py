@@ -61,7 +61,10 @@ class Op(str, Enum):
 CHECKED_OPS = frozenset(
     {Op.PAUSE, Op.CONTINUE, Op.RELEASE, Op.RESUME, Op.BEGIN_UPDATE, Op.SET_VERSION}
 )
-#: The host method that carries a checked operation: ``checked(expect, op, *args)``.
+#: The host method that carries out a command (``EngineHost.run(command)``): the one way the
+#: lifecycle's calls reach an engine.
+RUN = "run"
+#: The host method that carries out a checked command: ``checked(expect, command)``.
 CHECKED = "checked"
 
 
@@ -73,6 +76,7 @@ def as_op(name: str | Op) -> Op:
 __all__ = [
     "CHECKED",
     "CHECKED_OPS",
+    "RUN",
     "Op",
     "as_op",
 ]

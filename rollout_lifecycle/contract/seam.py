@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from rollout_lifecycle.contract.commands import Close, EngineCommand, Pause
 from rollout_lifecycle.contract.exceptions import (
     EngineDead,
     EngineError,
@@ -36,8 +37,12 @@ from rollout_lifecycle.contract.exceptions import (
     InvalidArgument,
 )
 from rollout_lifecycle.contract.gather import BatchWait, Landed, gather_calls
-from rollout_lifecycle.contract.ops import Op
+from rollout_lifecycle.contract.ops import RUN, Op
 from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
+from rollout_lifecycle.contract.values import PauseMode
+
+#: The calls that retire an engine: an abort pause, then a close.
+_ABORT_ALL, _CLOSE = Pause(PauseMode.ABORT), Close()
 
 
 class EngineSeam(Protocol):
@@ -151,6 +156,11 @@ def send(handle: Any, op: Op | str, args: tuple[Any, ...] = ()) -> Awaitable[Any
     return seam_for(handle).send(handle, name, args)
 
 
+def command(handle: Any, what: EngineCommand) -> Awaitable[Any]:
+    """Issue the typed command ``what`` to ``handle`` (``EngineHost.run``); do not wait."""
+    return seam_for(handle).send(handle, RUN, (what,))
+
+
 def identity(handle: Any) -> Hashable:
     """What makes two handles the same engine (the seam of its kind says: the server URL of an
     HTTP backend, the Ray actor of an actor handle, ...); a bare object a backend adopts is the
@@ -179,8 +189,8 @@ async def abort_and_close(transport: EngineSeam, handle: Any, deadline: float) -
     its requests returns with its partial output (a generation client resubmits it), then a
     close of its backend (a launched server stops with its process group); each step bounded
     by ``deadline`` and best effort."""
-    await bounded(transport.send(handle, Op.PAUSE.value, ("abort",)), deadline)
-    await bounded(transport.send(handle, Op.CLOSE.value, ()), deadline)
+    await bounded(transport.send(handle, RUN, (_ABORT_ALL,)), deadline)
+    await bounded(transport.send(handle, RUN, (_CLOSE,)), deadline)
 
 
 async def retire(handle: Any, deadline: float) -> None:

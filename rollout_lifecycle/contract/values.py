@@ -8,7 +8,7 @@ it imports nothing of the library's but its exceptions.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from enum import Enum
 from typing import TypeVar
 
@@ -120,6 +120,19 @@ def check_name(what: str, value: object, *, trimmed: bool = False) -> str:
             f"{what} must not start or end with whitespace, got {short_repr(value)}"
         )
     return value
+
+
+def check_strings(what: str, value: object) -> tuple[str, ...]:
+    """``value`` as a tuple if it is a sequence of strings (not one string, nor a mapping);
+    else ``InvalidArgument`` naming ``what`` and the value (or the first item that is no
+    string)."""
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Sequence):
+        raise InvalidArgument(f"{what} must be a sequence of strings, got {short_repr(value)}")
+    items = tuple(value)
+    for item in items:
+        if not isinstance(item, str):
+            raise InvalidArgument(f"{what} must hold strings only, got {short_repr(item)}")
+    return items
 
 
 def short_repr(value: object, limit: int = 80) -> str:

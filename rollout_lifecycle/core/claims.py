@@ -57,9 +57,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rollout_lifecycle.contract import seam
+from rollout_lifecycle.contract.commands import Observe
 from rollout_lifecycle.contract.exceptions import EngineClaimed, InvalidArgument
 from rollout_lifecycle.contract.identity import distinguishes
-from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.urls import url_identity
 from rollout_lifecycle.core.ledger import EngineRecord
 from rollout_lifecycle.core.runner import PhaseRunner, WorkerUrls
@@ -68,6 +68,8 @@ from rollout_lifecycle.core.runner import PhaseRunner, WorkerUrls
 LOCK_DIR_ENV = "ROLLOUT_LIFECYCLE_LOCK_DIR"
 #: The prefix of the abstract socket names (Linux) that hold claims in the network namespace.
 _ABSTRACT = "\0rollout-lifecycle/claim/"
+#: The read that names an engine's process before its first claim.
+_IDENTIFY = Observe(paused=False, purpose="identify", identify=True)
 
 
 def lock_dir() -> Path:
@@ -423,9 +425,7 @@ class Claims:
             if unnamed and self._runner is not None:
                 # (a read beside the lifecycle: an engine that does not answer is the call's
                 # to find, and one whose incarnation is not known is read by its first check)
-                found = await self._runner.ask(
-                    Op.OBSERVE, unnamed, self._deadline, (False, "identify", True)
-                )
+                found = await self._runner.ask(_IDENTIFY, unnamed, self._deadline)
                 for record in unnamed:
                     answer = found.get(record.id)
                     if isinstance(answer, Mapping) and isinstance(answer.get("incarnation"), str):

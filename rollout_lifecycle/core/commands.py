@@ -21,6 +21,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from rollout_lifecycle.contract.commands import READ_OPS
 from rollout_lifecycle.contract.ops import CHECKED_OPS, Op
 
 
@@ -143,17 +144,8 @@ def _table() -> dict[Op, Command]:
         ),
         Command(Op.SET_VERSION, weights),
     ]
-    reads = (
-        Op.WEIGHT_VERSION,
-        Op.FINGERPRINT,
-        Op.SERVER_INFO,
-        Op.OBSERVE,
-        Op.MEMORY,
-        Op.STATE,
-        Op.STATS,
-        Op.WORKER_URL,
-    )
-    commands += [Command(op, alive, reads=True) for op in (*reads, Op.HISTORY, Op.LABEL)]
+    # the reads are the typed commands' (``contract/commands``): a read added there is one here
+    commands += [Command(op, alive, reads=True) for op in Op if op in READ_OPS]
     declared = {c.op for c in commands}
     commands += [Command(op, alive) for op in Op if op not in declared]
     return {c.op: c for c in commands}

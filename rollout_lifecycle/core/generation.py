@@ -10,9 +10,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rollout_lifecycle.contract import seam
+from rollout_lifecycle.contract.commands import Abort, Generate
 from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import InvalidArgument
-from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import Outcome
 from rollout_lifecycle.contract.values import check_int, check_seconds
 from rollout_lifecycle.core.bus import StateEntered
@@ -320,7 +320,7 @@ class GenerationClient:
     async def _call(
         self, work: Request, handle: Any, body: dict[str, Any], deadline: float
     ) -> dict[str, Any]:
-        ref = seam.send(handle, Op.GENERATE, (body,))
+        ref = seam.command(handle, Generate(body))
         future: asyncio.Future[Any] = asyncio.ensure_future(ref)
         try:
             done, _ = await asyncio.wait(
@@ -359,7 +359,7 @@ class GenerationClient:
         has finished the attempt, has nothing to abort.
         """
         try:
-            sent: asyncio.Future[Any] = asyncio.ensure_future(seam.send(handle, Op.ABORT, (rid,)))
+            sent: asyncio.Future[Any] = asyncio.ensure_future(seam.command(handle, Abort(rid)))
         except Exception:  # a handle that cannot take the call: nothing more to do
             return
         self._aborts.add(sent)

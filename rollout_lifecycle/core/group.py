@@ -16,11 +16,23 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from rollout_lifecycle.contract import seam
+from rollout_lifecycle.contract.commands import (
+    BeginUpdate,
+    Continue,
+    EndUpdate,
+    EngineCommand,
+    Flush,
+    Pause,
+    ReadServerInfo,
+    Release,
+    Resume,
+    SetVersion,
+)
 from rollout_lifecycle.contract.exceptions import InvalidArgument
 from rollout_lifecycle.contract.ops import Op, as_op
 from rollout_lifecycle.contract.values import PauseMode, Tag, check_name, parse_tags
 from rollout_lifecycle.core.ledger import EngineRecord, EngineSnapshot
-from rollout_lifecycle.core.runner import Calls, Plan, issue
+from rollout_lifecycle.core.runner import Calls, Plan, guard_groups, issue
 
 
 def spellings(first: Any, second: Any, key: Hashable) -> str:
@@ -124,57 +136,48 @@ class EngineGroup:
 
     def preflight(self, op: Op | str, tags: Sequence[Tag | str] = ()) -> None:
         """Run the guards of ``op`` on this group's targets without sending anything."""
-        Plan.over([self], as_op(op), tags=parse_tags(tags) if tags else ()).check()
+        guard_groups([self], as_op(op), parse_tags(tags) if tags else ())
 
-    def _run(
-        self,
-        op: Op,
-        args: tuple[Any, ...] = (),
-        *,
-        tags: tuple[Tag, ...] = (),
-        mode: PauseMode | None = None,
-    ) -> Calls:
-        return issue(Plan.over([self], op, args, tags=tags, mode=mode), self._before_send)
+    def _run(self, command: EngineCommand) -> Calls:
+        return issue(Plan.over([self], command), self._before_send)
 
     def pause_generation(self, mode: PauseMode) -> Calls:
         """Pause every live engine."""
-        return self._run(Op.PAUSE, (mode.value,), mode=mode)
+        return self._run(Pause(mode))
 
     def flush_cache(self, deadline: float, retry_interval: float) -> Calls:
         """Flush every paused engine, each retrying until ``deadline`` seconds pass."""
-        return self._run(Op.FLUSH, (deadline, retry_interval))
+        return self._run(Flush(deadline, retry_interval))
 
     def release_memory(self, tags: Sequence[Tag | str]) -> Calls:
         """Release ``tags`` on every engine (none when the group does not need offload)."""
-        t = parse_tags(tags)
-        return self._run(Op.RELEASE, ([x.value for x in t],), tags=t)
+        return self._run(Release(parse_tags(tags)))
 
     def resume_memory(self, tags: Sequence[Tag | str]) -> Calls:
         """Resume ``tags`` on every live engine of a group that offloads; refused (nothing
         sent) if one of them has not released them all."""
-        t = parse_tags(tags)
-        return self._run(Op.RESUME, ([x.value for x in t],), tags=t)
+        return self._run(Resume(parse_tags(tags)))
 
     def continue_generation(self) -> Calls:
         """Continue generation on every paused engine."""
-        return self._run(Op.CONTINUE)
+        return self._run(Continue())
 
     def begin_weight_update(self) -> Calls:
         """Open a weight-update session on every live engine."""
-        return self._run(Op.BEGIN_UPDATE)
+        return self._run(BeginUpdate())
 
     def end_weight_update(self) -> Calls:
         """Close the weight-update session on every live engine."""
-        return self._run(Op.END_UPDATE)
+        return self._run(EndUpdate())
 
     def probe(self) -> Calls:
         """Ask every live engine for its server info: the liveness probe that is safe while
         paused (a generating health check would hang on a paused engine)."""
-        return self._run(Op.SERVER_INFO)
+        return self._run(ReadServerInfo())
 
     def update_weight_version(self, version: str) -> Calls:
         """Set the weight version on every live engine, aborting nothing."""
-        return self._run(Op.SET_VERSION, (version,))
+        return self._run(SetVersion(version))
 
 
 def shown(identity: Hashable) -> str:

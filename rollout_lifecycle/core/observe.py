@@ -11,8 +11,8 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
+from rollout_lifecycle.contract.commands import EngineCommand, ReadMemory
 from rollout_lifecycle.contract.events import logger
-from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.core.config import LifecycleConfig
 from rollout_lifecycle.core.ledger import EngineRecord, Fleet
 from rollout_lifecycle.core.runner import PhaseResult
@@ -22,6 +22,10 @@ from rollout_lifecycle.core.timeline import CallRecord, Timeline
 
 #: Metric names of the phases whose event names are longer: ``lifecycle/onload/weights_s``.
 _METRIC_NAMES = {"resume_weights": "weights", "resume_kv": "kv", "push": "update"}
+
+
+#: The read of the memory metrics.
+_MEMORY = ReadMemory()
 
 
 class Recorder:
@@ -34,7 +38,7 @@ class Recorder:
         config: LifecycleConfig,
         fleet: Fleet,
         state: Callable[[], ServerState],
-        ask: Callable[[Op, Sequence[EngineRecord], float], Awaitable[dict[str, Any]]],
+        ask: Callable[[EngineCommand, Sequence[EngineRecord], float], Awaitable[dict[str, Any]]],
     ) -> None:
         self._server = server
         self._name = name
@@ -127,7 +131,7 @@ class Recorder:
         (``EngineHost.memory``); an engine that does not answer within the probe deadline, or
         answers nothing, is left out. A read beside the lifecycle (``PhaseRunner.ask``): no
         engine's record changes."""
-        found = await self._ask(Op.MEMORY, self._fleet.live(), self._config.deadlines.probe)
+        found = await self._ask(_MEMORY, self._fleet.live(), self._config.deadlines.probe)
         totals: dict[str, int] = {}
         for answer in found.values():
             if isinstance(answer, Mapping):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from rollout_lifecycle.contract.commands import Continue, EndUpdate
 from rollout_lifecycle.contract.exceptions import (
     HookFailed,
     IllegalEngineOp,
@@ -98,7 +99,7 @@ class Phases(Client):
         # before it: such calls get until the deadline, and an engine whose pause is still in
         # flight is left paused (as recorded) for recover() to continue once it has landed.
         targets = await self._runner.landed(self._fleet.continuable(), deadline, Op.CONTINUE)
-        plan = Plan(Op.CONTINUE, tuple(targets))
+        plan = Plan(Continue(), tuple(targets))
         result = await self._runner.run("continue_after_failure", plan, deadline)
         self._last_outcomes = result.outcomes
         return self._runner.succeeded(result.outcomes) and not any(
@@ -167,7 +168,7 @@ class Phases(Client):
         for record in records:
             record.may_hold_session()
         ready = await self._runner.landed(records, deadline, Op.END_UPDATE)
-        return (await self._runner.run(phase, Plan(Op.END_UPDATE, tuple(ready)), deadline)).outcomes
+        return (await self._runner.run(phase, Plan(EndUpdate(), tuple(ready)), deadline)).outcomes
 
     async def close_open_sessions(self) -> None:
         """Close every weight-update session the records say may be open (``session_unknown``:

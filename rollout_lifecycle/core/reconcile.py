@@ -36,17 +36,34 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from rollout_lifecycle.contract.commands import (
+    Continue,
+    Flush,
+    Pause,
+    ReadVersion,
+    Release,
+    Resume,
+)
 from rollout_lifecycle.contract.exceptions import PhaseFailed, StaleWeights
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import EngineOutcome
 from rollout_lifecycle.contract.values import PauseMode, Tag, without_wait
 from rollout_lifecycle.core.config import DeadEnginePolicy
-from rollout_lifecycle.core.ledger import EngineRecord, GroupRecords, Target, target
+from rollout_lifecycle.core.ledger import (
+    EngineRecord,
+    GroupRecords,
+    Target,
+    default_targets,
+    target,
+)
 from rollout_lifecycle.core.parts import Client
-from rollout_lifecycle.core.runner import Plan
+from rollout_lifecycle.core.runner import Plan, guard, guard_groups
 from rollout_lifecycle.core.states import ServerState
 
 FAILED = ServerState.FAILED.value
+_CONTINUE, _READ_VERSION = Continue(), ReadVersion()
+#: The command of a memory step, by its operation.
+_MEMORY_MOVES: dict[Op, type[Release | Resume]] = {Op.RELEASE: Release, Op.RESUME: Resume}
 
 #: The phase names of one reconciliation, by step (``recover()``'s).
 RECOVER_PHASES: Callable[[str], str] = "recover_{}".format
@@ -150,14 +167,13 @@ class Reconciler(Client):
         tags = self._moved(since, goal, op)
         if op in (Op.RELEASE, Op.RESUME):
             if tags:
-                args = ([t.value for t in tags],)
                 # every engine of the call's groups passes the guard, not only those planned
-                Plan.over(groups, op, args, tags=tags).check()
+                guard_groups(groups, op, tags)
         else:
-            everyone = Plan.over(groups, op)
-            everyone.check()
+            everyone = [r for g in groups for r in default_targets(g, op)]
+            guard(op, everyone)
             if op is Op.CONTINUE:
-                stale = await self.lacking_weights(everyone.targets)
+                stale = await self.lacking_weights(everyone)
                 if stale:
                     raise StaleWeights(self._versions.wanted(), stale)
         await self._hooks.before(name)
@@ -185,19 +201,19 @@ class Reconciler(Client):
         if op is Op.PAUSE:
             targets = run.to_pause()
             if mode is not PauseMode.WAIT:
-                return [Plan(Op.PAUSE, tuple(targets), (mode.value,), mode=mode)]
+                return [Plan(Pause(mode), tuple(targets))]
             # An engine whose last pause is unknown may be paused already: no wait for it.
             held = without_wait(mode)
             unknown = tuple(r for r in targets if r.pause_unknown)
             known = tuple(r for r in targets if not r.pause_unknown)
             return [
-                Plan(Op.PAUSE, known, (mode.value,), mode=mode),
-                Plan(Op.PAUSE, unknown, (held.value,), mode=held),
+                Plan(Pause(mode), known),
+                Plan(Pause(held), unknown),
             ]
         if op is Op.FLUSH:
-            return [Plan(Op.FLUSH, run.to_flush(()), self._flush_args())]
+            return [Plan(self._flush(), run.to_flush(()))]
         if op is Op.CONTINUE:
-            return [Plan(Op.CONTINUE, tuple(run.to_continue()))]
+            return [Plan(_CONTINUE, tuple(run.to_continue()))]
         if not tags:
             return []
         if op is Op.RESUME:  # still released, and the goal holds them
@@ -208,7 +224,7 @@ class Reconciler(Client):
                 for r in run.live
                 if r.released.isdisjoint(tags) and run.target(r).released and r.paused
             )
-        return [Plan(op, chosen, ([t.value for t in tags],), tags=tags)]
+        return [Plan(_MEMORY_MOVES[op](tags), chosen)]
 
     def _pass(
         self,
@@ -248,8 +264,8 @@ class Reconciler(Client):
             Op.CONTINUE: deadlines.continue_,
         }[op]
 
-    def _flush_args(self) -> tuple[float, float]:
-        return (self._config.deadlines.flush, self._config.flush_retry_interval)
+    def _flush(self) -> Flush:
+        return Flush(self._config.deadlines.flush, self._config.flush_retry_interval)
 
     async def _step(self, run: _Pass, step: str, plan: Plan, deadline: float) -> bool:
         """Run one phase if it has targets; whether every call of it succeeded."""
@@ -272,7 +288,7 @@ class Reconciler(Client):
         records = [r for r in run.live if r.id in wanted]
         for tags in _sets(self._config.release_tags, (wanted[r.id] for r in records)):
             chosen = tuple(r for r in records if wanted[r.id] == set(tags))
-            plan = Plan(op, chosen, ([t.value for t in tags],), tags=tags)
+            plan = Plan(_MEMORY_MOVES[op](tags), chosen)
             if not await self._step(run, step, plan, deadline):
                 return False
         return True
@@ -285,12 +301,12 @@ class Reconciler(Client):
         to_pause = run.to_pause()
         # a continue still in flight lands first (it would undo the pause)
         await self._runner.landed(to_pause, self._deadline(Op.PAUSE), Op.PAUSE)
-        plan = Plan(Op.PAUSE, tuple(to_pause), (mode.value,), mode=mode)
+        plan = Plan(Pause(mode), tuple(to_pause))
         if not await self._step(run, "pause", plan, self._deadline(Op.PAUSE)):
             return
         in_place = mode is PauseMode.IN_PLACE
         if not in_place:
-            plan = Plan(Op.FLUSH, run.to_flush({r.id for r in to_pause}), self._flush_args())
+            plan = Plan(self._flush(), run.to_flush({r.id for r in to_pause}))
             if not await self._step(run, "flush", plan, self._deadline(Op.FLUSH)):
                 return
         wanted = run.release_wanted(in_place)
@@ -309,7 +325,7 @@ class Reconciler(Client):
                 # it reports other weights than the fleet's (a push that failed under it): it
                 # waits paused for an update, as a replacement does, and never serves them
                 record.lacks_weights()
-        plan = Plan(Op.CONTINUE, tuple(r for r in landed if r.id not in lacking))
+        plan = Plan(_CONTINUE, tuple(r for r in landed if r.id not in lacking))
         await self._step(run, "continue", plan, self._deadline(Op.CONTINUE))
 
     async def lacking_weights(self, targets: Sequence[EngineRecord]) -> dict[str, str | None]:
@@ -326,7 +342,7 @@ class Reconciler(Client):
             targets = [r for r in targets if not r.unverified]
         stale: dict[str, str | None] = {r.id: None for r in targets if r.stale}
         if expected is not None and targets:
-            plan = Plan(Op.WEIGHT_VERSION, tuple(targets))
+            plan = Plan(_READ_VERSION, tuple(targets))
             result = await self._runner.run("check_versions", plan, self._config.deadlines.probe)
             for record in plan.targets:
                 if not result.outcomes[record.id].ok:

@@ -14,9 +14,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rollout_lifecycle.contract import seam
+from rollout_lifecycle.contract.commands import Observe
 from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import IllegalTransition, InvalidArgument, PhaseFailed
-from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import DISAGREEMENTS, EngineOutcome, Outcome
 from rollout_lifecycle.core.group import EngineGroup
 from rollout_lifecycle.core.ledger import (
@@ -93,7 +93,7 @@ class Recovery(Client):
         """Look at ``records`` again (a probe found them restarted or not paused as recorded)
         and let each record learn what its engine shows now; fail the server if the records
         then imply another state. Under the server's lock."""
-        plan = Plan(Op.OBSERVE, tuple(r for r in records if r.alive))
+        plan = Plan(Observe(), tuple(r for r in records if r.alive))
         result = await self._runner.run(phase, plan, self._config.deadlines.probe)
         for record in plan.targets:
             out = result.outcomes[record.id]
@@ -184,7 +184,7 @@ class Recovery(Client):
         reports itself paused is not the fresh server a replacement must be (its memory cannot
         be read): refused, its tags recorded as unknown, for the factory to replace again.
         """
-        plan = Plan(Op.OBSERVE, tuple(records))
+        plan = Plan(Observe(), tuple(records))
         result = await self._runner.run("recover_probe", plan, self._config.deadlines.startup)
         outcomes = dict(result.outcomes)
         fresh: list[EngineRecord] = []

@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rollout_lifecycle.contract import seam
+from rollout_lifecycle.contract.commands import EngineCommand, Observe, ReadWorkerUrl
 from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import PhaseFailed
 from rollout_lifecycle.contract.identity import PROOF_WINDOW, disagreement
-from rollout_lifecycle.contract.ops import CHECKED, Op
+from rollout_lifecycle.contract.ops import CHECKED, RUN, Op
 from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
 from rollout_lifecycle.contract.seam import Landed
 from rollout_lifecycle.contract.values import PauseMode, Tag
@@ -42,6 +43,8 @@ from rollout_lifecycle.core.states import ServerState
 #: per phase, and a global is read several times faster than an ``Op`` member.
 _FLUSH = Op.FLUSH
 _OBSERVE = Op.OBSERVE
+#: The observation after a checked call lost its connection.
+_LOOK = Observe()
 _OK, _RESTARTED, _UNREACHABLE = Outcome.OK, Outcome.RESTARTED, Outcome.UNREACHABLE
 _FAILED = EngineOutcome(Outcome.NOT_ATTEMPTED)
 #: What an answered observation proved: the engine's incarnation (``EngineRecord.answered``).
@@ -50,34 +53,50 @@ _IDENTIFIED: list[Any] = [None, None, True]
 
 @dataclass(frozen=True)
 class Plan:
-    """One operation for a set of engines, possibly of several groups; nothing sent yet."""
+    """One command for a set of engines, possibly of several groups; nothing sent yet."""
 
-    op: Op
+    command: EngineCommand
     targets: tuple[EngineRecord, ...]
-    args: tuple[Any, ...] = ()
-    tags: tuple[Tag, ...] = ()
-    mode: PauseMode | None = None
 
     @classmethod
-    def over(
-        cls,
-        groups: Iterable[GroupRecords],
-        op: Op,
-        args: tuple[Any, ...] = (),
-        *,
-        tags: tuple[Tag, ...] = (),
-        mode: PauseMode | None = None,
-    ) -> Plan:
-        """``op`` to the default targets (``default_targets``) of every group of ``groups``."""
-        targets = tuple(r for g in groups for r in default_targets(g, op))
-        return cls(op, targets, args, tags, mode)
+    def over(cls, groups: Iterable[GroupRecords], command: EngineCommand) -> Plan:
+        """``command`` to the default targets (``default_targets``) of every group of
+        ``groups``."""
+        op = command.op
+        return cls(command, tuple(r for g in groups for r in default_targets(g, op)))
+
+    @property
+    def op(self) -> Op:
+        """The command's operation."""
+        return self.command.op
+
+    @property
+    def tags(self) -> tuple[Tag, ...]:
+        """The memory tags the command moves (a release's or resume's)."""
+        return self.command.tags
+
+    @property
+    def mode(self) -> PauseMode | None:
+        """The pause mode (a pause's)."""
+        return self.command.mode
 
     def check(self) -> None:
         """Run the command's guard on every target; raises ``IllegalEngineOp`` at the first
         refusal."""
-        cmd, tags = COMMANDS[self.op], self.tags
-        for record in self.targets:
-            record.check(cmd, tags)
+        guard(self.op, self.targets, self.tags)
+
+
+def guard(op: Op, targets: Iterable[EngineRecord], tags: tuple[Tag, ...] = ()) -> None:
+    """Run ``op``'s guard (with ``tags``, for a release or resume) on every record of
+    ``targets``; ``IllegalEngineOp`` at the first refusal, before anything is sent."""
+    cmd = COMMANDS[op]
+    for record in targets:
+        record.check(cmd, tags)
+
+
+def guard_groups(groups: Iterable[GroupRecords], op: Op, tags: tuple[Tag, ...] = ()) -> None:
+    """``guard`` over the default targets of ``op`` in every group of ``groups``."""
+    guard(op, (r for g in groups for r in default_targets(g, op)), tags)
 
 
 @dataclass(eq=False, slots=True)
@@ -172,8 +191,8 @@ def issue(plan: Plan, before_send: Callable[[], None] | None = None) -> Calls:
                     record.undo_intent()
                 raise
     calls = Calls()
-    refs, starts, handles, args = calls.refs, calls.starts, calls.handles, plan.args
-    name = op._value_  # the plain (interned) method name: attribute lookups cache it
+    refs, starts, handles, command = calls.refs, calls.starts, calls.handles, plan.command
+    carried = (command,)  # what the engine host's ``run`` takes, the same for every engine
     kind: type | None = None
     send: Callable[[Any, str, tuple[Any, ...]], Awaitable[Any]] | None = None
     for i, record in enumerate(chosen):
@@ -185,9 +204,9 @@ def issue(plan: Plan, before_send: Callable[[], None] | None = None) -> Calls:
         handles.append(handle)
         expect = expects[i]
         if expect is None:
-            refs.append(send(handle, name, args))
-        else:  # the engine shows who it is before the call is carried out (EngineHost.checked)
-            refs.append(send(handle, CHECKED, (expect, name, *args)))
+            refs.append(send(handle, RUN, carried))
+        else:  # the engine shows who it is before the command is carried out (EngineHost.checked)
+            refs.append(send(handle, CHECKED, (expect, command)))
     calls.records = chosen
     calls.expects, calls.proven, calls.sent = expects, proven, [now] * len(chosen)
     calls.ops = [op] * len(chosen)
@@ -317,9 +336,7 @@ class PhaseRunner:
         )
         if not dropped:
             return
-        look = await self.settle(
-            "observe_after_drop", self.issue(Plan(_OBSERVE, dropped)), deadline
-        )
+        look = await self.settle("observe_after_drop", self.issue(Plan(_LOOK, dropped)), deadline)
         for record in dropped:
             out = look.outcomes[record.id]
             if out.outcome is _RESTARTED:
@@ -333,13 +350,9 @@ class PhaseRunner:
             self._bus.publish(RECORDS_CHANGED)
 
     async def ask(
-        self,
-        op: Op,
-        records: Sequence[EngineRecord],
-        deadline: float,
-        args: tuple[Any, ...] = (),
+        self, command: EngineCommand, records: Sequence[EngineRecord], deadline: float
     ) -> dict[str, Any]:
-        """What each engine of ``records`` answers to the read ``op`` within ``deadline``, by
+        """What each engine of ``records`` answers to the read ``command`` within ``deadline``, by
         engine id; one that fails (a dead one), cannot take ``op`` or does not answer in time is
         left out (a late call is cancelled). For what the server reads beside the lifecycle (the
         router binding's and the claims' worker URLs, the memory metrics): sent through the seam
@@ -347,12 +360,12 @@ class PhaseRunner:
         published. The caller chooses the records: the worker URL of an in-process engine
         recorded dead is still read (its address stays this server's to claim and to take out
         of the router), the memory of the live engines only."""
-        if not COMMANDS[op].reads:
-            raise ValueError(f"ask() sends reads only, not {op.value!r}")
+        if not command.reads:
+            raise ValueError(f"ask() sends reads only, not {command.op.value!r}")
         sent: list[tuple[EngineRecord, Awaitable[Any]]] = []
         for record in records:
-            with contextlib.suppress(Exception):  # a handle without ``op`` answers nothing
-                sent.append((record, seam.send(record.handle, op, args)))
+            with contextlib.suppress(Exception):  # a handle that cannot take it answers nothing
+                sent.append((record, seam.command(record.handle, command)))
         if not sent:
             return {}
         landed = await seam.wait([ref for _, ref in sent], deadline)
@@ -544,7 +557,7 @@ class WorkerUrls:
         keys = [seam.identity(r.handle) for r in records]
         missing = [r for r, key in zip(records, keys, strict=True) if key not in self._urls]
         if missing:
-            found = await self._runner.ask(Op.WORKER_URL, missing, self._deadline)
+            found = await self._runner.ask(ReadWorkerUrl(), missing, self._deadline)
             for record, key in zip(records, keys, strict=True):
                 if record.id in found:
                     url = found[record.id]

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from rollout_lifecycle.contract import seam
+from rollout_lifecycle.contract.commands import Observe
 from rollout_lifecycle.contract.exceptions import InvalidArgument, LifecycleError
 from rollout_lifecycle.contract.fingerprint import Fingerprint
-from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import DISAGREEMENTS, EngineOutcome
 from rollout_lifecycle.contract.push import WeightPush, WeightUpdate
 from rollout_lifecycle.contract.values import PauseMode, check_name
@@ -304,7 +304,7 @@ class RolloutServer:
         becomes ``failed`` if the records then imply another state. Made from a hook, it
         leaves that to the call's own checks.
         """
-        plan = Plan.over(self._groups, Op.OBSERVE)
+        plan = Plan.over(self._groups, Observe())
         outcomes = (await self._runner.run("probe", plan, self._config.deadlines.probe)).outcomes
         strange = [r for r in plan.targets if outcomes[r.id].outcome in DISAGREEMENTS]
         if strange and current(self) is None:

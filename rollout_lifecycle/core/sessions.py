@@ -12,6 +12,14 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from rollout_lifecycle.contract.commands import (
+    BeginUpdate,
+    Continue,
+    EndUpdate,
+    Flush,
+    Pause,
+    SetVersion,
+)
 from rollout_lifecycle.contract.exceptions import PhaseFailed, WeightPushFailed
 from rollout_lifecycle.contract.fingerprint import Fingerprint
 from rollout_lifecycle.contract.ops import Op
@@ -22,7 +30,7 @@ from rollout_lifecycle.core.args import PhaseArgs
 from rollout_lifecycle.core.ledger import EngineRecord
 from rollout_lifecycle.core.parts import Client, Parts
 from rollout_lifecycle.core.phases import Phases
-from rollout_lifecycle.core.runner import PhaseResult, Plan
+from rollout_lifecycle.core.runner import PhaseResult, Plan, guard_groups
 from rollout_lifecycle.core.states import ServerState
 from rollout_lifecycle.core.verify import Verifier
 
@@ -43,7 +51,7 @@ class WeightWriter(Client):
         assert push is not None
         deadlines = self._config.deadlines
         runner, fleet = self._runner, self._fleet
-        Plan.over(fleet.groups, Op.SET_VERSION).check()
+        guard_groups(fleet.groups, Op.SET_VERSION)
         await self._hooks.before("update_weights")
         if version is not None:
             # From here on generation continues only on engines that report this version.
@@ -52,7 +60,7 @@ class WeightWriter(Client):
         serving = [r for r in fleet.live() if not r.paused]
         if serving:
             mode = without_wait(self._config.pause_mode)
-            plan = Plan(Op.PAUSE, tuple(serving), (mode.value,), mode=mode)
+            plan = Plan(Pause(mode), tuple(serving))
             await runner.require("pause_for_update", plan, deadlines.pause)
         # A session that an earlier update left open (its begin or end did not complete, or a
         # process killed in its push) is closed first, or this begin would be refused with "a
@@ -86,10 +94,10 @@ class WeightWriter(Client):
                 self._versions.interrupted = True
             raise
         finally:
-            end = Plan.over(fleet.groups, Op.END_UPDATE)
+            end = Plan.over(fleet.groups, EndUpdate())
             await runner.require("end_weight_update", end, deadlines.weight_update)
         if version is not None:
-            plan = Plan.over(fleet.groups, Op.SET_VERSION, (version,))
+            plan = Plan.over(fleet.groups, SetVersion(version))
             await runner.require("update_weight_version", plan, deadlines.weight_update)
         self._versions.interrupted = False
         for record in fleet.live():
@@ -102,7 +110,7 @@ class WeightWriter(Client):
             if not (r.released | r.uncertain) and r.pause_mode is not PauseMode.IN_PLACE
         ]
         interval = self._config.flush_retry_interval
-        plan = Plan(Op.FLUSH, tuple(resident), (deadlines.flush, interval))
+        plan = Plan(Flush(deadlines.flush, interval), tuple(resident))
         await runner.require("flush_after_update", plan, deadlines.flush + deadlines.probe)
         if spec is not None:
             await self._verifier.verify(fleet.live(), before, spec, version)
@@ -120,13 +128,13 @@ class WeightWriter(Client):
             resumed += [r for r in keepers if r.id not in chosen and not r.unverified]
         if resumed:
             await self._phases.check_versions(resumed)
-            plan = Plan(Op.CONTINUE, tuple(resumed))
+            plan = Plan(Continue(), tuple(resumed))
             deadline = self._config.deadlines.continue_
             await self._runner.require("continue_after_update", plan, deadline)
 
     async def _begin(self) -> dict[str, EngineOutcome]:
         """Open a session on every live engine (``begin_weight_update``); the outcomes."""
-        begin = Plan.over(self._fleet.groups, Op.BEGIN_UPDATE)
+        begin = Plan.over(self._fleet.groups, BeginUpdate())
         deadline = self._config.deadlines.weight_update
         return (await self._runner.run("begin_weight_update", begin, deadline)).outcomes
 

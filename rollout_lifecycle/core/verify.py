@@ -29,6 +29,7 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from rollout_lifecycle.contract.commands import ReadFingerprint
 from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import (
     InvalidArgument,
@@ -36,7 +37,6 @@ from rollout_lifecycle.contract.exceptions import (
     WeightsNotVerified,
 )
 from rollout_lifecycle.contract.fingerprint import Fingerprint
-from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.values import check_flag
 from rollout_lifecycle.core.config import DeadEnginePolicy
 from rollout_lifecycle.core.ledger import EngineRecord
@@ -243,7 +243,7 @@ class Verifier(Client):
         self, phase: str, records: Sequence[EngineRecord]
     ) -> dict[str, Fingerprint | str]:
         """Each engine's fingerprint, or why it could not be read, in one timed phase."""
-        plan = Plan(Op.FINGERPRINT, tuple(records))
+        plan = Plan(ReadFingerprint(), tuple(records))
         result = await self._runner.run(phase, plan, self._config.deadlines.weight_update)
         out: dict[str, Fingerprint | str] = {}
         for record in plan.targets:

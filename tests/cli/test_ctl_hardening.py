@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 import pytest
-from core.test_urls import OTHER_SPELLINGS
+from contract.test_urls import OTHER_SPELLINGS
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 

@@ -16,6 +16,7 @@ from typing import Any
 from structlog.testing import capture_logs
 
 from rollout_lifecycle import ALL_TAGS, LifecycleConfig, ServerState
+from rollout_lifecycle.contract.commands import EngineCommand
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.core.ledger import EngineRecord, Fleet
 from rollout_lifecycle.core.observe import Recorder
@@ -40,9 +41,9 @@ class Memory:
         self.asked: list[tuple[Op, list[str], float]] = []
 
     async def __call__(
-        self, op: Op, records: Sequence[EngineRecord], deadline: float
+        self, command: EngineCommand, records: Sequence[EngineRecord], deadline: float
     ) -> dict[str, Any]:
-        self.asked.append((op, [r.id for r in records], deadline))
+        self.asked.append((command.op, [r.id for r in records], deadline))
         return {r.id: self.answers[r.id] for r in records if r.id in self.answers}
 
 

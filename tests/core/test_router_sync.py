@@ -12,6 +12,7 @@ and ``test_router_ownership.py``'s.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import pytest
 from structlog.testing import capture_logs
@@ -23,6 +24,7 @@ from rollout_lifecycle import (
     ServerState,
     SimulatedEngine,
 )
+from rollout_lifecycle.contract.commands import EngineCommand
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
 from rollout_lifecycle.contract.urls import url_identity
@@ -142,6 +144,12 @@ async def test_a_refused_removal_sends_no_pause_and_puts_back_what_was_taken_out
     assert binding(server).failure is None  # in step again: nothing to raise later
 
 
+def command_of(op: Op) -> EngineCommand:
+    """A command of ``op`` with no arguments (what the binding reads of a plan is its op)."""
+    kind = type(f"Bare{op.name}", (EngineCommand,), {"op": op, "__slots__": ()})
+    return cast(EngineCommand, kind())
+
+
 async def test_the_router_is_looked_at_only_after_phases_that_may_change_who_serves() -> None:
     router = ListRouter()
     server = RolloutServer([EngineGroup("actor", [AtURL(A)])], router=router)
@@ -150,11 +158,15 @@ async def test_the_router_is_looked_at_only_after_phases_that_may_change_who_ser
     missed = {r.id: EngineOutcome(Outcome.TIMED_OUT, "no answer") for r in targets}
     for op in Op:
         router.calls.clear()
-        await binding(server).after(Plan(op, targets), PhaseResult(op.value, ok, 0.0, 0.0))
+        await binding(server).after(
+            Plan(command_of(op), targets), PhaseResult(op.value, ok, 0.0, 0.0)
+        )
         changes_who_serves = op in (Op.PAUSE, Op.CONTINUE, Op.SERVER_INFO, Op.OBSERVE)
         assert router.count("workers") == int(changes_who_serves), op
         # any phase in which a call did not succeed may have found an engine dead
-        await binding(server).after(Plan(op, targets), PhaseResult(op.value, missed, 0.0, 0.0))
+        await binding(server).after(
+            Plan(command_of(op), targets), PhaseResult(op.value, missed, 0.0, 0.0)
+        )
         assert router.count("workers") == int(changes_who_serves) + 1, op
 
 

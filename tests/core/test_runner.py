@@ -16,6 +16,15 @@ from rollout_lifecycle import (
     SimulatedEngine,
     Tag,
 )
+from rollout_lifecycle.contract.commands import (
+    Continue,
+    EngineCommand,
+    Pause,
+    ReadServerInfo,
+    Release,
+    Resume,
+    SetVersion,
+)
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import Outcome
 from rollout_lifecycle.core.bus import Bus, RecordsChanged
@@ -29,8 +38,6 @@ from rollout_lifecycle.core.runner import (
     issue,
 )
 from rollout_lifecycle.testing.fleets import simulated_engines as sims
-
-RELEASE = ([Tag.KV_CACHE.value],)
 
 
 def lifecycle_ops(engine: SimulatedEngine) -> list[str]:
@@ -49,7 +56,7 @@ async def test_a_call_planned_over_two_groups_where_one_is_refused_sends_nothing
     before = {e.label: lifecycle_ops(e) for e in first + second}
     refused = server.groups[1].records[1]
     refused.flushed = False  # not passed the idle barrier: its release is refused
-    plan = Plan.over(server.groups, Op.RELEASE, RELEASE, tags=(Tag.KV_CACHE,))
+    plan = Plan.over(server.groups, Release((Tag.KV_CACHE,)))
     journal: list[int] = []
     with pytest.raises(IllegalEngineOp, match="b/1"):
         issue(plan, lambda: journal.append(1))
@@ -70,7 +77,7 @@ async def test_a_journal_that_raises_sends_nothing_and_leaves_no_intent() -> Non
     def journal() -> None:
         raise OSError("disk full")
 
-    plan = Plan.over(server.groups, Op.RELEASE, RELEASE, tags=(Tag.KV_CACHE,))
+    plan = Plan.over(server.groups, Release((Tag.KV_CACHE,)))
     with pytest.raises(OSError, match="disk full"):
         issue(plan, journal)
     assert [lifecycle_ops(e) for e in engines] == before
@@ -98,17 +105,17 @@ def test_each_operation_has_its_guard() -> None:
     group = EngineGroup("a", sims(1, "a"))
     (record,) = group.records
     with pytest.raises(IllegalEngineOp, match="not paused"):
-        Plan(Op.RELEASE, (record,), tags=(Tag.KV_CACHE,)).check()
+        Plan(Release((Tag.KV_CACHE,)), (record,)).check()
     with pytest.raises(IllegalEngineOp, match="not released"):
-        Plan(Op.RESUME, (record,), tags=(Tag.KV_CACHE,)).check()
+        Plan(Resume((Tag.KV_CACHE,)), (record,)).check()
     record.released.add(Tag.WEIGHTS)
     with pytest.raises(IllegalEngineOp, match="released"):
-        Plan(Op.CONTINUE, (record,)).check()
+        Plan(Continue(), (record,)).check()
     with pytest.raises(IllegalEngineOp, match="weights are released"):
-        Plan(Op.SET_VERSION, (record,)).check()
+        Plan(SetVersion("v1"), (record,)).check()
     record.alive = False
     with pytest.raises(IllegalEngineOp, match="dead"):
-        Plan(Op.SERVER_INFO, (record,)).check()
+        Plan(ReadServerInfo(), (record,)).check()
 
 
 async def test_a_call_that_missed_its_deadline_is_the_engines_until_it_lands() -> None:
@@ -119,7 +126,7 @@ async def test_a_call_that_missed_its_deadline_is_the_engines_until_it_lands() -
     group = EngineGroup("a", [engine])
     (record,) = group.records
     runner = PhaseRunner("s", DeadEnginePolicy.FAIL, Bus())
-    plan = Plan(Op.PAUSE, (record,), (PauseMode.ABORT.value,), mode=PauseMode.ABORT)
+    plan = Plan(Pause(PauseMode.ABORT), (record,))
     result = await runner.run("pause", plan, 0.05)
     assert result.outcomes["a/0"].outcome is Outcome.TIMED_OUT
     assert record.in_flight is not None and record.in_flight.op is Op.PAUSE
@@ -147,9 +154,11 @@ class CountingRunner(PhaseRunner):
         super().__init__("s", DeadEnginePolicy.FAIL, Bus())
         self.asked: list[tuple[Op, list[str]]] = []
 
-    async def ask(self, op: Op, records: Sequence[EngineRecord], deadline: float) -> dict[str, Any]:
-        self.asked.append((op, [r.id for r in records]))
-        return await super().ask(op, records, deadline)
+    async def ask(
+        self, command: EngineCommand, records: Sequence[EngineRecord], deadline: float
+    ) -> dict[str, Any]:
+        self.asked.append((command.op, [r.id for r in records]))
+        return await super().ask(command, records, deadline)
 
 
 async def test_a_read_beside_the_lifecycle_is_sent_through_the_runner_and_records_nothing() -> None:
@@ -169,12 +178,12 @@ async def test_a_read_beside_the_lifecycle_is_sent_through_the_runner_and_record
     bus.subscribe(PhaseSettled, events.append)
     bus.subscribe(RecordsChanged, events.append)
     runner = PhaseRunner("s", DeadEnginePolicy.FAIL, bus)
-    answers = await runner.ask(Op.SERVER_INFO, records, 0.2)
+    answers = await runner.ask(ReadServerInfo(), records, 0.2)
     assert set(answers) == {"a/0"} and isinstance(answers["a/0"], dict)
     assert events == []
     assert all(r.last_op is None and r.in_flight is None for r in records)
     with pytest.raises(ValueError, match="pause_generation"):
-        await runner.ask(Op.PAUSE, records, 0.2)
+        await runner.ask(Pause(PauseMode.ABORT), records, 0.2)
     for engine in (fast, slow, dead):
         await engine.close()
 

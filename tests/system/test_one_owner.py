@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import ray
-from core.test_urls import OTHER_SPELLINGS
+from contract.test_urls import OTHER_SPELLINGS
 
 from rollout_lifecycle import (
     EngineGroup,
