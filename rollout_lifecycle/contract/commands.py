@@ -315,6 +315,15 @@ class ReadMemory(EngineCommand):
 
 
 @dataclass(frozen=True, slots=True)
+class ReadSleeping(EngineCommand):
+    """Whether the engine says it is paused or any of its memory asleep (vLLM's
+    ``/is_sleeping``: what it really did, where the record follows the lifecycle's steps)."""
+
+    op: ClassVar[Op] = Op.IS_SLEEPING
+    reads: ClassVar[bool] = True
+
+
+@dataclass(frozen=True, slots=True)
 class ReadLabel(EngineCommand):
     """The engine's name in errors and events."""
 
@@ -414,6 +423,7 @@ __all__ = [
     "ReadLabel",
     "ReadMemory",
     "ReadServerInfo",
+    "ReadSleeping",
     "ReadState",
     "ReadStats",
     "ReadVersion",

@@ -44,6 +44,9 @@ class Op(str, Enum):
     STATE = "state"
     STATS = "stats"
     CLOSE = "close"
+    #: Whether the engine says it is paused or any of its memory asleep (vLLM's
+    #: ``/is_sleeping``); a backend without such a read refuses it.
+    IS_SLEEPING = "is_sleeping"
 
     def __str__(self) -> str:
         return self.value

@@ -11,7 +11,10 @@ from typing import Any
 import httpx
 import pytest
 
+from rollout_lifecycle import EngineGroup, RolloutServer, SGLangHTTPEngine
+from rollout_lifecycle.backends.engine import EngineHost
 from rollout_lifecycle.backends.vllm_http import VLLMHTTPEngine, vllm_http_factory
+from rollout_lifecycle.contract.commands import ReadSleeping
 from rollout_lifecycle.contract.exceptions import (
     EngineError,
     EngineRejected,
@@ -22,7 +25,11 @@ from rollout_lifecycle.contract.exceptions import (
 from rollout_lifecycle.contract.outcome import Outcome
 from rollout_lifecycle.contract.seam import classify
 from rollout_lifecycle.contract.values import ALL_TAGS, PauseMode, Tag
+from rollout_lifecycle.core.bus import Bus
+from rollout_lifecycle.core.config import DeadEnginePolicy
+from rollout_lifecycle.core.runner import PhaseRunner
 from rollout_lifecycle.testing.simulated import SimulatedEngine
+from rollout_lifecycle.testing.standin.app import create_app
 from rollout_lifecycle.testing.standin.vllm_app import create_vllm_app
 
 URL = "http://127.0.0.1:8000"
@@ -421,3 +428,29 @@ async def test_the_vllm_standin_answers_logprobs_in_the_shape_the_client_reads()
     finally:
         await client.close()
         await sim.close()
+
+
+async def test_a_read_added_as_a_command_reaches_each_backend_through_the_runner() -> None:
+    """``ReadSleeping`` (``Op.IS_SLEEPING``) was added in two files, the operation and its
+    command: the runner sends it through the engine host's ``run`` to the vLLM client's own
+    ``is_sleeping`` (``/is_sleeping``), which tells what the engine really did; SGLang's client
+    has no such read, refuses it (501), and is left out of the answers."""
+    vllm_sim = SimulatedEngine("vllm-sleepy", token_latency=0.001)
+    vllm = VLLMHTTPEngine(URL, transport=httpx.ASGITransport(app=create_vllm_app(vllm_sim)))
+    sglang_sim = SimulatedEngine("sglang", token_latency=0.001)
+    sglang = SGLangHTTPEngine(
+        "http://127.0.0.1:30000", transport=httpx.ASGITransport(app=create_app(sglang_sim))
+    )
+    server = RolloutServer([EngineGroup("vllm", [vllm]), EngineGroup("sglang", [sglang])])
+    records = list(server.fleet.records())
+    runner = PhaseRunner("read", DeadEnginePolicy.FAIL, Bus())
+    assert await runner.ask(ReadSleeping(), records, 5.0) == {"vllm/0": False}
+    await server.offload()
+    assert await runner.ask(ReadSleeping(), records, 5.0) == {"vllm/0": True}
+    await server.onload()
+    assert await runner.ask(ReadSleeping(), records, 5.0) == {"vllm/0": False}
+    with pytest.raises(EngineRejected, match="does not support it") as refused:
+        await EngineHost(sglang).run(ReadSleeping())
+    assert refused.value.status == 501
+    for client in (vllm, sglang):
+        await client.close()

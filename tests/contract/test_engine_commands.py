@@ -46,6 +46,7 @@ EVERY_KIND: list[c.EngineCommand] = [
     c.ReadFingerprint(),
     c.ReadWorkerUrl(),
     c.ReadMemory(),
+    c.ReadSleeping(),
     c.ReadLabel(),
     c.ReadHistory(),
     c.ReadState(),
@@ -93,7 +94,10 @@ def plain(value: Any) -> Any:
 @pytest.mark.parametrize("command", EVERY_KIND, ids=lambda cmd: type(cmd).__name__)
 def test_the_args_of_a_command_are_what_its_host_method_takes(command: c.EngineCommand) -> None:
     """Each field of the command reaches the host parameter of its name, in plain values."""
-    method = getattr(EngineHost, command.op.value)
+    method = getattr(EngineHost, command.op.value, None)
+    if method is None:  # the host does not adapt it: the backend's method takes the args
+        assert command.args == () and dataclasses.fields(command) == ()
+        return
     bound = inspect.signature(method).bind(None, *command.args)  # raises on a wrong arity
     fields = {f.name: getattr(command, f.name) for f in dataclasses.fields(command)}
     fields.pop("_args", None)
