@@ -2,7 +2,7 @@
 calls sent plain.
 
 Every call in ``CHECKED_OPS`` (pause, continue, release, resume, the begin of a weight-update
-session, the version; not the session's end) is sent as ``EngineHost.checked(expect, command)``,
+session, the version; not the session's end) is sent as ``EngineHost.checked(expect, op, *args)``,
 which first reads the engine (``EngineHost.observe``) and only then runs the call. What it reads
 is ``EngineRecord.expect``'s ``[incarnation, paused, identify]``: a pause reads only whether the
 engine is paused (``/ping`` and ``/ready``), every other checked call the incarnation

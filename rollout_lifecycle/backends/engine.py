@@ -19,7 +19,6 @@ from typing import Any, Protocol, runtime_checkable
 
 from rollout_lifecycle.backends.sglang_api import SESSION_ALREADY_OPEN
 from rollout_lifecycle.contract import seam
-from rollout_lifecycle.contract.commands import EngineCommand
 from rollout_lifecycle.contract.exceptions import (
     EngineDead,
     EngineError,
@@ -31,7 +30,7 @@ from rollout_lifecycle.contract.exceptions import (
     InvalidArgument,
 )
 from rollout_lifecycle.contract.identity import COARSE, Expectation, disagreement
-from rollout_lifecycle.contract.ops import CHECKED_OPS
+from rollout_lifecycle.contract.ops import CHECKED_OPS, Op
 from rollout_lifecycle.contract.outcome import SESSION_OPEN, Outcome
 from rollout_lifecycle.contract.urls import url_identity
 from rollout_lifecycle.contract.values import (
@@ -185,6 +184,11 @@ def introspect(backend: object, name: str, default: Any) -> Any:
     return default if method is None else method()
 
 
+#: The operations ``run`` carries out, and those ``checked`` carries (their wire names).
+_OPS = frozenset(op.value for op in Op)
+_CHECKED = frozenset(op.value for op in CHECKED_OPS)
+
+
 class EngineHost:
     """Serves one backend's lifecycle operations; the body of an engine actor.
 
@@ -223,22 +227,22 @@ class EngineHost:
         finally:
             CHECKING.reset(token)
 
-    async def run(self, command: EngineCommand) -> Any:
-        """Carry out ``command``: the lifecycle's one way into an engine. The host's method of
-        the command's operation where it has one (it adapts the call to the backend), else the
-        backend's own method of that name; a backend without it refuses with a 501
-        ``EngineRejected``."""
-        if not isinstance(command, EngineCommand):
-            raise InvalidArgument(f"not an engine command: {short_repr(command)}")
-        name = command.op._value_
-        method = getattr(self, name, None)
+    async def run(self, op: str, *args: Any) -> Any:
+        """Carry out one command, as the seam delivers it (``contract/seam.command``): its
+        operation's name and its ``args``, plain values, which cross Ray as cheaply as any call.
+        The lifecycle's one way into an engine: the host's method of the operation where it has
+        one (it adapts the call to the backend), else the backend's own method of that name; a
+        backend without it refuses with a 501 ``EngineRejected``."""
+        if op not in _OPS:
+            raise InvalidArgument(f"{short_repr(op)} is not an engine operation")
+        method = getattr(self, op, None)
         if method is None:
-            method = self._optional(name)
-        return await method(*command.args)
+            method = self._optional(op)
+        return await method(*args)
 
-    async def checked(self, expect: Expectation, command: EngineCommand) -> list[Any]:
-        """``command``, carried out (``run``) only once the engine has shown it is what its
-        record expects (``expect``: ``[incarnation, paused, identify]``, see
+    async def checked(self, expect: Expectation, op: str, *args: Any) -> list[Any]:
+        """The command ``op(*args)`` (``run``), carried out only once the engine has shown it
+        is what its record expects (``expect``: ``[incarnation, paused, identify]``, see
         ``EngineRecord.expect``; the incarnation is read only with ``identify``); returns
         ``[incarnation, result]``.
 
@@ -248,11 +252,8 @@ class EngineHost:
         not sent. The check and the call follow each other at once, so only a process that
         restarts in between (a start takes SGLang tens of seconds) could slip through.
         """
-        if not isinstance(command, EngineCommand) or command.op not in CHECKED_OPS:
-            raise InvalidArgument(
-                f"{short_repr(command)} is not a command that is checked before it is sent"
-            )
-        op = command.op._value_
+        if op not in _CHECKED:
+            raise InvalidArgument(f"{short_repr(op)} is not an operation checked before it is sent")
         label = self._backend.label
         try:
             identify = expect[2] if len(expect) > 2 else True
@@ -277,7 +278,7 @@ class EngineHost:
             if outcome is Outcome.RESTARTED:
                 raise EngineRestarted(label, op, expect[0], seen["incarnation"])
             raise EngineStateConflict(label, op, records, reported)
-        result = await self.run(command)
+        result = await self.run(op, *args)
         return [seen["incarnation"], result]
 
     async def pause_generation(self, mode: str) -> None:

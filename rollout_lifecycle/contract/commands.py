@@ -4,8 +4,9 @@ per operation (``Pause(mode)``, ``Release(tags)``, ``SetVersion(version)``, ...)
 A command is checked once, where it is made: a pause mode is a ``PauseMode``, tags are known
 memory tags, none twice, a version a non-empty string. From there it travels unchanged: the
 reconciler and the weight paths make it, a ``Plan`` carries it to its engines, and the phase
-runner sends it through the engine seam as ``args`` (the plain values its ``EngineHost`` method
-takes, which cross Ray as they are). What a command means to an engine's record (its guard, its
+runner hands it to the engine seam, which sends its ``wire`` form (its operation's name and
+its ``args``, the plain values its ``EngineHost`` method takes) to the host's one generic
+method, ``EngineHost.run``. What a command means to an engine's record (its guard, its
 intent, its effect) is its operation's, in ``core/commands``; how it goes on a server's wire is
 the backend's.
 """
@@ -41,6 +42,13 @@ class EngineCommand:
     def args(self) -> tuple[Any, ...]:
         """The ``EngineHost`` method's arguments, as plain values."""
         return ()
+
+    @property
+    def wire(self) -> tuple[Any, ...]:
+        """How the command crosses the engine seam: its operation's name, then its ``args``
+        (``EngineHost.run(op, *args)``). Plain values: Ray sends them by its fast path, where
+        an object of a class of its own would be pickled on every call."""
+        return (self.op._value_, *self.args)
 
     @property
     def tags(self) -> tuple[Tag, ...]:

@@ -64,10 +64,10 @@ class Op(str, Enum):
 CHECKED_OPS = frozenset(
     {Op.PAUSE, Op.CONTINUE, Op.RELEASE, Op.RESUME, Op.BEGIN_UPDATE, Op.SET_VERSION}
 )
-#: The host method that carries out a command (``EngineHost.run(command)``): the one way the
-#: lifecycle's calls reach an engine.
+#: The host method that carries out a command, as its wire form (``EngineHost.run(op, *args)``):
+#: the one way the lifecycle's calls reach an engine.
 RUN = "run"
-#: The host method that carries out a checked command: ``checked(expect, command)``.
+#: The host method that carries out a checked command: ``checked(expect, op, *args)``.
 CHECKED = "checked"
 
 

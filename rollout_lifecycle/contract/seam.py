@@ -157,8 +157,10 @@ def send(handle: Any, op: Op | str, args: tuple[Any, ...] = ()) -> Awaitable[Any
 
 
 def command(handle: Any, what: EngineCommand) -> Awaitable[Any]:
-    """Issue the typed command ``what`` to ``handle`` (``EngineHost.run``); do not wait."""
-    return seam_for(handle).send(handle, RUN, (what,))
+    """Issue the typed command ``what`` to ``handle``; do not wait. It goes as its wire form
+    (``EngineCommand.wire``: its operation's name and its args, plain values) to the engine
+    host's one generic method, ``EngineHost.run``."""
+    return seam_for(handle).send(handle, RUN, what.wire)
 
 
 def identity(handle: Any) -> Hashable:
@@ -189,8 +191,8 @@ async def abort_and_close(transport: EngineSeam, handle: Any, deadline: float) -
     its requests returns with its partial output (a generation client resubmits it), then a
     close of its backend (a launched server stops with its process group); each step bounded
     by ``deadline`` and best effort."""
-    await bounded(transport.send(handle, RUN, (_ABORT_ALL,)), deadline)
-    await bounded(transport.send(handle, RUN, (_CLOSE,)), deadline)
+    await bounded(transport.send(handle, RUN, _ABORT_ALL.wire), deadline)
+    await bounded(transport.send(handle, RUN, _CLOSE.wire), deadline)
 
 
 async def retire(handle: Any, deadline: float) -> None:

@@ -192,7 +192,7 @@ def issue(plan: Plan, before_send: Callable[[], None] | None = None) -> Calls:
                 raise
     calls = Calls()
     refs, starts, handles, command = calls.refs, calls.starts, calls.handles, plan.command
-    carried = (command,)  # what the engine host's ``run`` takes, the same for every engine
+    carried = command.wire  # what the engine host's ``run`` takes, the same for every engine
     kind: type | None = None
     send: Callable[[Any, str, tuple[Any, ...]], Awaitable[Any]] | None = None
     for i, record in enumerate(chosen):
@@ -206,7 +206,7 @@ def issue(plan: Plan, before_send: Callable[[], None] | None = None) -> Calls:
         if expect is None:
             refs.append(send(handle, RUN, carried))
         else:  # the engine shows who it is before the command is carried out (EngineHost.checked)
-            refs.append(send(handle, CHECKED, (expect, command)))
+            refs.append(send(handle, CHECKED, (expect, *carried)))
     calls.records = chosen
     calls.expects, calls.proven, calls.sent = expects, proven, [now] * len(chosen)
     calls.ops = [op] * len(chosen)

@@ -450,7 +450,7 @@ async def test_a_read_added_as_a_command_reaches_each_backend_through_the_runner
     await server.onload()
     assert await runner.ask(ReadSleeping(), records, 5.0) == {"vllm/0": False}
     with pytest.raises(EngineRejected, match="does not support it") as refused:
-        await EngineHost(sglang).run(ReadSleeping())
+        await EngineHost(sglang).run(*ReadSleeping().wire)
     assert refused.value.status == 501
     for client in (vllm, sglang):
         await client.close()

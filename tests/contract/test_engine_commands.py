@@ -166,21 +166,21 @@ async def test_the_host_runs_a_command_it_does_not_adapt_on_the_backends_method(
     """``EngineHost.run``: the host's own method where it has one, else the backend's of the
     operation's name, else a 501 refusal naming it; anything but a command is refused."""
     host = EngineHost(Sleepy("e", token_latency=0.001))
-    assert await host.run(c.ReadLabel()) == "e"  # the host's own method
+    assert await host.run(*c.ReadLabel().wire) == "e"  # the host's own method
 
     class IsSleeping(c.EngineCommand):
         op: ClassVar[Any] = FakeOp("is_sleeping")
         reads = True
 
-    assert await host.run(IsSleeping()) is False  # the backend's
+    assert await host.run(*IsSleeping().wire) is False  # the backend's
     plain = EngineHost(SimulatedEngine("p", token_latency=0.001))
     with pytest.raises(EngineRejected, match="does not support it") as refused:
-        await plain.run(IsSleeping())
+        await plain.run(*IsSleeping().wire)
     assert refused.value.status == 501
-    with pytest.raises(InvalidArgument, match="not an engine command"):
-        await host.run(("pause_generation", "abort"))  # type: ignore[arg-type]
-    with pytest.raises(InvalidArgument, match="not a command that is checked"):
-        await host.checked([None, None, False], c.ReadLabel())
+    with pytest.raises(InvalidArgument, match="'pause' is not an engine operation"):
+        await host.run("pause", "abort")
+    with pytest.raises(InvalidArgument, match="'label' is not an operation checked"):
+        await host.checked([None, None, False], *c.ReadLabel().wire)
     for engine in (host.backend, plain.backend):
         await engine.close()  # type: ignore[attr-defined]
 
