@@ -175,6 +175,8 @@ settings.register_profile(
     suppress_health_check=list(HealthCheck),
 )
 PROFILE = settings.get_profile(f"rollout-lifecycle-{PROFILE_NAME}")
+#: The event a ``HookFailed`` of the push names (a ``before_update_weights`` hook's is another).
+PUSH_EVENT = "update_weights"
 
 # -- the fleet -------------------------------------------------------------------------------
 
@@ -438,8 +440,8 @@ class LifecycleMachine(RuleBasedStateMachine):
             metrics = await self.server.update_weights(make_push(push), version)
         except BaseException as exc:
             self.write_pending = True
-            if isinstance(exc, HookFailed) and version is None:
-                self.unpushed = True  # the push itself raised
+            if isinstance(exc, HookFailed) and exc.event == PUSH_EVENT and version is None:
+                self.unpushed = True  # the push itself raised (not a hook before it)
             elif isinstance(exc, PhaseFailed) and exc.phase in AFTER_THE_WRITE:
                 self.unpushed = False  # the write completed; what failed came after it
             raise
