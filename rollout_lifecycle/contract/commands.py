@@ -110,7 +110,7 @@ class _Memory(EngineCommand):
 
     tags: tuple[Tag, ...] = field()
     #: The host method's arguments, made once (a plan sends them to every engine).
-    _args: tuple[Any, ...] = field(default=(), repr=False, compare=False)
+    _args: tuple[Any, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         tags = parse_tags(self.tags, what=f"{self.op.value} tags")

@@ -49,15 +49,9 @@ from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import EngineOutcome
 from rollout_lifecycle.contract.values import PauseMode, Tag, without_wait
 from rollout_lifecycle.core.config import DeadEnginePolicy
-from rollout_lifecycle.core.ledger import (
-    EngineRecord,
-    GroupRecords,
-    Target,
-    default_targets,
-    target,
-)
+from rollout_lifecycle.core.ledger import EngineRecord, GroupRecords, Target, target
 from rollout_lifecycle.core.parts import Client
-from rollout_lifecycle.core.runner import Plan, guard, guard_groups
+from rollout_lifecycle.core.runner import Plan, guard, guard_groups, targets_of
 from rollout_lifecycle.core.states import ServerState
 
 FAILED = ServerState.FAILED.value
@@ -170,7 +164,7 @@ class Reconciler(Client):
                 # every engine of the call's groups passes the guard, not only those planned
                 guard_groups(groups, op, tags)
         else:
-            everyone = [r for g in groups for r in default_targets(g, op)]
+            everyone = targets_of(groups, op)
             guard(op, everyone)
             if op is Op.CONTINUE:
                 stale = await self.lacking_weights(everyone)

@@ -62,8 +62,7 @@ class Plan:
     def over(cls, groups: Iterable[GroupRecords], command: EngineCommand) -> Plan:
         """``command`` to the default targets (``default_targets``) of every group of
         ``groups``."""
-        op = command.op
-        return cls(command, tuple(r for g in groups for r in default_targets(g, op)))
+        return cls(command, targets_of(groups, command.op))
 
     @property
     def op(self) -> Op:
@@ -94,9 +93,14 @@ def guard(op: Op, targets: Iterable[EngineRecord], tags: tuple[Tag, ...] = ()) -
         record.check(cmd, tags)
 
 
+def targets_of(groups: Iterable[GroupRecords], op: Op) -> tuple[EngineRecord, ...]:
+    """The default targets (``default_targets``) of ``op`` in every group of ``groups``."""
+    return tuple(r for g in groups for r in default_targets(g, op))
+
+
 def guard_groups(groups: Iterable[GroupRecords], op: Op, tags: tuple[Tag, ...] = ()) -> None:
     """``guard`` over the default targets of ``op`` in every group of ``groups``."""
-    guard(op, (r for g in groups for r in default_targets(g, op)), tags)
+    guard(op, targets_of(groups, op), tags)
 
 
 @dataclass(eq=False, slots=True)
