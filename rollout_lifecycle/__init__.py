@@ -43,6 +43,7 @@ from rollout_lifecycle.core.generation import (
     TooManyResubmissions,
 )
 from rollout_lifecycle.core.group import EngineGroup, EngineSnapshot
+from rollout_lifecycle.core.ledger import EngineState
 from rollout_lifecycle.core.server import (
     HOOK_EVENTS,
     HOOK_PHASES,
@@ -122,6 +123,7 @@ __all__ = [
     "EngineRejected",
     "EngineRestarted",
     "EngineSnapshot",
+    "EngineState",
     "EngineStateConflict",
     "EngineTimeout",
     "EngineUnreachable",

@@ -96,6 +96,7 @@ def recorded_row(engine: EngineSnapshot, url: str | None) -> dict[str, Any]:
     return {
         "id": engine.id,
         "url": url,
+        "state": engine.state.value,
         "alive": engine.alive,
         "paused": engine.paused,
         "pause_mode": engine.pause_mode,

@@ -12,8 +12,9 @@ Nothing here sends a call.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
+from enum import Enum
 from typing import Any, Protocol
 
 from rollout_lifecycle.contract.exceptions import IllegalEngineOp, InvalidArgument
@@ -49,6 +50,87 @@ _EFFECT_UNKNOWN = frozenset({Outcome.TIMED_OUT, Outcome.UNREACHABLE, Outcome.ERR
 
 def _tag_list(tags: Collection[Tag]) -> list[str]:
     return [t.value for t in tags]
+
+
+# -- the one state an engine's facts add up to -------------------------------------------------
+
+
+class EngineState(str, Enum):
+    """What an engine's record says it is: one value derived from its facts (``engine_state``),
+    never stored. The fleet is indexed by it (``Fleet.get``, ``Fleet.count``), and every
+    question about which engines serve, continue or are replaced is a set of these.
+
+    In order of precedence: what is known of an engine's life and memory comes before its
+    weights, its weights before its pause state."""
+
+    #: Known dead: nothing is sent to it; ``recover()`` replaces it.
+    DEAD = "dead"
+    #: Holds memory tags in an unknown state (a release or resume that did not answer, or
+    #: another controller's doing): no call that could kill it is sent; ``recover()`` replaces
+    #: it.
+    UNCERTAIN = "uncertain"
+    #: Without the fleet's weights and not paused (found restarted, or a replacement not brought
+    #: up): generation on it would use other weights.
+    STALE = "stale"
+    #: Holds some of its memory released (paused).
+    RELEASED = "released"
+    #: All memory resident, without the fleet's weights, held paused until a push reaches it.
+    WAITING = "waiting"
+    #: All memory resident, the fleet's weights, paused, not known to be idle (a pause without
+    #: its flush yet, or a pause or continue that did not answer).
+    PAUSED = "paused"
+    #: All memory resident, the fleet's weights, paused and idle (flushed since its pause, or
+    #: paused in place).
+    DRAINED = "drained"
+    #: All memory resident, the fleet's weights, not paused: it takes generate requests.
+    SERVING = "serving"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_E = EngineState
+_SERVING_STATE = EngineState.SERVING
+#: The states of an engine not known to be dead.
+LIVE_STATES = frozenset(EngineState) - {EngineState.DEAD}
+#: The states of the engines ``recover()`` replaces.
+BROKEN_STATES = frozenset({EngineState.DEAD, EngineState.UNCERTAIN})
+#: Paused with every tag resident, whatever its weights.
+_PAUSED_RESIDENT = frozenset({EngineState.WAITING, EngineState.PAUSED, EngineState.DRAINED})
+#: Paused with every tag resident and the fleet's weights: a continue may be sent.
+CONTINUABLE_STATES = frozenset({EngineState.PAUSED, EngineState.DRAINED})
+
+
+def engine_state(
+    *,
+    alive: bool,
+    uncertain: Collection[object],
+    stale: bool,
+    paused: bool,
+    released: Collection[object],
+    pause_unknown: bool,
+    flushed: bool,
+    pause_mode: object,
+) -> EngineState:
+    """The state facts of an engine add up to (a record's, or a snapshot's: tags and the pause
+    mode may be members or their values)."""
+    if not alive:
+        return _E.DEAD
+    if uncertain:
+        return _E.UNCERTAIN
+    if stale and not paused:
+        return _E.STALE
+    if released:
+        return _E.RELEASED
+    if stale:
+        return _E.WAITING
+    if pause_unknown:
+        return _E.PAUSED
+    if not paused:
+        return _E.SERVING
+    if flushed or pause_mode == PauseMode.IN_PLACE:
+        return _E.DRAINED
+    return _E.PAUSED
 
 
 # -- intents: what a call in flight leaves in its engine's record --------------------------------
@@ -115,6 +197,20 @@ class EngineSnapshot:
     incarnation: str | None = None
     #: Failed the verification of the last write (``core/verify``); stale until a write.
     unverified: bool = False
+
+    @property
+    def state(self) -> EngineState:
+        """The state these facts add up to (``EngineState``)."""
+        return engine_state(
+            alive=self.alive,
+            uncertain=self.uncertain,
+            stale=self.stale,
+            paused=self.paused,
+            released=self.released,
+            pause_unknown=self.pause_unknown,
+            flushed=self.flushed,
+            pause_mode=self.pause_mode,
+        )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EngineSnapshot:
@@ -201,17 +297,36 @@ class EngineRecord:
         return late is not None and late.matters_to(op)
 
     @property
+    def state(self) -> EngineState:
+        """The state this record's facts add up to (``EngineState``)."""
+        return engine_state(
+            alive=self.alive,
+            uncertain=self.uncertain,
+            stale=self.stale,
+            paused=self.paused,
+            released=self.released,
+            pause_unknown=self.pause_unknown,
+            flushed=self.flushed,
+            pause_mode=self.pause_mode,
+        )
+
+    @property
     def serves(self) -> bool:
-        """Whether the engine may take generate requests, as far as its record says: alive,
-        known to be unpaused, all its memory resident, and holding the fleet's weights (a fresh
-        server is stale until an update reaches it, versioned or not). ``Fleet.serves`` adds
-        what the server's state allows; the generation client adds the deaths it saw."""
+        """Whether the engine may take generate requests, as far as its record says: its state
+        is ``serving`` (alive, known to be unpaused, all its memory resident, holding the
+        fleet's weights: a fresh server is stale until an update reaches it, versioned or not).
+        ``Fleet.serves`` adds what the server's state allows; the generation client adds the
+        deaths it saw."""
+        return self.state is _SERVING_STATE
+
+    @property
+    def idle(self) -> bool:
+        """Paused and known to be idle: flushed since its pause, or paused in place (its
+        requests hold their KV but make no progress)."""
         return (
-            self.alive
-            and not self.paused
+            self.paused
             and not self.pause_unknown
-            and not self.stale
-            and not (self.released or self.uncertain)
+            and (self.flushed or self.pause_mode is PauseMode.IN_PLACE)
         )
 
     # -- guards: each raises before a call that would kill the engine is sent ------------------
@@ -726,9 +841,38 @@ class Fleet:
         """Every record, dead or alive, in group order."""
         return [r for g in self._groups for r in g.records]
 
+    def get(
+        self,
+        states: Iterable[EngineState] | None = None,
+        *,
+        skip: Collection[str] = (),
+        offloading: bool | None = None,
+    ) -> list[EngineRecord]:
+        """The records whose state is one of ``states`` (every state when None), in group
+        order; but those whose id is in ``skip``; with ``offloading`` true or false, only the
+        groups that offload or only those that keep their memory."""
+        wanted = None if states is None else frozenset(states)
+        offloads = self._offloads
+        return [
+            r
+            for g in self._groups
+            if offloading is None or offloads[g.name] is offloading
+            for r in g.records
+            if (wanted is None or r.state in wanted) and r.id not in skip
+        ]
+
+    def count(self, states: Iterable[EngineState] | None = None) -> int:
+        """How many engines are in one of ``states`` (all when None)."""
+        return len(self.get(states))
+
+    def by_state(self) -> dict[EngineState, int]:
+        """How many engines are in each state (every state named, zeros included)."""
+        counts = Counter(r.state for r in self.records())
+        return {state: counts[state] for state in EngineState}
+
     def live(self, skip: Collection[str] = ()) -> list[EngineRecord]:
         """The records of the engines not known to be dead (but those in ``skip``)."""
-        return [r for g in self._groups for r in g.records if r.alive and r.id not in skip]
+        return self.get(LIVE_STATES, skip=skip)
 
     def offloads(self, record: EngineRecord) -> bool:
         """Whether ``record``'s group offloads (its GPUs are shared with the trainer)."""
@@ -736,25 +880,21 @@ class Fleet:
 
     def offloaded(self, skip: Collection[str] = ()) -> list[EngineRecord]:
         """The live records of the groups that offload."""
-        return [r for r in self.live(skip) if self._offloads[r.group]]
+        return self.get(LIVE_STATES, skip=skip, offloading=True)
 
     def paused_keepers(self) -> list[EngineRecord]:
         """The paused live engines, with every tag resident, of the groups that keep their
         memory."""
-        return [
-            r
-            for r in self.live()
-            if not self._offloads[r.group] and r.paused and not (r.released | r.uncertain)
-        ]
+        return self.get(_PAUSED_RESIDENT, offloading=False)
 
     def continuable(self) -> list[EngineRecord]:
         """The paused live engines that hold all their memory and have the fleet's weights:
         what a drain that did not complete leaves to continue."""
-        return [r for r in self.live() if r.paused and not (r.released | r.uncertain or r.stale)]
+        return self.get(CONTINUABLE_STATES)
 
     def broken(self) -> list[EngineRecord]:
         """The engines ``recover()`` replaces: dead, or holding tags in an unknown state."""
-        return [r for r in self.records() if not r.alive or r.uncertain]
+        return self.get(BROKEN_STATES)
 
     def dead_groups(self) -> list[GroupRecords]:
         """The groups none of whose engines is alive."""
@@ -791,12 +931,13 @@ class Fleet:
         it); those groups must agree among themselves.
         """
         live = self.live(skip)
-        if any(r.uncertain for r in live):
+        states = {r.state for r in live}
+        if _E.UNCERTAIN in states:
             return None
-        if any(r.stale and not r.paused for r in live):
+        if _E.STALE in states:
             return None  # a replacement that could not be brought up: recover() pauses it
         # Replacements without the weights, held paused while their groups serve.
-        waiting = {r.id for r in live if r.stale and r.paused and not r.released}
+        waiting = {r.id for r in live if r.state is _E.WAITING}
         offload = [r for r in live if self._offloads[r.group]]
         others = [r for r in live if not self._offloads[r.group]]
         released = {frozenset(r.released) for r in offload} or {frozenset()}
@@ -805,7 +946,7 @@ class Fleet:
         if len({r.paused for r in others if r.id not in waiting}) > 1:
             return None
         (held,) = released
-        idle = all(r.paused and (r.flushed or r.pause_mode is PauseMode.IN_PLACE) for r in offload)
+        idle = all(r.idle for r in offload)
         if not held:
             if not any(r.paused for r in live if r.id not in waiting):
                 return S.SERVING
@@ -843,7 +984,7 @@ class Fleet:
         out += [
             f"{r.id} is paused without a flush since its pause (a drain that did not complete)"
             for r in offload
-            if r.paused and not r.flushed and r.pause_mode is not PauseMode.IN_PLACE
+            if r.paused and not r.idle
         ]
         return out or ["the engines' pause states disagree"]
 
@@ -878,14 +1019,19 @@ class Fleet:
 
 
 __all__ = [
+    "BROKEN_STATES",
+    "CONTINUABLE_STATES",
     "DRAINED_STATES",
     "KEEPERS_SERVE",
+    "LIVE_STATES",
     "SETTLED_STATES",
     "EngineRecord",
     "EngineSnapshot",
+    "EngineState",
     "Fleet",
     "GroupRecords",
     "Target",
+    "engine_state",
     "may_serve",
     "target",
 ]

@@ -49,7 +49,13 @@ from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import EngineOutcome
 from rollout_lifecycle.contract.values import PauseMode, Tag, without_wait
 from rollout_lifecycle.core.config import DeadEnginePolicy
-from rollout_lifecycle.core.ledger import EngineRecord, GroupRecords, Target, target
+from rollout_lifecycle.core.ledger import (
+    CONTINUABLE_STATES,
+    EngineRecord,
+    GroupRecords,
+    Target,
+    target,
+)
 from rollout_lifecycle.core.parts import Client
 from rollout_lifecycle.core.runner import Plan, guard, guard_groups, targets_of
 from rollout_lifecycle.core.states import ServerState
@@ -106,11 +112,7 @@ class _Pass:
     def to_continue(self) -> list[EngineRecord]:
         """Paused with all its memory resident where the target generates, and with the
         fleet's weights as far as the record knows."""
-        return [
-            r
-            for r in self.live
-            if not self.target(r).paused and r.paused and not (r.released | r.uncertain or r.stale)
-        ]
+        return [r for r in self.live if not self.target(r).paused and r.state in CONTINUABLE_STATES]
 
 
 class Reconciler(Client):

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from rollout_lifecycle.core.bus import Bus
-from rollout_lifecycle.core.ledger import EngineRecord, Fleet, GroupRecords, may_serve
+from rollout_lifecycle.core.ledger import EngineRecord, EngineState, Fleet, GroupRecords, may_serve
 from rollout_lifecycle.core.requests import GenerationTimeout, NoLiveEngine, Request
 from rollout_lifecycle.core.states import ServerState
 
@@ -177,24 +177,29 @@ class Router:
         where = f"group {work.group!r}" if work.group is not None else "any group"
         if not any(self._group_may_serve(g, state) for g in groups):
             return f"the server is {state.value!r} ({where} does not serve in that state)"
+        expected = self._server.expected_version
+        lacks = (
+            "is a fresh server no weight update has reached"
+            if expected is None
+            else f"lacks weight version {expected!r}"
+        )
+        why = {
+            EngineState.DEAD: "dead",
+            EngineState.UNCERTAIN: "holds released memory",
+            EngineState.RELEASED: "holds released memory",
+            EngineState.STALE: lacks,
+            EngineState.WAITING: lacks,
+            EngineState.PAUSED: "paused",
+            EngineState.DRAINED: "paused",
+        }
         notes = []
         for g in groups:
             for r in g.records:
-                if not r.alive:
-                    notes.append(f"{r.id} dead")
-                elif self.seen_dead(r):
+                engine = r.state
+                if engine is not EngineState.DEAD and self.seen_dead(r):
                     notes.append(f"{r.id} died under a request")
-                elif r.paused or r.pause_unknown:
-                    notes.append(f"{r.id} paused")
-                elif r.released or r.uncertain:
-                    notes.append(f"{r.id} holds released memory")
-                elif r.stale:
-                    expected = self._server.expected_version
-                    notes.append(
-                        f"{r.id} lacks weight version {expected!r}"
-                        if expected is not None
-                        else f"{r.id} is a fresh server no weight update has reached"
-                    )
+                elif engine in why:
+                    notes.append(f"{r.id} {why[engine]}")
         return f"the server is {state.value!r} and no engine of {where} serves ({', '.join(notes)})"
 
     def _event(self) -> asyncio.Event:

@@ -172,7 +172,9 @@ class RolloutServer:
 
     @property
     def fleet(self) -> Fleet:
-        """The ledger of every engine's record, and the queries over it."""
+        """The ledger of every engine's record, indexed by each engine's ``EngineState``:
+        ``fleet.get(states=[EngineState.SERVING])``, ``fleet.count(states=...)``,
+        ``fleet.by_state()`` (how many engines are in each state, to log beside ``metrics``)."""
         return self._fleet
 
     def _state(self) -> ServerState:

@@ -156,6 +156,7 @@ def test_offload_status_onload_cycle_drives_every_standin_and_records_the_ledger
     for row in status["engines"]:
         assert row["reachable"] and row["ready"] is False and row["ready_status"] == 503
         assert row["recorded"]["released"] == ALL and row["recorded"]["paused"]
+        assert row["recorded"]["state"] == "released"
         assert row["agrees"] is True
         # SGLang's memory_usage (weight, kvcache in GB, fixed at load): it cannot show a release.
         assert {"weight", "kvcache"} <= set(row["memory"])
@@ -449,6 +450,7 @@ def test_a_dead_engine_fails_the_pause_with_exit_5_and_stays_recorded_dead(
         assert code == ExitCode.UNREACHABLE
         assert [r["reachable"] for r in status["engines"]] == [True, True, False]
         assert status["engines"][2]["recorded"]["alive"] is False
+        assert [r["recorded"]["state"] for r in status["engines"]] == ["serving"] * 2 + ["dead"]
         assert ctl("reset")[0] == 0  # the live engines agree: serving
         before = history_lengths(fleet[:2])
         code, _, err = ctl("offload")

@@ -863,6 +863,7 @@ def test_status_after_a_sigkill_mid_call_shows_what_the_state_file_does_not_know
         assert sorted(row["recorded"]["uncertain"]) == sorted(tags)
         assert row["recorded"]["pause_unknown"] is (op == "pause_generation")
         assert row["recorded"]["session_unknown"] is False
+        assert row["recorded"]["state"] == ("uncertain" if tags else "paused")
         assert row["record_certain"] is False and row["agrees"] is None
     code, out, err = run_main([a for a in fleet.argv("status") if a != "--json"])
     assert code == 0, err
@@ -871,6 +872,7 @@ def test_status_after_a_sigkill_mid_call_shows_what_the_state_file_does_not_know
     header = next(line for line in lines if line.startswith("ENGINE"))
     for server in fleet.servers:
         row = next(line for line in lines if line.startswith("sglang/") and server.url in line)
+        assert row[header.index("REC STATE") :].startswith("uncertain" if tags else "paused")
         assert row[header.index("REC PAUSED") :].startswith(rec_paused)
         assert row[header.index("REC RELEASED") :].startswith("- ")
         uncertain = row[header.index("REC UNCERTAIN") :]
