@@ -53,7 +53,7 @@ from rollout_lifecycle.core.server import (
     ServerSnapshot,
     WeightUpdate,
 )
-from rollout_lifecycle.core.states import TRANSITIONS, ServerState, mermaid
+from rollout_lifecycle.core.states import TRANSITIONS, Phase, ServerState, mermaid
 from rollout_lifecycle.core.timeline import Span, Timeline
 
 if TYPE_CHECKING:
@@ -149,6 +149,7 @@ __all__ = [
     "NoLiveEngine",
     "Outcome",
     "PauseMode",
+    "Phase",
     "PhaseFailed",
     "RolloutServer",
     "RouterError",

@@ -29,7 +29,7 @@ from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import HookFailed, InvalidArgument
 from rollout_lifecycle.core.config import Deadlines
 from rollout_lifecycle.core.scope import CURRENT, HookCancelled, Operation, Scope, cancel, current
-from rollout_lifecycle.core.states import ServerState
+from rollout_lifecycle.core.states import HOOK_PHASES, Phase, ServerState
 
 T = TypeVar("T")
 
@@ -39,16 +39,6 @@ Hook = Callable[[Any], Any]
 #: phase (for ``before_<phase>`` / ``after_<phase>``).
 EventMaker = Callable[[str, ServerState, ServerState, "str | None"], object]
 
-#: Phases with ``before_<phase>`` / ``after_<phase>`` hook events, in the order a cycle runs them.
-HOOK_PHASES: tuple[str, ...] = (
-    "pause",
-    "flush",
-    "release",
-    "resume_weights",
-    "update_weights",
-    "resume_kv",
-    "continue",
-)
 #: The events hooks can subscribe to: entering each state, and before / after each phase.
 HOOK_EVENTS: tuple[str, ...] = (
     *(s.value for s in ServerState),
@@ -114,7 +104,7 @@ class Hooks:
         finally:
             self._phases = outer
 
-    async def before(self, phase: str) -> None:
+    async def before(self, phase: Phase) -> None:
         """Run the ``before_<phase>`` hooks; the phase's ``after_`` hooks follow the transition."""
         state = self._state()
         await self.emit(f"before_{phase}", state, state, phase)
@@ -244,4 +234,4 @@ async def _captured(result: Awaitable[T]) -> tuple[BaseException | None, T | Non
         return exc, None
 
 
-__all__ = ["HOOK_EVENTS", "HOOK_PHASES", "EventMaker", "Hook", "Hooks"]
+__all__ = ["HOOK_EVENTS", "EventMaker", "Hook", "Hooks"]

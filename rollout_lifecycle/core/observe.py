@@ -17,12 +17,8 @@ from rollout_lifecycle.core.config import LifecycleConfig
 from rollout_lifecycle.core.ledger import EngineRecord, Fleet
 from rollout_lifecycle.core.runner import PhaseResult
 from rollout_lifecycle.core.scope import Operation, current
-from rollout_lifecycle.core.states import ServerState
+from rollout_lifecycle.core.states import Phase, ServerState
 from rollout_lifecycle.core.timeline import CallRecord, Timeline
-
-#: Metric names of the phases whose event names are longer: ``lifecycle/onload/weights_s``.
-_METRIC_NAMES = {"resume_weights": "weights", "resume_kv": "kv", "push": "update"}
-
 
 #: The read of the memory metrics.
 _MEMORY = ReadMemory()
@@ -110,7 +106,7 @@ class Recorder:
                 Timeline.end_call(trace, begin + seconds, "ok")
             return
         op = found[0]
-        prefix = f"lifecycle/{op.call}/{_METRIC_NAMES.get(phase, phase)}"
+        prefix = f"lifecycle/{op.call}/{Phase(phase).metric}"
         metrics = op.metrics
         metrics[prefix + "_s"] = metrics.get(prefix + "_s", 0.0) + seconds
         if result.slowest is not None:

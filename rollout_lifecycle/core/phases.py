@@ -26,7 +26,7 @@ from rollout_lifecycle.core.ledger import EngineRecord, GroupRecords
 from rollout_lifecycle.core.parts import Client, Parts
 from rollout_lifecycle.core.reconcile import KEEPER_PHASES, Reconciler
 from rollout_lifecycle.core.runner import Plan
-from rollout_lifecycle.core.states import ServerState
+from rollout_lifecycle.core.states import Phase, ServerState
 
 S = ServerState
 
@@ -70,17 +70,19 @@ class Phases(Client):
         """Pause ``args.groups``, then flush them until idle (the idle barrier)."""
         groups = args.groups
         try:
-            await self.reconciler.advance(S.SERVING, S.DRAINED, groups, Op.PAUSE, "pause")
+            await self.reconciler.advance(S.SERVING, S.DRAINED, groups, Op.PAUSE, Phase.PAUSE)
         except PhaseFailed as failed:
             await self.undo_pause()
-            raise PhaseFailed("pause", self._with_unattempted(failed.outcomes), FAILED) from None
+            raise PhaseFailed(
+                Phase.PAUSE, self._with_unattempted(failed.outcomes), FAILED
+            ) from None
         if self._config.pause_mode is PauseMode.IN_PLACE:
             return  # requests keep their KV cache: flush would be refused, and is not needed
         try:
-            await self.reconciler.advance(S.SERVING, S.DRAINED, groups, Op.FLUSH, "flush")
+            await self.reconciler.advance(S.SERVING, S.DRAINED, groups, Op.FLUSH, Phase.FLUSH)
         except HookFailed:
             if not await self.undo_pause(always=True):
-                raise PhaseFailed("continue_after_hook", self._last_outcomes, FAILED) from None
+                raise PhaseFailed(Phase.CONTINUE_AFTER_HOOK, self._last_outcomes, FAILED) from None
             raise
         except PhaseFailed:
             await self.undo_pause()
@@ -100,7 +102,7 @@ class Phases(Client):
         # flight is left paused (as recorded) for recover() to continue once it has landed.
         targets = await self._runner.landed(self._fleet.continuable(), deadline, Op.CONTINUE)
         plan = Plan(Continue(), tuple(targets))
-        result = await self._runner.run("continue_after_failure", plan, deadline)
+        result = await self._runner.run(Phase.CONTINUE_AFTER_FAILURE, plan, deadline)
         self._last_outcomes = result.outcomes
         return self._runner.succeeded(result.outcomes) and not any(
             r.paused and not r.stale for r in self._fleet.live()
@@ -118,7 +120,7 @@ class Phases(Client):
     async def release(self, args: PhaseArgs) -> None:
         """Release the release tags of the groups that offload; the others serve."""
         groups = self.offload_groups()
-        await self.reconciler.advance(S.DRAINED, S.RELEASED, groups, Op.RELEASE, "release")
+        await self.reconciler.advance(S.DRAINED, S.RELEASED, groups, Op.RELEASE, Phase.RELEASE)
         # Groups that keep their memory serve while the others are offloaded, also when
         # ``pause()`` paused them before this release.
         await self.serve_keepers(S.RELEASED)
@@ -127,14 +129,14 @@ class Phases(Client):
         """Resume the released weight tags."""
         groups = self.offload_groups()
         await self.reconciler.advance(
-            S.RELEASED, S.WEIGHTS_RESTORED, groups, Op.RESUME, "resume_weights"
+            S.RELEASED, S.WEIGHTS_RESTORED, groups, Op.RESUME, Phase.RESUME_WEIGHTS
         )
 
     async def restore_kv(self, args: PhaseArgs) -> None:
         """Resume the released tags that are not weights (the KV cache, CUDA graphs)."""
         groups = self.offload_groups()
         await self.reconciler.advance(
-            S.WEIGHTS_RESTORED, S.KV_RESTORED, groups, Op.RESUME, "resume_kv"
+            S.WEIGHTS_RESTORED, S.KV_RESTORED, groups, Op.RESUME, Phase.RESUME_KV
         )
 
     # -- continue -------------------------------------------------------------------------------
@@ -143,7 +145,7 @@ class Phases(Client):
         """Continue every paused engine, once each has the expected weights."""
         # (a call still in flight on a target holds the continue back: PhaseRunner.run)
         groups = self._fleet.groups
-        await self.reconciler.advance(S.KV_RESTORED, S.SERVING, groups, Op.CONTINUE, "continue")
+        await self.reconciler.advance(S.KV_RESTORED, S.SERVING, groups, Op.CONTINUE, Phase.CONTINUE)
 
     async def serve_keepers(self, state: ServerState) -> None:
         """Let the groups that keep their memory serve in ``state``: reconcile their engines to
@@ -155,7 +157,7 @@ class Phases(Client):
     # -- weight-update sessions -----------------------------------------------------------------
 
     async def close_sessions(
-        self, phase: str, records: Sequence[EngineRecord]
+        self, phase: Phase, records: Sequence[EngineRecord]
     ) -> dict[str, EngineOutcome]:
         """End the weight-update sessions that may be open on ``records``.
 
@@ -176,9 +178,9 @@ class Phases(Client):
         may still be open."""
         left_open = [r for r in self._fleet.live() if r.session_unknown]
         if left_open:
-            outcomes = await self.close_sessions("close_weight_update", left_open)
+            outcomes = await self.close_sessions(Phase.CLOSE_WEIGHT_UPDATE, left_open)
             if any(r.session_unknown for r in left_open if r.alive):
-                raise PhaseFailed("close_weight_update", outcomes, FAILED)
+                raise PhaseFailed(Phase.CLOSE_WEIGHT_UPDATE, outcomes, FAILED)
 
     async def check_versions(self, targets: Sequence[EngineRecord]) -> None:
         """Refuse to continue engines without the expected weights (``StaleWeights``).

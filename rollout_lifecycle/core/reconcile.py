@@ -33,7 +33,7 @@ everywhere raises ``PhaseFailed`` under its own name.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from rollout_lifecycle.contract.commands import (
@@ -58,17 +58,29 @@ from rollout_lifecycle.core.ledger import (
 )
 from rollout_lifecycle.core.parts import Client
 from rollout_lifecycle.core.runner import Plan, guard, guard_groups, targets_of
-from rollout_lifecycle.core.states import ServerState
+from rollout_lifecycle.core.states import Phase, ServerState
 
 FAILED = ServerState.FAILED.value
 _CONTINUE, _READ_VERSION = Continue(), ReadVersion()
 #: The command of a memory step, by its operation.
 _MEMORY_MOVES: dict[Op, type[Release | Resume]] = {Op.RELEASE: Release, Op.RESUME: Resume}
 
-#: The phase names of one reconciliation, by step (``recover()``'s).
-RECOVER_PHASES: Callable[[str], str] = "recover_{}".format
-#: The phase names of the continue of the groups that keep their memory.
-KEEPER_PHASES: Callable[[str], str] = "{}_keepers".format
+#: The phases of a reconciliation's steps, by operation: ``recover()``'s.
+RECOVER_PHASES: Mapping[Op, Phase] = {
+    Op.RESUME: Phase.RECOVER_RESUME,
+    Op.PAUSE: Phase.RECOVER_PAUSE,
+    Op.FLUSH: Phase.RECOVER_FLUSH,
+    Op.RELEASE: Phase.RECOVER_RELEASE,
+    Op.CONTINUE: Phase.RECOVER_CONTINUE,
+}
+#: The same for the reconciliation of the groups that keep their memory.
+KEEPER_PHASES: Mapping[Op, Phase] = {
+    Op.RESUME: Phase.RESUME_KEEPERS,
+    Op.PAUSE: Phase.PAUSE_KEEPERS,
+    Op.FLUSH: Phase.FLUSH_KEEPERS,
+    Op.RELEASE: Phase.RELEASE_KEEPERS,
+    Op.CONTINUE: Phase.CONTINUE_KEEPERS,
+}
 
 
 @dataclass
@@ -79,7 +91,7 @@ class _Pass:
     live: list[EngineRecord]
     #: Each group's target (one object a group: the target depends on the group alone).
     targets: dict[str, Target]
-    phase: Callable[[str], str]
+    phases: Mapping[Op, Phase]
     outcomes: dict[str, EngineOutcome] = field(default_factory=dict)
 
     def target(self, record: EngineRecord) -> Target:
@@ -122,14 +134,13 @@ class Reconciler(Client):
         self,
         goal: ServerState,
         records: Sequence[EngineRecord],
-        phase: Callable[[str], str] = RECOVER_PHASES,
+        phases: Mapping[Op, Phase] = RECOVER_PHASES,
     ) -> dict[str, EngineOutcome]:
-        """Bring the live engines of ``records`` to ``goal``'s memory targets; the outcome of
-        every call sent (empty when nothing was out of place)."""
-        run = self._pass(goal, records, phase)
-        await self._by_tags(
-            run, Op.RESUME, "resume", run.resume_wanted(), self._deadline(Op.RESUME)
-        )
+        """Bring the live engines of ``records`` to ``goal``'s memory targets, each step as the
+        phase ``phases`` names; the outcome of every call sent (empty when nothing was out of
+        place)."""
+        run = self._pass(goal, records, phases)
+        await self._by_tags(run, Op.RESUME, run.resume_wanted(), self._deadline(Op.RESUME))
         await self._drain_and_release(run)
         await self._continue(run)
         return run.outcomes
@@ -138,12 +149,12 @@ class Reconciler(Client):
         self,
         goal: ServerState,
         records: Sequence[EngineRecord],
-        phase: Callable[[str], str] = RECOVER_PHASES,
+        phases: Mapping[Op, Phase] = RECOVER_PHASES,
     ) -> None:
         """``reconcile``, raising ``PhaseFailed`` if a call it sent did not succeed."""
-        outcomes = await self.reconcile(goal, records, phase)
+        outcomes = await self.reconcile(goal, records, phases)
         if not self._runner.succeeded(outcomes):
-            raise PhaseFailed(phase("continue"), outcomes, FAILED)
+            raise PhaseFailed(phases[Op.CONTINUE], outcomes, FAILED)
 
     async def advance(
         self,
@@ -151,7 +162,7 @@ class Reconciler(Client):
         goal: ServerState,
         groups: Sequence[GroupRecords],
         op: Op,
-        name: str,
+        name: Phase,
     ) -> None:
         """One step of a forward transition from ``since`` toward ``goal``, strictly (module
         docstring): ``op`` (pause, flush, release, resume or continue) to the engines of
@@ -174,7 +185,9 @@ class Reconciler(Client):
                     raise StaleWeights(self._versions.wanted(), stale)
         await self._hooks.before(name)
         # (planned after the hooks, which may have changed the records)
-        for plan in self._forward_plans(self._pass(goal, records, str, hold=hold), op, tags):
+        for plan in self._forward_plans(
+            self._pass(goal, records, RECOVER_PHASES, hold=hold), op, tags
+        ):
             await self._runner.require(name, plan, self._deadline(op))
 
     def _moved(self, since: ServerState, goal: ServerState, op: Op) -> tuple[Tag, ...]:
@@ -226,7 +239,7 @@ class Reconciler(Client):
         self,
         goal: ServerState,
         records: Sequence[EngineRecord],
-        phase: Callable[[str], str],
+        phases: Mapping[Op, Phase],
         *,
         hold: bool = False,
     ) -> _Pass:
@@ -240,7 +253,7 @@ class Reconciler(Client):
                 targets[record.group] = (
                     Target(found.paused, found.released, True) if hold else found
                 )
-        return _Pass(live, targets, phase)
+        return _Pass(live, targets, phases)
 
     def _target(self, record: EngineRecord, goal: ServerState) -> Target:
         found = self._fleet.target(record, goal)
@@ -263,11 +276,12 @@ class Reconciler(Client):
     def _flush(self) -> Flush:
         return Flush(self._config.deadlines.flush, self._config.flush_retry_interval)
 
-    async def _step(self, run: _Pass, step: str, plan: Plan, deadline: float) -> bool:
-        """Run one phase if it has targets; whether every call of it succeeded."""
+    async def _step(self, run: _Pass, plan: Plan, deadline: float) -> bool:
+        """Run one step (the phase its pass names for its command) if it has targets; whether
+        every call of it succeeded."""
         if not plan.targets:
             return True
-        got = (await self._runner.run(run.phase(step), plan, deadline)).outcomes
+        got = (await self._runner.run(run.phases[plan.op], plan, deadline)).outcomes
         run.outcomes.update(got)
         return self._runner.succeeded(got)
 
@@ -275,7 +289,6 @@ class Reconciler(Client):
         self,
         run: _Pass,
         op: Op,
-        step: str,
         wanted: dict[str, set[Tag]],
         deadline: float,
     ) -> bool:
@@ -285,7 +298,7 @@ class Reconciler(Client):
         for tags in _sets(self._config.release_tags, (wanted[r.id] for r in records)):
             chosen = tuple(r for r in records if wanted[r.id] == set(tags))
             plan = Plan(_MEMORY_MOVES[op](tags), chosen)
-            if not await self._step(run, step, plan, deadline):
+            if not await self._step(run, plan, deadline):
                 return False
         return True
 
@@ -298,15 +311,15 @@ class Reconciler(Client):
         # a continue still in flight lands first (it would undo the pause)
         await self._runner.landed(to_pause, self._deadline(Op.PAUSE), Op.PAUSE)
         plan = Plan(Pause(mode), tuple(to_pause))
-        if not await self._step(run, "pause", plan, self._deadline(Op.PAUSE)):
+        if not await self._step(run, plan, self._deadline(Op.PAUSE)):
             return
         in_place = mode is PauseMode.IN_PLACE
         if not in_place:
             plan = Plan(self._flush(), run.to_flush({r.id for r in to_pause}))
-            if not await self._step(run, "flush", plan, self._deadline(Op.FLUSH)):
+            if not await self._step(run, plan, self._deadline(Op.FLUSH)):
                 return
         wanted = run.release_wanted(in_place)
-        await self._by_tags(run, Op.RELEASE, "release", wanted, self._deadline(Op.RELEASE))
+        await self._by_tags(run, Op.RELEASE, wanted, self._deadline(Op.RELEASE))
 
     async def _continue(self, run: _Pass) -> None:
         """Continue the paused engines the targets let generate, once a pause still in flight
@@ -322,7 +335,7 @@ class Reconciler(Client):
                 # waits paused for an update, as a replacement does, and never serves them
                 record.lacks_weights()
         plan = Plan(_CONTINUE, tuple(r for r in landed if r.id not in lacking))
-        await self._step(run, "continue", plan, self._deadline(Op.CONTINUE))
+        await self._step(run, plan, self._deadline(Op.CONTINUE))
 
     async def lacking_weights(self, targets: Sequence[EngineRecord]) -> dict[str, str | None]:
         """The engines of ``targets`` without the expected weights, with the version each
@@ -339,10 +352,11 @@ class Reconciler(Client):
         stale: dict[str, str | None] = {r.id: None for r in targets if r.stale}
         if expected is not None and targets:
             plan = Plan(_READ_VERSION, tuple(targets))
-            result = await self._runner.run("check_versions", plan, self._config.deadlines.probe)
+            phase = Phase.CHECK_VERSIONS
+            result = await self._runner.run(phase, plan, self._config.deadlines.probe)
             for record in plan.targets:
                 if not result.outcomes[record.id].ok:
-                    raise PhaseFailed("check_versions", result.outcomes, FAILED)
+                    raise PhaseFailed(phase, result.outcomes, FAILED)
                 found = result.value(record.id)
                 if found == expected and not record.unverified:
                     stale.pop(record.id, None)

@@ -29,7 +29,7 @@ from rollout_lifecycle.core.machine import Machine
 from rollout_lifecycle.core.parts import Client, Parts
 from rollout_lifecycle.core.phases import Phases
 from rollout_lifecycle.core.runner import Plan
-from rollout_lifecycle.core.states import ServerState
+from rollout_lifecycle.core.states import Phase, ServerState
 
 S = ServerState
 
@@ -53,7 +53,7 @@ class Recovery(Client):
         (``survey``); let the keepers serve there."""
         machine = self._machine
         machine.plan("reset")
-        await self.survey("reset_probe")
+        await self.survey(Phase.RESET_PROBE)
         unsettled = self._fleet.unsettled()
         if unsettled:
             raise IllegalTransition(
@@ -72,7 +72,7 @@ class Recovery(Client):
                 await machine.fail()
                 raise
 
-    async def survey(self, phase: str) -> list[EngineRecord]:
+    async def survey(self, phase: Phase) -> list[EngineRecord]:
         """Before ``reset()`` or ``recover()`` settles anything on the records: read every live
         engine and let its record learn what it shows (a process restarted at its address is a
         fresh server; one paused or continued behind the records' back is in an unknown
@@ -88,7 +88,7 @@ class Recovery(Client):
         ]
 
     async def take_in(
-        self, records: Sequence[EngineRecord], phase: str = "probe_again"
+        self, records: Sequence[EngineRecord], phase: Phase = Phase.PROBE_AGAIN
     ) -> dict[str, EngineOutcome]:
         """Look at ``records`` again (a probe found them restarted or not paused as recorded)
         and let each record learn what its engine shows now; fail the server if the records
@@ -114,7 +114,7 @@ class Recovery(Client):
     async def recover(self, factory: EngineFactory) -> dict[str, EngineOutcome]:
         """Replace the broken engines, heal the rest; the outcome of every step."""
         fleet, machine = self._fleet, self._machine
-        renewed = await self.survey("recover_survey")  # fresh servers now, like replacements
+        renewed = await self.survey(Phase.RECOVER_SURVEY)  # fresh servers now, like replacements
         broken = fleet.broken()
         state = machine.state
         skip = {r.id for r in broken} | {r.id for r in renewed}
@@ -165,7 +165,7 @@ class Recovery(Client):
         if not self._runner.succeeded(outcomes):
             if state is not S.FAILED:
                 await machine.fail()
-            raise PhaseFailed("recover", outcomes, S.FAILED.value)
+            raise PhaseFailed(Phase.RECOVER, outcomes, S.FAILED.value)
         if state is S.FAILED:
             await machine.advance("reset")
             if machine.state is S.FAILED:
@@ -185,7 +185,7 @@ class Recovery(Client):
         be read): refused, its tags recorded as unknown, for the factory to replace again.
         """
         plan = Plan(Observe(), tuple(records))
-        result = await self._runner.run("recover_probe", plan, self._config.deadlines.startup)
+        result = await self._runner.run(Phase.RECOVER_PROBE, plan, self._config.deadlines.startup)
         outcomes = dict(result.outcomes)
         fresh: list[EngineRecord] = []
         for record in records:

@@ -37,7 +37,7 @@ from rollout_lifecycle.core.bus import RECORDS_CHANGED, Bus, RecordsChanged
 from rollout_lifecycle.core.commands import COMMANDS
 from rollout_lifecycle.core.config import DeadEnginePolicy
 from rollout_lifecycle.core.ledger import EngineRecord, GroupRecords, InFlight, default_targets
-from rollout_lifecycle.core.states import ServerState
+from rollout_lifecycle.core.states import Phase, ServerState
 
 #: The operations as module globals: the ledger and the runner compare them once per engine
 #: per phase, and a global is read several times faster than an ``Op`` member.
@@ -223,7 +223,7 @@ def issue(plan: Plan, before_send: Callable[[], None] | None = None) -> Calls:
 class PhaseResult:
     """What one phase came to: each engine's outcome and what observers record of it."""
 
-    phase: str
+    phase: Phase
     outcomes: dict[str, EngineOutcome]
     start: float
     seconds: float
@@ -299,7 +299,7 @@ class PhaseRunner:
     def _records_changed(self) -> None:
         self._bus.publish(RECORDS_CHANGED)
 
-    async def run(self, phase: str, plan: Plan, deadline: float) -> PhaseResult:
+    async def run(self, phase: Phase, plan: Plan, deadline: float) -> PhaseResult:
         """Issue ``plan`` and settle it as ``phase`` (between the gate's ``before`` and
         ``after``, when one is bound: a router in front of the fleet).
 
@@ -340,7 +340,9 @@ class PhaseRunner:
         )
         if not dropped:
             return
-        look = await self.settle("observe_after_drop", self.issue(Plan(_LOOK, dropped)), deadline)
+        look = await self.settle(
+            Phase.OBSERVE_AFTER_DROP, self.issue(Plan(_LOOK, dropped)), deadline
+        )
         for record in dropped:
             out = look.outcomes[record.id]
             if out.outcome is _RESTARTED:
@@ -381,7 +383,7 @@ class PhaseRunner:
                 answers[record.id] = landed.values[i]
         return answers
 
-    async def require(self, phase: str, plan: Plan, deadline: float) -> PhaseResult:
+    async def require(self, phase: Phase, plan: Plan, deadline: float) -> PhaseResult:
         """``run``, raising ``PhaseFailed`` unless the phase succeeded (``succeeded``)."""
         result = await self.run(phase, plan, deadline)
         if not self.succeeded(result.outcomes):
@@ -421,7 +423,7 @@ class PhaseRunner:
         ready = await self.landed(waiting, deadline, plan.op)
         return {r.id for r in waiting} - {r.id for r in ready}
 
-    def _not_sent(self, phase: str, plan: Plan, busy: set[str]) -> PhaseResult:
+    def _not_sent(self, phase: Phase, plan: Plan, busy: set[str]) -> PhaseResult:
         """The result of a phase held back by calls still in flight on ``busy``."""
         held = EngineOutcome(Outcome.NOT_ATTEMPTED, "an earlier call is still in flight")
         spared = EngineOutcome(
@@ -437,7 +439,7 @@ class PhaseRunner:
         """Publish that ``result``'s phase settled (also for time spent outside engine calls)."""
         self._bus.publish(PhaseSettled(result))
 
-    async def settle(self, phase: str, calls: Calls, deadline: float) -> PhaseResult:
+    async def settle(self, phase: Phase, calls: Calls, deadline: float) -> PhaseResult:
         """Gather every call of a phase (the barrier), each bounded by ``deadline``."""
         log = logger().bind(server=self._name, phase=phase)
         start = time.monotonic()

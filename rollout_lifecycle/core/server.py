@@ -32,7 +32,7 @@ from rollout_lifecycle.core.claims import Claims
 from rollout_lifecycle.core.config import LifecycleConfig
 from rollout_lifecycle.core.generation import GenerationClient
 from rollout_lifecycle.core.group import EngineGroup, spellings
-from rollout_lifecycle.core.hooks import HOOK_EVENTS, HOOK_PHASES, Hooks
+from rollout_lifecycle.core.hooks import HOOK_EVENTS, Hooks
 from rollout_lifecycle.core.ledger import Fleet
 from rollout_lifecycle.core.machine import Machine
 from rollout_lifecycle.core.observe import Recorder
@@ -44,7 +44,7 @@ from rollout_lifecycle.core.runner import PhaseRunner, PhaseSettled, Plan, Worke
 from rollout_lifecycle.core.scope import Serializer, current
 from rollout_lifecycle.core.sessions import WeightWriter
 from rollout_lifecycle.core.snapshots import GroupSnapshot, ServerSnapshot, adopt
-from rollout_lifecycle.core.states import ServerState
+from rollout_lifecycle.core.states import HOOK_PHASES, Phase, ServerState
 from rollout_lifecycle.core.timeline import Timeline
 from rollout_lifecycle.core.verify import Verification
 
@@ -307,7 +307,9 @@ class RolloutServer:
         leaves that to the call's own checks.
         """
         plan = Plan.over(self._groups, Observe())
-        outcomes = (await self._runner.run("probe", plan, self._config.deadlines.probe)).outcomes
+        outcomes = (
+            await self._runner.run(Phase.PROBE, plan, self._config.deadlines.probe)
+        ).outcomes
         strange = [r for r in plan.targets if outcomes[r.id].outcome in DISAGREEMENTS]
         if strange and current(self) is None:
             outcomes.update(await self._run("probe", lambda: self._recovery.take_in(strange)))

@@ -31,7 +31,7 @@ from rollout_lifecycle.core.ledger import EngineRecord
 from rollout_lifecycle.core.parts import Client, Parts
 from rollout_lifecycle.core.phases import Phases
 from rollout_lifecycle.core.runner import PhaseResult, Plan, guard_groups
-from rollout_lifecycle.core.states import ServerState
+from rollout_lifecycle.core.states import Phase, ServerState
 from rollout_lifecycle.core.verify import Verifier
 
 FAILED = ServerState.FAILED.value
@@ -52,7 +52,7 @@ class WeightWriter(Client):
         deadlines = self._config.deadlines
         runner, fleet = self._runner, self._fleet
         guard_groups(fleet.groups, Op.SET_VERSION)
-        await self._hooks.before("update_weights")
+        await self._hooks.before(Phase.UPDATE_WEIGHTS)
         if version is not None:
             # From here on generation continues only on engines that report this version.
             self._versions.expected = version
@@ -61,7 +61,7 @@ class WeightWriter(Client):
         if serving:
             mode = without_wait(self._config.pause_mode)
             plan = Plan(Pause(mode), tuple(serving))
-            await runner.require("pause_for_update", plan, deadlines.pause)
+            await runner.require(Phase.PAUSE_FOR_UPDATE, plan, deadlines.pause)
         # A session that an earlier update left open (its begin or end did not complete, or a
         # process killed in its push) is closed first, or this begin would be refused with "a
         # weight update session is already open".
@@ -78,12 +78,12 @@ class WeightWriter(Client):
             # Close the sessions that did (or may have) opened, or every later update would be
             # refused with "a weight update session is open".
             await self._phases.close_sessions(
-                "end_weight_update", [r for r in fleet.live() if r.session_unknown]
+                Phase.END_WEIGHT_UPDATE, [r for r in fleet.live() if r.session_unknown]
             )
-            raise PhaseFailed("begin_weight_update", outcomes, FAILED)
+            raise PhaseFailed(Phase.BEGIN_WEIGHT_UPDATE, outcomes, FAILED)
         before: dict[str, Fingerprint | str] = {}
         if spec is not None and not spec.may_be_noop:
-            before = await self._verifier.read("fingerprint_before", fleet.live())
+            before = await self._verifier.read(Phase.FINGERPRINT_BEFORE, fleet.live())
         engines = {r.id: r.handle for r in fleet.live()}
         try:
             await self._call_push(push, WeightUpdate(version, engines))
@@ -95,10 +95,10 @@ class WeightWriter(Client):
             raise
         finally:
             end = Plan.over(fleet.groups, EndUpdate())
-            await runner.require("end_weight_update", end, deadlines.weight_update)
+            await runner.require(Phase.END_WEIGHT_UPDATE, end, deadlines.weight_update)
         if version is not None:
             plan = Plan.over(fleet.groups, SetVersion(version))
-            await runner.require("update_weight_version", plan, deadlines.weight_update)
+            await runner.require(Phase.UPDATE_WEIGHT_VERSION, plan, deadlines.weight_update)
         self._versions.interrupted = False
         for record in fleet.live():
             record.written(versioned=version is not None)
@@ -111,7 +111,7 @@ class WeightWriter(Client):
         ]
         interval = self._config.flush_retry_interval
         plan = Plan(Flush(deadlines.flush, interval), tuple(resident))
-        await runner.require("flush_after_update", plan, deadlines.flush + deadlines.probe)
+        await runner.require(Phase.FLUSH_AFTER_UPDATE, plan, deadlines.flush + deadlines.probe)
         if spec is not None:
             await self._verifier.verify(fleet.live(), before, spec, version)
         await self._continue_paused(serving)
@@ -130,13 +130,13 @@ class WeightWriter(Client):
             await self._phases.check_versions(resumed)
             plan = Plan(Continue(), tuple(resumed))
             deadline = self._config.deadlines.continue_
-            await self._runner.require("continue_after_update", plan, deadline)
+            await self._runner.require(Phase.CONTINUE_AFTER_UPDATE, plan, deadline)
 
     async def _begin(self) -> dict[str, EngineOutcome]:
         """Open a session on every live engine (``begin_weight_update``); the outcomes."""
         begin = Plan.over(self._fleet.groups, BeginUpdate())
         deadline = self._config.deadlines.weight_update
-        return (await self._runner.run("begin_weight_update", begin, deadline)).outcomes
+        return (await self._runner.run(Phase.BEGIN_WEIGHT_UPDATE, begin, deadline)).outcomes
 
     async def _call_push(self, push: WeightPush, update: WeightUpdate) -> None:
         start = time.monotonic()
@@ -151,7 +151,7 @@ class WeightWriter(Client):
                 own=(WeightPushFailed,),
             )
         finally:
-            self._runner.observe(PhaseResult("push", {}, start, time.monotonic() - start))
+            self._runner.observe(PhaseResult(Phase.PUSH, {}, start, time.monotonic() - start))
 
 
 __all__ = ["WeightWriter"]

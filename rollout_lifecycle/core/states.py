@@ -1,4 +1,5 @@
-"""The lifecycle states, the transition table and the call plans, declared once as data.
+"""The lifecycle states, the phases, the transition table and the call plans, declared once as
+data.
 
 The server's ``transitions.AsyncMachine`` runs on ``TRANSITIONS``; a transition with a phase
 (``PHASED``) runs it before the state changes, so a phase that fails leaves the state where it
@@ -27,6 +28,82 @@ class ServerState(str, Enum):
     def __str__(self) -> str:
         return self.value
 
+
+class Phase(str, Enum):
+    """The name of every phase: a set of engine calls the server sends together and waits for
+    (a barrier). Events (``phase.*``), hooks (``before_<phase>`` / ``after_<phase>`` for the
+    phases of ``HOOK_PHASES``), metrics (``lifecycle/<call>/<metric>_s``), timeline spans and
+    ``PhaseFailed`` name a phase by its value, which is part of the public API."""
+
+    # The cycle's steps, in order (each with hooks).
+    PAUSE = "pause"
+    FLUSH = "flush"
+    RELEASE = "release"
+    RESUME_WEIGHTS = "resume_weights"
+    UPDATE_WEIGHTS = "update_weights"
+    RESUME_KV = "resume_kv"
+    CONTINUE = "continue"
+    # The weight write (``core/sessions``, ``core/verify``), in order.
+    PAUSE_FOR_UPDATE = "pause_for_update"
+    CLOSE_WEIGHT_UPDATE = "close_weight_update"
+    BEGIN_WEIGHT_UPDATE = "begin_weight_update"
+    FINGERPRINT_BEFORE = "fingerprint_before"
+    #: The user's push itself (no engine call of the library's: a span and a metric).
+    PUSH = "push"
+    END_WEIGHT_UPDATE = "end_weight_update"
+    UPDATE_WEIGHT_VERSION = "update_weight_version"
+    FLUSH_AFTER_UPDATE = "flush_after_update"
+    VERIFY_WEIGHTS = "verify_weights"
+    CHECK_VERSIONS = "check_versions"
+    CONTINUE_AFTER_UPDATE = "continue_after_update"
+    # What a failure leaves to do, and the reads.
+    CONTINUE_AFTER_FAILURE = "continue_after_failure"
+    #: A drain's flush hook failed and the continue of what it paused failed too.
+    CONTINUE_AFTER_HOOK = "continue_after_hook"
+    PROBE = "probe"
+    PROBE_AGAIN = "probe_again"
+    OBSERVE_AFTER_DROP = "observe_after_drop"
+    RESET_PROBE = "reset_probe"
+    #: ``recover()`` as a whole (the ``PhaseFailed`` that sums it up).
+    RECOVER = "recover"
+    # recover(): the survey, the replacements' first read, and its reconciliation's steps.
+    RECOVER_SURVEY = "recover_survey"
+    RECOVER_PROBE = "recover_probe"
+    RECOVER_RESUME = "recover_resume"
+    RECOVER_PAUSE = "recover_pause"
+    RECOVER_FLUSH = "recover_flush"
+    RECOVER_RELEASE = "recover_release"
+    RECOVER_CONTINUE = "recover_continue"
+    # The reconciliation of the groups that keep their memory (their continue, mostly).
+    RESUME_KEEPERS = "resume_keepers"
+    PAUSE_KEEPERS = "pause_keepers"
+    FLUSH_KEEPERS = "flush_keepers"
+    RELEASE_KEEPERS = "release_keepers"
+    CONTINUE_KEEPERS = "continue_keepers"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def metric(self) -> str:
+        """Its name in metric keys: its value, but three shorter ones (``weights``, ``kv``,
+        ``update``)."""
+        return _METRIC_NAMES.get(self, self.value)
+
+
+_METRIC_NAMES = {Phase.RESUME_WEIGHTS: "weights", Phase.RESUME_KV: "kv", Phase.PUSH: "update"}
+
+#: The phases with ``before_<phase>`` / ``after_<phase>`` hook events, in the order a cycle runs
+#: them.
+HOOK_PHASES: tuple[Phase, ...] = (
+    Phase.PAUSE,
+    Phase.FLUSH,
+    Phase.RELEASE,
+    Phase.RESUME_WEIGHTS,
+    Phase.UPDATE_WEIGHTS,
+    Phase.RESUME_KV,
+    Phase.CONTINUE,
+)
 
 S = ServerState
 

@@ -42,6 +42,7 @@ from rollout_lifecycle.core.config import DeadEnginePolicy
 from rollout_lifecycle.core.ledger import EngineRecord
 from rollout_lifecycle.core.parts import Client
 from rollout_lifecycle.core.runner import Plan
+from rollout_lifecycle.core.states import Phase
 
 
 @dataclass(frozen=True)
@@ -240,7 +241,7 @@ class Verifier(Client):
     """Reads fingerprints around a weight write and acts on ``judge``'s verdicts."""
 
     async def read(
-        self, phase: str, records: Sequence[EngineRecord]
+        self, phase: Phase, records: Sequence[EngineRecord]
     ) -> dict[str, Fingerprint | str]:
         """Each engine's fingerprint, or why it could not be read, in one timed phase."""
         plan = Plan(ReadFingerprint(), tuple(records))
@@ -269,7 +270,7 @@ class Verifier(Client):
         Each engine that fails is marked stale and unverified; under ``DeadEnginePolicy.FAIL``
         ``WeightsNotVerified`` is raised, otherwise the write goes on without them.
         """
-        after = await self.read("verify_weights", [r for r in records if r.alive])
+        after = await self.read(Phase.VERIFY_WEIGHTS, [r for r in records if r.alive])
         earlier = {k: v for k, v in before.items() if isinstance(v, Fingerprint)}
         groups = {r.id: r.group for r in records}
         verdicts = judge(groups, after, earlier, spec)

@@ -19,10 +19,10 @@ import pytest
 from rollout_lifecycle import EngineGroup, LifecycleConfig, RolloutServer, SimulatedEngine
 from rollout_lifecycle.contract.exceptions import HookFailed, InvalidArgument
 from rollout_lifecycle.core.config import Deadlines
-from rollout_lifecycle.core.hooks import HOOK_EVENTS, HOOK_PHASES, EventMaker, Hooks
+from rollout_lifecycle.core.hooks import HOOK_EVENTS, EventMaker, Hooks
 from rollout_lifecycle.core.scope import CURRENT, HookCancelled, Operation, cancel
 from rollout_lifecycle.core.server import LifecycleEvent
-from rollout_lifecycle.core.states import ServerState
+from rollout_lifecycle.core.states import HOOK_PHASES, ServerState
 from rollout_lifecycle.testing.waits import until
 
 S = ServerState
