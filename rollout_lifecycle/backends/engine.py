@@ -72,8 +72,10 @@ class EngineBackend(Protocol):
         """
         ...
 
-    async def release_memory_occupation(self, tags: Sequence[Tag]) -> None:
-        """``POST /release_memory_occupation`` with explicit tags."""
+    async def release_memory_occupation(self, tags: Sequence[Tag]) -> bool | None:
+        """``POST /release_memory_occupation`` with explicit tags. True when the release
+        discarded the weights' values (a resume brings back their memory, not them: only a
+        push makes them usable again); None or False otherwise."""
         ...
 
     async def resume_memory_occupation(self, tags: Sequence[Tag]) -> None:
@@ -328,9 +330,12 @@ class EngineHost:
                     ) from exc
                 await asyncio.sleep(min(retry_interval, remaining))
 
-    async def release_memory_occupation(self, tags: list[str]) -> None:
-        """Release the given tags."""
-        await self._backend.release_memory_occupation(list(parse_tags(tags, what="release tags")))
+    async def release_memory_occupation(self, tags: list[str]) -> bool:
+        """Release the given tags; whether the release discarded the weights' values (the
+        backend says so: ``EngineBackend.release_memory_occupation``), which the ledger records
+        (``EngineRecord.lost_weights``)."""
+        tags_ = list(parse_tags(tags, what="release tags"))
+        return await self._backend.release_memory_occupation(tags_) is True
 
     async def resume_memory_occupation(self, tags: list[str]) -> None:
         """Resume the given tags."""

@@ -281,11 +281,14 @@ class VLLMHTTPEngine:
             return False
         return True
 
-    async def release_memory_occupation(self, tags: Sequence[Tag]) -> None:
+    async def release_memory_occupation(self, tags: Sequence[Tag]) -> bool:
         """``POST /sleep?level=L&mode=keep``, sent once: vLLM puts the weights and the KV cache
         to sleep together. A release of the KV cache alone (a replacement joining a fleet whose
         weights are back) sleeps both, then wakes the weights (``/wake_up?tags=weights``; at
-        level 2 they are unusable until a push). A release of the weights alone is refused."""
+        level 2 they are unusable until a push). A release of the weights alone is refused.
+        Returns whether the weights' values are gone (level 2): the lifecycle's record of the
+        engine keeps that (``EngineRecord.weights_lost``), so that a process that adopts its
+        journal does not continue the engine before a push either."""
         op = "release_memory_occupation"
         names = {t.value for t in parse_tags(tags, what=f"{op} tags")}
         if Tag.KV_CACHE.value not in names:
@@ -309,6 +312,7 @@ class VLLMHTTPEngine:
                 raise EngineError(
                     self._label, op, f"slept, then the weights' wake failed: {exc}"
                 ) from None
+        return self._sleep_level == 2
 
     async def resume_memory_occupation(self, tags: Sequence[Tag]) -> None:
         """``POST /wake_up?tags=weights`` for the weights; the KV cache's wake waits for the

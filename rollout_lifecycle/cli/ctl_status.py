@@ -106,6 +106,7 @@ def recorded_row(engine: EngineSnapshot, url: str | None) -> dict[str, Any]:
         "pause_unknown": engine.pause_unknown,
         "session_unknown": engine.session_unknown,
         "stale": engine.stale,
+        "weights_lost": engine.weights_lost,
         "last_op": engine.last_op,
         "last_outcome": engine.last_outcome,
     }

@@ -197,6 +197,8 @@ class EngineSnapshot:
     incarnation: str | None = None
     #: Failed the verification of the last write (``core/verify``); stale until a write.
     unverified: bool = False
+    #: A release discarded the weights' values (vLLM's level-2 sleep); stale until a write.
+    weights_lost: bool = False
 
     @property
     def state(self) -> EngineState:
@@ -273,6 +275,11 @@ class EngineRecord:
     #: The engine failed the verification of the last weight write (``core/verify``): it is
     #: stale whatever version it reports, until a later write reaches it.
     unverified: bool = False
+    #: A release discarded the values of its weights (its engine said so: vLLM's level-2 sleep
+    #: keeps no copy, and a wake brings back their memory, not their values): stale whatever
+    #: version it reports, until a write reaches it. A continue before that would run a forward
+    #: pass on whatever the memory holds.
+    weights_lost: bool = False
     #: What the call in flight left unknown, and how to forget it if it is refused.
     _intent: _Intent | None = field(default=None, repr=False)
     #: A call that missed its phase's deadline and may still land (the phase runner's), and
@@ -623,12 +630,25 @@ class EngineRecord:
         """The engine reports the fleet's weights and passed their verification."""
         self.stale = False
 
+    @property
+    def needs_write(self) -> bool:
+        """Whether only a weight write can make the engine hold the fleet's weights, whatever
+        version it reports: it failed the last write's verification, or a release discarded
+        its weights."""
+        return self.unverified or self.weights_lost
+
     def written(self, *, versioned: bool) -> None:
-        """A weight write reached the engine: what it failed is overwritten (it is verified
-        again); after an unversioned write, having been written to is all that is known."""
-        self.unverified = False
+        """A weight write reached the engine: what it failed or lost is overwritten (it is
+        verified again); after an unversioned write, having been written to is all that is
+        known."""
+        self.unverified = self.weights_lost = False
         if not versioned:
             self.stale = False
+
+    def lost_weights(self) -> None:
+        """A release discarded the engine's weights (its answer said so): stale until a write
+        reaches it."""
+        self.stale = self.weights_lost = True
 
     def failed_verification(self) -> None:
         """The engine failed the verification of the last write (``core/verify``): stale,
@@ -650,7 +670,7 @@ class EngineRecord:
         self.released.clear()
         self.uncertain.clear()
         self.last_op, self.last_outcome, self.stale = None, None, True
-        self.incarnation, self.unverified = None, False
+        self.incarnation, self.unverified, self.weights_lost = None, False, False
         self.proven_until, self.unwatched = 0.0, True
         self._intent = None
 
@@ -673,6 +693,7 @@ class EngineRecord:
             session_unknown=self.session_unknown,
             incarnation=self.incarnation,
             unverified=self.unverified,
+            weights_lost=self.weights_lost,
         )
 
     def load(self, snapshot: EngineSnapshot) -> None:
@@ -705,6 +726,7 @@ class EngineRecord:
         self.session_unknown = snapshot.session_unknown
         self.incarnation = snapshot.incarnation
         self.unverified = snapshot.unverified
+        self.weights_lost = snapshot.weights_lost
         self.proven_until, self.unwatched = 0.0, True  # (what another process saw)
         self._intent = None
 

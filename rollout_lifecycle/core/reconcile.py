@@ -358,7 +358,7 @@ class Reconciler(Client):
                 if not result.outcomes[record.id].ok:
                     raise PhaseFailed(phase, result.outcomes, FAILED)
                 found = result.value(record.id)
-                if found == expected and not record.unverified:
+                if found == expected and not record.needs_write:
                     stale.pop(record.id, None)
                     record.holds_weights()
                 else:

@@ -41,7 +41,7 @@ from rollout_lifecycle.core.states import Phase, ServerState
 
 #: The operations as module globals: the ledger and the runner compare them once per engine
 #: per phase, and a global is read several times faster than an ``Op`` member.
-_FLUSH = Op.FLUSH
+_FLUSH, _RELEASE = Op.FLUSH, Op.RELEASE
 _OBSERVE = Op.OBSERVE
 #: The observation after a checked call lost its connection.
 _LOOK = Observe()
@@ -507,6 +507,8 @@ class PhaseRunner:
             if op is _FLUSH:
                 attempts = landed.values[i] if out.outcome is _OK else None
                 retries = (retries or 0) + (max(attempts - 1, 0) if type(attempts) is int else 0)
+            elif op is _RELEASE and current and out.outcome is _OK and landed.values[i] is True:
+                record.lost_weights()  # (the engine host's answer: ``EngineHost.release...``)
             if slowest is None or out.duration_s > slowest[1]:
                 slowest = (record.id, out.duration_s)
             spans += (record.id, record.group, op._value_, began, end, out.outcome._value_)

@@ -6,12 +6,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from rollout_lifecycle import EngineGroup, RolloutServer, SGLangHTTPEngine
+from rollout_lifecycle import (
+    EngineGroup,
+    EngineState,
+    FromDisk,
+    RolloutServer,
+    ServerSnapshot,
+    SGLangHTTPEngine,
+    StaleWeights,
+)
 from rollout_lifecycle.backends.engine import EngineHost
 from rollout_lifecycle.backends.vllm_http import VLLMHTTPEngine, vllm_http_factory
 from rollout_lifecycle.contract.commands import ReadSleeping
@@ -454,3 +463,42 @@ async def test_a_read_added_as_a_command_reaches_each_backend_through_the_runner
     assert refused.value.status == 501
     for client in (vllm, sglang):
         await client.close()
+
+
+async def test_weights_a_level_2_release_discarded_are_the_records_and_outlive_the_client(
+    tmp_path: Path,
+) -> None:
+    """The release answers that the weights' values are gone; the ledger keeps it
+    (``weights_lost``, in the snapshot), so a process that adopts the journal with a new client
+    (which knows nothing of the sleep) refuses the continue until a push reaches the engine,
+    even though the engine still reports the expected version."""
+    sim = SimulatedEngine("vllm-level-2", token_latency=0.001)
+    app = create_vllm_app(sim)
+
+    def client() -> VLLMHTTPEngine:
+        return VLLMHTTPEngine(URL, sleep_level=2, transport=httpx.ASGITransport(app=app))
+
+    first = RolloutServer([EngineGroup("vllm", [client()])])
+    await first.offload()
+    await first.onload_weights()
+    await first.update_weights(FromDisk(str(tmp_path)), "v1")
+    await first.onload_kv()
+    assert not first.snapshot().engines()["vllm/0"].weights_lost  # the push replaced them
+    await first.offload()
+    saved = first.snapshot()
+    assert saved.engines()["vllm/0"].weights_lost and saved.engines()["vllm/0"].stale
+    continues = [e for e in sim.history() if e["op"] == "continue_generation"]
+
+    second = RolloutServer([EngineGroup("vllm", [client()])])  # a new process, a new client
+    second.adopt(ServerSnapshot.from_dict(json.loads(json.dumps(saved.to_dict()))))
+    with pytest.raises(StaleWeights) as stale:
+        await second.onload()
+    assert stale.value.expected == "v1" and list(stale.value.engines) == ["vllm/0"]
+    assert second.fleet.get([EngineState.WAITING]) == list(second.fleet.records())
+    assert [e for e in sim.history() if e["op"] == "continue_generation"] == continues
+    await second.update_weights(FromDisk(str(tmp_path)), "v2")
+    await second.resume()
+    assert second.fleet.by_state()[EngineState.SERVING] == 1
+    assert not second.snapshot().engines()["vllm/0"].weights_lost
+    assert len([e for e in sim.history() if e["op"] == "continue_generation"]) > len(continues)
+    await sim.close()
