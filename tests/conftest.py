@@ -45,7 +45,7 @@ def ray_cluster() -> Iterator[None]:
 
 
 @pytest.fixture
-def fleet(ray_cluster: None) -> Iterator[Callable[..., list[Any]]]:
+def engine_actors(ray_cluster: None) -> Iterator[Callable[..., list[Any]]]:
     """Start simulated engine actors; every actor started is killed when the test ends."""
     started: list[Any] = []
 

@@ -64,9 +64,9 @@ async def test_no_calls_return_at_once() -> None:
 
 
 async def test_ray_refs_land_with_values_errors_and_late_ones(
-    fleet: Callable[..., list[Any]],
+    engine_actors: Callable[..., list[Any]],
 ) -> None:
-    fast, slow = fleet(2, op_latency={"pause_generation": 3.0})
+    fast, slow = engine_actors(2, op_latency={"pause_generation": 3.0})
     early = [
         fast.server_info.remote(),
         fast.release_memory_occupation.remote("kv_cache"),  # a string, not a list: raises
@@ -88,9 +88,11 @@ async def test_ray_refs_land_with_values_errors_and_late_ones(
     assert _waiters() == 0
 
 
-async def test_a_cancelled_wait_stops_its_helper_thread(fleet: Callable[..., list[Any]]) -> None:
+async def test_a_cancelled_wait_stops_its_helper_thread(
+    engine_actors: Callable[..., list[Any]],
+) -> None:
     # The pause does not land, nor does the wait give up, before the helper must have stopped.
-    (engine,) = fleet(1, op_latency={"pause_generation": 600.0})
+    (engine,) = engine_actors(1, op_latency={"pause_generation": 600.0})
     task = asyncio.ensure_future(seam.wait([engine.pause_generation.remote("retract")], 600))
     await until(lambda: _waiters() == 1, what="the helper thread to wait")
     task.cancel()
@@ -100,9 +102,9 @@ async def test_a_cancelled_wait_stops_its_helper_thread(fleet: Callable[..., lis
 
 
 async def test_refs_ray_cannot_wait_for_together_are_still_waited_for(
-    fleet: Callable[..., list[Any]],
+    engine_actors: Callable[..., list[Any]],
 ) -> None:
-    (engine,) = fleet(1)
+    (engine,) = engine_actors(1)
     ref = engine.server_info.remote()
     landed = await seam.wait([ref, ref], 10)  # ray.wait refuses duplicates
     assert landed.late == {} and landed.errors == [None, None]

@@ -25,7 +25,7 @@ from rollout_lifecycle import (
 from rollout_lifecycle.testing import calls_received
 
 
-def fleet(n: int = 2) -> list[SimulatedEngine]:
+def simulated_fleet(n: int = 2) -> list[SimulatedEngine]:
     return [SimulatedEngine(f"e{i}") for i in range(n)]
 
 
@@ -57,7 +57,7 @@ def untouched(engines: list[SimulatedEngine]) -> bool:
 def test_bad_construction_names_the_value(
     build: Callable[[list[SimulatedEngine]], Any], needle: str
 ) -> None:
-    engines = fleet()
+    engines = simulated_fleet()
     with pytest.raises(InvalidArgument) as err:
         build(engines)  # type: ignore[no-untyped-call]
     assert needle in str(err.value)
@@ -65,7 +65,7 @@ def test_bad_construction_names_the_value(
 
 
 async def test_bad_call_arguments_are_refused_before_any_engine_is_touched() -> None:
-    engines = fleet()
+    engines = simulated_fleet()
     group = EngineGroup("actor", engines)
     server = RolloutServer([group])
     with pytest.raises(InvalidArgument, match="'weights_restored!'"):
@@ -143,7 +143,7 @@ async def _push(update: object) -> None:
 async def test_names_and_versions_with_control_characters_are_refused_naming_them(
     bad: str,
 ) -> None:
-    engines = fleet()
+    engines = simulated_fleet()
     with pytest.raises(InvalidArgument) as err:
         EngineGroup(bad, engines)
     assert repr(bad) in str(err.value)
@@ -161,7 +161,7 @@ async def test_names_and_versions_with_control_characters_are_refused_naming_the
 
 
 async def test_printable_names_and_versions_still_pass() -> None:
-    engines = fleet()
+    engines = simulated_fleet()
     server = RolloutServer([EngineGroup("actor critic", engines)], name="rollout (run 7)")
     await server.pause()
     await server.update_weights(_push, version="步骤-3 v1.2+local")

@@ -942,8 +942,10 @@ async def test_a_held_request_wakes_on_the_state_it_waits_for_without_a_recheck(
 # -- over Ray --------------------------------------------------------------------------------
 
 
-async def test_over_ray_actors_aborts_and_a_dead_actor_lose_no_request(fleet: Fleet) -> None:
-    actors = fleet(3, label="ray", token_latency=0.003)
+async def test_over_ray_actors_aborts_and_a_dead_actor_lose_no_request(
+    engine_actors: Fleet,
+) -> None:
+    actors = engine_actors(3, label="ray", token_latency=0.003)
     server = RolloutServer(
         [EngineGroup("actor", actors)], LifecycleConfig(pause_mode=PauseMode.ABORT)
     )

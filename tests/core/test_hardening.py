@@ -565,8 +565,8 @@ def _marking(label: str, path: str) -> SimulatedEngine:
     return _MarksItsClose(label, path)
 
 
-def test_one_engine_actor_in_two_groups_is_refused(fleet: Any) -> None:
-    (actor,) = fleet(1)
+def test_one_engine_actor_in_two_groups_is_refused(engine_actors: Any) -> None:
+    (actor,) = engine_actors(1)
     again = ray.cloudpickle.loads(ray.cloudpickle.dumps(actor))  # another handle, same actor
     assert again is not actor
     with pytest.raises(InvalidArgument, match="belongs to one group"):

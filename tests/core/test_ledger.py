@@ -32,7 +32,7 @@ class Group:
     records: tuple[EngineRecord, ...] = field(default=())
 
 
-def fleet(offloading: int = 2, keeping: int = 1) -> tuple[Fleet, list[EngineRecord]]:
+def ledger_and_records(offloading: int = 2, keeping: int = 1) -> tuple[Fleet, list[EngineRecord]]:
     def records(group: str, count: int) -> tuple[EngineRecord, ...]:
         return tuple(EngineRecord(f"{group}/{i}", group, None) for i in range(count))
 
@@ -81,7 +81,7 @@ def test_which_groups_may_serve_in_each_state() -> None:
 
 @pytest.mark.parametrize("state", SETTLED)
 def test_records_at_a_states_targets_imply_that_state(state: ServerState) -> None:
-    ledger, records = fleet()
+    ledger, records = ledger_and_records()
     for record in records:
         goal = ledger.target(record, state)
         assert goal is not None
@@ -91,7 +91,7 @@ def test_records_at_a_states_targets_imply_that_state(state: ServerState) -> Non
 
 
 def test_kv_restored_records_imply_drained() -> None:
-    ledger, records = fleet()
+    ledger, records = ledger_and_records()
     for record in records:
         goal = ledger.target(record, S.KV_RESTORED)
         assert goal is not None
@@ -100,11 +100,11 @@ def test_kv_restored_records_imply_drained() -> None:
 
 
 def test_records_that_disagree_imply_no_state() -> None:
-    ledger, records = fleet()
+    ledger, records = ledger_and_records()
     records[0].paused = records[0].flushed = True
     records[0].released = {Tag.KV_CACHE}
     assert ledger.settled_state() is None
-    ledger, records = fleet()
+    ledger, records = ledger_and_records()
     records[0].uncertain = {Tag.WEIGHTS}
     assert ledger.settled_state() is None
     # a broken engine left out, the rest agree
@@ -112,7 +112,7 @@ def test_records_that_disagree_imply_no_state() -> None:
 
 
 def test_the_majority_of_a_partly_released_fleet() -> None:
-    ledger, records = fleet(offloading=3)
+    ledger, records = ledger_and_records(offloading=3)
     for record in records[:2]:
         put(record, Target(True, ALL_TAGS, held=True))
     assert ledger.settled_state() is None
@@ -120,7 +120,7 @@ def test_the_majority_of_a_partly_released_fleet() -> None:
 
 
 def test_named_queries() -> None:
-    ledger, records = fleet()
+    ledger, records = ledger_and_records()
     actor0, actor1, ref0 = records
     actor1.alive = False
     ref0.paused = True

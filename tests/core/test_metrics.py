@@ -178,8 +178,8 @@ async def test_a_call_made_from_a_hook_keeps_its_own_name() -> None:
     assert "lifecycle/onload/continue_s" in metrics
 
 
-async def test_metrics_from_ray_engine_actors(fleet: Fleet) -> None:
-    actors = fleet(3, label="ray", token_latency=0.001)
+async def test_metrics_from_ray_engine_actors(engine_actors: Fleet) -> None:
+    actors = engine_actors(3, label="ray", token_latency=0.001)
     server = RolloutServer([EngineGroup("actor", actors)], LifecycleConfig(memory_metrics=True))
     got = await cycle(server)
     for call, phases in PHASE_KEYS.items():

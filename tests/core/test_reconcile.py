@@ -30,7 +30,7 @@ from rollout_lifecycle.testing.fleets import ROUTES, bring_to
 S = ServerState
 
 
-def fleet(wrap: bool = False) -> tuple[RolloutServer, list[Any]]:
+def two_group_server_and_engines(wrap: bool = False) -> tuple[RolloutServer, list[Any]]:
     engines: list[Any] = [
         SimulatedEngine(f"{name}-{i}", token_latency=0.001)
         for name in ("actor", "reward")
@@ -54,7 +54,7 @@ def lifecycle_ops(engine: Any) -> list[str]:
 async def test_any_settled_fleet_is_brought_to_any_goal(
     start: ServerState, goal: ServerState
 ) -> None:
-    server, engines = fleet()
+    server, engines = two_group_server_and_engines()
     await bring_to(server, start)
     assert server.state is start
     reconciler = server._phases.reconciler
@@ -88,7 +88,7 @@ async def test_any_settled_fleet_is_brought_to_any_goal(
 async def test_no_release_follows_a_flush_that_failed_and_the_continue_is_per_engine() -> None:
     """Toward ``released`` from ``serving``: the flush is refused by one offloaded engine, so
     no engine is released (not even the one that flushed); the phases after that one stop."""
-    server, engines = fleet(wrap=True)
+    server, engines = two_group_server_and_engines(wrap=True)
     engines[1].arm("flush_cache", "reject")
     outcomes = await server._phases.reconciler.reconcile(S.RELEASED, server.fleet.live())
     assert outcomes["actor/1"].outcome is Outcome.REJECTED
@@ -103,7 +103,7 @@ async def test_no_release_follows_a_flush_that_failed_and_the_continue_is_per_en
 
 async def test_a_stale_replacement_is_paused_wherever_it_is_and_not_continued() -> None:
     """A fresh server without the fleet's weights waits paused, even in a serving fleet."""
-    server, engines = fleet()
+    server, engines = two_group_server_and_engines()
     record = server.fleet.records()[2]  # a group that keeps its memory: serving everywhere
     record.stale = True
     outcomes = await server._phases.reconciler.reconcile(S.SERVING, server.fleet.live())
@@ -120,7 +120,7 @@ async def test_an_engine_reporting_other_weights_is_not_continued_and_waits_stal
     ``v2``): the engine that reports ``v2`` is continued; the one that reports other weights
     is left paused and marked stale (it waits for an update, as a replacement does), so the
     records settle as ``serving`` and no engine serves weights the trainer did not push."""
-    server, engines = fleet()
+    server, engines = two_group_server_and_engines()
     await server.pause()
     server._versions.expected = "v2"
     await engines[0].update_weight_version("v2", abort_all_requests=False)
@@ -141,7 +141,7 @@ async def test_a_forward_step_refuses_before_its_hooks_where_recovery_repairs() 
     """The same engine out of place (paused, not flushed since): the forward release
     (``advance``) refuses the whole step before its ``before_release`` hooks and sends nothing;
     the recovery pass (``reconcile``) flushes that engine, then releases the group."""
-    server, engines = fleet()
+    server, engines = two_group_server_and_engines()
     await server.pause()
     actor = server.fleet.groups[0]
     unflushed = actor.records[0]
@@ -167,7 +167,7 @@ async def test_a_forward_step_runs_its_hooks_then_sends_what_the_goal_needs() ->
     """A forward step runs its ``before_`` hook first, then sends its command to the engines
     the goal needs it on, and fails under its own name: a drain's pause skips an engine the
     records know to be paused, and a refused flush raises ``PhaseFailed('flush')``."""
-    server, engines = fleet(wrap=True)
+    server, engines = two_group_server_and_engines(wrap=True)
     reconciler = server._phases.reconciler
     order: list[str] = []
     server.on("before_pause", lambda event: order.append(f"hook {event.event}"))

@@ -34,7 +34,7 @@ from rollout_lifecycle.testing.fleets import simulated as inner
 S = ServerState
 
 
-def fleet() -> tuple[RolloutServer, list[FaultyEngine], list[FaultyEngine]]:
+def server_and_faulty_groups() -> tuple[RolloutServer, list[FaultyEngine], list[FaultyEngine]]:
     """A group that offloads and one that keeps its memory, two engines each."""
     actor, reward = faulty(2, "a"), faulty(2, "r")
     groups = [EngineGroup("actor", actor), EngineGroup("reward", reward, needs_offload=False)]
@@ -76,7 +76,7 @@ def dead_ids(server: RolloutServer, engines: tuple[FaultyEngine, ...]) -> list[s
 async def test_dead_engines_are_replaced_at_their_target_and_healthy_ones_get_no_call(
     start: ServerState,
 ) -> None:
-    server, actor, reward = fleet()
+    server, actor, reward = server_and_faulty_groups()
     await bring_to(server, start)
     await kill(server, actor[0], reward[1])
     healthy = [actor[1], reward[0]]
@@ -127,7 +127,7 @@ async def test_every_replacement_is_made_before_any_old_engine_is_retired() -> N
 
 
 async def test_nothing_broken_means_no_factory_call_and_no_engine_call() -> None:
-    server, actor, reward = fleet()
+    server, actor, reward = server_and_faulty_groups()
     await server.offload()
     before = [changes(e) for e in actor + reward]
     assert await server.recover(lambda engine_id: pytest.fail("nothing to replace")) == {}
@@ -221,7 +221,7 @@ async def test_a_replacement_dead_at_its_probe_fails_recover_naming_it() -> None
 
 
 async def test_reset_continues_the_groups_that_keep_their_memory_where_they_serve() -> None:
-    server, actor, reward = fleet()
+    server, actor, reward = server_and_faulty_groups()
     for engine in reward:
         engine.arm("continue_generation", "reject")
     await server.pause()

@@ -72,7 +72,7 @@ SELF_RECURSIVE = {("after_update_weights", "update_weights")}
 FIRINGS = 2
 
 
-def fleet(n: int = 2) -> tuple[list[SimulatedEngine], list[FaultyEngine]]:
+def simulated_and_faulty(n: int = 2) -> tuple[list[SimulatedEngine], list[FaultyEngine]]:
     inner = [SimulatedEngine(f"e{i}", token_latency=0) for i in range(n)]
     return inner, [FaultyEngine(e) for e in inner]
 
@@ -182,7 +182,7 @@ def histories(engines: list[SimulatedEngine]) -> dict[str, list[dict[str, Any]]]
 async def test_a_hook_calling_the_server_never_recurses_nor_breaks_the_contract(
     event: str, call: str, through: bool
 ) -> None:
-    inner, engines = fleet()
+    inner, engines = simulated_and_faulty()
     kept = keeper()
     server = RolloutServer(
         [EngineGroup("actor", engines), EngineGroup("reward", [kept], needs_offload=False)],
@@ -215,7 +215,7 @@ async def test_a_hook_calling_the_server_never_recurses_nor_breaks_the_contract(
 
 
 async def test_a_before_release_hook_calling_offload_is_refused_at_once() -> None:
-    inner, engines = fleet()
+    inner, engines = simulated_and_faulty()
     server = RolloutServer([EngineGroup("actor", engines)], LifecycleConfig(deadlines=DEADLINES))
     nested: list[BaseException] = []
 
@@ -245,7 +245,7 @@ async def test_a_before_release_hook_calling_offload_is_refused_at_once() -> Non
 
 
 async def test_a_before_resume_kv_hook_calling_onload_is_refused_at_once() -> None:
-    inner, engines = fleet()
+    inner, engines = simulated_and_faulty()
     server = RolloutServer([EngineGroup("actor", engines)], LifecycleConfig(deadlines=DEADLINES))
     await server.offload()
     await server.onload_weights()
@@ -275,7 +275,7 @@ async def test_a_before_resume_kv_hook_calling_onload_is_refused_at_once() -> No
 
 
 async def test_a_weight_push_calling_the_server_is_refused() -> None:
-    inner, engines = fleet()
+    inner, engines = simulated_and_faulty()
     server = RolloutServer([EngineGroup("actor", engines)], CONFIG)
     nested: list[BaseException] = []
 
@@ -303,7 +303,7 @@ async def test_a_weight_push_calling_the_server_is_refused() -> None:
 
 
 async def test_a_recover_factory_calling_recover_is_refused() -> None:
-    _, engines = fleet()
+    _, engines = simulated_and_faulty()
     server = RolloutServer([EngineGroup("actor", engines)], CONFIG)
     engines[0].arm("server_info", "die")
     await server.probe()
@@ -325,7 +325,7 @@ async def test_a_recover_factory_calling_recover_is_refused() -> None:
 
 
 def test_a_sync_hook_of_the_facade_calling_offload_is_refused() -> None:
-    inner, engines = fleet()
+    inner, engines = simulated_and_faulty()
     nested: list[BaseException] = []
     with SyncRolloutServer([EngineGroup("actor", engines)], CONFIG) as rollout:
 
@@ -345,7 +345,7 @@ def test_a_sync_hook_of_the_facade_calling_offload_is_refused() -> None:
 
 
 async def test_state_and_after_hooks_still_call_the_server() -> None:
-    inner, engines = fleet()
+    inner, engines = simulated_and_faulty()
     server = RolloutServer([EngineGroup("actor", engines)], CONFIG)
     seen: list[str] = []
 
@@ -369,7 +369,7 @@ async def test_state_and_after_hooks_still_call_the_server() -> None:
 
 
 async def test_a_drain_a_hook_refused_names_the_state_the_server_is_left_in() -> None:
-    _, engines = fleet()
+    _, engines = simulated_and_faulty()
     server = RolloutServer([EngineGroup("actor", engines)], CONFIG)
 
     def refuse(event: LifecycleEvent) -> None:
@@ -409,7 +409,7 @@ def test_an_illegal_transition_carries_its_reason_and_pickles() -> None:
 
 
 async def test_no_error_of_the_state_machine_library_reaches_a_caller() -> None:
-    _, engines = fleet()
+    _, engines = simulated_and_faulty()
     server = RolloutServer([EngineGroup("actor", engines)], CONFIG)
     machine = server._machine
     with pytest.raises(IllegalTransition, match="'release' is allowed from: 'drained'"):

@@ -20,7 +20,7 @@ from rollout_lifecycle import (
 S = ServerState
 
 
-def fleet(n: int = 2) -> tuple[RolloutServer, list[SimulatedEngine]]:
+def server_and_engines(n: int = 2) -> tuple[RolloutServer, list[SimulatedEngine]]:
     sims = [SimulatedEngine() for _ in range(n)]
     return RolloutServer([EngineGroup("actor", list(sims))]), sims
 
@@ -70,7 +70,7 @@ def test_a_bad_config_journal_or_name_is_refused_by_name(
 
 
 async def test_offloaded_brings_the_fleet_back_when_the_body_raises() -> None:
-    server, sims = fleet()
+    server, sims = server_and_engines()
     with pytest.raises(RuntimeError, match="training step failed"):
         async with server.offloaded() as same:
             assert same is server and server.state is S.RELEASED
@@ -80,7 +80,7 @@ async def test_offloaded_brings_the_fleet_back_when_the_body_raises() -> None:
 
 
 async def test_paused_continues_the_fleet_when_the_body_raises() -> None:
-    server, sims = fleet()
+    server, sims = server_and_engines()
     with pytest.raises(RuntimeError, match="sync failed"):
         async with server.paused():
             assert server.state is S.DRAINED and all(s.paused for s in sims)
@@ -91,7 +91,7 @@ async def test_paused_continues_the_fleet_when_the_body_raises() -> None:
 async def test_a_failed_server_is_left_failed_on_exit_for_recover_to_settle() -> None:
     """A body that fails the server: the exit sends nothing more (no onload on top of a failed
     phase), and the failure is what the caller sees."""
-    server, sims = fleet()
+    server, sims = server_and_engines()
     with pytest.raises(PhaseFailed, match="resume_weights"):
         async with server.offloaded():
             sims[1]._die("injected")

@@ -57,7 +57,7 @@ class Push:
             raise self.error
 
 
-def fleet() -> tuple[RolloutServer, list[FaultyEngine], list[FaultyEngine]]:
+def server_and_faulty_groups() -> tuple[RolloutServer, list[FaultyEngine], list[FaultyEngine]]:
     actor, reward = faulty(2, "a"), faulty(2, "r")
     groups = [EngineGroup("actor", actor), EngineGroup("reward", reward, needs_offload=False)]
     return RolloutServer(groups), actor, reward
@@ -69,7 +69,7 @@ async def close(*engines: Any) -> None:
 
 
 async def test_a_write_with_the_kv_cache_released_pauses_and_continues_only_what_served() -> None:
-    server, actor, reward = fleet()
+    server, actor, reward = server_and_faulty_groups()
     await server.offload()
     await server.onload_weights()
     start = {e: len(ops(e)) for e in actor + reward}
@@ -99,7 +99,7 @@ async def test_a_write_with_the_kv_cache_released_pauses_and_continues_only_what
 
 
 async def test_a_write_in_drained_flushes_everywhere_and_continues_nothing() -> None:
-    server, actor, reward = fleet()
+    server, actor, reward = server_and_faulty_groups()
     await server.pause()
     start = {e: len(ops(e)) for e in actor + reward}
     await server.update_weights(Push(), version="v1")
@@ -129,7 +129,7 @@ async def test_an_unversioned_write_sets_no_version_and_lets_a_replacement_serve
 
 
 async def test_a_push_that_raises_closes_every_session_and_sets_no_version() -> None:
-    server, actor, reward = fleet()
+    server, actor, reward = server_and_faulty_groups()
     await server.offload()
     await server.onload_weights()
     failing = Push(RuntimeError("trainer lost a shard"))
@@ -155,7 +155,7 @@ async def test_after_an_unversioned_push_that_raises_no_engine_generates_until_o
     # The push may have written part of the weights, and no version tells which engines hold
     # what, even where an earlier update set one (they all still report it): every engine
     # waits paused for a complete write.
-    server, actor, reward = fleet()
+    server, actor, reward = server_and_faulty_groups()
     await server.offload()
     await server.onload_weights()
     await server.update_weights(Push(), version="v1")
@@ -184,7 +184,7 @@ async def test_after_an_unversioned_push_that_raises_no_engine_generates_until_o
 
 
 async def test_a_drained_fleet_whose_unversioned_push_raised_resumes_only_after_a_write() -> None:
-    server, actor, reward = fleet()
+    server, actor, reward = server_and_faulty_groups()
     await server.pause()
     with pytest.raises(HookFailed, match="update_weights"):
         await server.update_weights(Push(RuntimeError("trainer lost a shard")))

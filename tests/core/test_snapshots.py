@@ -32,7 +32,7 @@ class Group:
     records: tuple[EngineRecord, ...] = field(default=())
 
 
-def fleet(
+def fresh_ledger(
     shape: tuple[tuple[str, bool, int], ...] = (("actor", True, 2), ("ref", False, 1)),
 ) -> Fleet:
     """Records as a fresh server has them: every engine serving."""
@@ -60,7 +60,7 @@ def knowledge(ledger: Fleet) -> list[Any]:
 
 
 def test_a_snapshot_keeps_every_field_of_every_record_through_json() -> None:
-    ledger = settle(fleet(), S.RELEASED)
+    ledger = settle(fresh_ledger(), S.RELEASED)
     actor0, actor1, ref0 = ledger.records()
     actor0.uncertain = {Tag.CUDA_GRAPH}
     actor0.released = {Tag.WEIGHTS, Tag.KV_CACHE}  # (any order: the snapshot keeps Tag's)
@@ -94,7 +94,7 @@ def test_a_snapshot_keeps_every_field_of_every_record_through_json() -> None:
 
 @pytest.mark.parametrize("flag", ["uncertain", "pause_unknown", "session_unknown"])
 def test_a_snapshot_is_mid_call_when_a_live_engine_has_a_call_unanswered(flag: str) -> None:
-    ledger = fleet()
+    ledger = fresh_ledger()
     assert not ServerSnapshot.of("s", S.SERVING, ledger).in_flight()
     record = ledger.records()[1]
     setattr(record, flag, {Tag.KV_CACHE} if flag == "uncertain" else True)
@@ -105,19 +105,19 @@ def test_a_snapshot_is_mid_call_when_a_live_engine_has_a_call_unanswered(flag: s
 
 @pytest.mark.parametrize("state", [S.SERVING, S.DRAINED, S.RELEASED, S.WEIGHTS_RESTORED])
 def test_adopt_loads_the_records_and_enters_the_snapshots_state(state: ServerState) -> None:
-    source = settle(fleet(), state)
+    source = settle(fresh_ledger(), state)
     source.records()[0].incarnation = "startup-7"
     snapshot = ServerSnapshot.of("old", state, source)
-    target = fleet()
+    target = fresh_ledger()
     assert adopt(target, snapshot) is state
     assert knowledge(target) == knowledge(source)
 
 
 def test_drained_records_may_be_adopted_as_kv_restored() -> None:
     """Both states hold every engine paused with all its memory resident."""
-    snapshot = ServerSnapshot.of("old", S.KV_RESTORED, settle(fleet(), S.KV_RESTORED))
-    assert adopt(fleet(), snapshot) is S.KV_RESTORED
-    assert adopt(fleet(), dataclasses.replace(snapshot, state=S.DRAINED)) is S.DRAINED
+    snapshot = ServerSnapshot.of("old", S.KV_RESTORED, settle(fresh_ledger(), S.KV_RESTORED))
+    assert adopt(fresh_ledger(), snapshot) is S.KV_RESTORED
+    assert adopt(fresh_ledger(), dataclasses.replace(snapshot, state=S.DRAINED)) is S.DRAINED
 
 
 def pause_in_flight(record: EngineRecord) -> None:
@@ -142,11 +142,11 @@ def resume_in_flight(record: EngineRecord) -> None:
 def test_a_snapshot_taken_mid_call_is_adopted_as_failed(
     state: ServerState, settled: ServerState, in_flight: Any
 ) -> None:
-    source = settle(fleet(), settled)
+    source = settle(fresh_ledger(), settled)
     in_flight(source.records()[0])
     snapshot = ServerSnapshot.of("old", state, source)
     assert snapshot.in_flight()
-    target = fleet()
+    target = fresh_ledger()
     assert adopt(target, snapshot) is S.FAILED
     assert knowledge(target) == knowledge(source)
 
@@ -159,11 +159,11 @@ def test_a_session_that_may_be_open_is_adopted_as_failed_with_its_engines_stale(
     # session and maybe half the new weights. Adopted as failed, the session kept unknown (the
     # next reset, recover or update closes it first) and the engine stale (held paused until
     # a write completes).
-    source = settle(fleet(), state)
+    source = settle(fresh_ledger(), state)
     source.records()[0].session_unknown = True
     snapshot = ServerSnapshot.of("old", state, source)
     assert snapshot.in_flight()
-    target = fleet()
+    target = fresh_ledger()
     assert adopt(target, snapshot) is S.FAILED
     first, second = target.records()[:2]
     assert first.session_unknown and first.stale
@@ -171,10 +171,10 @@ def test_a_session_that_may_be_open_is_adopted_as_failed_with_its_engines_stale(
 
 
 def test_a_refused_snapshot_leaves_every_record_as_it_was() -> None:
-    target = settle(fleet(), S.DRAINED)
+    target = settle(fresh_ledger(), S.DRAINED)
     target.records()[0].incarnation = "mine"
     before = knowledge(target)
-    snapshot = ServerSnapshot.of("old", S.RELEASED, settle(fleet(), S.RELEASED))
+    snapshot = ServerSnapshot.of("old", S.RELEASED, settle(fresh_ledger(), S.RELEASED))
     (actor, ref) = snapshot.groups
     # the second engine's record is unreadable: the first was loaded by the time it is read
     broken = dataclasses.replace(actor.engines[1], pause_mode="sideways")
@@ -191,7 +191,7 @@ def test_a_refused_snapshot_leaves_every_record_as_it_was() -> None:
 
 
 def test_adopt_refuses_another_fleets_snapshot() -> None:
-    snapshot = ServerSnapshot.of("old", S.SERVING, fleet())
+    snapshot = ServerSnapshot.of("old", S.SERVING, fresh_ledger())
     others = [
         (("actor", True, 2), ("ref", True, 1)),  # ref offloads there
         (("actor", True, 3), ("ref", False, 1)),  # another engine
@@ -199,13 +199,13 @@ def test_adopt_refuses_another_fleets_snapshot() -> None:
         (("actor", True, 2),),
     ]
     for shape in others:
-        target = fleet(shape)
+        target = fresh_ledger(shape)
         before = knowledge(target)
         with pytest.raises(InvalidArgument, match="are not this server's"):
             adopt(target, snapshot)
         assert knowledge(target) == before
     with pytest.raises(InvalidArgument, match="expected a ServerSnapshot"):
-        adopt(fleet(), snapshot.to_dict())  # type: ignore[arg-type]
+        adopt(fresh_ledger(), snapshot.to_dict())  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -219,6 +219,6 @@ def test_adopt_refuses_another_fleets_snapshot() -> None:
     ],
 )
 def test_from_dict_refuses_what_is_not_a_snapshot(change: dict[str, Any]) -> None:
-    data = {**ServerSnapshot.of("old", S.SERVING, fleet()).to_dict(), **change}
+    data = {**ServerSnapshot.of("old", S.SERVING, fresh_ledger()).to_dict(), **change}
     with pytest.raises(InvalidArgument, match="not a server snapshot"):
         ServerSnapshot.from_dict(data)

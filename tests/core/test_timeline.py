@@ -244,8 +244,10 @@ async def test_without_matplotlib_the_error_names_the_plot_extra(
     assert not (tmp_path / "x.png").exists()
 
 
-async def test_ray_engine_actors_get_one_span_per_call(fleet: Fleet, tmp_path: Path) -> None:
-    actors = fleet(3, label="ray", token_latency=0.001)
+async def test_ray_engine_actors_get_one_span_per_call(
+    engine_actors: Fleet, tmp_path: Path
+) -> None:
+    actors = engine_actors(3, label="ray", token_latency=0.001)
     server = RolloutServer([EngineGroup("actor", actors)])
     await cycle(server)
     trace = trace_of(server, tmp_path)

@@ -58,7 +58,7 @@ async def assert_records_match(server: RolloutServer, real: list[RealServer]) ->
 
 
 @pytest.fixture
-async def fleet(real_servers: list[RealServer]) -> AsyncIterator[RolloutServer]:
+async def rollout_server(real_servers: list[RealServer]) -> AsyncIterator[RolloutServer]:
     engines = [SGLangHTTPEngine(s.url) for s in real_servers]
     yield RolloutServer([EngineGroup("actor", engines)], CONFIG)
     await asyncio.gather(*(e.close() for e in engines))
@@ -97,13 +97,13 @@ HOOKED = {
     ],
 )
 async def test_a_server_restarted_at_a_boundary_of_the_cycle_is_never_killed(
-    fleet: RolloutServer,
+    rollout_server: RolloutServer,
     real_servers: list[RealServer],
     real_sglang: Any,
     boundary: str,
     phase: str,
 ) -> None:
-    server, victim, model = fleet, real_servers[0], real_sglang.model
+    server, victim, model = rollout_server, real_servers[0], real_sglang.model
     before = (await reported(victim.url))["incarnation"]
     if boundary in HOOKED:
         server.on(HOOKED[boundary], once(lambda: asyncio.to_thread(victim.restart)))

@@ -62,7 +62,7 @@ def expected(real_sglang: RealSGLang, checkpoints: dict[str, str]) -> dict[str, 
 
 
 @pytest.fixture
-async def fleet(
+async def real_server_and_engines(
     real_servers: list[RealServer], checkpoints: dict[str, str]
 ) -> AsyncIterator[tuple[RolloutServer, list[SGLangHTTPEngine]]]:
     engines = [SGLangHTTPEngine(s.url) for s in real_servers]
@@ -95,20 +95,21 @@ async def served_versions(server: RolloutServer, count: int) -> set[str]:
 
 
 async def test_the_trainers_fingerprint_of_the_served_checkpoint_is_what_the_servers_report(
-    fleet: tuple[RolloutServer, list[SGLangHTTPEngine]], expected: dict[str, Fingerprint]
+    real_server_and_engines: tuple[RolloutServer, list[SGLangHTTPEngine]],
+    expected: dict[str, Fingerprint],
 ) -> None:
-    _, engines = fleet
+    _, engines = real_server_and_engines
     assert await fingerprints(engines) == [expected["base"], expected["base"]]
     assert len(expected["base"].tensors) == 28
     assert expected["step1"].differing(expected["base"]) == ("transformer.h.0.mlp.c_fc.weight",)
 
 
 async def test_a_verified_offload_cycle_loads_a_new_checkpoint_per_step(
-    fleet: tuple[RolloutServer, list[SGLangHTTPEngine]],
+    real_server_and_engines: tuple[RolloutServer, list[SGLangHTTPEngine]],
     checkpoints: dict[str, str],
     expected: dict[str, Fingerprint],
 ) -> None:
-    server, engines = fleet
+    server, engines = real_server_and_engines
     for step in ("step1", "step2"):
         await server.offload()
         await server.onload_weights()
@@ -122,10 +123,10 @@ async def test_a_verified_offload_cycle_loads_a_new_checkpoint_per_step(
 
 async def test_a_push_that_reaches_one_server_but_not_the_other_is_caught_before_either_serves(
     real_servers: list[RealServer],
-    fleet: tuple[RolloutServer, list[SGLangHTTPEngine]],
+    real_server_and_engines: tuple[RolloutServer, list[SGLangHTTPEngine]],
     checkpoints: dict[str, str],
 ) -> None:
-    server, _ = fleet
+    server, _ = real_server_and_engines
     await server.pause()
     with pytest.raises(WeightsNotVerified) as caught:
         await server.update_weights(
@@ -146,11 +147,11 @@ async def test_a_push_that_reaches_one_server_but_not_the_other_is_caught_before
 
 
 async def test_a_push_of_the_wrong_checkpoint_is_caught_against_the_expected_fingerprint(
-    fleet: tuple[RolloutServer, list[SGLangHTTPEngine]],
+    real_server_and_engines: tuple[RolloutServer, list[SGLangHTTPEngine]],
     checkpoints: dict[str, str],
     expected: dict[str, Fingerprint],
 ) -> None:
-    server, _ = fleet
+    server, _ = real_server_and_engines
     await server.pause()
     with pytest.raises(WeightsNotVerified) as caught:
         await server.update_weights(
@@ -183,11 +184,11 @@ async def pushed_by(
 
 async def test_tensors_in_shared_memory_from_a_trainer_process_are_pushed_and_verified(
     real_sglang: RealSGLang,
-    fleet: tuple[RolloutServer, list[SGLangHTTPEngine]],
+    real_server_and_engines: tuple[RolloutServer, list[SGLangHTTPEngine]],
     checkpoints: dict[str, str],
     expected: dict[str, Fingerprint],
 ) -> None:
-    server, engines = fleet
+    server, engines = real_server_and_engines
     trainer = trainer_push(real_sglang, "tensor", checkpoints["step1"])
     assert trainer.stdout is not None
     payload = json.loads(trainer.stdout.readline())
@@ -198,11 +199,11 @@ async def test_tensors_in_shared_memory_from_a_trainer_process_are_pushed_and_ve
 
 async def test_a_gloo_broadcast_from_a_trainer_process_is_pushed_and_verified(
     real_sglang: RealSGLang,
-    fleet: tuple[RolloutServer, list[SGLangHTTPEngine]],
+    real_server_and_engines: tuple[RolloutServer, list[SGLangHTTPEngine]],
     checkpoints: dict[str, str],
     expected: dict[str, Fingerprint],
 ) -> None:
-    server, engines = fleet
+    server, engines = real_server_and_engines
     names, dtypes, shapes = tensor_specs(checkpoints["step2"])
     port = free_port()
     push = FromDistributed(
@@ -238,11 +239,11 @@ def descriptor_payload(real_sglang: RealSGLang) -> str:
 async def test_a_tensor_payload_that_kills_a_server_is_refused_before_it_is_sent(
     real_sglang: RealSGLang,
     disposable_real_server: RealServer,
-    fleet: tuple[RolloutServer, list[SGLangHTTPEngine]],
+    real_server_and_engines: tuple[RolloutServer, list[SGLangHTTPEngine]],
 ) -> None:
     lent = descriptor_payload(real_sglang)
     not_a_pickle = base64.b64encode(b"not a pickle").decode()
-    server, _ = fleet
+    server, _ = real_server_and_engines
     await server.pause()
     for payload, why in ((lent, "file descriptors"), (not_a_pickle, "is not a pickle")):
         with pytest.raises(InvalidArgument, match=why):

@@ -64,9 +64,9 @@ async def test_overhead_runs_every_contender_on_actor_and_hosted_fleets(ray_clus
 
 
 async def test_slime_style_flush_polls_a_busy_engine_every_second(
-    fleet: Callable[..., list[Any]],
+    engine_actors: Callable[..., list[Any]],
 ) -> None:
-    (engine,) = fleet(1, token_latency=0.005)
+    (engine,) = engine_actors(1, token_latency=0.005)
     request = engine.generate.remote({"input_ids": [1], "sampling_params": {"max_new_tokens": 60}})
     for _ in range(500):
         if (await engine.stats.remote())["running"]:

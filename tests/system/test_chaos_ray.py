@@ -36,10 +36,10 @@ PHASES = {
 }
 
 
-def factory_for(fleet: Fleet, made: list[str]) -> Callable[[str], Any]:
+def factory_for(engine_actors: Fleet, made: list[str]) -> Callable[[str], Any]:
     async def make(engine_id: str) -> Any:
         made.append(engine_id)
-        (actor,) = fleet(1, wait=False, label=f"replacement-{engine_id.replace('/', '-')}")
+        (actor,) = engine_actors(1, wait=False, label=f"replacement-{engine_id.replace('/', '-')}")
         return actor
 
     return make
@@ -80,10 +80,10 @@ async def assert_fleet_whole_and_serving(server: RolloutServer) -> None:
 
 @pytest.mark.parametrize("phase", list(PHASES))
 async def test_engine_killed_mid_phase_is_named_and_recover_restores_the_fleet(
-    fleet: Fleet, phase: str
+    engine_actors: Fleet, phase: str
 ) -> None:
     op, settles_in = PHASES[phase]
-    engines = fleet(4, token_latency=0.002, op_latency={op: SLOW})
+    engines = engine_actors(4, token_latency=0.002, op_latency={op: SLOW})
     server = RolloutServer([EngineGroup("actor", engines)])
     times = 1
     if phase == "resume_kv":
@@ -110,7 +110,7 @@ async def test_engine_killed_mid_phase_is_named_and_recover_restores_the_fleet(
         assert all(e.released == ("weights", "kv_cache", "cuda_graph") for e in healthy)
 
     made: list[str] = []
-    outcomes = await asyncio.wait_for(server.recover(factory_for(fleet, made)), timeout=90)
+    outcomes = await asyncio.wait_for(server.recover(factory_for(engine_actors, made)), timeout=90)
     assert made == ["actor/2"]
     assert all(o.ok for o in outcomes.values()) and "actor/2" in outcomes
     assert server.state is settles_in
@@ -124,8 +124,10 @@ async def test_engine_killed_mid_phase_is_named_and_recover_restores_the_fleet(
     await assert_fleet_whole_and_serving(server)
 
 
-async def test_skip_policy_goes_on_without_a_dead_engine_then_recovers_it(fleet: Fleet) -> None:
-    engines = fleet(3)
+async def test_skip_policy_goes_on_without_a_dead_engine_then_recovers_it(
+    engine_actors: Fleet,
+) -> None:
+    engines = engine_actors(3)
     server = RolloutServer(
         [EngineGroup("actor", engines)],
         LifecycleConfig(dead_engines=DeadEnginePolicy.SKIP),
@@ -137,7 +139,7 @@ async def test_skip_policy_goes_on_without_a_dead_engine_then_recovers_it(fleet:
     snap = server.snapshot().engines()
     assert not snap["actor/0"].alive
     assert snap["actor/1"].released == ("weights", "kv_cache", "cuda_graph")
-    await asyncio.wait_for(server.recover(factory_for(fleet, [])), timeout=60)
+    await asyncio.wait_for(server.recover(factory_for(engine_actors, [])), timeout=60)
     assert server.state is ServerState.RELEASED
     assert server.snapshot().engines()["actor/0"].released == ("weights", "kv_cache", "cuda_graph")
     memory = await server.engines()["actor/0"].memory.remote()
@@ -146,8 +148,8 @@ async def test_skip_policy_goes_on_without_a_dead_engine_then_recovers_it(fleet:
     await assert_fleet_whole_and_serving(server)
 
 
-async def test_failed_is_left_only_by_recover_or_reset(fleet: Fleet) -> None:
-    engines = fleet(2)
+async def test_failed_is_left_only_by_recover_or_reset(engine_actors: Fleet) -> None:
+    engines = engine_actors(2)
     server = RolloutServer([EngineGroup("actor", engines)])
     ray.kill(engines[1])
     await until_actor_gone(engines[1])
@@ -158,5 +160,5 @@ async def test_failed_is_left_only_by_recover_or_reset(fleet: Fleet) -> None:
         with pytest.raises(Exception, match="failed"):
             await call()
     assert server.state is ServerState.FAILED
-    await asyncio.wait_for(server.recover(factory_for(fleet, [])), timeout=60)
+    await asyncio.wait_for(server.recover(factory_for(engine_actors, [])), timeout=60)
     assert server.state is ServerState.SERVING

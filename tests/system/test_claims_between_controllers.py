@@ -54,7 +54,7 @@ def engines(http_clients: list[SGLangHTTPEngine]) -> list[SGLangHTTPEngine]:
     return http_clients
 
 
-def fleet(
+def http_engines(
     servers: list[StandInServer], made: list[SGLangHTTPEngine], host: str = "127.0.0.1"
 ) -> list[SGLangHTTPEngine]:
     out = [SGLangHTTPEngine(s.url.replace("127.0.0.1", host), retries=0) for s in servers]
@@ -65,10 +65,10 @@ def fleet(
 async def test_a_second_server_is_refused_at_once_while_the_first_drives_the_engines(
     servers: list[StandInServer], engines: list[SGLangHTTPEngine]
 ) -> None:
-    trainer = RolloutServer([EngineGroup("actor", fleet(servers, engines))], name="trainer")
+    trainer = RolloutServer([EngineGroup("actor", http_engines(servers, engines))], name="trainer")
     # the same servers, spelled another way: one engine is one address
     operator = RolloutServer(
-        [EngineGroup("actor", fleet(servers, engines, "localhost"))], name="operator"
+        [EngineGroup("actor", http_engines(servers, engines, "localhost"))], name="operator"
     )
     holding, go_on = asyncio.Event(), asyncio.Event()
 
@@ -131,7 +131,9 @@ async def test_a_claim_held_by_another_process_refuses_and_dies_with_it(
         # a deadline on a fact: the child says it holds its claim
         line = await asyncio.wait_for(child.stdout.readline(), BOUND)
         assert line.strip() == b"holding", f"the holder did not start (exit {child.returncode})"
-        server = RolloutServer([EngineGroup("actor", fleet(servers, engines))], name="second")
+        server = RolloutServer(
+            [EngineGroup("actor", http_engines(servers, engines))], name="second"
+        )
         with pytest.raises(EngineClaimed) as err:
             await asyncio.wait_for(server.pause(), BOUND)
         assert err.value.details["pid"] == child.pid

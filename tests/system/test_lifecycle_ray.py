@@ -100,10 +100,14 @@ async def disk_push(update: WeightUpdate) -> None:
     )
 
 
-async def test_barriers_hold_across_groups_with_random_latencies(fleet: Fleet) -> None:
-    actor = fleet(3, label="actor", seed=11, op_latency=RANDOM_LATENCY, token_latency=0.003)
-    critic = fleet(3, label="critic", seed=23, op_latency=RANDOM_LATENCY, token_latency=0.003)
-    reward = fleet(2, label="reward", seed=37, op_latency=RANDOM_LATENCY, token_latency=0.003)
+async def test_barriers_hold_across_groups_with_random_latencies(engine_actors: Fleet) -> None:
+    actor = engine_actors(3, label="actor", seed=11, op_latency=RANDOM_LATENCY, token_latency=0.003)
+    critic = engine_actors(
+        3, label="critic", seed=23, op_latency=RANDOM_LATENCY, token_latency=0.003
+    )
+    reward = engine_actors(
+        2, label="reward", seed=37, op_latency=RANDOM_LATENCY, token_latency=0.003
+    )
     server = RolloutServer(
         [
             EngineGroup("actor", actor),
@@ -178,8 +182,8 @@ async def test_cycle_checker_catches_a_broken_barrier() -> None:
     assert len(cycle_order_violations(bad)) == 1
 
 
-async def test_hook_observes_exactly_the_designed_state_sequence(fleet: Fleet) -> None:
-    engines = fleet(3, token_latency=0.002)
+async def test_hook_observes_exactly_the_designed_state_sequence(engine_actors: Fleet) -> None:
+    engines = engine_actors(3, token_latency=0.002)
     server = RolloutServer([EngineGroup("actor", engines)])
     seen: list[tuple[str, str]] = []
 
@@ -207,8 +211,8 @@ async def test_hook_observes_exactly_the_designed_state_sequence(fleet: Fleet) -
     assert seen == [("serving", "pausing"), ("pausing", "drained"), ("drained", "serving")]
 
 
-async def test_offload_twice_is_a_noop_the_second_time(fleet: Fleet) -> None:
-    engines = fleet(3)
+async def test_offload_twice_is_a_noop_the_second_time(engine_actors: Fleet) -> None:
+    engines = engine_actors(3)
     server = RolloutServer([EngineGroup("actor", engines)])
     await server.offload()
     before = await histories(server)
@@ -219,8 +223,8 @@ async def test_offload_twice_is_a_noop_the_second_time(fleet: Fleet) -> None:
         assert len(released_ops(history)) == 1
 
 
-async def test_illegal_calls_raise_and_send_nothing(fleet: Fleet) -> None:
-    engines = fleet(3)
+async def test_illegal_calls_raise_and_send_nothing(engine_actors: Fleet) -> None:
+    engines = engine_actors(3)
     server = RolloutServer([EngineGroup("actor", engines)])
     with pytest.raises(IllegalTransition) as err:
         await server.onload_kv()
@@ -245,8 +249,10 @@ async def test_illegal_calls_raise_and_send_nothing(fleet: Fleet) -> None:
     assert server.state is ServerState.RELEASED
 
 
-async def test_in_place_pause_is_refused_for_offload_before_any_engine_call(fleet: Fleet) -> None:
-    engines = fleet(2)
+async def test_in_place_pause_is_refused_for_offload_before_any_engine_call(
+    engine_actors: Fleet,
+) -> None:
+    engines = engine_actors(2)
     server = RolloutServer(
         [EngineGroup("actor", engines)], LifecycleConfig(pause_mode=PauseMode.IN_PLACE)
     )
@@ -260,8 +266,8 @@ async def test_in_place_pause_is_refused_for_offload_before_any_engine_call(flee
     assert server.state is ServerState.SERVING
 
 
-async def test_retract_keeps_every_request_in_flight_and_aborts_none(fleet: Fleet) -> None:
-    engines = fleet(2, token_latency=0.004)
+async def test_retract_keeps_every_request_in_flight_and_aborts_none(engine_actors: Fleet) -> None:
+    engines = engine_actors(2, token_latency=0.004)
     server = RolloutServer([EngineGroup("actor", engines)])
     requests = [generate(engines[i % 2], i, 400) for i in range(12)]
     await until_decoding(engines, 6)  # the pause finds every request decoding
@@ -275,8 +281,10 @@ async def test_retract_keeps_every_request_in_flight_and_aborts_none(fleet: Flee
     assert sum(r["meta_info"]["num_retractions"] for r in results) >= 1
 
 
-async def test_abort_returns_every_request_in_flight_with_its_partial_output(fleet: Fleet) -> None:
-    engines = fleet(2, token_latency=0.004)
+async def test_abort_returns_every_request_in_flight_with_its_partial_output(
+    engine_actors: Fleet,
+) -> None:
+    engines = engine_actors(2, token_latency=0.004)
     server = RolloutServer(
         [EngineGroup("actor", engines)], LifecycleConfig(pause_mode=PauseMode.ABORT)
     )
@@ -292,9 +300,9 @@ async def test_abort_returns_every_request_in_flight_with_its_partial_output(fle
     assert server.state is ServerState.SERVING
 
 
-async def test_group_without_offload_keeps_serving_during_offload(fleet: Fleet) -> None:
-    actor = fleet(2, token_latency=0.002)
-    reward = fleet(2, token_latency=0.002)
+async def test_group_without_offload_keeps_serving_during_offload(engine_actors: Fleet) -> None:
+    actor = engine_actors(2, token_latency=0.002)
+    reward = engine_actors(2, token_latency=0.002)
     server = RolloutServer(
         [EngineGroup("actor", actor), EngineGroup("reward", reward, needs_offload=False)]
     )
@@ -309,8 +317,8 @@ async def test_group_without_offload_keeps_serving_during_offload(fleet: Fleet) 
     await server.onload()
 
 
-async def test_guard_refuses_each_fatal_misuse_and_the_engines_live(fleet: Fleet) -> None:
-    engines = fleet(3)
+async def test_guard_refuses_each_fatal_misuse_and_the_engines_live(engine_actors: Fleet) -> None:
+    engines = engine_actors(3)
     group = EngineGroup("actor", engines)
     server = RolloutServer([group])
     with pytest.raises(IllegalEngineOp, match="not released"):
@@ -332,8 +340,8 @@ async def test_guard_refuses_each_fatal_misuse_and_the_engines_live(fleet: Fleet
         assert all(e["outcome"] != "fatal" for e in history)
 
 
-async def test_without_the_guard_the_same_misuse_kills_the_engine(fleet: Fleet) -> None:
-    (engine,) = fleet(1)
+async def test_without_the_guard_the_same_misuse_kills_the_engine(engine_actors: Fleet) -> None:
+    (engine,) = engine_actors(1)
     await engine.pause_generation.remote("retract")
     await engine.flush_cache.remote(1.0)
     await engine.release_memory_occupation.remote(["kv_cache"])
@@ -345,9 +353,9 @@ async def test_without_the_guard_the_same_misuse_kills_the_engine(fleet: Fleet) 
     assert [e["outcome"] for e in history][-2:] == ["fatal", "dead"]
 
 
-async def test_failed_pause_releases_nothing_and_continues_the_paused(fleet: Fleet) -> None:
-    fast = fleet(2)
-    (slow,) = fleet(1, op_latency={"pause_generation": 2.0})
+async def test_failed_pause_releases_nothing_and_continues_the_paused(engine_actors: Fleet) -> None:
+    fast = engine_actors(2)
+    (slow,) = engine_actors(1, op_latency={"pause_generation": 2.0})
     server = RolloutServer(
         [EngineGroup("actor", [*fast, slow])],
         LifecycleConfig(deadlines=Deadlines(pause=0.5)),
@@ -368,8 +376,8 @@ async def test_failed_pause_releases_nothing_and_continues_the_paused(fleet: Fle
     assert [i["paused"] for i in infos] == [False, False, False]
 
 
-async def test_cancelled_offload_settles_the_phase_before_cancelling(fleet: Fleet) -> None:
-    engines = fleet(3, op_latency={"pause_generation": 1.0})
+async def test_cancelled_offload_settles_the_phase_before_cancelling(engine_actors: Fleet) -> None:
+    engines = engine_actors(3, op_latency={"pause_generation": 1.0})
     server = RolloutServer([EngineGroup("actor", engines)])
     task = asyncio.ensure_future(server.offload())
     await until_began(engines, "pause_generation")  # inside the pause phase
@@ -386,16 +394,16 @@ async def test_cancelled_offload_settles_the_phase_before_cancelling(fleet: Flee
     assert server.state is ServerState.RELEASED
 
 
-async def test_concurrent_calls_are_serialized(fleet: Fleet) -> None:
-    engines = fleet(2, op_latency={"release_memory_occupation": 0.1})
+async def test_concurrent_calls_are_serialized(engine_actors: Fleet) -> None:
+    engines = engine_actors(2, op_latency={"release_memory_occupation": 0.1})
     server = RolloutServer([EngineGroup("actor", engines)])
     await asyncio.gather(server.offload(), server.offload(), server.offload())
     for history in (await histories(server)).values():
         assert len(released_ops(history)) == 1
 
 
-async def test_events_cover_every_phase_and_engine_call(fleet: Fleet) -> None:
-    engines = fleet(2)
+async def test_events_cover_every_phase_and_engine_call(engine_actors: Fleet) -> None:
+    engines = engine_actors(2)
     server = RolloutServer([EngineGroup("actor", engines)], name="events-test")
     with capture_logs() as logs:
         await server.offload()
@@ -419,8 +427,8 @@ async def test_events_cover_every_phase_and_engine_call(fleet: Fleet) -> None:
     assert all(e["outcome"] == "ok" for e in phases if e["event"] == "phase.end")
 
 
-async def test_offloaded_context_restores_even_when_the_body_raises(fleet: Fleet) -> None:
-    engines = fleet(2)
+async def test_offloaded_context_restores_even_when_the_body_raises(engine_actors: Fleet) -> None:
+    engines = engine_actors(2)
     server = RolloutServer([EngineGroup("actor", engines)])
     pushed: list[str] = []
 
@@ -438,8 +446,8 @@ async def test_offloaded_context_restores_even_when_the_body_raises(fleet: Fleet
     assert await asyncio.gather(*(h.weight_version.remote() for h in engines)) == ["v7", "v7"]
 
 
-async def test_a_dead_actor_fails_the_phase_and_is_named(fleet: Fleet) -> None:
-    engines = fleet(3)
+async def test_a_dead_actor_fails_the_phase_and_is_named(engine_actors: Fleet) -> None:
+    engines = engine_actors(3)
     server = RolloutServer([EngineGroup("actor", engines)])
     ray.kill(engines[1])
     await until_actor_gone(engines[1])
@@ -451,8 +459,8 @@ async def test_a_dead_actor_fails_the_phase_and_is_named(fleet: Fleet) -> None:
     assert server.state is ServerState.FAILED
 
 
-async def test_group_methods_issue_refs_without_waiting(fleet: Fleet) -> None:
-    engines = fleet(3, op_latency={"pause_generation": 0.5})
+async def test_group_methods_issue_refs_without_waiting(engine_actors: Fleet) -> None:
+    engines = engine_actors(3, op_latency={"pause_generation": 0.5})
     group = EngineGroup("actor", engines)
     calls = group.pause_generation(PauseMode.RETRACT)
     refs = [c.ref for c in calls]
@@ -463,9 +471,9 @@ async def test_group_methods_issue_refs_without_waiting(fleet: Fleet) -> None:
 
 
 async def test_guard_refuses_in_place_release_and_writes_into_released_weights(
-    fleet: Fleet,
+    engine_actors: Fleet,
 ) -> None:
-    engines = fleet(2, token_latency=0.004)
+    engines = engine_actors(2, token_latency=0.004)
     group = EngineGroup("actor", engines)
     server = RolloutServer([group], LifecycleConfig(pause_mode=PauseMode.IN_PLACE))
     requests = [generate(h, i, 200) for i, h in enumerate(engines)]
@@ -484,8 +492,10 @@ async def test_guard_refuses_in_place_release_and_writes_into_released_weights(
         assert all(e["outcome"] != "fatal" for e in history)
 
 
-async def test_probe_never_uses_a_generating_health_check_on_paused_engines(fleet: Fleet) -> None:
-    engines = fleet(2, health_timeout=5.0)
+async def test_probe_never_uses_a_generating_health_check_on_paused_engines(
+    engine_actors: Fleet,
+) -> None:
+    engines = engine_actors(2, health_timeout=5.0)
     server = RolloutServer([EngineGroup("actor", engines)])
     await server.offload()
     outcomes = await asyncio.wait_for(server.probe(), timeout=5)

@@ -68,7 +68,7 @@ ADMIN_KEY = "readme-admin-key"
 
 
 @pytest.fixture(scope="module")
-def fleet() -> Iterator[list[StandInServer]]:
+def sglang_standins() -> Iterator[list[StandInServer]]:
     with StandInServer.running(3, admin_key=ADMIN_KEY, token_latency=0.002) as servers:
         yield servers
 
@@ -98,14 +98,14 @@ def vllm_fleet() -> Iterator[list[VLLMStandInServer]]:
 def test_readme_shell_block_runs(
     index: int,
     ray_cluster: None,
-    fleet: list[StandInServer],
+    sglang_standins: list[StandInServer],
     vllm_fleet: list[VLLMStandInServer],
     tmp_path: Path,
 ) -> None:
     """Each shell block after the two opening commands runs as written, in a folder with an
     ``engines.txt`` that lists three stand-in SGLang servers and a ``vllm-engines.txt`` that
     lists two stand-in vLLM servers. (``sh`` blocks need real engines: see below.)"""
-    (tmp_path / "engines.txt").write_text("".join(f"{s.url}\n" for s in fleet))
+    (tmp_path / "engines.txt").write_text("".join(f"{s.url}\n" for s in sglang_standins))
     (tmp_path / "vllm-engines.txt").write_text("".join(f"{s.url}\n" for s in vllm_fleet))
     env = {
         **os.environ,

@@ -54,7 +54,7 @@ async def router_for(**options: Any) -> AsyncIterator[LaunchedRouter]:
         launched.stop()
 
 
-def fleet(urls: list[str], keeper: str | None = None, **config: Any) -> list[EngineGroup]:
+def engine_groups(urls: list[str], keeper: str | None = None, **config: Any) -> list[EngineGroup]:
     groups = [EngineGroup("actor", [SGLangHTTPEngine(u) for u in urls])]
     if keeper is not None:
         groups.append(EngineGroup("reward", [SGLangHTTPEngine(keeper)], needs_offload=False))
@@ -73,7 +73,7 @@ async def test_the_router_lists_exactly_the_engines_that_serve(
     a, b, keeper = (s.url for s in standins)
     async with router_for() as launched:
         router = launched.client()
-        server = RolloutServer(fleet([a, b], keeper), router=router)
+        server = RolloutServer(engine_groups([a, b], keeper), router=router)
         assert await listed(router) == set()
         done = await server.sync_router()
         assert ids(*done["added"]) == ids(a, b, keeper) and done["removed"] == []
@@ -106,7 +106,9 @@ async def test_traffic_through_the_router_loses_nothing_over_20_cycles(
     a, b, _ = (s.url for s in standins)
     async with router_for() as launched:
         router = launched.client()
-        server = RolloutServer(fleet([a, b]), LifecycleConfig(pause_mode=mode), router=router)
+        server = RolloutServer(
+            engine_groups([a, b]), LifecycleConfig(pause_mode=mode), router=router
+        )
         await server.sync_router()
         traffic = Traffic(launched.url, senders=4)
         reached_released: list[str] = []
@@ -192,7 +194,7 @@ async def test_an_unreachable_router_refuses_before_any_engine_is_paused(
 ) -> None:
     a = standins[0].url
     nowhere = SGLangRouter(f"http://127.0.0.1:{free_port()}", timeout=2.0)
-    server = RolloutServer(fleet([a]), router=nowhere)
+    server = RolloutServer(engine_groups([a]), router=nowhere)
     with pytest.raises(RouterError, match=r"router http://127\.0\.0\.1:\d+: .*unreachable"):
         await server.sync_router()
     with pytest.raises(RouterError, match="unreachable"):
@@ -208,9 +210,9 @@ async def test_a_wrong_key_is_named_and_a_worker_the_router_lost_is_put_back(
     async with router_for(api_key="right-key-5c1e") as launched:
         wrong = SGLangRouter(launched.url, api_key="wrong-key-77aa")
         with pytest.raises(RouterError, match="401, the router refused the control-plane key"):
-            await RolloutServer(fleet([a, b]), router=wrong).sync_router()
+            await RolloutServer(engine_groups([a, b]), router=wrong).sync_router()
         router = launched.client()
-        server = RolloutServer(fleet([a, b]), router=router)
+        server = RolloutServer(engine_groups([a, b]), router=router)
         await server.sync_router()
         await router.remove(b)  # the router drops a worker by itself
         assert await listed(router) == ids(a)

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from system.router_traffic import ids, listed
-from system.test_router import TOKEN_S, fleet, one_cycle, router_for, standins  # noqa: F401
+from system.test_router import TOKEN_S, engine_groups, one_cycle, router_for, standins  # noqa: F401
 
 from rollout_lifecycle import (
     LaunchedRouter,
@@ -58,7 +58,7 @@ def test_a_call_per_event_loop_leaves_no_socket_open(
     try:
         asyncio.run(launched.wait_ready())
         router = launched.client()
-        server = RolloutServer(fleet([a, b]), router=router)
+        server = RolloutServer(engine_groups([a, b]), router=router)
 
         async def step() -> dict[str, list[str]]:
             await router.remove(b)  # the router drops a worker; the server puts it back
@@ -128,7 +128,7 @@ async def test_a_worker_another_team_registers_at_a_retired_url_stays_listed(
         async with router_for() as launched:
             router = launched.client()
             binding = RefusingRemovals(router)
-            server = RolloutServer(fleet([a, retired]), router=binding)
+            server = RolloutServer(engine_groups([a, retired]), router=binding)
             await server.sync_router()  # the binding registers both workers
             assert await listed(router) == ids(a, retired)
             doomed.stop(timeout=0)
@@ -172,7 +172,7 @@ async def test_an_onload_whose_engines_serve_unlisted_raises_once_it_is_done(
     async with router_for() as launched:
         router = launched.client()
         binding = RefusingRemovals(router, adds=True)
-        server = RolloutServer(fleet([a, b]), router=binding)
+        server = RolloutServer(engine_groups([a, b]), router=binding)
         await server.sync_router()
         await server.offload()
         await server.onload_weights()

@@ -29,12 +29,12 @@ def cycle(at: float, *, phases: tuple[str, ...] = tuple(OPS)) -> list[dict[str, 
     return [call(p, at + i, at + i + 0.5) for i, p in enumerate(phases)]
 
 
-def fleet(engines: int = 2, cycles: int = 2) -> dict[str, list[dict[str, Any]]]:
+def clean_histories(engines: int = 2, cycles: int = 2) -> dict[str, list[dict[str, Any]]]:
     return {f"e{k}": [c for n in range(cycles) for c in cycle(10.0 * n)] for k in range(engines)}
 
 
 def test_a_clean_fleet_breaks_nothing_under_every_scoping() -> None:
-    histories = fleet(engines=3, cycles=3)
+    histories = clean_histories(engines=3, cycles=3)
     assert barrier_violations(histories) == []
     assert barrier_violations(histories, scopes=None) == []
     assert barrier_violations(histories, scopes=[0.0, 10.0, 20.0]) == []
@@ -48,7 +48,7 @@ def test_the_pairs_are_the_cycle_in_order() -> None:
 
 @pytest.mark.parametrize(("before", "after"), BARRIER_PAIRS)
 def test_a_call_in_flight_holds_the_next_phase(before: str, after: str) -> None:
-    histories = fleet()
+    histories = clean_histories()
     late = next(c for c in histories["e1"] if c["start"] == 10.0 + list(OPS).index(before))
     late["end"] = None  # e1's call of cycle 2 never returned
     for scopes in ("rounds", None, [0.0, 10.0]):
@@ -59,7 +59,7 @@ def test_a_call_in_flight_holds_the_next_phase(before: str, after: str) -> None:
 
 
 def test_a_phase_sent_before_the_previous_reached_every_engine_is_caught_in_a_scope() -> None:
-    histories = fleet(cycles=1)
+    histories = clean_histories(cycles=1)
     # e1's pause is issued only after e0 has already started flushing: nothing was in flight
     # when the flush began, so only an ordering scope (rounds or windows) can see it.
     histories["e1"][0].update(start=1.2, end=1.4)
@@ -86,7 +86,7 @@ def test_a_straggler_across_windows_is_caught_until_its_engine_is_gone() -> None
 
 
 def test_phases_limits_the_check_to_the_named_ones() -> None:
-    histories = fleet(cycles=1)
+    histories = clean_histories(cycles=1)
     histories["e1"][0]["end"] = 1.5  # a broken pause -> flush barrier
     histories["e1"][4]["end"] = 5.5  # a broken resume_kv -> continue barrier
     assert len(barrier_violations(histories)) == 2
@@ -108,7 +108,7 @@ def test_a_phase_missing_from_a_round_orders_its_neighbours() -> None:
 def test_calls_before_the_first_pause_belong_to_no_round() -> None:
     # A replacement's bring-up (resumes, then continue) before it ever paused: out of any
     # round, it is still held by the rule on calls in flight.
-    histories = fleet(cycles=1)
+    histories = clean_histories(cycles=1)
     histories["new"] = [call("resume_kv", 4.2, 5.8)]
     assert barrier_violations(histories, scopes=None) == barrier_violations(histories)
     (found,) = barrier_violations(histories)
@@ -116,7 +116,7 @@ def test_calls_before_the_first_pause_belong_to_no_round() -> None:
 
 
 def test_calls_that_are_no_phase_are_ignored() -> None:
-    histories = fleet(cycles=1)
+    histories = clean_histories(cycles=1)
     for entries in histories.values():
         entries.insert(1, {"op": "server_info", "tags": None, "start": 0.2, "end": 9.0})
         entries.insert(1, {"op": "update_weights_from_tensor", "start": 3.6, "end": None})
@@ -124,7 +124,7 @@ def test_calls_that_are_no_phase_are_ignored() -> None:
 
 
 def test_fatal_calls_come_first_in_cycle_order_violations() -> None:
-    histories = fleet(cycles=1)
+    histories = clean_histories(cycles=1)
     histories["e0"][2].update(outcome="fatal", detail="busy")
     histories["e1"][0]["end"] = 1.5
     found = cycle_order_violations(histories)

@@ -36,7 +36,7 @@ FATAL_SERVERS = ("busy", "double", "resume", "resume_all", "continue")
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, StandInServer]]:
+def standin_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, StandInServer]]:
     history = tmp_path_factory.mktemp("standin-history")
     servers = {
         "open": StandInServer(
@@ -58,9 +58,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, StandI
 
 
 @pytest.fixture
-def open_url(fleet: dict[str, StandInServer]) -> Iterator[str]:
+def open_url(standin_servers: dict[str, StandInServer]) -> Iterator[str]:
     """The shared open server; every test leaves it serving, unpaused and without requests."""
-    url = fleet["open"].url
+    url = standin_servers["open"].url
     yield url
     with httpx.Client(timeout=TIMEOUT) as client:
         client.post(f"{url}/abort_request", json={"abort_all": True})
@@ -108,9 +108,9 @@ def validation_error(response: httpx.Response) -> str:
 
 
 def test_ready_line_gives_a_loopback_url_and_a_live_process(
-    fleet: dict[str, StandInServer],
+    standin_servers: dict[str, StandInServer],
 ) -> None:
-    server = fleet["open"]
+    server = standin_servers["open"]
     assert server.port > 0 and server.url == f"http://127.0.0.1:{server.port}"
     assert server.alive() and server.pid > 0 and server.returncode is None
 
@@ -455,9 +455,9 @@ def test_standin_extras_expose_history_memory_and_stats(open_url: str) -> None:
 
 
 def test_auth_with_both_keys_wants_admin_for_control_and_api_for_normal(
-    fleet: dict[str, StandInServer],
+    standin_servers: dict[str, StandInServer],
 ) -> None:
-    server = fleet["auth"]
+    server = standin_servers["auth"]
     with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
         wrong = {"Authorization": "Bearer not-the-key"}
         for path, body in (
@@ -507,9 +507,9 @@ def test_auth_with_both_keys_wants_admin_for_control_and_api_for_normal(
 
 
 def test_auth_with_only_an_api_key_wants_it_everywhere_but_probes(
-    fleet: dict[str, StandInServer],
+    standin_servers: dict[str, StandInServer],
 ) -> None:
-    with httpx.Client(base_url=fleet["api_only"].url, timeout=TIMEOUT) as client:
+    with httpx.Client(base_url=standin_servers["api_only"].url, timeout=TIMEOUT) as client:
         assert client.post("/pause_generation", json={}).status_code == 401
         assert client.post("/pause_generation", json={}, headers=API).status_code == 200
         assert client.post("/continue_generation", json={}, headers=API).status_code == 200
@@ -573,9 +573,9 @@ def assert_fatal_last(lines: list[dict[str, Any]], op: str) -> None:
 
 
 async def test_release_while_requests_run_under_in_place_pause_kills_the_server(
-    fleet: dict[str, StandInServer],
+    standin_servers: dict[str, StandInServer],
 ) -> None:
-    server = fleet["busy"]
+    server = standin_servers["busy"]
     async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as client:
         request = long_generate(client, server.url, "busy-1")
         await wait_running(client, server.url)
@@ -589,8 +589,10 @@ async def test_release_while_requests_run_under_in_place_pause_kills_the_server(
     assert "not idle" in lines[-2]["detail"]
 
 
-async def test_releasing_a_released_tag_kills_the_server(fleet: dict[str, StandInServer]) -> None:
-    server = fleet["double"]
+async def test_releasing_a_released_tag_kills_the_server(
+    standin_servers: dict[str, StandInServer],
+) -> None:
+    server = standin_servers["double"]
     async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as client:
         assert (await client.post("/pause_generation", json={"mode": "retract"})).is_success
         assert (await client.post("/flush_cache")).status_code == 200
@@ -611,9 +613,9 @@ async def test_releasing_a_released_tag_kills_the_server(fleet: dict[str, StandI
 
 
 async def test_resuming_a_tag_that_is_not_released_kills_the_server(
-    fleet: dict[str, StandInServer],
+    standin_servers: dict[str, StandInServer],
 ) -> None:
-    server = fleet["resume"]
+    server = standin_servers["resume"]
     async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as client:
         await assert_dropped(client.post("/resume_memory_occupation", json={"tags": ["weights"]}))
     await assert_gone(server)
@@ -621,9 +623,9 @@ async def test_resuming_a_tag_that_is_not_released_kills_the_server(
 
 
 async def test_release_kv_then_resume_without_tags_kills_the_server(
-    fleet: dict[str, StandInServer],
+    standin_servers: dict[str, StandInServer],
 ) -> None:
-    server = fleet["resume_all"]
+    server = standin_servers["resume_all"]
     async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as client:
         assert (await client.post("/pause_generation", json={"mode": "retract"})).is_success
         assert (await client.post("/flush_cache")).status_code == 200
@@ -638,9 +640,9 @@ async def test_release_kv_then_resume_without_tags_kills_the_server(
 
 
 async def test_continue_after_release_with_a_request_waiting_kills_the_server(
-    fleet: dict[str, StandInServer],
+    standin_servers: dict[str, StandInServer],
 ) -> None:
-    server = fleet["continue"]
+    server = standin_servers["continue"]
     async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as client:
         assert (await client.post("/pause_generation", json={"mode": "retract"})).is_success
         assert (await client.post("/flush_cache")).status_code == 200
