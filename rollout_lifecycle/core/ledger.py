@@ -101,34 +101,52 @@ _PAUSED_RESIDENT = frozenset({EngineState.WAITING, EngineState.PAUSED, EngineSta
 CONTINUABLE_STATES = frozenset({EngineState.PAUSED, EngineState.DRAINED})
 
 
-def engine_state(
-    *,
-    alive: bool,
-    uncertain: Collection[object],
-    stale: bool,
-    paused: bool,
-    released: Collection[object],
-    pause_unknown: bool,
-    flushed: bool,
-    pause_mode: object,
-) -> EngineState:
-    """The state facts of an engine add up to (a record's, or a snapshot's: tags and the pause
-    mode may be members or their values)."""
-    if not alive:
+class EngineFacts(Protocol):
+    """The facts an engine's state is derived from (a record's, or a snapshot's: tags and the
+    pause mode may be members or their values)."""
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def uncertain(self) -> Collection[object]: ...
+
+    @property
+    def stale(self) -> bool: ...
+
+    @property
+    def paused(self) -> bool: ...
+
+    @property
+    def released(self) -> Collection[object]: ...
+
+    @property
+    def pause_unknown(self) -> bool: ...
+
+    @property
+    def flushed(self) -> bool: ...
+
+    @property
+    def pause_mode(self) -> object: ...
+
+
+def engine_state(facts: EngineFacts) -> EngineState:
+    """The state ``facts`` add up to."""
+    if not facts.alive:
         return _E.DEAD
-    if uncertain:
+    if facts.uncertain:
         return _E.UNCERTAIN
-    if stale and not paused:
+    if facts.stale and not facts.paused:
         return _E.STALE
-    if released:
+    if facts.released:
         return _E.RELEASED
-    if stale:
+    if facts.stale:
         return _E.WAITING
-    if pause_unknown:
+    if facts.pause_unknown:
         return _E.PAUSED
-    if not paused:
+    if not facts.paused:
         return _E.SERVING
-    if flushed or pause_mode == PauseMode.IN_PLACE:
+    if facts.flushed or facts.pause_mode == PauseMode.IN_PLACE:
         return _E.DRAINED
     return _E.PAUSED
 
@@ -203,16 +221,7 @@ class EngineSnapshot:
     @property
     def state(self) -> EngineState:
         """The state these facts add up to (``EngineState``)."""
-        return engine_state(
-            alive=self.alive,
-            uncertain=self.uncertain,
-            stale=self.stale,
-            paused=self.paused,
-            released=self.released,
-            pause_unknown=self.pause_unknown,
-            flushed=self.flushed,
-            pause_mode=self.pause_mode,
-        )
+        return engine_state(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EngineSnapshot:
@@ -306,16 +315,7 @@ class EngineRecord:
     @property
     def state(self) -> EngineState:
         """The state this record's facts add up to (``EngineState``)."""
-        return engine_state(
-            alive=self.alive,
-            uncertain=self.uncertain,
-            stale=self.stale,
-            paused=self.paused,
-            released=self.released,
-            pause_unknown=self.pause_unknown,
-            flushed=self.flushed,
-            pause_mode=self.pause_mode,
-        )
+        return engine_state(self)
 
     @property
     def serves(self) -> bool:
@@ -1047,6 +1047,7 @@ __all__ = [
     "KEEPERS_SERVE",
     "LIVE_STATES",
     "SETTLED_STATES",
+    "EngineFacts",
     "EngineRecord",
     "EngineSnapshot",
     "EngineState",
