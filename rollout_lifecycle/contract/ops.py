@@ -10,10 +10,10 @@ since both sides of the seam read it.
 
 from __future__ import annotations
 
-from enum import Enum
+from rollout_lifecycle.contract.enums import ValueEnum
 
 
-class Op(str, Enum):
+class Op(ValueEnum):
     """One engine operation; the value is its wire (method) name."""
 
     PAUSE = "pause_generation"
@@ -47,9 +47,6 @@ class Op(str, Enum):
     #: Whether the engine says it is paused or any of its memory asleep (vLLM's
     #: ``/is_sleeping``); a backend without such a read refuses it.
     IS_SLEEPING = "is_sleeping"
-
-    def __str__(self) -> str:
-        return self.value
 
     #: Hashed as its wire name, in C (``Enum`` hashes in Python): ledger tables are looked up
     #: once per engine per phase, and an ``Op`` and its name are one key.

@@ -8,10 +8,11 @@ about Ray.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+
+from rollout_lifecycle.contract.enums import ValueEnum
 
 
-class Outcome(str, Enum):
+class Outcome(ValueEnum):
     """How an engine call ended."""
 
     OK = "ok"
@@ -35,9 +36,6 @@ class Outcome(str, Enum):
     CONFLICT = "conflict"
     #: Anything else (a bug in a backend, garbage in an answer).
     ERROR = "error"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 #: The status of a rejected begin of a weight-update session that says one is open already

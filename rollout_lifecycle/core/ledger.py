@@ -14,13 +14,19 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
-from enum import Enum
 from typing import Any, Protocol
 
+from rollout_lifecycle.contract.enums import ValueEnum
 from rollout_lifecycle.contract.exceptions import IllegalEngineOp, InvalidArgument
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import SESSION_OPEN, EngineOutcome, Outcome
-from rollout_lifecycle.contract.values import ALL_TAGS, WEIGHT_TAGS, PauseMode, Tag, parse_tags
+from rollout_lifecycle.contract.values import (
+    ALL_TAGS,
+    WEIGHT_TAGS,
+    PauseMode,
+    Tag,
+    parse_tags,
+)
 from rollout_lifecycle.core.commands import Command, Effect, Guard, Part, Refusal, Targets, command
 from rollout_lifecycle.core.states import ServerState
 
@@ -55,7 +61,7 @@ def _tag_list(tags: Collection[Tag]) -> list[str]:
 # -- the one state an engine's facts add up to -------------------------------------------------
 
 
-class EngineState(str, Enum):
+class EngineState(ValueEnum):
     """What an engine's record says it is: one value derived from its facts (``engine_state``),
     never stored. The fleet is indexed by it (``Fleet.get``, ``Fleet.count``), and every
     question about which engines serve, continue or are replaced is a set of these.
@@ -84,9 +90,6 @@ class EngineState(str, Enum):
     DRAINED = "drained"
     #: All memory resident, the fleet's weights, not paused: it takes generate requests.
     SERVING = "serving"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 _E = EngineState
@@ -130,6 +133,17 @@ class EngineFacts(Protocol):
     def pause_mode(self) -> object: ...
 
 
+def is_idle(facts: EngineFacts) -> bool:
+    """Paused and known to be idle: flushed since its pause, or paused in place (its requests
+    hold their KV but make no progress); never on the strength of a pause or continue that did
+    not answer."""
+    return (
+        facts.paused
+        and not facts.pause_unknown
+        and (facts.flushed or facts.pause_mode == PauseMode.IN_PLACE)
+    )
+
+
 def engine_state(facts: EngineFacts) -> EngineState:
     """The state ``facts`` add up to."""
     if not facts.alive:
@@ -142,13 +156,9 @@ def engine_state(facts: EngineFacts) -> EngineState:
         return _E.RELEASED
     if facts.stale:
         return _E.WAITING
-    if facts.pause_unknown:
-        return _E.PAUSED
-    if not facts.paused:
+    if not facts.paused and not facts.pause_unknown:
         return _E.SERVING
-    if facts.flushed or facts.pause_mode == PauseMode.IN_PLACE:
-        return _E.DRAINED
-    return _E.PAUSED
+    return _E.DRAINED if is_idle(facts) else _E.PAUSED
 
 
 # -- intents: what a call in flight leaves in its engine's record --------------------------------
@@ -328,13 +338,8 @@ class EngineRecord:
 
     @property
     def idle(self) -> bool:
-        """Paused and known to be idle: flushed since its pause, or paused in place (its
-        requests hold their KV but make no progress)."""
-        return (
-            self.paused
-            and not self.pause_unknown
-            and (self.flushed or self.pause_mode is PauseMode.IN_PLACE)
-        )
+        """Paused and known to be idle (``is_idle``)."""
+        return is_idle(self)
 
     # -- guards: each raises before a call that would kill the engine is sent ------------------
 
@@ -1055,6 +1060,7 @@ __all__ = [
     "GroupRecords",
     "Target",
     "engine_state",
+    "is_idle",
     "may_serve",
     "target",
 ]

@@ -185,9 +185,8 @@ class Reconciler(Client):
                     raise StaleWeights(self._versions.wanted(), stale)
         await self._hooks.before(name)
         # (planned after the hooks, which may have changed the records)
-        for plan in self._forward_plans(
-            self._pass(goal, records, RECOVER_PHASES, hold=hold), op, tags
-        ):
+        run = self._pass(goal, records, {op: name}, hold=hold)
+        for plan in self._forward_plans(run, op, tags):
             await self._runner.require(name, plan, self._deadline(op))
 
     def _moved(self, since: ServerState, goal: ServerState, op: Op) -> tuple[Tag, ...]:

@@ -507,13 +507,13 @@ class PhaseRunner:
             if op is _FLUSH:
                 attempts = landed.values[i] if out.outcome is _OK else None
                 retries = (retries or 0) + (max(attempts - 1, 0) if type(attempts) is int else 0)
-            elif op is _RELEASE and current and out.outcome is _OK and landed.values[i] is True:
-                record.lost_weights()  # (the engine host's answer: ``EngineHost.release...``)
             if slowest is None or out.duration_s > slowest[1]:
                 slowest = (record.id, out.duration_s)
             spans += (record.id, record.group, op._value_, began, end, out.outcome._value_)
             if current:
                 record.apply(op, tags, mode, out, seen)
+                if op is _RELEASE and out.outcome is _OK and landed.values[i] is True:
+                    record.lost_weights()  # (the host's answer: weights' values gone)
                 expected = _IDENTIFIED if op is _OBSERVE else calls.expects[i]
                 record.answered(op, out, expected, calls.proven[i], calls.sent[i] + window)
             outcomes[record.id] = out

@@ -10,11 +10,12 @@ through ``TRANSITIONS``. The Mermaid diagram is drawn from the same rows, so it 
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import Any
 
+from rollout_lifecycle.contract.enums import ValueEnum
 
-class ServerState(str, Enum):
+
+class ServerState(ValueEnum):
     """Aggregate state of a ``RolloutServer``; the values are part of the public API."""
 
     SERVING = "serving"
@@ -25,11 +26,8 @@ class ServerState(str, Enum):
     KV_RESTORED = "kv_restored"
     FAILED = "failed"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Phase(str, Enum):
+class Phase(ValueEnum):
     """The name of every phase: a set of engine calls the server sends together and waits for
     (a barrier). Events (``phase.*``), hooks (``before_<phase>`` / ``after_<phase>`` for the
     phases of ``HOOK_PHASES``), metrics (``lifecycle/<call>/<metric>_s``), timeline spans and
@@ -80,9 +78,6 @@ class Phase(str, Enum):
     FLUSH_KEEPERS = "flush_keepers"
     RELEASE_KEEPERS = "release_keepers"
     CONTINUE_KEEPERS = "continue_keepers"
-
-    def __str__(self) -> str:
-        return self.value
 
     @property
     def metric(self) -> str:

@@ -71,6 +71,17 @@ def test_each_state_says_what_its_name_says(record: EngineRecord) -> None:
         assert state is not E.DRAINED and state is not E.SERVING
 
 
+def test_an_unanswered_pause_or_continue_is_never_idle_even_in_place() -> None:
+    """A record whose last pause was in place and whose continue (or a pause sent again) did
+    not answer may be generating: it is ``paused`` (to be paused again), never ``drained``."""
+    record = EngineRecord("actor/0", "actor", None)
+    record.paused, record.pause_mode = True, PauseMode.IN_PLACE
+    assert record.idle and record.state is E.DRAINED
+    record.pause_unknown = True
+    assert not record.idle and record.state is E.PAUSED
+    assert record.snapshot().state is E.PAUSED
+
+
 @given(records())
 def test_a_snapshot_has_its_records_state(record: EngineRecord) -> None:
     snapshot = record.snapshot()
