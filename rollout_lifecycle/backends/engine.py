@@ -19,6 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from rollout_lifecycle.backends.sglang_api import SESSION_ALREADY_OPEN
 from rollout_lifecycle.contract import seam
+from rollout_lifecycle.contract.capabilities import capabilities_of
 from rollout_lifecycle.contract.exceptions import (
     EngineDead,
     EngineError,
@@ -222,12 +223,17 @@ class EngineHost:
         self, paused: bool = True, purpose: str = "observe", identify: bool = True
     ) -> dict[str, Any]:
         """Who the engine is and what it says of itself: ``{"incarnation": str | None,
-        "paused": bool | None}`` (``observe``); ``purpose`` marks the reads (``CHECKING``)."""
+        "paused": bool | None}`` (``observe``); ``purpose`` marks the reads (``CHECKING``).
+        With ``identify``, also what its driver declares it can do (``"capabilities"``,
+        ``Capabilities.to_wire``): they are the process's, read with the incarnation."""
         token = CHECKING.set(purpose)
         try:
-            return await observe(self._backend, paused=paused, identify=identify)
+            found = await observe(self._backend, paused=paused, identify=identify)
         finally:
             CHECKING.reset(token)
+        if identify:
+            found["capabilities"] = capabilities_of(self._backend).to_wire()
+        return found
 
     async def run(self, op: str, *args: Any) -> Any:
         """Carry out one command, as the seam delivers it (``contract/seam.command``): its
@@ -246,7 +252,8 @@ class EngineHost:
         """The command ``op(*args)`` (``run``), carried out only once the engine has shown it
         is what its record expects (``expect``: ``[incarnation, paused, identify]``, see
         ``EngineRecord.expect``; the incarnation is read only with ``identify``); returns
-        ``[incarnation, result]``.
+        ``[incarnation, result, capabilities]`` (the capabilities only with ``identify``, else
+        None).
 
         Another process at the address raises ``EngineRestarted``; a pause state other than
         the record's raises ``EngineStateConflict``; an engine that cannot be read raises
@@ -281,7 +288,7 @@ class EngineHost:
                 raise EngineRestarted(label, op, expect[0], seen["incarnation"])
             raise EngineStateConflict(label, op, records, reported)
         result = await self.run(op, *args)
-        return [seen["incarnation"], result]
+        return [seen["incarnation"], result, seen.get("capabilities")]
 
     async def pause_generation(self, mode: str) -> None:
         """Pause generation in ``mode``."""

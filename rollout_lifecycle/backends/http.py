@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 
@@ -28,6 +28,7 @@ from rollout_lifecycle.backends.http_wire import (
 )
 from rollout_lifecycle.backends.secret import Secret, secret_kwargs
 from rollout_lifecycle.backends.tensor_payload import check_tensor_payloads
+from rollout_lifecycle.contract.capabilities import Capabilities
 from rollout_lifecycle.contract.exceptions import EngineRejected, InvalidArgument
 from rollout_lifecycle.contract.fingerprint import SGLANG_SCHEME, Fingerprint
 from rollout_lifecycle.contract.values import (
@@ -79,6 +80,9 @@ class SGLangHTTPEngine:
     runs it on demand; ``check_version=False`` skips it. Probes, ``generate`` and
     ``abort_request`` are never held back by it.
     """
+
+    #: What SGLang can do (``contract/capabilities``): each tag released and resumed on its own.
+    capabilities: ClassVar[Capabilities] = Capabilities("sglang")
 
     def __init__(
         self,

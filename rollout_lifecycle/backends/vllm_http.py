@@ -28,7 +28,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 
@@ -44,6 +44,7 @@ from rollout_lifecycle.backends.http_wire import (
 )
 from rollout_lifecycle.backends.secret import Secret, as_secret, secret_kwargs
 from rollout_lifecycle.backends.vllm_api import ENDPOINTS, SLEEP_STATES
+from rollout_lifecycle.contract.capabilities import Capabilities
 from rollout_lifecycle.contract.exceptions import (
     EngineDead,
     EngineError,
@@ -76,10 +77,12 @@ _PAUSE_MODES: Mapping[PauseMode, str] = {
 #: What vLLM calls a weight version nobody has set.
 # vllm: v1/engine/async_llm.py (weight version "default" until update_weight_version)
 _UNSET_VERSION = "default"
-#: The refusal of a release of the weights without the KV cache.
-_NOT_TOGETHER = (
-    "vLLM releases the weights and the KV cache together (/sleep), got tags {}; release the KV "
-    "cache with them, or nothing"
+#: What vLLM can do (``contract/capabilities``): ``/sleep`` puts the weights to sleep only with
+#: the KV cache (``serve/dev/sleep/api_router.py sleep``; a sleep of the KV cache alone is
+#: followed by a wake of the weights), and the KV cache's wake is the continue (module
+#: docstring).
+VLLM_CAPABILITIES = Capabilities(
+    "vllm", release_requires=((Tag.WEIGHTS, Tag.KV_CACHE),), kv_wakes_at_continue=True
 )
 #: A reload's answer when the prefix cache could not be reset after it.
 _NOT_RESET_AFTER_RELOAD = (
@@ -106,6 +109,9 @@ class VLLMHTTPEngine:
     ``/is_paused`` once, and refuses a vLLM older than 0.32 or one without the RL routes
     (started without ``VLLM_SERVER_DEV_MODE=1``), with ``IllegalEngineOp`` naming what it found.
     """
+
+    #: What vLLM can do: ``VLLM_CAPABILITIES``.
+    capabilities: ClassVar[Capabilities] = VLLM_CAPABILITIES
 
     def __init__(
         self,
@@ -290,9 +296,11 @@ class VLLMHTTPEngine:
         engine keeps that (``EngineRecord.weights_lost``), so that a process that adopts its
         journal does not continue the engine before a push either."""
         op = "release_memory_occupation"
-        names = {t.value for t in parse_tags(tags, what=f"{op} tags")}
-        if Tag.KV_CACHE.value not in names:
-            raise IllegalEngineOp(self._label, op, _NOT_TOGETHER.format(sorted(names)))
+        asked = parse_tags(tags, what=f"{op} tags")
+        names = {t.value for t in asked}
+        refusal = self.capabilities.release_refusal(asked)
+        if refusal is not None:
+            raise IllegalEngineOp(self._label, op, refusal)
         # vllm: serve/dev/sleep/api_router.py sleep -> EngineCore.sleep (pause, then
         # executor.sleep(level)); mode keep: a release never aborts what a pause kept.
         level = str(self._sleep_level)

@@ -107,6 +107,8 @@ def recorded_row(engine: EngineSnapshot, url: str | None) -> dict[str, Any]:
         "session_unknown": engine.session_unknown,
         "stale": engine.stale,
         "weights_lost": engine.weights_lost,
+        "kv_asleep": engine.kv_asleep,
+        "family": None if engine.capabilities is None else engine.capabilities.get("family"),
         "last_op": engine.last_op,
         "last_outcome": engine.last_outcome,
     }

@@ -421,7 +421,11 @@ class Claims:
         try:
             live = [r for r in self._records() if r.alive]
             urls = await self.addresses(live)
-            unnamed = tuple(r for r in live if r.incarnation is None and r.id in urls)
+            unnamed = tuple(
+                r
+                for r in live
+                if (r.incarnation is None or r.capabilities is None) and r.id in urls
+            )
             if unnamed and self._runner is not None:
                 # (a read beside the lifecycle: an engine that does not answer is the call's
                 # to find, and one whose incarnation is not known is read by its first check)
@@ -429,7 +433,7 @@ class Claims:
                 for record in unnamed:
                     answer = found.get(record.id)
                     if isinstance(answer, Mapping) and isinstance(answer.get("incarnation"), str):
-                        record.met(answer["incarnation"])
+                        record.met(answer["incarnation"], answer.get("capabilities"))
                 await self.named(lease, unnamed)
         except BaseException:
             lease.release()

@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Protocol
 
+from rollout_lifecycle.contract.capabilities import Capabilities
 from rollout_lifecycle.contract.enums import ValueEnum
 from rollout_lifecycle.contract.exceptions import IllegalEngineOp, InvalidArgument
 from rollout_lifecycle.contract.ops import Op
@@ -82,6 +83,10 @@ class EngineState(ValueEnum):
     RELEASED = "released"
     #: All memory resident, without the fleet's weights, held paused until a push reaches it.
     WAITING = "waiting"
+    #: The fleet's weights resident and paused; its KV cache was resumed, but its driver wakes
+    #: the KV cache only at the continue (``Capabilities.kv_wakes_at_continue``: vLLM), so
+    #: until then it is asleep.
+    KV_ASLEEP = "kv_asleep"
     #: All memory resident, the fleet's weights, paused, not known to be idle (a pause without
     #: its flush yet, or a pause or continue that did not answer).
     PAUSED = "paused"
@@ -100,8 +105,9 @@ LIVE_STATES = frozenset(EngineState) - {EngineState.DEAD}
 BROKEN_STATES = frozenset({EngineState.DEAD, EngineState.UNCERTAIN})
 #: Paused with every tag resident, whatever its weights.
 _PAUSED_RESIDENT = frozenset({EngineState.WAITING, EngineState.PAUSED, EngineState.DRAINED})
-#: Paused with every tag resident and the fleet's weights: a continue may be sent.
-CONTINUABLE_STATES = frozenset({EngineState.PAUSED, EngineState.DRAINED})
+#: Paused with every tag resident (or, for a driver whose continue wakes the KV cache, resumed)
+#: and the fleet's weights: a continue may be sent.
+CONTINUABLE_STATES = frozenset({EngineState.KV_ASLEEP, EngineState.PAUSED, EngineState.DRAINED})
 
 
 class EngineFacts(Protocol):
@@ -132,6 +138,9 @@ class EngineFacts(Protocol):
     @property
     def pause_mode(self) -> object: ...
 
+    @property
+    def kv_asleep(self) -> bool: ...
+
 
 def is_idle(facts: EngineFacts) -> bool:
     """Paused and known to be idle: flushed since its pause, or paused in place (its requests
@@ -156,6 +165,8 @@ def engine_state(facts: EngineFacts) -> EngineState:
         return _E.RELEASED
     if facts.stale:
         return _E.WAITING
+    if facts.kv_asleep:
+        return _E.KV_ASLEEP
     if not facts.paused and not facts.pause_unknown:
         return _E.SERVING
     return _E.DRAINED if is_idle(facts) else _E.PAUSED
@@ -227,6 +238,10 @@ class EngineSnapshot:
     unverified: bool = False
     #: A release discarded the weights' values (vLLM's level-2 sleep); stale until a write.
     weights_lost: bool = False
+    #: Its KV cache was resumed and sleeps until the continue wakes it (``KV_ASLEEP``).
+    kv_asleep: bool = False
+    #: What its driver declared it can do (``Capabilities.to_wire``); None until read.
+    capabilities: dict[str, Any] | None = None
 
     @property
     def state(self) -> EngineState:
@@ -252,6 +267,9 @@ class EngineSnapshot:
                 ok = all(isinstance(v, str) for v in value)
             elif kind == "bool":
                 ok = isinstance(value, bool)
+            elif kind == "dict[str, Any] | None":
+                ok = value is None or isinstance(value, Mapping)
+                value = None if value is None else dict(value)
             else:
                 ok = isinstance(value, str) or (value is None and kind == "str | None")
             if not ok:
@@ -299,6 +317,13 @@ class EngineRecord:
     #: version it reports, until a write reaches it. A continue before that would run a forward
     #: pass on whatever the memory holds.
     weights_lost: bool = False
+    #: What the engine's driver declares it can do (``contract/capabilities``), read with its
+    #: incarnation at first contact. None until then: the lifecycle plans without them, and the
+    #: engine refuses what it cannot do.
+    capabilities: Capabilities | None = None
+    #: The KV cache was resumed, and the driver wakes it only at the continue
+    #: (``Capabilities.kv_wakes_at_continue``): asleep until then (``EngineState.KV_ASLEEP``).
+    kv_asleep: bool = False
     #: What the call in flight left unknown, and how to forget it if it is refused.
     _intent: _Intent | None = field(default=None, repr=False)
     #: A call that missed its phase's deadline and may still land (the phase runner's), and
@@ -366,9 +391,13 @@ class EngineRecord:
             raise self._refuse(op, "the engine is dead")
 
     def check_release(self, tags: Sequence[Tag]) -> None:
-        """Release only a paused, flushed (idle) engine, and never a tag twice."""
+        """Release only a paused, flushed (idle) engine, never a tag twice, and only tags its
+        driver can release together (``Capabilities.release_refusal``)."""
         op = _RELEASE
         self.check_alive(op)
+        refusal = self.release_refusal(tags)
+        if refusal is not None:
+            raise self._refuse(op, refusal)
         if self.uncertain:
             raise self._refuse(op, f"tags {_tag_list(self.uncertain)} are in an unknown state")
         if not self.paused:
@@ -382,6 +411,12 @@ class EngineRecord:
         twice = [t.value for t in tags if t in self.released]
         if twice:
             raise self._refuse(op, f"tags {twice} are already released (double release kills)")
+
+    def release_refusal(self, tags: Collection[Tag]) -> str | None:
+        """Why the engine's driver cannot release ``tags`` (its declared capabilities); None
+        when it can, or before its capabilities are known (it then refuses by itself)."""
+        caps = self.capabilities
+        return None if caps is None else caps.release_refusal(tags)
 
     def check_resume(self, tags: Sequence[Tag]) -> None:
         """Resume only tags that are released."""
@@ -423,12 +458,17 @@ class EngineRecord:
         proven, the pause state proves it wherever the record says paused: a new process at the
         address is not paused. Elsewhere (a pause of a serving engine, an unknown pause state,
         a pause sent again) the incarnation is read (``identify``), as by the first checked
-        call of an engine whose incarnation the record does not know yet."""
+        call of an engine whose incarnation (or driver's capabilities, read with it) the record
+        does not know yet."""
         proven = now < self.proven_until
         if proven and not self.unwatched:
             return None
         paused = None if self.pause_unknown or (op is _PAUSE and self.paused) else self.paused
-        identify = self.incarnation is None or (not proven and paused is not True)
+        identify = (
+            self.incarnation is None
+            or self.capabilities is None  # (read with the incarnation: once per process)
+            or (not proven and paused is not True)
+        )
         if paused is None and not identify:
             return None
         return [self.incarnation, paused, identify]
@@ -468,12 +508,24 @@ class EngineRecord:
             self.paused, self.flushed, self.pause_unknown = True, False, True
             self.uncertain.update(ALL_TAGS)
 
-    def met(self, incarnation: str | None) -> None:
+    def met(self, incarnation: str | None, declared: Any = None) -> None:
         """The engine showed ``incarnation`` at first contact (``core/claims``; a replacement's
-        first read, ``core/recovery``): the record names its process from now on (an
-        incarnation already known is kept: its checks decide; None names none)."""
+        first read, ``core/recovery``), and its driver ``declared`` its capabilities: the
+        record names its process from now on (an incarnation already known is kept: its checks
+        decide; None names none)."""
         if self.incarnation is None:
             self.incarnation = incarnation
+        if declared is not None and incarnation is not None and incarnation == self.incarnation:
+            self.declares(declared)
+
+    def declares(self, declared: Any) -> None:
+        """The engine's driver declared ``declared`` (``Capabilities.to_wire``) with the
+        incarnation the record names: they are the process's. Garbage is not taken (the
+        record plans without them, as before a first contact)."""
+        try:
+            self.capabilities = Capabilities.from_wire(declared)
+        except InvalidArgument:
+            self.capabilities = None
 
     def restart(self, incarnation: str | None) -> None:
         """The process at this engine's address is a new one: the record describes a fresh
@@ -525,13 +577,17 @@ class EngineRecord:
             self.pause_unknown = False
         elif effect is _CONTINUED:
             self.paused, self.pause_mode, self.flushed = False, None, False
-            self.pause_unknown = False
+            self.pause_unknown = self.kv_asleep = False
         elif effect is _FLUSHED:
             self.flushed = True
         elif effect is _RELEASED:
             self.released.update(tags)
+            self.kv_asleep = False  # (the released tags say it now)
         elif effect is _RESUMED:
             self.released.difference_update(tags)
+            caps = self.capabilities
+            if caps is not None and caps.kv_wakes_at_continue and Tag.KV_CACHE in tags:
+                self.kv_asleep = True
         elif effect is _OPENED:
             # Open until its end lands: a journal written meanwhile (a push in progress) says
             # so, and a process killed before the end leaves records that close it before
@@ -565,10 +621,12 @@ class EngineRecord:
         mode: PauseMode | None,
         out: EngineOutcome,
         incarnation: str | None = None,
+        declared: Any = None,
     ) -> None:
         """Record what a settled call means for this engine (its command's effects);
         ``incarnation`` is the one the engine showed (a checked call that passed, or the new
-        process that refused it)."""
+        process that refused it), and ``declared`` what its driver declared with it
+        (``Capabilities.to_wire``)."""
         cmd = command(op)
         self.last_op = cmd.op._value_
         self.last_outcome = out
@@ -587,6 +645,8 @@ class EngineRecord:
             return
         if out.ok and incarnation is not None and (checked or self.incarnation is None):
             self.incarnation = incarnation  # (a read names the process only the first time)
+            if declared is not None:
+                self.declares(declared)
         if out.outcome in _EFFECT_UNKNOWN:
             # No answer, a dropped connection or garbage: the call may or may not have landed.
             self._intent = None
@@ -676,6 +736,7 @@ class EngineRecord:
         self.uncertain.clear()
         self.last_op, self.last_outcome, self.stale = None, None, True
         self.incarnation, self.unverified, self.weights_lost = None, False, False
+        self.capabilities, self.kv_asleep = None, False
         self.proven_until, self.unwatched = 0.0, True
         self._intent = None
 
@@ -699,6 +760,8 @@ class EngineRecord:
             incarnation=self.incarnation,
             unverified=self.unverified,
             weights_lost=self.weights_lost,
+            kv_asleep=self.kv_asleep,
+            capabilities=None if self.capabilities is None else self.capabilities.to_wire(),
         )
 
     def load(self, snapshot: EngineSnapshot) -> None:
@@ -719,6 +782,8 @@ class EngineRecord:
                 ) from None
         released = set(parse_tags(snapshot.released)) if snapshot.released else set()
         uncertain = set(parse_tags(snapshot.uncertain)) if snapshot.uncertain else set()
+        caps = snapshot.capabilities
+        capabilities = None if caps is None else Capabilities.from_wire(caps)
         last = None
         if snapshot.last_outcome is not None:
             head, _, detail = snapshot.last_outcome.partition(" (")
@@ -732,6 +797,7 @@ class EngineRecord:
         self.incarnation = snapshot.incarnation
         self.unverified = snapshot.unverified
         self.weights_lost = snapshot.weights_lost
+        self.capabilities, self.kv_asleep = capabilities, snapshot.kv_asleep
         self.proven_until, self.unwatched = 0.0, True  # (what another process saw)
         self._intent = None
 

@@ -48,13 +48,21 @@ class Phases(Client):
         return tuple(g for g in self._fleet.groups if g.needs_offload)
 
     def preflight_offload(self) -> None:
-        """Refuse an offload, before anything is paused, that a release would refuse."""
+        """Refuse an offload, before anything is paused, that a release would refuse: tags
+        already released or unknown, or tags the engine's driver cannot release together."""
         tags = self._config.release_tags
         for record in self._fleet.offloaded():
             held = [t.value for t in tags if t in record.released | record.uncertain]
             if held:
                 raise IllegalEngineOp(
                     record.id, Op.RELEASE.value, f"tags {held} are already released or unknown"
+                )
+            refusal = record.release_refusal(tags)
+            if refusal is not None:
+                raise IllegalEngineOp(
+                    record.id,
+                    Op.RELEASE.value,
+                    f"{refusal}: set release_tags so (LifecycleConfig.release_tags)",
                 )
         if self._config.dead_engines is DeadEnginePolicy.FAIL:
             groups = self.offload_groups()

@@ -191,7 +191,8 @@ class Recovery(Client):
         for record in records:
             out = outcomes[record.id]
             observed = result.answer(record.id)
-            seen = observed.get("incarnation") if isinstance(observed, Mapping) else None
+            said = observed if isinstance(observed, Mapping) else {}
+            seen = said.get("incarnation")
             saved = previous.get(record.id)
             if saved is not None and saved.incarnation is not None and seen == saved.incarnation:
                 record.kept(saved)  # the process the record described: it keeps its record
@@ -213,7 +214,8 @@ class Recovery(Client):
                     out.duration_s,
                 )
             elif out.ok:
-                record.met(seen)  # (a replacement's record is new: it names no process yet)
+                # (a replacement's record is new: it names no process yet)
+                record.met(seen, said.get("capabilities"))
                 fresh.append(record)
         return outcomes, fresh
 

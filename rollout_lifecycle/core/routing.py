@@ -189,6 +189,7 @@ class Router:
             EngineState.RELEASED: "holds released memory",
             EngineState.STALE: lacks,
             EngineState.WAITING: lacks,
+            EngineState.KV_ASLEEP: "paused, its KV cache asleep until the continue",
             EngineState.PAUSED: "paused",
             EngineState.DRAINED: "paused",
         }

@@ -466,6 +466,7 @@ class PhaseRunner:
             # became of the call is the retired engine's, not the replacement's
             current = record.handle is sent_to
             seen: str | None = None  # the incarnation the engine showed
+            declared: Any = None  # and, with it, what its driver declares it can do
             landed_at = landed.ends[i]
             if landed_at is None:
                 end = time.monotonic()
@@ -495,9 +496,10 @@ class PhaseRunner:
                 if exc is None:
                     out = EngineOutcome(_OK, "", took)
                     if calls.expects[i] is not None:
-                        seen, landed.values[i] = _checked_value(landed.values[i])
+                        seen, landed.values[i], declared = _checked_value(landed.values[i])
                     elif op is _OBSERVE:
                         out, seen = judge(record, landed.values[i], took)
+                        declared = landed.values[i].get("capabilities") if seen else None
                 else:
                     out = seam.classify(exc, took)
                     if out.outcome is _RESTARTED:
@@ -511,7 +513,7 @@ class PhaseRunner:
                 slowest = (record.id, out.duration_s)
             spans += (record.id, record.group, op._value_, began, end, out.outcome._value_)
             if current:
-                record.apply(op, tags, mode, out, seen)
+                record.apply(op, tags, mode, out, seen, declared)
                 if op is _RELEASE and out.outcome is _OK and landed.values[i] is True:
                     record.lost_weights()  # (the host's answer: weights' values gone)
                 expected = _IDENTIFIED if op is _OBSERVE else calls.expects[i]
@@ -573,12 +575,13 @@ class WorkerUrls:
         return {r.id: self._urls.get(key) for r, key in zip(records, keys, strict=True)}
 
 
-def _checked_value(value: Any) -> tuple[str | None, Any]:
-    """A checked call's answer (``[incarnation, result]``, ``EngineHost.checked``) split."""
-    if type(value) in (list, tuple) and len(value) == 2:
+def _checked_value(value: Any) -> tuple[str | None, Any, Any]:
+    """A checked call's answer (``[incarnation, result, capabilities]``,
+    ``EngineHost.checked``) split."""
+    if type(value) in (list, tuple) and len(value) == 3:
         seen = value[0]
-        return (seen if isinstance(seen, str) else None), value[1]
-    return None, value
+        return (seen if isinstance(seen, str) else None), value[1], value[2]
+    return None, value, None
 
 
 def judge(record: EngineRecord, observed: Any, took: float = 0.0) -> tuple[EngineOutcome, Any]:

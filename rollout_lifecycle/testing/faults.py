@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from rollout_lifecycle.backends.engine import CHECKING, EngineBackend, introspect
+from rollout_lifecycle.contract.capabilities import Capabilities, capabilities_of
 from rollout_lifecycle.contract.exceptions import (
     EngineDead,
     EngineRejected,
@@ -145,6 +146,11 @@ class FaultyEngine:
     def label(self) -> str:
         """The given label, else the inner engine's."""
         return self._label if self._label is not None else self._inner.label
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the inner engine's driver declares."""
+        return capabilities_of(self._inner)
 
     @property
     def inner(self) -> EngineBackend:

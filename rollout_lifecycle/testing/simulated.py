@@ -9,13 +9,14 @@ import functools
 import inspect
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from rollout_lifecycle.backends.sglang_api import (
     FLUSH_FAILED,
     FLUSH_TIMED_OUT,
     WEIGHTS_WRITTEN_FLUSH_FAILED,
 )
+from rollout_lifecycle.contract.capabilities import Capabilities
 from rollout_lifecycle.contract.exceptions import EngineUnreachable, InvalidArgument
 from rollout_lifecycle.contract.values import (
     DEFAULT_GROUP_NAME,
@@ -97,6 +98,9 @@ class SimulatedEngine:
         return SimWeights(state, scheduler, SimCalls(state, scheduler))
 
     # ----------------------------------------------------------------------------- properties
+
+    #: What the simulator can do: SGLang's abilities, each tag on its own.
+    capabilities: ClassVar[Capabilities] = Capabilities("simulated")
 
     @property
     def label(self) -> str:

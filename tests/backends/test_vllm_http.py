@@ -16,6 +16,7 @@ from rollout_lifecycle import (
     EngineGroup,
     EngineState,
     FromDisk,
+    LifecycleConfig,
     RolloutServer,
     ServerSnapshot,
     SGLangHTTPEngine,
@@ -42,6 +43,8 @@ from rollout_lifecycle.testing.standin.app import create_app
 from rollout_lifecycle.testing.standin.vllm_app import create_vllm_app
 
 URL = "http://127.0.0.1:8000"
+#: How vLLM's driver refuses a release of the weights without the KV cache.
+NOT_WITHOUT_KV = r"vllm cannot release tags \['weights'\] without \['kv_cache'\]"
 Answer = Callable[[httpx.Request], httpx.Response]
 
 
@@ -165,7 +168,7 @@ async def test_a_busy_flush_is_a_400_refusal_and_a_flush_with_a_wait_asks_again(
 
 async def test_a_release_sleeps_with_keep_and_the_kv_cache_alone_wakes_the_weights_back() -> None:
     fake = FakeVLLM()
-    with pytest.raises(IllegalEngineOp, match="weights and the KV cache together"):
+    with pytest.raises(IllegalEngineOp, match=NOT_WITHOUT_KV):
         await engine(fake).release_memory_occupation([Tag.WEIGHTS])
     assert fake.calls() == []
     await engine(fake).release_memory_occupation(list(ALL_TAGS))
@@ -502,3 +505,80 @@ async def test_weights_a_level_2_release_discarded_are_the_records_and_outlive_t
     assert not second.snapshot().engines()["vllm/0"].weights_lost
     assert len([e for e in sim.history() if e["op"] == "continue_generation"]) > len(continues)
     await sim.close()
+
+
+async def test_a_vllm_kv_cache_is_asleep_until_the_continue_and_its_record_says_so() -> None:
+    """vLLM's driver declares that its continue wakes the KV cache: between the KV resume and
+    the continue the record says ``kv_asleep`` (the vLLM stand-in's KV cache is still asleep
+    then), where an SGLang engine of the same fleet, which resumed it, is ``drained``; the
+    continue wakes it and both serve."""
+    vllm_sim = SimulatedEngine("vllm", token_latency=0.001)
+    vllm = VLLMHTTPEngine(URL, transport=httpx.ASGITransport(app=create_vllm_app(vllm_sim)))
+    sglang_sim = SimulatedEngine("sglang", token_latency=0.001)
+    sglang = SGLangHTTPEngine(
+        "http://127.0.0.1:30000", transport=httpx.ASGITransport(app=create_app(sglang_sim))
+    )
+    server = RolloutServer([EngineGroup("vllm", [vllm]), EngineGroup("sglang", [sglang])])
+    seen: list[dict[str, Any]] = []
+
+    async def before_continue(_: object) -> None:
+        seen.append(
+            {
+                "vllm": server.fleet.get([EngineState.KV_ASLEEP]),
+                "drained": server.fleet.get([EngineState.DRAINED]),
+                "asleep": vllm_sim.state()["released_tags"],
+                "sglang": sglang_sim.state()["released_tags"],
+                "saved": server.snapshot().engines()["vllm/0"],
+            }
+        )
+
+    server.on("before_continue", before_continue)
+    await server.offload()
+    await server.onload()
+    (at,) = seen
+    assert [r.id for r in at["vllm"]] == ["vllm/0"] and [r.id for r in at["drained"]] == [
+        "sglang/0"
+    ]
+    assert at["asleep"] == ["kv_cache"] and at["sglang"] == []  # what each engine really holds
+    assert at["saved"].kv_asleep and at["saved"].state is EngineState.KV_ASLEEP
+    assert at["saved"].capabilities["family"] == "vllm"
+    assert server.fleet.by_state()[EngineState.SERVING] == 2
+    assert vllm_sim.state()["released_tags"] == [] and not vllm_sim.state()["paused"]
+    for client in (vllm, sglang):
+        await client.close()
+
+
+async def test_a_release_vllm_cannot_make_is_refused_before_anything_is_paused() -> None:
+    """With ``release_tags`` naming the weights without the KV cache, an offload of a fleet
+    with a vLLM engine is refused before any engine is paused: the driver's capabilities are
+    read at first contact, with its incarnation; the refusal names the engine, the family and
+    the fix, and the server still serves."""
+    sim = SimulatedEngine("vllm", token_latency=0.001)
+    app = create_vllm_app(sim)
+    client = VLLMHTTPEngine(URL, transport=httpx.ASGITransport(app=app))
+    server = RolloutServer(
+        [EngineGroup("vllm", [client])], LifecycleConfig(release_tags=[Tag.WEIGHTS])
+    )
+    with pytest.raises(IllegalEngineOp, match=rf"vllm/0.*{NOT_WITHOUT_KV}"):
+        await server.offload()
+    assert server.state.value == "serving"
+    assert not [e for e in sim.history() if e["op"] == "pause_generation"]
+    assert not sim.state()["paused"]
+    assert server.fleet.by_state()[EngineState.SERVING] == 1
+    # A journal written before engines declared capabilities names the process, not them: a
+    # server that adopts it reads them before its first call all the same.
+    saved = server.snapshot().to_dict()
+    (engine,) = saved["groups"][0]["engines"]
+    assert engine["incarnation"] is not None and engine["capabilities"]["family"] == "vllm"
+    del engine["capabilities"]
+    again = VLLMHTTPEngine(URL, transport=httpx.ASGITransport(app=app))  # the same process
+    adopter = RolloutServer(
+        [EngineGroup("vllm", [again])], LifecycleConfig(release_tags=[Tag.WEIGHTS])
+    )
+    adopter.adopt(ServerSnapshot.from_dict(json.loads(json.dumps(saved))))
+    assert next(iter(adopter.fleet.records())).capabilities is None
+    with pytest.raises(IllegalEngineOp, match=NOT_WITHOUT_KV):
+        await adopter.offload()
+    assert not [e for e in sim.history() if e["op"] == "pause_generation"]
+    for one in (client, again):
+        await one.close()

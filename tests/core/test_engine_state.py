@@ -19,7 +19,8 @@ TAG_SETS = st.sets(st.sampled_from(list(Tag)))
 @st.composite
 def records(draw: st.DrawFn, group: str = "actor", index: int = 0) -> EngineRecord:
     """A record with any combination of the facts the state is derived from that a record can
-    hold: a pause or continue that did not answer leaves it paused and not flushed."""
+    hold: a pause or continue that did not answer leaves it paused and not flushed, and a KV
+    cache asleep until the continue is a paused engine's."""
     record = EngineRecord(f"{group}/{index}", group, None)
     record.alive = draw(st.booleans())
     record.paused = draw(st.booleans())
@@ -31,6 +32,9 @@ def records(draw: st.DrawFn, group: str = "actor", index: int = 0) -> EngineReco
     record.pause_unknown = draw(st.booleans())
     if record.pause_unknown:
         record.paused, record.flushed = True, False
+    record.kv_asleep = draw(st.booleans())
+    if record.kv_asleep:
+        record.paused = True
     return record
 
 
@@ -59,10 +63,14 @@ def test_each_state_says_what_its_name_says(record: EngineRecord) -> None:
     if state in (E.STALE, E.WAITING):
         assert record.stale
         assert (state is E.WAITING) == record.paused
-    if state in (E.WAITING, E.PAUSED, E.DRAINED):
+    if state in (E.WAITING, E.KV_ASLEEP, E.PAUSED, E.DRAINED):
         assert record.paused and not record.released and not record.uncertain
-    if state in (E.PAUSED, E.DRAINED, E.SERVING):
+    if state in (E.KV_ASLEEP, E.PAUSED, E.DRAINED, E.SERVING):
         assert not record.stale
+    # the KV cache asleep until the continue, whatever else holds, once the weights are there
+    assert (state is E.KV_ASLEEP) == (
+        state in (E.KV_ASLEEP, E.PAUSED, E.DRAINED) and record.kv_asleep
+    )
     # drained: paused and idle, never on the strength of a pause that did not answer
     assert (state is E.DRAINED) == (state in (E.PAUSED, E.DRAINED) and record.idle), (
         "drained is a resident paused engine known to be idle"
@@ -108,11 +116,14 @@ def test_the_fleets_queries_are_sets_of_states(
         r.id = f"ref/{i}"
     fleet = Fleet([Group("actor", True, tuple(actor)), Group("ref", False, tuple(ref))], ALL_TAGS)
     everyone = actor + ref
-    resident = [r for r in everyone if r.alive and not (r.released | r.uncertain)]
+    woken = [r for r in everyone if r.alive and not (r.released | r.uncertain)]
+    # (one without the fleet's weights waits for a push, whether or not its KV cache sleeps)
+    resident = [r for r in woken if not r.kv_asleep or r.stale]
     assert fleet.live() == [r for r in everyone if r.alive]
     assert fleet.offloaded() == [r for r in actor if r.alive]
     assert fleet.broken() == [r for r in everyone if not r.alive or r.uncertain]
-    assert fleet.continuable() == [r for r in resident if r.paused and not r.stale]
+    # (a KV cache asleep until the continue is woken by it: such an engine is continued too)
+    assert fleet.continuable() == [r for r in woken if r.paused and not r.stale]
     assert fleet.paused_keepers() == [r for r in resident if r in ref and r.paused]
     assert fleet.live(skip={"actor/0"}) == [r for r in everyone if r.alive and r.id != "actor/0"]
     counts = fleet.by_state()

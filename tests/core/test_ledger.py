@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from rollout_lifecycle import ALL_TAGS, KV_TAGS, EngineHost, PauseMode, ServerState, Tag
+from rollout_lifecycle.contract.exceptions import IllegalEngineOp
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
 from rollout_lifecycle.core.ledger import (
@@ -149,3 +150,72 @@ def test_every_operation_but_a_backends_own_read_is_a_method_of_the_engine_host(
     (vLLM's ``is_sleeping``) to the backend itself."""
     unadapted = {op for op in Op if not callable(getattr(EngineHost, op.value, None))}
     assert unadapted == {Op.IS_SLEEPING}
+
+
+# -- what a driver declares, kept by the record ------------------------------------------------
+
+VLLM_DECLARED = {
+    "family": "vllm",
+    "release_requires": [["weights", "kv_cache"]],
+    "kv_wakes_at_continue": True,
+}
+OK = EngineOutcome(Outcome.OK, "")
+
+
+def test_a_record_takes_its_drivers_capabilities_with_the_incarnation_it_names() -> None:
+    record = EngineRecord("actor/0", "actor", None)
+    assert record.capabilities is None
+    record.met("inc-1", VLLM_DECLARED)
+    assert record.capabilities is not None and record.capabilities.family == "vllm"
+    # until they are read, a check identifies the engine even where its pause state would
+    # prove it (they come with the incarnation: once per process)
+    paused = EngineRecord("actor/1", "actor", None)
+    paused.incarnation, paused.paused = "inc-2", True
+    assert paused.expect(Op.CONTINUE, 0.0) == ["inc-2", True, True]
+    paused.met("inc-2", VLLM_DECLARED)
+    assert paused.expect(Op.CONTINUE, 0.0) == ["inc-2", True, False]
+    # another process's declaration is not this one's; garbage is not taken
+    record.met("inc-other", {"family": "other"})
+    assert record.capabilities.family == "vllm"
+    record.declares({"kv_wakes_at_continue": "yes"})
+    assert record.capabilities is None
+    # a checked call's answer brings them too, and a restart forgets them with the process
+    record.apply(Op.PAUSE, (), PauseMode.RETRACT, OK, "inc-1", VLLM_DECLARED)
+    assert record.capabilities is not None
+    record.restart("inc-3")
+    assert record.capabilities is None and record.incarnation == "inc-3"
+
+
+def test_the_kv_cache_a_vllm_driver_wakes_at_the_continue_is_asleep_until_then() -> None:
+    """A KV resume that landed on a driver whose continue wakes the KV cache leaves the record
+    ``kv_asleep``: the engine's state is ``KV_ASLEEP`` until a continue lands, through the
+    snapshot too; on a driver without that capability it is ``DRAINED``."""
+    for declared, after_resume in ((VLLM_DECLARED, "kv_asleep"), ({"family": "s"}, "drained")):
+        record = EngineRecord("actor/0", "actor", None)
+        record.apply(Op.PAUSE, (), PauseMode.RETRACT, OK, "inc-1", declared)
+        record.apply(Op.FLUSH, (), None, OK)
+        record.apply(Op.RELEASE, ALL_TAGS, None, OK)
+        record.apply(Op.RESUME, (Tag.WEIGHTS,), None, OK)
+        assert record.state.value == "released"
+        record.apply(Op.RESUME, KV_TAGS, None, OK)
+        assert record.state.value == after_resume
+        snapshot = record.snapshot()
+        assert snapshot.state.value == after_resume
+        copy = EngineRecord("actor/0", "actor", None)
+        copy.load(type(snapshot).from_dict(snapshot.__dict__))
+        assert copy.state.value == after_resume and copy.capabilities == record.capabilities
+        timed_out = EngineOutcome(Outcome.TIMED_OUT, "no answer")
+        record.apply(Op.CONTINUE, (), None, timed_out)
+        assert record.kv_asleep == (after_resume == "kv_asleep")  # (may not have woken)
+        record.apply(Op.CONTINUE, (), None, OK)
+        assert not record.kv_asleep and record.state.value == "serving"
+
+
+def test_a_release_the_driver_cannot_make_is_refused_before_it_is_sent() -> None:
+    record = EngineRecord("actor/0", "actor", None)
+    record.paused, record.flushed, record.pause_mode = True, True, PauseMode.RETRACT
+    record.check_release([Tag.WEIGHTS])  # (capabilities not known yet: the engine decides)
+    record.met("inc-1", VLLM_DECLARED)
+    with pytest.raises(IllegalEngineOp, match=r"vllm cannot release tags \['weights'\]"):
+        record.check_release([Tag.WEIGHTS])
+    record.check_release([Tag.WEIGHTS, Tag.KV_CACHE])

@@ -245,8 +245,10 @@ async def test_a_batch_of_calls_keeps_each_call_with_its_engine_in_order() -> No
     paths = [a["model_path"] for a in answers[3:]]
     assert paths == [f"simulated/{x}" for x in labels[3:]]
     # a checked call answers the incarnation the engine showed before it ran (read on the first
-    # call to an engine, and then by every call that could kill it), and its result
-    assert answers[:3] == [[incarnation_of(a), None] for a in answers[5:]]
+    # call to an engine, and then by every call that could kill it), its result, and, read with
+    # the incarnation, what the engine's driver declares it can do
+    declared = SimulatedEngine.capabilities.to_wire()
+    assert answers[:3] == [[incarnation_of(a), None, declared] for a in answers[5:]]
     for engine in engines[:3]:  # the probe came after the pause, which was checked first
         received = calls_received(engine.history())
         assert [c["op"] for c in received] == ["pause_generation", "server_info"]

@@ -36,6 +36,7 @@ from rollout_lifecycle import (
     DeadEnginePolicy,
     Deadlines,
     EngineGroup,
+    EngineState,
     Fingerprint,
     FromDisk,
     LaunchedVLLMEngine,
@@ -62,6 +63,8 @@ pytestmark = pytest.mark.real_vllm
 
 #: Long enough (seconds here: ~450 tokens/s) that a request is seen running before it ends.
 TOKENS = 3000
+#: How vLLM's driver refuses a release of the weights without the KV cache.
+NOT_WITHOUT_KV = r"vllm cannot release tags \['weights'\] without \['kv_cache'\]"
 #: SGLang on a CPU decodes tens of tokens a second.
 SGLANG_TOKENS = 150
 #: Seconds the mixed fleet's SGLang server sleeps in every batch while a cycle is staged
@@ -295,7 +298,7 @@ async def test_a_release_of_the_kv_cache_alone_sleeps_both_and_wakes_the_weights
     engine: VLLMHTTPEngine,
 ) -> None:
     url = engine.url
-    with pytest.raises(IllegalEngineOp, match="weights and the KV cache together"):
+    with pytest.raises(IllegalEngineOp, match=NOT_WITHOUT_KV):
         await engine.release_memory_occupation([Tag.WEIGHTS])
     before = (await engine.weight_fingerprint())["tensors"]
     await engine.pause_generation(PauseMode.RETRACT)
@@ -376,10 +379,20 @@ async def test_the_default_cycle_keeps_every_decoding_request_on_a_real_vllm_ser
     vllm_servers: list[RealVLLMServer], real_vllm: RealVLLM, other_weights: str
 ) -> None:
     """offload, onload weights, a reload of new weights, onload KV with four requests decoding:
-    every request finishes full length, the engine serves the new version and weights."""
+    every request finishes full length, the engine serves the new version and weights. Between
+    the KV resume and the continue the record says the KV cache sleeps (``kv_asleep``, the
+    driver's declared ``kv_wakes_at_continue``), and so does the server's own sleep gauge."""
     url = vllm_servers[1].url
     engine = VLLMHTTPEngine(url)
     server = RolloutServer([EngineGroup("vllm", [engine])], config=LifecycleConfig())
+    before_continue: list[tuple[list[EngineState], bool]] = []
+
+    async def at_continue(_: object) -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as raw:
+            awake = 'sleep_state="awake"} 1.0' in (await raw.get("/metrics")).text
+        before_continue.append(([r.state for r in server.fleet.records()], awake))
+
+    server.on("before_continue", at_continue)
     try:
         traffic = [asyncio.ensure_future(server.generate(request())) for _ in range(4)]
         await holding(url, 4, traffic)
@@ -392,6 +405,8 @@ async def test_the_default_cycle_keeps_every_decoding_request_on_a_real_vllm_ser
         assert [len(a["output_ids"]) for a in answers] == [TOKENS] * 4
         assert {a["meta_info"]["finish_reason"]["type"] for a in answers} == {"length"}
         assert await engine.weight_version() == "step-1" and not await paused(url)
+        assert before_continue == [([EngineState.KV_ASLEEP], False)]
+        assert [r.state for r in server.fleet.records()] == [EngineState.SERVING]
     finally:
         await engine.close()
 

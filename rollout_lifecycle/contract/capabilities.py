@@ -1,0 +1,99 @@
+"""What an engine family can do, as its driver declares it: the facts the lifecycle plans with
+instead of finding them out by refusal.
+
+A backend declares ``capabilities`` (a class attribute, or a property when they depend on how
+the client was configured); the engine host sends them with every answer that names the
+engine's incarnation (``EngineHost.observe`` with ``identify``), so the lifecycle reads them once
+per process, at first contact, and keeps them on the engine's record (``EngineRecord``), in its
+snapshot and in the journal. A backend that declares none is taken to do what SGLang does
+(``DEFAULT``): the lifecycle's vocabulary is SGLang's.
+
+Adding a capability is a field here, its value in the drivers that differ from the default,
+and the one place that plans with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rollout_lifecycle.contract.exceptions import InvalidArgument
+from rollout_lifecycle.contract.values import Tag, parse_tags
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """One engine family's declared abilities."""
+
+    #: The engine family's name, for errors and ``ctl status`` (``sglang``, ``vllm``, ...).
+    family: str = "sglang"
+    #: Pairs ``(tag, needed)``: a release of ``tag`` must release ``needed`` with it (vLLM puts
+    #: the weights to sleep only with the KV cache: ``/sleep``). Empty for SGLang, whose tags
+    #: are released one by one.
+    release_requires: tuple[tuple[Tag, Tag], ...] = ()
+    #: The KV cache's resume is not sent at once: the continue wakes it (vLLM resumes generation
+    #: as soon as every allocation is resident, so its last wake is the continue). Between its
+    #: resume and the continue the engine's record says so (``EngineState.KV_ASLEEP``).
+    kv_wakes_at_continue: bool = False
+
+    def release_refusal(self, tags: Collection[Tag]) -> str | None:
+        """Why a release of ``tags`` cannot be carried out by this family; None when it can."""
+        names = set(tags)
+        needed = {need for tag, need in self.release_requires if tag in names}
+        missing = sorted(t.value for t in needed - names)
+        if not missing:
+            return None
+        asked = sorted(t.value for t in names)
+        return (
+            f"{self.family} cannot release tags {asked} without {missing} (it releases them "
+            f"together); release {missing} with them, or none of them"
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        """As plain values (a Ray call's answer, a snapshot, the journal)."""
+        return {
+            "family": self.family,
+            "release_requires": [[tag.value, need.value] for tag, need in self.release_requires],
+            "kv_wakes_at_continue": self.kv_wakes_at_continue,
+        }
+
+    @classmethod
+    def from_wire(cls, data: object) -> Capabilities:
+        """The capabilities ``to_wire`` gave as ``data``; keys it does not know are ignored (a
+        newer driver's), a mistyped value raises ``InvalidArgument`` naming it."""
+        if not isinstance(data, Mapping):
+            raise InvalidArgument(f"capabilities must be a mapping, got {data!r}")
+        family = data.get("family", cls.family)
+        if not isinstance(family, str) or not family:
+            raise InvalidArgument(f"capabilities: family must be a name, got {family!r}")
+        pairs = data.get("release_requires", [])
+        if not isinstance(pairs, list | tuple) or not all(
+            isinstance(p, list | tuple) and len(p) == 2 for p in pairs
+        ):
+            raise InvalidArgument(
+                f"capabilities: release_requires must be [tag, needed] pairs, got {pairs!r}"
+            )
+        requires: list[tuple[Tag, Tag]] = []
+        for pair in pairs:
+            tag, need = parse_tags(pair, what="capabilities: release_requires")
+            requires.append((tag, need))
+        wakes = data.get("kv_wakes_at_continue", False)
+        if not isinstance(wakes, bool):
+            raise InvalidArgument(
+                f"capabilities: kv_wakes_at_continue must be a bool, got {wakes!r}"
+            )
+        return cls(family, tuple(requires), wakes)
+
+
+#: What a backend that declares nothing can do: what SGLang does.
+DEFAULT = Capabilities()
+
+
+def capabilities_of(backend: object) -> Capabilities:
+    """What ``backend`` declares (its ``capabilities``), else ``DEFAULT``."""
+    found = getattr(backend, "capabilities", None)
+    return found if isinstance(found, Capabilities) else DEFAULT
+
+
+__all__ = ["DEFAULT", "Capabilities", "capabilities_of"]

@@ -1,0 +1,81 @@
+"""``Capabilities``: what each engine family's driver declares, the rule a release is checked
+against, their plain form (a Ray answer, a snapshot, the journal), and what an engine host sends
+with an engine's incarnation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rollout_lifecycle import SGLangHTTPEngine
+from rollout_lifecycle.backends.engine import EngineHost
+from rollout_lifecycle.backends.vllm_http import VLLM_CAPABILITIES, VLLMHTTPEngine
+from rollout_lifecycle.contract.capabilities import DEFAULT, Capabilities, capabilities_of
+from rollout_lifecycle.contract.exceptions import InvalidArgument
+from rollout_lifecycle.contract.values import Tag
+from rollout_lifecycle.testing.faults import FaultyEngine
+from rollout_lifecycle.testing.simulated import SimulatedEngine
+
+W, KV, CG = Tag.WEIGHTS, Tag.KV_CACHE, Tag.CUDA_GRAPH
+
+
+def test_each_driver_declares_its_family() -> None:
+    assert SGLangHTTPEngine.capabilities.family == "sglang"
+    assert VLLMHTTPEngine.capabilities is VLLM_CAPABILITIES
+    assert VLLM_CAPABILITIES.family == "vllm" and VLLM_CAPABILITIES.kv_wakes_at_continue
+    assert not SGLangHTTPEngine.capabilities.kv_wakes_at_continue
+    assert capabilities_of(SimulatedEngine("sim")).family == "simulated"
+    # a wrapper declares what it wraps; an object that declares nothing does what SGLang does
+    assert capabilities_of(FaultyEngine(SimulatedEngine("sim"))).family == "simulated"
+    assert capabilities_of(object()) is DEFAULT and DEFAULT.family == "sglang"
+
+
+@pytest.mark.parametrize(
+    ("tags", "refused"),
+    [
+        ((W,), True),
+        ((W, CG), True),
+        ((W, KV), False),
+        ((KV,), False),
+        ((KV, CG), False),
+        ((W, KV, CG), False),
+    ],
+)
+def test_vllm_releases_its_weights_only_with_the_kv_cache(
+    tags: tuple[Tag, ...], refused: bool
+) -> None:
+    why = VLLM_CAPABILITIES.release_refusal(tags)
+    assert (why is not None) == refused
+    if why is not None:
+        assert "vllm" in why and "['kv_cache']" in why
+    assert SGLangHTTPEngine.capabilities.release_refusal(tags) is None  # one by one
+
+
+def test_the_plain_form_comes_back_as_the_same_capabilities_through_json() -> None:
+    for caps in (DEFAULT, VLLM_CAPABILITIES, Capabilities("x", ((CG, W),), True)):
+        assert Capabilities.from_wire(json.loads(json.dumps(caps.to_wire()))) == caps
+    # a newer driver's keys are ignored
+    assert Capabilities.from_wire({"family": "vllm", "later": 1}) == Capabilities("vllm")
+
+
+@pytest.mark.parametrize(
+    ("data", "named"),
+    [
+        ("vllm", "'vllm'"),
+        ({"family": ""}, "family"),
+        ({"release_requires": [["weights"]]}, "release_requires"),
+        ({"release_requires": [["weights", "kv"]]}, "'kv'"),
+        ({"kv_wakes_at_continue": "yes"}, "'yes'"),
+    ],
+)
+def test_a_mistyped_plain_form_is_refused_by_name(data: object, named: str) -> None:
+    with pytest.raises(InvalidArgument, match=named):
+        Capabilities.from_wire(data)
+
+
+async def test_the_host_sends_them_with_the_incarnation_and_only_then() -> None:
+    host = EngineHost(SimulatedEngine("sim"))
+    seen = await host.observe(paused=False, identify=True)
+    assert seen["capabilities"] == SimulatedEngine.capabilities.to_wire()
+    assert "capabilities" not in await host.observe(paused=True, identify=False)
