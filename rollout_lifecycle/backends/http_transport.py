@@ -15,8 +15,8 @@ from typing import Any, NoReturn
 
 import httpx
 
+from rollout_lifecycle.backends.http_rows import ACKNOWLEDGED, Answer, Auth, Endpoint
 from rollout_lifecycle.backends.secret import Secret
-from rollout_lifecycle.backends.sglang_api import ACKNOWLEDGED, Answer, Auth, Endpoint
 from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import (
     EngineDead,

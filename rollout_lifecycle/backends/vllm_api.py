@@ -1,6 +1,6 @@
-"""vLLM's HTTP contract as one table, in the form of SGLang's (``sglang_api``): for every route
-the vLLM client calls, its method, the key it wants, its fields (query or body), the shape of its
-answer, which client timeout bounds it, and whether a call may be sent again.
+"""vLLM's HTTP contract as one table, of the rows SGLang's is made of (``http_rows``): for every
+route the vLLM client calls, its method, the key it wants, its fields (query or body), the shape
+of its answer, which client timeout bounds it, and whether a call may be sent again.
 
 The routes below exist only when the server runs with ``VLLM_SERVER_DEV_MODE=1`` (the RL and
 developer routers are mounted then), except the OpenAI API and the probes. vLLM's ``--api-key``
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from rollout_lifecycle.backends.sglang_api import (
+from rollout_lifecycle.backends.http_rows import (
     Answer,
     Auth,
     Endpoint,

@@ -12,7 +12,8 @@ import httpx
 import pytest
 from wire.helpers import Target
 
-from rollout_lifecycle.backends.sglang_api import ENDPOINTS, Auth, Endpoint, Field, rows
+from rollout_lifecycle.backends.http_rows import Auth, Endpoint, Field
+from rollout_lifecycle.backends.sglang_api import ENDPOINTS, rows
 
 ROWS = list(rows())
 #: A value of the wrong kind for each kind of field.

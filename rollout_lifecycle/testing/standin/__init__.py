@@ -21,7 +21,7 @@ the server misbehaves.
 from __future__ import annotations
 
 from rollout_lifecycle.backends.sglang_api import OPEN_PREFIXES, auth_level
-from rollout_lifecycle.testing.standin.app import DEFAULT_MODEL_PATH, StandInDied, create_app
+from rollout_lifecycle.testing.standin.app import DEFAULT_MODEL_PATH, create_app
 from rollout_lifecycle.testing.standin.auth import request_allowed
 from rollout_lifecycle.testing.standin.faults import FAULT_KINDS, FAULTS_PATH
 from rollout_lifecycle.testing.standin.process import (
@@ -35,6 +35,7 @@ from rollout_lifecycle.testing.standin.process import (
     VLLMStandInServer,
     serve,
 )
+from rollout_lifecycle.testing.standin.state import StandInDied
 
 __all__ = [
     "ADMIN_KEY_ENV",

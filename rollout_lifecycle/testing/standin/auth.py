@@ -7,8 +7,9 @@ from __future__ import annotations
 import hmac
 from typing import TYPE_CHECKING
 
+from rollout_lifecycle.backends.http_rows import Auth
 from rollout_lifecycle.backends.secret import Secret, as_secret
-from rollout_lifecycle.backends.sglang_api import Auth, auth_level
+from rollout_lifecycle.backends.sglang_api import auth_level
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Receive, Scope, Send

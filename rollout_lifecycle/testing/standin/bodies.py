@@ -8,7 +8,7 @@ import json
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from rollout_lifecycle.backends.sglang_api import Endpoint, Field
+from rollout_lifecycle.backends.http_rows import Endpoint, Field
 
 if TYPE_CHECKING:
     from starlette.requests import Request

@@ -24,7 +24,7 @@ from rollout_lifecycle.contract.exceptions import InvalidArgument, LifecycleErro
 from rollout_lifecycle.contract.identity import PROOF_WINDOW
 from rollout_lifecycle.contract.values import check_flag, check_seconds
 from rollout_lifecycle.testing.simulated import SimulatedEngine, check_engine_options
-from rollout_lifecycle.testing.standin.app import DEFAULT_MODEL_PATH, check_path, create_app
+from rollout_lifecycle.testing.standin.app import DEFAULT_MODEL_PATH, create_app
 from rollout_lifecycle.testing.standin.faults import FAULTS_PATH
 from rollout_lifecycle.testing.standin.serving import (
     DEATH_EXIT_CODE,
@@ -32,6 +32,7 @@ from rollout_lifecycle.testing.standin.serving import (
     check_serving,
     run_app,
 )
+from rollout_lifecycle.testing.standin.state import check_path
 
 if TYPE_CHECKING:
     from fastapi import FastAPI

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 from rollout_lifecycle.contract.exceptions import InvalidArgument
 from rollout_lifecycle.contract.values import check_flag
 from rollout_lifecycle.testing.simulated import SimulatedEngine, check_engine_options
-from rollout_lifecycle.testing.standin.app import NEEDS
 from rollout_lifecycle.testing.standin.faults import QuietDrops
+from rollout_lifecycle.testing.standin.state import NEEDS
 
 if TYPE_CHECKING:
     from fastapi import FastAPI

@@ -35,7 +35,11 @@ from rollout_lifecycle.backends.vllm_api import (
 from rollout_lifecycle.contract.exceptions import EngineRejected, InvalidArgument
 from rollout_lifecycle.testing.sim_state import detokenize
 from rollout_lifecycle.testing.simulated import SimulatedEngine
-from rollout_lifecycle.testing.standin.app import (
+from rollout_lifecycle.testing.standin.auth import token_matches
+from rollout_lifecycle.testing.standin.bodies import BadRequest, json_body
+from rollout_lifecycle.testing.standin.faults import FAULTS_PATH
+from rollout_lifecycle.testing.standin.serving import check_serving, run_app
+from rollout_lifecycle.testing.standin.state import (
     NEEDS,
     StandInState,
     check_path,
@@ -43,10 +47,6 @@ from rollout_lifecycle.testing.standin.app import (
     standin_app,
     wait_disconnect,
 )
-from rollout_lifecycle.testing.standin.auth import token_matches
-from rollout_lifecycle.testing.standin.bodies import BadRequest, json_body
-from rollout_lifecycle.testing.standin.faults import FAULTS_PATH
-from rollout_lifecycle.testing.standin.serving import check_serving, run_app
 from rollout_lifecycle.testing.standin.vllm_engine import (
     VLLM_VERSION,
     VLLMEngineModel,
