@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import pickle
 
 import pytest
 
@@ -12,21 +11,17 @@ from rollout_lifecycle import (
     EngineGroup,
     EngineHost,
     EngineOutcome,
-    EngineRejected,
     IllegalEngineOp,
-    IllegalTransition,
     InvalidArgument,
     LifecycleConfig,
     Outcome,
     PauseMode,
-    PhaseFailed,
     RolloutServer,
     ServerState,
     SimulatedEngine,
     Tag,
 )
 from rollout_lifecycle.backends.engine import incarnation_of
-from rollout_lifecycle.contract.seam import classify
 from rollout_lifecycle.core.ledger import EngineRecord
 from rollout_lifecycle.core.runner import Calls
 from rollout_lifecycle.core.states import TRANSITIONS, sources_of
@@ -155,31 +150,6 @@ def test_a_release_without_answer_makes_its_tags_unknown_and_blocks_both_directi
     with pytest.raises(IllegalEngineOp):
         record.check_continue()
     assert record.snapshot().uncertain == ("kv_cache",)
-
-
-def test_errors_pickle_with_their_fields() -> None:
-    errors = [
-        EngineRejected("e", "flush_cache", "not idle", 400),
-        IllegalEngineOp("a/0", "release_memory_occupation", "busy"),
-        IllegalTransition("onload_kv", "serving", ["weights_restored"]),
-        PhaseFailed("pause", {"a/0": EngineOutcome(Outcome.DEAD, "gone")}, "failed"),
-    ]
-    for err in errors:
-        copy = pickle.loads(pickle.dumps(err))
-        assert type(copy) is type(err)
-        assert str(copy) == str(err)
-        assert copy.__dict__.keys() == err.__dict__.keys()
-    assert pickle.loads(pickle.dumps(errors[0])).status == 400
-
-
-def test_classify_maps_engine_errors_to_outcomes() -> None:
-    from rollout_lifecycle import EngineDead, EngineTimeout
-
-    assert classify(EngineRejected("e", "op", "no", 400)).outcome is Outcome.REJECTED
-    assert classify(EngineDead("e", "op", "gone")).outcome is Outcome.DEAD
-    assert classify(EngineTimeout("e", "op", "slow")).outcome is Outcome.TIMED_OUT
-    assert classify(ConnectionRefusedError()).outcome is Outcome.DEAD
-    assert classify(ValueError("garbage")).outcome is Outcome.ERROR
 
 
 async def test_in_process_fleet_runs_a_full_cycle_and_reports_state() -> None:
