@@ -241,6 +241,8 @@ def test_status_shows_what_vllm_answers_beside_the_ledger(ctl: Ctl, fakes: list[
         assert row["health_status"] == 200 and row["ready"] is False and row["paused"] is True
         assert row["sleep_state"] == "weights_offloaded" and row["agrees"] is True
         assert row["recorded"]["released"] == ALL
+        # what the driver declared at first contact, kept in the ledger across ctl runs
+        assert row["recorded"]["family"] == "vllm" and row["recorded"]["kv_asleep"] is False
     code, out, _ = ctl("status")  # the table
     lines = out.splitlines()
     header = next(line for line in lines if line.startswith("ENGINE"))
