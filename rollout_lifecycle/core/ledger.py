@@ -267,9 +267,13 @@ class EngineSnapshot:
                 ok = all(isinstance(v, str) for v in value)
             elif kind == "bool":
                 ok = isinstance(value, bool)
-            elif kind == "dict[str, Any] | None":
+            elif kind == "dict[str, Any] | None":  # (capabilities: checked as they load)
                 ok = value is None or isinstance(value, Mapping)
-                value = None if value is None else dict(value)
+                if ok and value is not None:
+                    try:
+                        value = Capabilities.from_wire(value).to_wire()
+                    except InvalidArgument as exc:
+                        raise InvalidArgument(f"engine snapshot field {f.name!r}: {exc}") from None
             else:
                 ok = isinstance(value, str) or (value is None and kind == "str | None")
             if not ok:

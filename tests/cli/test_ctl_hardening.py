@@ -604,11 +604,13 @@ def _fields(value: Any, at: tuple[str | int, ...] = ()) -> Iterator[tuple[str | 
 
 def _types_kept(good: Any, value: Any, at: tuple[str | int, ...]) -> bool:
     """Whether ``value`` is of the JSON type the field holds in a ledger (null fields hold a
-    string or null, ``exit_code`` an int or null); a value of another type must be refused."""
+    string or null, ``exit_code`` an int or null, an engine's ``capabilities`` an object or
+    null); a value of another type must be refused."""
     if not at:
         return False  # the whole file replaced by a small value: never a ledger
     if good is None:
-        kinds: tuple[type, ...] = (int,) if at[-1] == "exit_code" else (str,)
+        held = {"exit_code": int, "capabilities": dict}
+        kinds: tuple[type, ...] = (held.get(str(at[-1]), str),)
         return value is None or isinstance(value, kinds)
     if isinstance(good, bool):
         return isinstance(value, bool)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from rollout_lifecycle import ALL_TAGS, KV_TAGS, EngineHost, PauseMode, ServerState, Tag
-from rollout_lifecycle.contract.exceptions import IllegalEngineOp
+from rollout_lifecycle.contract.exceptions import IllegalEngineOp, InvalidArgument
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
 from rollout_lifecycle.core.ledger import (
@@ -16,6 +16,7 @@ from rollout_lifecycle.core.ledger import (
     KEEPERS_SERVE,
     SETTLED_STATES,
     EngineRecord,
+    EngineSnapshot,
     Fleet,
     Target,
     may_serve,
@@ -219,3 +220,15 @@ def test_a_release_the_driver_cannot_make_is_refused_before_it_is_sent() -> None
     with pytest.raises(IllegalEngineOp, match=r"vllm cannot release tags \['weights'\]"):
         record.check_release([Tag.WEIGHTS])
     record.check_release([Tag.WEIGHTS, Tag.KV_CACHE])
+
+
+def test_a_snapshot_whose_capabilities_are_garbage_is_refused_by_name() -> None:
+    saved = EngineRecord("actor/0", "actor", None).snapshot().__dict__.copy()
+    saved["capabilities"] = {"family": 1}
+    with pytest.raises(InvalidArgument, match=r"field 'capabilities': .*family must be a name"):
+        EngineSnapshot.from_dict(saved)
+    saved["capabilities"] = "vllm"
+    with pytest.raises(InvalidArgument, match="field 'capabilities'"):
+        EngineSnapshot.from_dict(saved)
+    saved["capabilities"] = VLLM_DECLARED
+    assert EngineSnapshot.from_dict(saved).capabilities == VLLM_DECLARED
