@@ -59,13 +59,17 @@ from rollout_lifecycle.core.timeline import Span, Timeline
 if TYPE_CHECKING:
     from rollout_lifecycle.backends.actor import EngineActor, EngineActorBody, start_engine_actor
     from rollout_lifecycle.backends.engine import EngineBackend, EngineHost, incarnation_of
-    from rollout_lifecycle.backends.http import HTTPTimeouts, SGLangHTTPEngine, sglang_http_factory
-    from rollout_lifecycle.backends.launch import LaunchedSGLangEngine, launched_sglang_factory
+    from rollout_lifecycle.backends.http.wire import HTTPTimeouts
     from rollout_lifecycle.backends.ports import free_port
     from rollout_lifecycle.backends.router import LaunchedRouter, RouterWorker, SGLangRouter
     from rollout_lifecycle.backends.secret import Secret
-    from rollout_lifecycle.backends.vllm_http import VLLMHTTPEngine, vllm_http_factory
-    from rollout_lifecycle.backends.vllm_launch import LaunchedVLLMEngine, launched_vllm_factory
+    from rollout_lifecycle.backends.sglang.client import SGLangHTTPEngine, sglang_http_factory
+    from rollout_lifecycle.backends.sglang.launch import (
+        LaunchedSGLangEngine,
+        launched_sglang_factory,
+    )
+    from rollout_lifecycle.backends.vllm.client import VLLMHTTPEngine, vllm_http_factory
+    from rollout_lifecycle.backends.vllm.launch import LaunchedVLLMEngine, launched_vllm_factory
     from rollout_lifecycle.backends.weights import FromDisk, FromDistributed, FromTensor
     from rollout_lifecycle.sync import SyncRolloutServer
     from rollout_lifecycle.testing.simulated import SimulatedEngine
@@ -79,20 +83,20 @@ _LAZY: dict[str, str] = {
     "EngineBackend": "rollout_lifecycle.backends.engine",
     "EngineHost": "rollout_lifecycle.backends.engine",
     "incarnation_of": "rollout_lifecycle.backends.engine",
-    "HTTPTimeouts": "rollout_lifecycle.backends.http",
-    "SGLangHTTPEngine": "rollout_lifecycle.backends.http",
-    "sglang_http_factory": "rollout_lifecycle.backends.http",
-    "LaunchedSGLangEngine": "rollout_lifecycle.backends.launch",
-    "launched_sglang_factory": "rollout_lifecycle.backends.launch",
+    "HTTPTimeouts": "rollout_lifecycle.backends.http.wire",
+    "SGLangHTTPEngine": "rollout_lifecycle.backends.sglang.client",
+    "sglang_http_factory": "rollout_lifecycle.backends.sglang.client",
+    "LaunchedSGLangEngine": "rollout_lifecycle.backends.sglang.launch",
+    "launched_sglang_factory": "rollout_lifecycle.backends.sglang.launch",
     "free_port": "rollout_lifecycle.backends.ports",
     "LaunchedRouter": "rollout_lifecycle.backends.router",
     "RouterWorker": "rollout_lifecycle.backends.router",
     "SGLangRouter": "rollout_lifecycle.backends.router",
     "Secret": "rollout_lifecycle.backends.secret",
-    "VLLMHTTPEngine": "rollout_lifecycle.backends.vllm_http",
-    "vllm_http_factory": "rollout_lifecycle.backends.vllm_http",
-    "LaunchedVLLMEngine": "rollout_lifecycle.backends.vllm_launch",
-    "launched_vllm_factory": "rollout_lifecycle.backends.vllm_launch",
+    "VLLMHTTPEngine": "rollout_lifecycle.backends.vllm.client",
+    "vllm_http_factory": "rollout_lifecycle.backends.vllm.client",
+    "LaunchedVLLMEngine": "rollout_lifecycle.backends.vllm.launch",
+    "launched_vllm_factory": "rollout_lifecycle.backends.vllm.launch",
     "FromDisk": "rollout_lifecycle.backends.weights",
     "FromDistributed": "rollout_lifecycle.backends.weights",
     "FromTensor": "rollout_lifecycle.backends.weights",

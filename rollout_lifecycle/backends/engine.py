@@ -17,7 +17,7 @@ import json
 from collections.abc import Awaitable, Hashable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from rollout_lifecycle.backends.sglang_api import SESSION_ALREADY_OPEN
+from rollout_lifecycle.backends.sglang.api import SESSION_ALREADY_OPEN
 from rollout_lifecycle.contract import seam
 from rollout_lifecycle.contract.capabilities import capabilities_of
 from rollout_lifecycle.contract.exceptions import (

@@ -23,11 +23,12 @@ from typing import Any, TypeVar
 
 import httpx
 
-from rollout_lifecycle.backends.http import HTTPTimeouts, SGLangHTTPEngine, check_seconds
+from rollout_lifecycle.backends.http.wire import HTTPTimeouts
 from rollout_lifecycle.backends.router import SGLangRouter
 from rollout_lifecycle.backends.secret import Secret
-from rollout_lifecycle.backends.vllm_api import GUARDED_PREFIXES
-from rollout_lifecycle.backends.vllm_http import VLLMHTTPEngine
+from rollout_lifecycle.backends.sglang.client import SGLangHTTPEngine
+from rollout_lifecycle.backends.vllm.api import GUARDED_PREFIXES
+from rollout_lifecycle.backends.vllm.client import VLLMHTTPEngine
 from rollout_lifecycle.contract.exceptions import (
     EngineClaimed,
     EngineDead,
@@ -42,7 +43,7 @@ from rollout_lifecycle.contract.exceptions import (
 )
 from rollout_lifecycle.contract.outcome import Outcome
 from rollout_lifecycle.contract.urls import mask_userinfo, url_identity
-from rollout_lifecycle.contract.values import PauseMode, parse_tags, short_repr
+from rollout_lifecycle.contract.values import PauseMode, check_seconds, parse_tags, short_repr
 from rollout_lifecycle.core.claims import lock_dir, make_lock_dir
 from rollout_lifecycle.core.config import Deadlines, LifecycleConfig
 from rollout_lifecycle.core.ledger import EngineRecord
@@ -661,7 +662,7 @@ def utc_now() -> str:
 def make_backends(setup: Setup, urls: Sequence[str], *, retries: int = 3) -> list[Backend]:
     """One client per engine, of the run's ``--engine-kind``."""
     if setup.engine_kind == "vllm":
-        # vLLM's key guards only the OpenAI routes (vllm_api.GUARDED_PREFIXES); it is sent
+        # vLLM's key guards only the OpenAI routes (vllm.api.GUARDED_PREFIXES); it is sent
         # there only, and ctl calls none of them.
         return [
             VLLMHTTPEngine(url, api_key=setup.api_key, timeouts=setup.timeouts, retries=retries)

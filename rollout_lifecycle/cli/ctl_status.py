@@ -11,8 +11,8 @@ from typing import Any
 
 import httpx
 
-from rollout_lifecycle.backends.http import HTTPTimeouts
-from rollout_lifecycle.backends.vllm_http import VLLMHTTPEngine
+from rollout_lifecycle.backends.http.wire import HTTPTimeouts
+from rollout_lifecycle.backends.vllm.client import VLLMHTTPEngine
 from rollout_lifecycle.cli.ctl_state import (
     Backend,
     CtlError,

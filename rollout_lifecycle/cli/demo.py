@@ -135,10 +135,10 @@ def _launcher(args: argparse.Namespace, kind: str, port: int, label: str) -> Any
         "label": label,
     }
     if kind == "vllm":
-        from rollout_lifecycle.backends.vllm_launch import launched_vllm_factory
+        from rollout_lifecycle.backends.vllm.launch import launched_vllm_factory
 
         return launched_vllm_factory(args.model, **options)
-    from rollout_lifecycle.backends.launch import launched_sglang_factory
+    from rollout_lifecycle.backends.sglang.launch import launched_sglang_factory
 
     return launched_sglang_factory(args.model, memory_saver=False, **options)
 
@@ -284,10 +284,10 @@ class _RealServers:
         """An engine actor driving the server at ``url`` (vLLM's API for ``vllm``, else
         SGLang's)."""
         if kind == "vllm":
-            from rollout_lifecycle.backends.vllm_http import vllm_http_factory
+            from rollout_lifecycle.backends.vllm.client import vllm_http_factory
 
             return start_engine_actor(vllm_http_factory(url))
-        from rollout_lifecycle.backends.http import sglang_http_factory
+        from rollout_lifecycle.backends.sglang.client import sglang_http_factory
 
         return start_engine_actor(sglang_http_factory(url))
 

@@ -12,7 +12,7 @@ in a branch of its own.
 
 How a command goes on the wire is the engine's business: the operation's name is the
 ``EngineHost`` method that carries it, and each backend maps that method to its server's
-endpoint (``backends.sglang_api`` for SGLang).
+endpoint (``backends.sglang.api`` for SGLang).
 """
 
 from __future__ import annotations

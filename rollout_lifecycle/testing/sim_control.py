@@ -10,7 +10,7 @@ import contextlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from rollout_lifecycle.backends.sglang_api import FLUSH_FAILED, FLUSH_TIMED_OUT, PAUSE_MODES
+from rollout_lifecycle.backends.sglang.api import FLUSH_FAILED, FLUSH_TIMED_OUT, PAUSE_MODES
 from rollout_lifecycle.contract.exceptions import EngineRejected
 from rollout_lifecycle.contract.values import ALL_TAGS, PauseMode, Tag
 from rollout_lifecycle.testing.sim_calls import SimCalls

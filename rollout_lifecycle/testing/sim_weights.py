@@ -10,7 +10,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from rollout_lifecycle.backends.sglang_api import (
+from rollout_lifecycle.backends.sglang.api import (
     SELECTORS,
     SESSION_ALREADY_OPEN,
     WEIGHTS_WRITTEN_FLUSH_FAILED,

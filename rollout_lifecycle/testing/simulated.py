@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
-from rollout_lifecycle.backends.sglang_api import (
+from rollout_lifecycle.backends.sglang.api import (
     FLUSH_FAILED,
     FLUSH_TIMED_OUT,
     WEIGHTS_WRITTEN_FLUSH_FAILED,

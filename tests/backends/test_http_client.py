@@ -36,19 +36,15 @@ from rollout_lifecycle import (
     Tag,
     free_port,
 )
-from rollout_lifecycle.backends.http import (
-    HTTPTimeouts,
-    SGLangHTTPEngine,
-    parse_version,
-    sglang_http_factory,
-)
-from rollout_lifecycle.backends.launch import (
+from rollout_lifecycle.backends.http.wire import HTTPTimeouts, parse_version
+from rollout_lifecycle.backends.secret import Secret
+from rollout_lifecycle.backends.sglang.api import BY_PATH
+from rollout_lifecycle.backends.sglang.client import SGLangHTTPEngine, sglang_http_factory
+from rollout_lifecycle.backends.sglang.launch import (
     ADMIN_KEY_ENV,
     LaunchedSGLangEngine,
     launched_sglang_factory,
 )
-from rollout_lifecycle.backends.secret import Secret
-from rollout_lifecycle.backends.sglang_api import BY_PATH
 
 URL = "http://engine.test:30000"
 ADMIN_KEY = "sk-admin-7f3a9c1e55d0"
@@ -1503,7 +1499,7 @@ async def test_a_launched_old_sglang_is_refused_and_stopped(
 
 
 async def test_every_call_sends_what_its_row_of_the_endpoint_table_declares() -> None:
-    """Method, path and body fields of each call, read back against ``sglang_api``: a body
+    """Method, path and body fields of each call, read back against ``sglang.api``: a body
     key the row does not declare would be ignored by SGLang without a word."""
     server = FakeServer()
     engine = make_engine(server)

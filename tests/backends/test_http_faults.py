@@ -46,7 +46,7 @@ from rollout_lifecycle import (
     Tag,
     WeightUpdate,
 )
-from rollout_lifecycle.backends.http_transport import KEEPALIVE_EXPIRY_S
+from rollout_lifecycle.backends.http.transport import KEEPALIVE_EXPIRY_S
 from rollout_lifecycle.core.runner import PhaseSettled
 from rollout_lifecycle.testing import until
 from rollout_lifecycle.testing.standin import DEATH_EXIT_CODE, FAULTS_PATH, StandInServer

@@ -10,8 +10,8 @@ import asyncio
 import pytest
 
 from rollout_lifecycle import SGLangHTTPEngine
-from rollout_lifecycle.backends.http_transport import KEEPALIVE_EXPIRY_S, HTTPTransport
-from rollout_lifecycle.backends.sglang_api import ENDPOINTS
+from rollout_lifecycle.backends.http.transport import KEEPALIVE_EXPIRY_S, HTTPTransport
+from rollout_lifecycle.backends.sglang.api import ENDPOINTS
 
 #: SGLang's keep-alive: it closes a connection idle this long.
 # sglang: environ.py SGLANG_TIMEOUT_KEEP_ALIVE = EnvInt(5)

@@ -23,7 +23,7 @@ from rollout_lifecycle import (
     StaleWeights,
 )
 from rollout_lifecycle.backends.engine import EngineHost
-from rollout_lifecycle.backends.vllm_http import VLLMHTTPEngine, vllm_http_factory
+from rollout_lifecycle.backends.vllm.client import VLLMHTTPEngine, vllm_http_factory
 from rollout_lifecycle.contract.commands import ReadSleeping
 from rollout_lifecycle.contract.exceptions import (
     EngineError,

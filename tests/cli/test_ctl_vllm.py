@@ -16,7 +16,7 @@ import pytest
 from backends.test_vllm_http import FakeVLLM
 
 from rollout_lifecycle import EngineGroup, RolloutServer, SGLangHTTPEngine
-from rollout_lifecycle.backends.vllm_http import parse_sleep_state
+from rollout_lifecycle.backends.vllm.client import parse_sleep_state
 from rollout_lifecycle.cli import main
 from rollout_lifecycle.cli.ctl import ExitCode
 from rollout_lifecycle.cli.ctl_state import GROUP, VLLM_KEY_WARNING, write_ledger
@@ -312,7 +312,7 @@ def test_a_key_with_vllm_warns_that_it_leaves_the_lifecycle_routes_open(
     code, _, err = ctl("pause", "--api-key-env", KEY_VAR)
     assert code == 0
     assert VLLM_KEY_WARNING in err and "/v1" in err and "loopback or a private network" in err
-    # vLLM's key guards only /v1 (vllm_api.GUARDED_PREFIXES): no route ctl calls is one.
+    # vLLM's key guards only /v1 (vllm.api.GUARDED_PREFIXES): no route ctl calls is one.
     assert not any("authorization" in h for f in fakes for h in f.fake.headers)
     code, _, err = ctl("resume")  # no key: no warning
     assert code == 0 and "warning" not in err

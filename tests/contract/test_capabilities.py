@@ -10,7 +10,7 @@ import pytest
 
 from rollout_lifecycle import SGLangHTTPEngine
 from rollout_lifecycle.backends.engine import EngineHost
-from rollout_lifecycle.backends.vllm_http import VLLM_CAPABILITIES, VLLMHTTPEngine
+from rollout_lifecycle.backends.vllm.client import VLLM_CAPABILITIES, VLLMHTTPEngine
 from rollout_lifecycle.contract.capabilities import DEFAULT, Capabilities, capabilities_of
 from rollout_lifecycle.contract.exceptions import InvalidArgument
 from rollout_lifecycle.contract.values import Tag

@@ -51,7 +51,7 @@ from rollout_lifecycle import (
     WeightsNotVerified,
     free_port,
 )
-from rollout_lifecycle.backends.vllm_http import VLLMHTTPEngine
+from rollout_lifecycle.backends.vllm.client import VLLMHTTPEngine
 from rollout_lifecycle.contract.exceptions import EngineRejected, IllegalEngineOp
 from rollout_lifecycle.contract.values import ALL_TAGS, Tag
 from rollout_lifecycle.core.verify import BLIND, UNCHANGED

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from real.servers import RealVLLMServer
 
-from rollout_lifecycle.backends.vllm_http import parse_sleep_state
+from rollout_lifecycle.backends.vllm.client import parse_sleep_state
 
 pytestmark = pytest.mark.real_vllm
 

@@ -24,10 +24,10 @@ from rollout_lifecycle.backends.hosted import (
     MultiEngineActorBody,
     start_multi_engine_actor,
 )
-from rollout_lifecycle.backends.http import HTTPTimeouts, SGLangHTTPEngine
-from rollout_lifecycle.backends.http import check_seconds as http_check_seconds
-from rollout_lifecycle.backends.launch import LaunchedSGLangEngine
+from rollout_lifecycle.backends.http.wire import HTTPTimeouts
 from rollout_lifecycle.backends.router import SGLangRouter
+from rollout_lifecycle.backends.sglang.client import SGLangHTTPEngine
+from rollout_lifecycle.backends.sglang.launch import LaunchedSGLangEngine
 from rollout_lifecycle.backends.weights import FromDisk, FromDistributed, FromTensor
 from rollout_lifecycle.contract.values import MAX_SECONDS, check_seconds, parse_tags
 from rollout_lifecycle.core.config import DeadEnginePolicy, Deadlines, LifecycleConfig
@@ -180,9 +180,9 @@ HTTP_TIMEOUT_FIELDS = [
 ]
 
 CASES: list[Case] = [
-    # -- the one seconds checker (and its re-export where _ctl takes it from) ---------------
+    # -- the one seconds checker, positive and not ---------------------------------------------
     *rows("what", lambda v: check_seconds("what", v), SECONDS),
-    *rows("what", lambda v: http_check_seconds("what", v, positive=False), SECONDS0),
+    *rows("what", lambda v: check_seconds("what", v, positive=False), SECONDS0),
     # -- LifecycleConfig, Deadlines, tags -------------------------------------------------------
     *rows("pause_mode", lambda v: LifecycleConfig(pause_mode=v), [None, 1, "pause", [], True]),
     *rows("deadlines", lambda v: LifecycleConfig(deadlines=v), [None, {}, 60, "fast"]),

@@ -274,7 +274,7 @@ async def test_one_offload_crosses_at_most_twelve_modules_to_each_request(
     paths = [name for name, _ in local]
     assert {"/pause_generation", "/flush_cache", "/release_memory_occupation"} <= set(paths)
     for name, chain in local:
-        assert chain[0] == "core/server" and chain[-1] == "backends/http_transport", chain
+        assert chain[0] == "core/server" and chain[-1] == "backends/http/transport", chain
         assert len(set(chain)) <= MOST_MODULES, (name, chain)
     (pause,) = [chain for name, chain in local if name == "/pause_generation"]
     actor_side = pause[pause.index("backends/engine") :]

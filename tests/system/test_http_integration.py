@@ -28,8 +28,7 @@ from rollout_lifecycle import (
     WeightUpdate,
     start_engine_actor,
 )
-from rollout_lifecycle.backends.http import SGLangHTTPEngine
-from rollout_lifecycle.backends.launch import sglang_http_factory
+from rollout_lifecycle.backends.sglang.client import SGLangHTTPEngine, sglang_http_factory
 from rollout_lifecycle.core.runner import PhaseSettled
 from rollout_lifecycle.testing import cycle_order_violations
 from rollout_lifecycle.testing.standin import StandInServer

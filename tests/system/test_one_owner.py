@@ -29,7 +29,7 @@ from rollout_lifecycle import (
     WeightUpdate,
     start_engine_actor,
 )
-from rollout_lifecycle.backends.launch import sglang_http_factory
+from rollout_lifecycle.backends.sglang.client import sglang_http_factory
 from rollout_lifecycle.contract.outcome import Outcome
 from rollout_lifecycle.testing import StandInServer
 

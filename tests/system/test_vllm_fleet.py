@@ -16,7 +16,7 @@ from wire.conftest import contract_model_dir, vllm_standin
 from rollout_lifecycle import EngineGroup, FromDisk, PhaseFailed, RolloutServer, ServerState
 from rollout_lifecycle.backends.actor import start_engine_actor
 from rollout_lifecycle.backends.hosted import start_multi_engine_actor
-from rollout_lifecycle.backends.vllm_http import vllm_http_factory
+from rollout_lifecycle.backends.vllm.client import vllm_http_factory
 from rollout_lifecycle.testing.standin import VLLMStandInServer
 
 

@@ -24,7 +24,7 @@ from rollout_lifecycle import (
     ServerState,
     VLLMHTTPEngine,
 )
-from rollout_lifecycle.backends.http import HTTPTimeouts, SGLangHTTPEngine
+from rollout_lifecycle.backends.sglang.client import HTTPTimeouts, SGLangHTTPEngine
 from rollout_lifecycle.testing import until
 from rollout_lifecycle.testing.fleets import READS
 from rollout_lifecycle.testing.standin import StandInServer, VLLMStandInServer

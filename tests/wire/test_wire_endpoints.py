@@ -22,7 +22,7 @@ from wire.helpers import (
 )
 
 from rollout_lifecycle import SGLangHTTPEngine
-from rollout_lifecycle.backends.http_transport import KEEPALIVE_EXPIRY_S
+from rollout_lifecycle.backends.http.transport import KEEPALIVE_EXPIRY_S
 from rollout_lifecycle.testing.waits import until
 
 #: SGLang's answer to a request its schema refuses: 400 (not FastAPI's 422) with this shape.

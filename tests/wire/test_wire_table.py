@@ -1,4 +1,4 @@
-"""The endpoint table (``backends.sglang_api``) that the HTTP client sends from and the stand-in
+"""The endpoint table (``backends.sglang.api``) that the HTTP client sends from and the stand-in
 serves from, checked row by row against the server (a stand-in and a real SGLang): every path of
 every row is routed with the row's methods and refuses others, each row wants the key the table
 says, and a body that lacks a required field or holds a value of the wrong kind is refused with
@@ -12,8 +12,8 @@ import httpx
 import pytest
 from wire.helpers import Target
 
-from rollout_lifecycle.backends.http_rows import Auth, Endpoint, Field
-from rollout_lifecycle.backends.sglang_api import ENDPOINTS, rows
+from rollout_lifecycle.backends.http.rows import Auth, Endpoint, Field
+from rollout_lifecycle.backends.sglang.api import ENDPOINTS, rows
 
 ROWS = list(rows())
 #: A value of the wrong kind for each kind of field.

@@ -17,7 +17,7 @@ import pytest
 from wire.conftest import contract_model_dir, vllm_standin
 from wire.helpers import CALL_TIMEOUT, Streamed, VLLMTarget, through_a_stall
 
-from rollout_lifecycle.backends.vllm_http import VLLMHTTPEngine
+from rollout_lifecycle.backends.vllm.client import VLLMHTTPEngine
 from rollout_lifecycle.contract.exceptions import EngineRejected, IllegalEngineOp
 from rollout_lifecycle.contract.values import PauseMode, Tag
 from rollout_lifecycle.testing.standin import DEATH_EXIT_CODE, VLLMStandInServer

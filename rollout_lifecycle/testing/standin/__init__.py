@@ -2,7 +2,7 @@
 
 It answers like SGLang and dies like SGLang (the fatal call's connection drops, the port closes).
 Its routes, keys, body checks and answer shapes come from the same endpoint table the HTTP
-client sends from (``backends.sglang_api``). Stand-in only, under ``/_standin/``: the engine's
+client sends from (``backends.sglang.api``). Stand-in only, under ``/_standin/``: the engine's
 history, memory and counters, and HTTP fault injection (``/_standin/faults``: delays, proxy
 errors, dropped connections, sudden death) for tests of what a client does when the network or
 the server misbehaves.
@@ -20,7 +20,7 @@ the server misbehaves.
 
 from __future__ import annotations
 
-from rollout_lifecycle.backends.sglang_api import OPEN_PREFIXES, auth_level
+from rollout_lifecycle.backends.sglang.api import OPEN_PREFIXES, auth_level
 from rollout_lifecycle.testing.standin.app import DEFAULT_MODEL_PATH, create_app
 from rollout_lifecycle.testing.standin.auth import request_allowed
 from rollout_lifecycle.testing.standin.faults import FAULT_KINDS, FAULTS_PATH

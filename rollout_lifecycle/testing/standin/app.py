@@ -1,5 +1,5 @@
 """The stand-in's ASGI app: SGLang's routes, read from the endpoint table
-(``backends.sglang_api``), in front of a ``SimulatedEngine``.
+(``backends.sglang.api``), in front of a ``SimulatedEngine``.
 
 Each route is registered from its row (path, older alias, methods); its fields are read and
 checked from the row; an engine refusal becomes the answer the row's shape gives (``success:
@@ -18,9 +18,9 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from rollout_lifecycle.backends.http_rows import Answer, Endpoint
+from rollout_lifecycle.backends.http.rows import Answer, Endpoint
 from rollout_lifecycle.backends.secret import Secret, as_secret
-from rollout_lifecycle.backends.sglang_api import (
+from rollout_lifecycle.backends.sglang.api import (
     FLUSH_FAILED,
     FLUSH_TEXT,
     WEIGHTS_WRITTEN_FLUSH_FAILED,

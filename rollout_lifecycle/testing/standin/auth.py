@@ -1,5 +1,5 @@
 """The stand-in's keys, as SGLang checks them: which key each route wants comes from the
-endpoint table (``backends.sglang_api``); this module decides whether a request's
+endpoint table (``backends.sglang.api``); this module decides whether a request's
 ``Authorization`` header carries it, and answers 401 before the request reaches a route."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 import hmac
 from typing import TYPE_CHECKING
 
-from rollout_lifecycle.backends.http_rows import Auth
+from rollout_lifecycle.backends.http.rows import Auth
 from rollout_lifecycle.backends.secret import Secret, as_secret
-from rollout_lifecycle.backends.sglang_api import auth_level
+from rollout_lifecycle.backends.sglang.api import auth_level
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Receive, Scope, Send

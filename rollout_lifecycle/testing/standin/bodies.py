@@ -1,5 +1,5 @@
 """The stand-in's request validation: a request's body and query read against its row of the
-endpoint table (``backends.sglang_api``), refused as SGLang's schema refuses them (400, with
+endpoint table (``backends.sglang.api``), refused as SGLang's schema refuses them (400, with
 pydantic's message), and SGLang's JSON error answer."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from rollout_lifecycle.backends.http_rows import Endpoint, Field
+from rollout_lifecycle.backends.http.rows import Endpoint, Field
 
 if TYPE_CHECKING:
     from starlette.requests import Request

@@ -1,4 +1,4 @@
-"""The vLLM stand-in's ASGI app: the routes of vLLM 0.32.0's table (``backends.vllm_api``),
+"""The vLLM stand-in's ASGI app: the routes of vLLM 0.32.0's table (``backends.vllm.api``),
 started with ``VLLM_SERVER_DEV_MODE=1``, in front of a simulated engine (``vllm_engine``).
 
 Each route of the table is registered from its row (path, method); the handlers say what the
@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rollout_lifecycle.backends.secret import Secret, as_secret
-from rollout_lifecycle.backends.vllm_api import (
+from rollout_lifecycle.backends.vllm.api import (
     ENDPOINTS,
     GUARDED_PREFIXES,
     PAUSE_MODES,

@@ -1,4 +1,4 @@
-"""vLLM's HTTP contract as one table, of the rows SGLang's is made of (``http_rows``): for every
+"""vLLM's HTTP contract as one table, of the rows SGLang's is made of (``http.rows``): for every
 route the vLLM client calls, its method, the key it wants, its fields (query or body), the shape
 of its answer, which client timeout bounds it, and whether a call may be sent again.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from rollout_lifecycle.backends.http_rows import (
+from rollout_lifecycle.backends.http.rows import (
     Answer,
     Auth,
     Endpoint,

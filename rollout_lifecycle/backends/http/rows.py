@@ -1,7 +1,7 @@
 """The row of an engine's HTTP contract: the types every family's endpoint table is made of
-(``sglang_api`` for SGLang, ``vllm_api`` for vLLM). A row names a route, the methods it accepts,
+(``sglang.api`` for SGLang, ``vllm.api`` for vLLM). A row names a route, the methods it accepts,
 the key it wants, its fields, the shape of its answer, which client timeout bounds it and
-whether it may be sent again; the transport sends from it (``http_transport``) and the stand-ins
+whether it may be sent again; the transport sends from it (``http.transport``) and the stand-ins
 serve from it.
 """
 

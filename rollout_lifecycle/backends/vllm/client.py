@@ -1,5 +1,5 @@
 """An ``EngineBackend`` for vLLM: an async HTTP client of one vLLM 0.32 server started with
-``VLLM_SERVER_DEV_MODE=1``, mapping the library's lifecycle onto vLLM's routes (``vllm_api``).
+``VLLM_SERVER_DEV_MODE=1``, mapping the library's lifecycle onto vLLM's routes (``vllm.api``).
 
 How each operation lands on vLLM (see ``docs/vllm-contract.md``):
 
@@ -33,9 +33,8 @@ from typing import Any, ClassVar
 import httpx
 
 from rollout_lifecycle.backends.engine import incarnation_of
-from rollout_lifecycle.backends.http_link import open_wire
-from rollout_lifecycle.backends.http_transport import HTTPTransport
-from rollout_lifecycle.backends.http_wire import (
+from rollout_lifecycle.backends.http.transport import HTTPTransport, open_wire
+from rollout_lifecycle.backends.http.wire import (
     HTTPTimeouts,
     check_name,
     check_str,
@@ -43,7 +42,7 @@ from rollout_lifecycle.backends.http_wire import (
     shown,
 )
 from rollout_lifecycle.backends.secret import Secret, as_secret, secret_kwargs
-from rollout_lifecycle.backends.vllm_api import ENDPOINTS, SLEEP_STATES
+from rollout_lifecycle.backends.vllm.api import ENDPOINTS, SLEEP_STATES
 from rollout_lifecycle.contract.capabilities import Capabilities
 from rollout_lifecycle.contract.exceptions import (
     EngineDead,

@@ -13,7 +13,7 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from rollout_lifecycle.backends.http_wire import HTTPTimeouts, check_str_list
+from rollout_lifecycle.backends.http.wire import HTTPTimeouts, check_str_list
 from rollout_lifecycle.backends.launch import (
     LaunchedServer,
     check_launch,
@@ -21,7 +21,7 @@ from rollout_lifecycle.backends.launch import (
     interpreter,
 )
 from rollout_lifecycle.backends.secret import Secret, as_secret, secret_kwargs
-from rollout_lifecycle.backends.vllm_http import VLLMHTTPEngine
+from rollout_lifecycle.backends.vllm.client import VLLMHTTPEngine
 from rollout_lifecycle.contract.exceptions import InvalidArgument
 
 __all__ = ["VLLM_API_KEY_ENV", "LaunchedVLLMEngine", "launched_vllm_factory"]

@@ -2,9 +2,9 @@
 
 Explicit bodies, a key per endpoint, retries only where repeating is harmless, one error boundary.
 This module has the engine: each lifecycle, weight and generate call checks its arguments and
-builds its body. It sends them over its link to the server (``http_link``: endpoint calls,
-probes, the attach check), which sends through its transport (``http_transport``: retries,
-error translation); timeouts and value checks are ``http_wire``.
+builds its body. It sends them over its link to the server (``sglang.link``: endpoint calls,
+probes, the attach check), which sends through its transport (``http.transport``: retries,
+error translation); timeouts and value checks are ``http.wire``.
 """
 
 from __future__ import annotations
@@ -15,18 +15,16 @@ from typing import Any, ClassVar
 
 import httpx
 
-from rollout_lifecycle.backends.http_link import MIN_SGLANG_VERSION, WEIGHT_SELECTORS, SGLangLink
-from rollout_lifecycle.backends.http_transport import scrub
-from rollout_lifecycle.backends.http_wire import (
+from rollout_lifecycle.backends.http.wire import (
     HTTPTimeouts,
     check_name,
     check_shapes,
     check_str,
     check_str_list,
-    parse_version,
     shown,
 )
 from rollout_lifecycle.backends.secret import Secret, secret_kwargs
+from rollout_lifecycle.backends.sglang.link import SGLangLink
 from rollout_lifecycle.backends.tensor_payload import check_tensor_payloads
 from rollout_lifecycle.contract.capabilities import Capabilities
 from rollout_lifecycle.contract.exceptions import EngineRejected, InvalidArgument
@@ -41,17 +39,7 @@ from rollout_lifecycle.contract.values import (
     parse_tags,
 )
 
-__all__ = [
-    "MIN_SGLANG_VERSION",
-    "WEIGHT_SELECTORS",
-    "HTTPTimeouts",
-    "SGLangHTTPEngine",
-    "SGLangLink",
-    "check_seconds",
-    "parse_version",
-    "scrub",
-    "sglang_http_factory",
-]
+__all__ = ["SGLangHTTPEngine", "sglang_http_factory"]
 
 
 class SGLangHTTPEngine:

@@ -1,5 +1,5 @@
 """One client's link to one SGLang server: the options it was made with (URL, keys, label,
-timeouts, retries, weight selector), the call of an endpoint of the table (``sglang_api``) with
+timeouts, retries, weight selector), the call of an endpoint of the table (``sglang.api``) with
 its answer read as the row says, the information reads with secrets masked, the probes, and the
 attach check of the server's SGLang version. ``SGLangHTTPEngine`` builds each lifecycle, weight
 and generate call's body and sends it over its link."""
@@ -13,10 +13,13 @@ from typing import Any, NoReturn
 import httpx
 
 from rollout_lifecycle.backends.engine import incarnation_of
-from rollout_lifecycle.backends.http_transport import RETRY_STATUSES, HTTPTransport, scrub
-from rollout_lifecycle.backends.http_wire import HTTPTimeouts, parse_version, shown
+from rollout_lifecycle.backends.http.transport import (
+    RETRY_STATUSES,
+    open_wire,
+)
+from rollout_lifecycle.backends.http.wire import HTTPTimeouts, parse_version, shown
 from rollout_lifecycle.backends.secret import Secret, as_secret
-from rollout_lifecycle.backends.sglang_api import ENDPOINTS
+from rollout_lifecycle.backends.sglang.api import ENDPOINTS
 from rollout_lifecycle.contract.exceptions import (
     EngineDead,
     EngineRejected,
@@ -25,63 +28,16 @@ from rollout_lifecycle.contract.exceptions import (
     IllegalEngineOp,
     InvalidArgument,
 )
-from rollout_lifecycle.contract.urls import validate_url
-from rollout_lifecycle.contract.values import check_flag, check_int, check_seconds
+from rollout_lifecycle.contract.values import check_flag, check_seconds
 
 #: The oldest SGLang this client drives: 0.5.20 has no begin/end weight-update endpoints and its
 #: release asserts plain idleness (a retract pause that left requests waiting kills it); 0.5.21
 #: dies on a weight update with ``flush_cache: true`` on a busy engine.
 MIN_SGLANG_VERSION: tuple[int, int, int] = (0, 5, 22)
-#: The most retries a call may be given (each waits up to ``_MAX_BACKOFF``).
-_MAX_RETRIES = 1000
 #: The runners a weight-update session and its updates apply to.
 # sglang: io_struct.py BeginWeightUpdateReqInput / UpdateWeightsFromTensorReqInput /
 # UpdateWeightsFromDistributedReqInput.selector: Literal["target", "draft", "all"] = "all"
 WEIGHT_SELECTORS: tuple[str, ...] = ("target", "draft", "all")
-
-
-def open_wire(
-    url: str,
-    label: str | None,
-    *,
-    admin_key: Secret | None,
-    api_key: Secret | None,
-    timeouts: HTTPTimeouts | None,
-    retries: int,
-    retry_backoff: float,
-    transport: httpx.AsyncBaseTransport | None,
-) -> tuple[HTTPTransport, HTTPTimeouts]:
-    """The transport of one engine client, from its options checked (each error names the bad
-    value; the label defaults to the URL, and neither may contain a key), and the timeouts."""
-    url = validate_url(url)
-    if timeouts is None:
-        timeouts = HTTPTimeouts()
-    elif not isinstance(timeouts, HTTPTimeouts):
-        raise InvalidArgument(f"timeouts must be an HTTPTimeouts, got {shown(timeouts)}")
-    retries = check_int("retries", retries, maximum=_MAX_RETRIES)
-    retry_backoff = check_seconds("retry_backoff", retry_backoff, positive=False)
-    if transport is not None and not isinstance(transport, httpx.AsyncBaseTransport):
-        raise InvalidArgument(
-            f"transport must be an httpx.AsyncBaseTransport, got {shown(transport)}"
-        )
-    if label is None:
-        label = url
-    elif not isinstance(label, str) or not label:
-        raise InvalidArgument(f"label must be a non-empty string, got {shown(label)}")
-    keys = (admin_key, api_key)
-    if scrub(label, keys) != label or scrub(url, keys) != url:
-        raise InvalidArgument("label and url must not contain a key")
-    wire = HTTPTransport(
-        url,
-        label,
-        admin_key=admin_key,
-        api_key=api_key,
-        connect_timeout=timeouts.connect,
-        retries=retries,
-        retry_backoff=retry_backoff,
-        transport=transport,
-    )
-    return wire, timeouts
 
 
 class SGLangLink:
@@ -314,7 +270,7 @@ class SGLangLink:
         timeout: float | None = None,
         flush_wait: float | None = None,
     ) -> Any:
-        """One call to the endpoint ``name`` of the table (``sglang_api``): its method, key,
+        """One call to the endpoint ``name`` of the table (``sglang.api``): its method, key,
         timeout and retries from its row, and its answer read as the row's shape says (the JSON
         object of an ``object`` answer, else None)."""
         row = ENDPOINTS[name]
@@ -323,7 +279,7 @@ class SGLangLink:
             # without a word, so the client sends only fields its table row declares.
             unknown = body.keys() - row.body_fields
             if unknown:
-                raise AssertionError(f"{row.path} has no field {sorted(unknown)}; see sglang_api")
+                raise AssertionError(f"{row.path} has no field {sorted(unknown)}; see sglang.api")
         wait = getattr(self._timeouts, row.timeout) if timeout is None else timeout
         response = await self._wire.request(
             row, body, wait, op=op, path=path, flush_wait=flush_wait
@@ -353,4 +309,4 @@ class SGLangLink:
         return masked
 
 
-__all__ = ["MIN_SGLANG_VERSION", "WEIGHT_SELECTORS", "SGLangLink", "open_wire"]
+__all__ = ["MIN_SGLANG_VERSION", "WEIGHT_SELECTORS", "SGLangLink"]

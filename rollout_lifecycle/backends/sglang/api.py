@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
-from rollout_lifecycle.backends.http_rows import (
+from rollout_lifecycle.backends.http.rows import (
     Answer,
     Auth,
     Endpoint,

@@ -15,7 +15,8 @@ from typing import Any, NoReturn
 
 import httpx
 
-from rollout_lifecycle.backends.http_rows import ACKNOWLEDGED, Answer, Auth, Endpoint
+from rollout_lifecycle.backends.http.rows import ACKNOWLEDGED, Answer, Auth, Endpoint
+from rollout_lifecycle.backends.http.wire import HTTPTimeouts, shown
 from rollout_lifecycle.backends.secret import Secret
 from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import (
@@ -24,8 +25,10 @@ from rollout_lifecycle.contract.exceptions import (
     EngineRejected,
     EngineTimeout,
     EngineUnreachable,
+    InvalidArgument,
 )
-from rollout_lifecycle.contract.urls import MASK
+from rollout_lifecycle.contract.urls import MASK, validate_url
+from rollout_lifecycle.contract.values import check_int, check_seconds
 
 #: Answers worth another attempt on a call that is safe to repeat: the server (or a proxy in
 #: front of it) is briefly unable to serve, and did not do the call.
@@ -472,4 +475,52 @@ class HTTPTransport:
             )
 
 
-__all__ = ["MASK", "RETRY_STATUSES", "HTTPTransport", "scrub"]
+#: The most retries a call may be given (each waits up to ``_MAX_BACKOFF``).
+_MAX_RETRIES = 1000
+
+
+def open_wire(
+    url: str,
+    label: str | None,
+    *,
+    admin_key: Secret | None,
+    api_key: Secret | None,
+    timeouts: HTTPTimeouts | None,
+    retries: int,
+    retry_backoff: float,
+    transport: httpx.AsyncBaseTransport | None,
+) -> tuple[HTTPTransport, HTTPTimeouts]:
+    """The transport of one engine client, from its options checked (each error names the bad
+    value; the label defaults to the URL, and neither may contain a key), and the timeouts."""
+    url = validate_url(url)
+    if timeouts is None:
+        timeouts = HTTPTimeouts()
+    elif not isinstance(timeouts, HTTPTimeouts):
+        raise InvalidArgument(f"timeouts must be an HTTPTimeouts, got {shown(timeouts)}")
+    retries = check_int("retries", retries, maximum=_MAX_RETRIES)
+    retry_backoff = check_seconds("retry_backoff", retry_backoff, positive=False)
+    if transport is not None and not isinstance(transport, httpx.AsyncBaseTransport):
+        raise InvalidArgument(
+            f"transport must be an httpx.AsyncBaseTransport, got {shown(transport)}"
+        )
+    if label is None:
+        label = url
+    elif not isinstance(label, str) or not label:
+        raise InvalidArgument(f"label must be a non-empty string, got {shown(label)}")
+    keys = (admin_key, api_key)
+    if scrub(label, keys) != label or scrub(url, keys) != url:
+        raise InvalidArgument("label and url must not contain a key")
+    wire = HTTPTransport(
+        url,
+        label,
+        admin_key=admin_key,
+        api_key=api_key,
+        connect_timeout=timeouts.connect,
+        retries=retries,
+        retry_backoff=retry_backoff,
+        transport=transport,
+    )
+    return wire, timeouts
+
+
+__all__ = ["MASK", "RETRY_STATUSES", "HTTPTransport", "open_wire", "scrub"]

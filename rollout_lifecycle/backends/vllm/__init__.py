@@ -1,0 +1,2 @@
+"""vLLM's driver: its endpoint table (``api``), the client (``client``: ``VLLMHTTPEngine``, which
+declares vLLM's capabilities) and the launcher of vLLM servers (``launch``)."""
