@@ -39,6 +39,8 @@ class Capabilities:
 
     def release_refusal(self, tags: Collection[Tag]) -> str | None:
         """Why a release of ``tags`` cannot be carried out by this family; None when it can."""
+        if not self.release_requires:
+            return None  # (each tag on its own: the guard of every release reads this)
         names = set(tags)
         needed = {need for tag, need in self.release_requires if tag in names}
         missing = sorted(t.value for t in needed - names)
@@ -83,11 +85,15 @@ class Capabilities:
             raise InvalidArgument(
                 f"capabilities: kv_wakes_at_continue must be a bool, got {wakes!r}"
             )
-        return cls(family, tuple(requires), wakes)
+        found = cls(family, tuple(requires), wakes)
+        # One object per distinct declaration: a fleet's records share their family's.
+        return _INTERNED.setdefault(found, found)
 
 
 #: What a backend that declares nothing can do: what SGLang does.
 DEFAULT = Capabilities()
+#: Every declaration read so far, by its value (a handful: one per engine family).
+_INTERNED: dict[Capabilities, Capabilities] = {DEFAULT: DEFAULT}
 
 
 def capabilities_of(backend: object) -> Capabilities:

@@ -649,8 +649,8 @@ class EngineRecord:
             return
         if out.ok and incarnation is not None and (checked or self.incarnation is None):
             self.incarnation = incarnation  # (a read names the process only the first time)
-            if declared is not None:
-                self.declares(declared)
+            if declared is not None and self.capabilities is None:
+                self.declares(declared)  # (a process's, read once: a restart forgets them)
         if out.outcome in _EFFECT_UNKNOWN:
             # No answer, a dropped connection or garbage: the call may or may not have landed.
             self._intent = None
