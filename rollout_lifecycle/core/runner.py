@@ -498,8 +498,7 @@ class PhaseRunner:
                     if calls.expects[i] is not None:
                         seen, landed.values[i], declared = _checked_value(landed.values[i])
                     elif op is _OBSERVE:
-                        out, seen = judge(record, landed.values[i], took)
-                        declared = landed.values[i].get("capabilities") if seen else None
+                        out, seen, declared = judge(record, landed.values[i], took)
                 else:
                     out = seam.classify(exc, took)
                     if out.outcome is _RESTARTED:
@@ -584,19 +583,19 @@ def _checked_value(value: Any) -> tuple[str | None, Any, Any]:
     return None, value, None
 
 
-def judge(record: EngineRecord, observed: Any, took: float = 0.0) -> tuple[EngineOutcome, Any]:
+def judge(record: EngineRecord, observed: Any, took: float = 0.0) -> tuple[EngineOutcome, Any, Any]:
     """What an engine's report of itself (``Op.OBSERVE``) says against its record: ``ok``, or
-    ``restarted`` / ``conflict`` naming both views (``core/identity.disagreement``); and the
-    incarnation it showed."""
+    ``restarted`` / ``conflict`` naming both views (``core/identity.disagreement``); the
+    incarnation it showed, and what its driver declared with it (``EngineHost.observe``)."""
     if not isinstance(observed, Mapping):
-        return EngineOutcome(Outcome.ERROR, f"observe answered {observed!r}", took), None
-    seen = observed.get("incarnation")
+        return EngineOutcome(Outcome.ERROR, f"observe answered {observed!r}", took), None, None
+    seen, declared = observed.get("incarnation"), observed.get("capabilities")
     found = disagreement(record.observed(), observed)
     if found is None:
-        return EngineOutcome(_OK, "", took), seen
+        return EngineOutcome(_OK, "", took), seen, declared
     verdict, records, reported = found
     detail = f"the records hold {records}, the engine reports {reported}"
-    return EngineOutcome(verdict, detail, took), seen
+    return EngineOutcome(verdict, detail, took), seen, declared
 
 
 def _debug_enabled(log: Any) -> bool:

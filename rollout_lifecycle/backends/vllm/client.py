@@ -296,7 +296,6 @@ class VLLMHTTPEngine:
         journal does not continue the engine before a push either."""
         op = "release_memory_occupation"
         asked = parse_tags(tags, what=f"{op} tags")
-        names = {t.value for t in asked}
         refusal = self.capabilities.release_refusal(asked)
         if refusal is not None:
             raise IllegalEngineOp(self._label, op, refusal)
@@ -311,7 +310,7 @@ class VLLMHTTPEngine:
             self._broken = "a level-2 sleep discarded them and no push has replaced them"
             self._session_ended = False
         await self._send(op, "sleep", query={"level": level, "mode": "keep"})
-        if Tag.WEIGHTS.value not in names:
+        if Tag.WEIGHTS not in asked:
             try:
                 await self._send(op, "wake_up", query={"tags": ["weights"]})
             except (EngineRejected, EngineUnreachable) as exc:  # the sleep landed: no refusal
