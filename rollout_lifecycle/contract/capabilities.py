@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout_lifecycle.contract.exceptions import InvalidArgument
+from rollout_lifecycle.contract.fingerprint import SGLANG_SCHEME
 from rollout_lifecycle.contract.values import Tag, parse_tags
 
 
@@ -36,6 +37,10 @@ class Capabilities:
     #: as soon as every allocation is resident, so its last wake is the continue). Between its
     #: resume and the continue the engine's record says so (``EngineState.KV_ASLEEP``).
     kv_wakes_at_continue: bool = False
+    #: How the engine digests the tensors it holds: the ``scheme`` of every fingerprint it
+    #: reads (``contract/fingerprint``). A weight write verified against an ``expected``
+    #: fingerprint is checked before it starts for one the engines can be compared with.
+    fingerprint_scheme: str = SGLANG_SCHEME
 
     def release_refusal(self, tags: Collection[Tag]) -> str | None:
         """Why a release of ``tags`` cannot be carried out by this family; None when it can."""
@@ -58,6 +63,7 @@ class Capabilities:
             "family": self.family,
             "release_requires": [[tag.value, need.value] for tag, need in self.release_requires],
             "kv_wakes_at_continue": self.kv_wakes_at_continue,
+            "fingerprint_scheme": self.fingerprint_scheme,
         }
 
     @classmethod
@@ -85,7 +91,12 @@ class Capabilities:
             raise InvalidArgument(
                 f"capabilities: kv_wakes_at_continue must be a bool, got {wakes!r}"
             )
-        found = cls(family, tuple(requires), wakes)
+        scheme = data.get("fingerprint_scheme", cls.fingerprint_scheme)
+        if not isinstance(scheme, str) or not scheme:
+            raise InvalidArgument(
+                f"capabilities: fingerprint_scheme must be a name, got {scheme!r}"
+            )
+        found = cls(family, tuple(requires), wakes, scheme)
         # One object per distinct declaration: a fleet's records share their family's.
         return _INTERNED.setdefault(found, found)
 

@@ -383,10 +383,14 @@ class RolloutServer:
         around the write and continued after it. ``verify`` (default
         ``LifecycleConfig.verify_weights``; ``expected`` implies it) checks each engine's weight
         fingerprint against its group's, its own before the push (unless ``may_be_noop``) and
-        ``expected`` (``Fingerprint`` s, one per scheme): see ``core/verify``.
+        ``expected`` (``Fingerprint`` s, one per scheme; one in a scheme no engine's driver
+        hashes in is refused before anything is sent): see ``core/verify``.
         """
         wanted = (verify, expected, may_be_noop, self._config.verify_weights)
-        return await self._perform("update_weights", _write_args(push, version, *wanted))
+        args = _write_args(push, version, *wanted)
+        spec = args.verify
+        check = None if spec is None else lambda: spec.check_schemes(self._fleet.records())
+        return await self._perform("update_weights", args, check)
 
     async def onload_kv(self) -> dict[str, float]:
         """Resume the KV cache, then continue generation.

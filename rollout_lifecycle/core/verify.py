@@ -26,7 +26,7 @@ when every engine failed.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from rollout_lifecycle.contract.commands import ReadFingerprint
@@ -88,6 +88,32 @@ class Verification:
         if len(set(schemes)) != len(schemes):
             raise InvalidArgument(f"expected gives two fingerprints of one scheme: {schemes}")
         return cls(found, bool(may_be_noop))
+
+    def check_schemes(self, records: Iterable[EngineRecord]) -> None:
+        """Before the write: refuse an ``expected`` fingerprint in a scheme none of ``records``
+        hashes in, by what their drivers declare (``Capabilities.fingerprint_scheme``). It
+        would check nothing, and the engines would be judged by agreement alone. While an
+        engine's driver is unknown (no call has identified it yet) the question stays open."""
+        if not self.expected:
+            return
+        held: dict[str, Counter[str]] = defaultdict(Counter)
+        for record in records:
+            caps = record.capabilities
+            if caps is None:
+                return
+            held[caps.fingerprint_scheme][caps.family] += 1
+        for want in self.expected:
+            if want.scheme in held:
+                continue
+            theirs = "; ".join(
+                f"{scheme!r} ({', '.join(f'{n} {family}' for family, n in sorted(c.items()))})"
+                for scheme, c in sorted(held.items())
+            )
+            raise InvalidArgument(
+                f"expected gives a fingerprint in scheme {want.scheme!r}, which no engine hashes "
+                f"in (the engines' schemes: {theirs}): compute it in theirs "
+                f"(rollout_lifecycle.trainer.fingerprint(tensors, scheme)), or leave it out"
+            )
 
 
 #: Why an engine whose checksum reads some tensors as empty fails (``Fingerprint.blind``).

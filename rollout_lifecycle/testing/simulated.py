@@ -18,6 +18,7 @@ from rollout_lifecycle.backends.sglang.api import (
 )
 from rollout_lifecycle.contract.capabilities import Capabilities
 from rollout_lifecycle.contract.exceptions import EngineUnreachable, InvalidArgument
+from rollout_lifecycle.contract.fingerprint import SIMULATED_SCHEME
 from rollout_lifecycle.contract.values import (
     DEFAULT_GROUP_NAME,
     PauseMode,
@@ -99,8 +100,11 @@ class SimulatedEngine:
 
     # ----------------------------------------------------------------------------- properties
 
-    #: What the simulator can do: SGLang's abilities, each tag on its own.
-    capabilities: ClassVar[Capabilities] = Capabilities("simulated")
+    #: What the simulator can do: SGLang's abilities, each tag on its own; its fingerprints
+    #: digest what it records it holds (``SIMULATED_SCHEME``).
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        "simulated", fingerprint_scheme=SIMULATED_SCHEME
+    )
 
     @property
     def label(self) -> str:

@@ -15,10 +15,12 @@ import pytest
 from rollout_lifecycle import (
     EngineGroup,
     EngineState,
+    Fingerprint,
     FromDisk,
     LifecycleConfig,
     RolloutServer,
     ServerSnapshot,
+    ServerState,
     SGLangHTTPEngine,
     StaleWeights,
 )
@@ -32,6 +34,7 @@ from rollout_lifecycle.contract.exceptions import (
     IllegalEngineOp,
     InvalidArgument,
 )
+from rollout_lifecycle.contract.fingerprint import SGLANG_SCHEME, SIMULATED_SCHEME, VLLM_SCHEME
 from rollout_lifecycle.contract.outcome import Outcome
 from rollout_lifecycle.contract.seam import classify
 from rollout_lifecycle.contract.values import ALL_TAGS, PauseMode, Tag
@@ -544,6 +547,44 @@ async def test_a_vllm_kv_cache_is_asleep_until_the_continue_and_its_record_says_
     assert at["saved"].capabilities["family"] == "vllm"
     assert server.fleet.by_state()[EngineState.SERVING] == 2
     assert vllm_sim.state()["released_tags"] == [] and not vllm_sim.state()["paused"]
+    for client in (vllm, sglang):
+        await client.close()
+
+
+async def test_fingerprints_come_in_each_drivers_declared_scheme_and_a_write_plans_with_it(
+    tmp_path: Path,
+) -> None:
+    """Each client's fingerprint is in the scheme its driver declares; a verified write whose
+    ``expected`` fingerprint is in a scheme neither engine of a mixed fleet hashes in is
+    refused before anything is sent, naming each family's scheme; one per engine scheme goes."""
+    vllm_sim = SimulatedEngine("vllm", token_latency=0.001)
+    vllm = VLLMHTTPEngine(URL, transport=httpx.ASGITransport(app=create_vllm_app(vllm_sim)))
+    sglang_sim = SimulatedEngine("sglang", token_latency=0.001)
+    sglang = SGLangHTTPEngine(
+        "http://127.0.0.1:30000", transport=httpx.ASGITransport(app=create_app(sglang_sim))
+    )
+    server = RolloutServer([EngineGroup("vllm", [vllm]), EngineGroup("sglang", [sglang])])
+    await server.pause()
+    await server.update_weights(FromDisk(str(tmp_path)), "v1")
+    prints = {}
+    for client in (vllm, sglang):
+        found = Fingerprint.from_wire(await client.weight_fingerprint())
+        assert found.scheme == client.capabilities.fingerprint_scheme
+        prints[client.capabilities.family] = found
+    assert prints["vllm"].scheme == VLLM_SCHEME and prints["sglang"].scheme == SGLANG_SCHEME
+    sent = [len(s.history()) for s in (vllm_sim, sglang_sim)]
+    with pytest.raises(InvalidArgument) as refused:
+        foreign = Fingerprint(SIMULATED_SCHEME, prints["vllm"].tensors)
+        await server.update_weights(FromDisk(str(tmp_path)), "v2", expected=foreign)
+    assert "(the engines' schemes: 'sglang-sha256-64' (1 sglang); 'sha256' (1 vllm))" in str(
+        refused.value
+    )
+    assert [len(s.history()) for s in (vllm_sim, sglang_sim)] == sent
+    # what they hold, expected in each one's scheme: the write goes and both pass
+    await server.update_weights(FromDisk(str(tmp_path)), "v2", expected=list(prints.values()))
+    assert not any(r.unverified for r in server.snapshot().engines().values())
+    await server.resume()
+    assert server.state is ServerState.SERVING
     for client in (vllm, sglang):
         await client.close()
 

@@ -13,6 +13,12 @@ from rollout_lifecycle.backends.engine import EngineHost
 from rollout_lifecycle.backends.vllm.client import VLLM_CAPABILITIES, VLLMHTTPEngine
 from rollout_lifecycle.contract.capabilities import DEFAULT, Capabilities, capabilities_of
 from rollout_lifecycle.contract.exceptions import InvalidArgument
+from rollout_lifecycle.contract.fingerprint import (
+    SGLANG_SCHEME,
+    SIMULATED_SCHEME,
+    VLLM_SCHEME,
+    Fingerprint,
+)
 from rollout_lifecycle.contract.values import Tag
 from rollout_lifecycle.testing.faults import FaultyEngine
 from rollout_lifecycle.testing.simulated import SimulatedEngine
@@ -29,6 +35,16 @@ def test_each_driver_declares_its_family() -> None:
     # a wrapper declares what it wraps; an object that declares nothing does what SGLang does
     assert capabilities_of(FaultyEngine(SimulatedEngine("sim"))).family == "simulated"
     assert capabilities_of(object()) is DEFAULT and DEFAULT.family == "sglang"
+    # how each family digests its tensors (``weight_fingerprint`` answers in this scheme)
+    assert SGLangHTTPEngine.capabilities.fingerprint_scheme == SGLANG_SCHEME
+    assert VLLM_CAPABILITIES.fingerprint_scheme == VLLM_SCHEME
+    assert SimulatedEngine.capabilities.fingerprint_scheme == SIMULATED_SCHEME
+
+
+async def test_the_simulator_reads_fingerprints_in_its_declared_scheme() -> None:
+    sim = SimulatedEngine("sim")
+    found = Fingerprint.from_wire(await sim.weight_fingerprint())
+    assert found.scheme == sim.capabilities.fingerprint_scheme
 
 
 @pytest.mark.parametrize(
@@ -53,7 +69,7 @@ def test_vllm_releases_its_weights_only_with_the_kv_cache(
 
 
 def test_the_plain_form_comes_back_as_the_same_capabilities_through_json() -> None:
-    for caps in (DEFAULT, VLLM_CAPABILITIES, Capabilities("x", ((CG, W),), True)):
+    for caps in (DEFAULT, VLLM_CAPABILITIES, Capabilities("x", ((CG, W),), True, "x-md5")):
         assert Capabilities.from_wire(json.loads(json.dumps(caps.to_wire()))) == caps
     # a newer driver's keys are ignored
     assert Capabilities.from_wire({"family": "vllm", "later": 1}) == Capabilities("vllm")
@@ -67,6 +83,7 @@ def test_the_plain_form_comes_back_as_the_same_capabilities_through_json() -> No
         ({"release_requires": [["weights"]]}, "release_requires"),
         ({"release_requires": [["weights", "kv"]]}, "'kv'"),
         ({"kv_wakes_at_continue": "yes"}, "'yes'"),
+        ({"fingerprint_scheme": ""}, "fingerprint_scheme must be a name"),
     ],
 )
 def test_a_mistyped_plain_form_is_refused_by_name(data: object, named: str) -> None:

@@ -28,7 +28,9 @@ from rollout_lifecycle import (
     StaleWeights,
     WeightsNotVerified,
 )
-from rollout_lifecycle.contract.fingerprint import EMPTY_DIGESTS, VLLM_SCHEME
+from rollout_lifecycle.backends.vllm.client import VLLMHTTPEngine
+from rollout_lifecycle.contract.fingerprint import EMPTY_DIGESTS, SIMULATED_SCHEME, VLLM_SCHEME
+from rollout_lifecycle.core.ledger import EngineRecord
 from rollout_lifecycle.core.verify import BLIND, UNCHANGED, Verdict, Verification, judge
 from rollout_lifecycle.testing.fleets import (
     faulty_engines,
@@ -364,3 +366,39 @@ async def test_verification_arguments_are_checked_before_anything_is_sent() -> N
     with pytest.raises(InvalidArgument, match="may_be_noop"):
         await server.update_weights(FromDisk("/x"), "v1", may_be_noop=1)  # type: ignore[arg-type]
     assert len(received_ops(engines[0])) == start
+
+
+async def test_an_expected_print_in_a_scheme_no_engine_hashes_in_is_refused_up_front() -> None:
+    """The engines' drivers declare their fingerprint scheme; an expectation no engine can be
+    compared with would check nothing, so the write is refused before anything is sent."""
+    engines = simulated_engines(2)
+    server = server_of(*engines)
+    await server.pause()
+    start = [len(received_ops(e)) for e in engines]
+    vllm_print = Fingerprint(VLLM_SCHEME, {"a": "1"})
+    want = await fingerprint_of("/ckpt/step1")
+    for expected in (vllm_print, [want, vllm_print]):
+        with pytest.raises(InvalidArgument) as refused:
+            await server.update_weights(FromDisk("/ckpt/step1"), "v1", expected=expected)
+        assert str(refused.value).startswith(
+            "expected gives a fingerprint in scheme 'sha256', which no engine hashes in (the "
+            "engines' schemes: 'simulated' (2 simulated))"
+        )
+    assert [len(received_ops(e)) for e in engines] == start
+    assert server.state is S.DRAINED
+    await server.update_weights(FromDisk("/ckpt/step1"), "v1", expected=want)
+    assert not any(r.unverified for r in server.snapshot().engines().values())
+
+
+def test_the_scheme_check_waits_for_every_engines_driver_to_be_known() -> None:
+    sim, vllm = SimulatedEngine.capabilities.to_wire(), VLLMHTTPEngine.capabilities.to_wire()
+    records = [EngineRecord(f"g/{i}", "g", None) for i in range(2)]
+    spec = Verification((fp(SIMULATED_SCHEME, a="1"), fp(VLLM_SCHEME, a="1")))
+    records[0].declares(sim)
+    spec.check_schemes(records)  # the second engine's driver is unknown: nothing is refused
+    records[1].declares(sim)
+    with pytest.raises(InvalidArgument, match="'simulated' \\(2 simulated\\)"):
+        spec.check_schemes(records)
+    records[1].declares(vllm)  # a mixed fleet: each expectation has its engines
+    spec.check_schemes(records)
+    Verification().check_schemes(records)  # nothing expected: nothing to check

@@ -69,8 +69,9 @@ class SGLangHTTPEngine:
     ``abort_request`` are never held back by it.
     """
 
-    #: What SGLang can do (``contract/capabilities``): each tag released and resumed on its own.
-    capabilities: ClassVar[Capabilities] = Capabilities("sglang")
+    #: What SGLang can do (``contract/capabilities``): each tag released and resumed on its own;
+    #: its checksums are 64-bit sha256 prefixes (``weight_fingerprint``).
+    capabilities: ClassVar[Capabilities] = Capabilities("sglang", fingerprint_scheme=SGLANG_SCHEME)
 
     def __init__(
         self,
@@ -420,7 +421,7 @@ class SGLangHTTPEngine:
         tensors = _rank_checksums(answer)
         if tensors is None:
             self._link.garbage(op, "/weights_checker", f"no checksums in {answer!r:.200}")
-        return Fingerprint(SGLANG_SCHEME, tensors).to_wire()
+        return Fingerprint(self.capabilities.fingerprint_scheme, tensors).to_wire()
 
     async def server_info(self) -> dict[str, Any]:
         """``GET /server_info``, the liveness probe, secrets masked: ``SGLangLink.server_info``."""

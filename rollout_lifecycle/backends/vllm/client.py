@@ -81,7 +81,11 @@ _UNSET_VERSION = "default"
 #: followed by a wake of the weights), and the KV cache's wake is the continue (module
 #: docstring).
 VLLM_CAPABILITIES = Capabilities(
-    "vllm", release_requires=((Tag.WEIGHTS, Tag.KV_CACHE),), kv_wakes_at_continue=True
+    "vllm",
+    release_requires=((Tag.WEIGHTS, Tag.KV_CACHE),),
+    kv_wakes_at_continue=True,
+    # vllm: model_executor/model_loader/weight_checksum.py compute_tensor_digests
+    fingerprint_scheme=VLLM_SCHEME,
 )
 #: A reload's answer when the prefix cache could not be reset after it.
 _NOT_RESET_AFTER_RELOAD = (
@@ -415,7 +419,8 @@ class VLLMHTTPEngine:
         sums = (await self._call("weight_checker", {"action": "checksum"})).get("checksums")
         if not isinstance(sums, dict):
             self._wire.garbage("weight_fingerprint", "/weight_checker", "no checksums object")
-        return Fingerprint(VLLM_SCHEME, {str(k): str(v) for k, v in sums.items()}).to_wire()
+        tensors = {str(k): str(v) for k, v in sums.items()}
+        return Fingerprint(self.capabilities.fingerprint_scheme, tensors).to_wire()
 
     # ----------------------------------------------------------------------------- requests
 
