@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from rollout_lifecycle.backends.tensor_payload import check_tensor_payloads
 from rollout_lifecycle.contract.commands import (
@@ -23,6 +24,7 @@ from rollout_lifecycle.contract.commands import (
     UpdateFromTensor,
 )
 from rollout_lifecycle.contract.exceptions import InvalidArgument, WeightPushFailed
+from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.push import WeightUpdate
 from rollout_lifecycle.contract.seam import classify, command
 from rollout_lifecycle.contract.values import check_int, check_strings
@@ -68,6 +70,8 @@ class FromDisk:
     """Every engine loads ``model_path`` (``/update_weights_from_disk``)."""
 
     model_path: str
+    #: What it sends each engine (``WeightPush``).
+    sends: ClassVar[frozenset[Op]] = frozenset({Op.UPDATE_FROM_DISK})
 
     def __post_init__(self) -> None:
         _nonempty("model_path", self.model_path)
@@ -86,6 +90,8 @@ class FromTensor:
     """
 
     payload: Sequence[str] | Mapping[str, Sequence[str]]
+    #: What it sends each engine (``WeightPush``).
+    sends: ClassVar[frozenset[Op]] = frozenset({Op.UPDATE_FROM_TENSOR})
 
     def __post_init__(self) -> None:
         payload = self.payload
@@ -182,6 +188,16 @@ class FromDistributed:
                 if not isinstance(engine, str):
                     raise InvalidArgument(f"rank_offsets keys must be engine ids, got {engine!r}")
                 check_int(f"rank_offsets[{engine!r}]", rank, minimum=1, maximum=self.world_size - 1)
+
+    @property
+    def sends(self) -> frozenset[Op]:
+        """What it sends each engine (``WeightPush``): the write, and the group's join and
+        leave when it makes the group."""
+        if self.rank_offsets is None:
+            return frozenset({Op.UPDATE_FROM_DISTRIBUTED})
+        return frozenset(
+            {Op.INIT_UPDATE_GROUP, Op.UPDATE_FROM_DISTRIBUTED, Op.DESTROY_UPDATE_GROUP}
+        )
 
     async def __call__(self, update: WeightUpdate) -> None:
         receive = UpdateFromDistributed(

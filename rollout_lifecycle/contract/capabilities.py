@@ -20,6 +20,7 @@ from typing import Any
 
 from rollout_lifecycle.contract.exceptions import InvalidArgument
 from rollout_lifecycle.contract.fingerprint import SGLANG_SCHEME
+from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.values import Tag, parse_tags
 
 
@@ -41,6 +42,18 @@ class Capabilities:
     #: reads (``contract/fingerprint``). A weight write verified against an ``expected``
     #: fingerprint is checked before it starts for one the engines can be compared with.
     fingerprint_scheme: str = SGLANG_SCHEME
+    #: The weight-write operations the driver carries (SGLang's: from disk, from tensors, over a
+    #: collective group, which it joins and leaves). A write whose push says it sends one the
+    #: driver does not carry (``WeightPush.sends``) is refused before anything is sent.
+    weight_writes: frozenset[Op] = frozenset(
+        {
+            Op.UPDATE_FROM_DISK,
+            Op.UPDATE_FROM_TENSOR,
+            Op.UPDATE_FROM_DISTRIBUTED,
+            Op.INIT_UPDATE_GROUP,
+            Op.DESTROY_UPDATE_GROUP,
+        }
+    )
 
     def release_refusal(self, tags: Collection[Tag]) -> str | None:
         """Why a release of ``tags`` cannot be carried out by this family; None when it can."""
@@ -64,6 +77,7 @@ class Capabilities:
             "release_requires": [[tag.value, need.value] for tag, need in self.release_requires],
             "kv_wakes_at_continue": self.kv_wakes_at_continue,
             "fingerprint_scheme": self.fingerprint_scheme,
+            "weight_writes": sorted(op.value for op in self.weight_writes),
         }
 
     @classmethod
@@ -96,11 +110,23 @@ class Capabilities:
             raise InvalidArgument(
                 f"capabilities: fingerprint_scheme must be a name, got {scheme!r}"
             )
-        found = cls(family, tuple(requires), wakes, scheme)
+        writes = data.get("weight_writes")
+        if writes is None:
+            carried = cls.weight_writes
+        elif isinstance(writes, list | tuple) and all(isinstance(w, str) for w in writes):
+            # an operation this library does not know (a newer driver's) is left out
+            carried = frozenset(Op(w) for w in writes if w in _OP_NAMES)
+        else:
+            raise InvalidArgument(
+                f"capabilities: weight_writes must be operation names, got {writes!r}"
+            )
+        found = cls(family, tuple(requires), wakes, scheme, carried)
         # One object per distinct declaration: a fleet's records share their family's.
         return _INTERNED.setdefault(found, found)
 
 
+#: Every operation's wire name.
+_OP_NAMES = frozenset(op.value for op in Op)
 #: What a backend that declares nothing can do: what SGLang does.
 DEFAULT = Capabilities()
 #: Every declaration read so far, by its value (a handful: one per engine family).

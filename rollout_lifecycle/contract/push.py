@@ -5,9 +5,11 @@ built-in strategies (``backends/weights``) are such pushes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from rollout_lifecycle.contract.ops import Op
 
 
 @dataclass(frozen=True)
@@ -19,7 +21,19 @@ class WeightUpdate:
     engines: Mapping[str, Any]
 
 
-#: Writes weights into the engines of a ``WeightUpdate`` (sync or async).
+#: Writes weights into the engines of a ``WeightUpdate`` (sync or async). A push may say which
+#: weight-write operations it sends (an attribute ``sends``, a collection of ``Op``, as the
+#: built-in strategies do): a write to an engine whose driver does not carry one of them
+#: (``Capabilities.weight_writes``) is refused before anything is sent.
 WeightPush = Callable[[WeightUpdate], Any]
 
-__all__ = ["WeightPush", "WeightUpdate"]
+
+def sends_of(push: object) -> frozenset[Op]:
+    """The weight-write operations ``push`` says it sends (none when it does not say)."""
+    said = getattr(push, "sends", None)
+    if not isinstance(said, Collection) or isinstance(said, str):
+        return frozenset()
+    return frozenset(op for op in said if isinstance(op, Op))
+
+
+__all__ = ["WeightPush", "WeightUpdate", "sends_of"]

@@ -122,7 +122,7 @@ class RolloutServer:
             name, fleet, runner, config, hooks, self._versions, self._write_journal, self._state
         )
         self._phases = phases = Phases(parts)
-        writer = WeightWriter(parts, phases)
+        self._writer = writer = WeightWriter(parts, phases)
         self._machine = machine = Machine(
             self,
             name,
@@ -384,13 +384,13 @@ class RolloutServer:
         ``LifecycleConfig.verify_weights``; ``expected`` implies it) checks each engine's weight
         fingerprint against its group's, its own before the push (unless ``may_be_noop``) and
         ``expected`` (``Fingerprint`` s, one per scheme; one in a scheme no engine's driver
-        hashes in is refused before anything is sent): see ``core/verify``.
+        hashes in is refused before anything is sent): see ``core/verify``. A push that says
+        it sends a write an engine's driver does not carry (``FromTensor`` to vLLM:
+        ``Capabilities.weight_writes``) is refused before anything is sent, too.
         """
         wanted = (verify, expected, may_be_noop, self._config.verify_weights)
         args = _write_args(push, version, *wanted)
-        spec = args.verify
-        check = None if spec is None else lambda: spec.check_schemes(self._fleet.records())
-        return await self._perform("update_weights", args, check)
+        return await self._perform("update_weights", args, lambda: self._writer.preflight(args))
 
     async def onload_kv(self) -> dict[str, float]:
         """Resume the KV cache, then continue generation.

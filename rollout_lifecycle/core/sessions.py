@@ -20,11 +20,11 @@ from rollout_lifecycle.contract.commands import (
     Pause,
     SetVersion,
 )
-from rollout_lifecycle.contract.exceptions import PhaseFailed, WeightPushFailed
+from rollout_lifecycle.contract.exceptions import IllegalEngineOp, PhaseFailed, WeightPushFailed
 from rollout_lifecycle.contract.fingerprint import Fingerprint
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import SESSION_OPEN, EngineOutcome
-from rollout_lifecycle.contract.push import WeightPush, WeightUpdate
+from rollout_lifecycle.contract.push import WeightPush, WeightUpdate, sends_of
 from rollout_lifecycle.contract.values import PauseMode, without_wait
 from rollout_lifecycle.core.args import PhaseArgs
 from rollout_lifecycle.core.ledger import EngineRecord
@@ -44,6 +44,31 @@ class WeightWriter(Client):
         super().__init__(parts)
         self._phases = phases
         self._verifier = Verifier(parts)
+
+    def preflight(self, args: PhaseArgs) -> None:
+        """Before the write, what the engines' drivers declare must allow it: each operation the
+        push says it sends (``sends_of``; ``Capabilities.weight_writes``) and each ``expected``
+        fingerprint's scheme (``Verification.check_schemes``). An engine whose driver is not
+        known yet leaves the question to the engine."""
+        sends = sends_of(args.push)
+        cannot: dict[tuple[str, frozenset[Op]], list[str]] = {}
+        for record in self._fleet.live() if sends else ():
+            caps = record.capabilities
+            if caps is not None and not sends <= caps.weight_writes:
+                cannot.setdefault((caps.family, caps.weight_writes), []).append(record.id)
+        for (family, carried), ids in cannot.items():
+            missing = sorted(op.value for op in sends - carried)
+            more = f" and {len(ids) - 3} more" if len(ids) > 3 else ""
+            raise IllegalEngineOp(
+                ", ".join(ids[:3]) + more,
+                "update_weights",
+                f"{type(args.push).__name__} sends {missing}, which the {family} driver does not "
+                f"carry (it writes weights by {sorted(op.value for op in carried)}): push with "
+                f"a strategy it carries, or write through the engine's own weight transfer in "
+                f"a push of yours",
+            )
+        if args.verify is not None:
+            args.verify.check_schemes(self._fleet.records())
 
     async def write(self, args: PhaseArgs) -> None:
         """The ``write_weights`` phase, with ``args.push`` and ``args.version``."""

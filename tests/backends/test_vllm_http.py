@@ -4,7 +4,9 @@ against a real server)."""
 
 from __future__ import annotations
 
+import base64
 import json
+import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,8 @@ from rollout_lifecycle import (
     EngineState,
     Fingerprint,
     FromDisk,
+    FromDistributed,
+    FromTensor,
     LifecycleConfig,
     RolloutServer,
     ServerSnapshot,
@@ -585,6 +589,41 @@ async def test_fingerprints_come_in_each_drivers_declared_scheme_and_a_write_pla
     assert not any(r.unverified for r in server.snapshot().engines().values())
     await server.resume()
     assert server.state is ServerState.SERVING
+    for client in (vllm, sglang):
+        await client.close()
+
+
+async def test_a_weight_write_the_vllm_driver_does_not_carry_is_refused_before_sending() -> None:
+    """vLLM's driver writes weights only by a reload from disk: a tensor or collective push to
+    a fleet with a vLLM engine is refused before any engine is sent anything, naming the
+    engine, what the push sends and what the driver carries; the fleet stays drained, and an
+    SGLang engine alone takes the same push."""
+    vllm_sim = SimulatedEngine("vllm", token_latency=0.001)
+    vllm = VLLMHTTPEngine(URL, transport=httpx.ASGITransport(app=create_vllm_app(vllm_sim)))
+    sglang_sim = SimulatedEngine("sglang", token_latency=0.001)
+    sglang = SGLangHTTPEngine(
+        "http://127.0.0.1:30000", transport=httpx.ASGITransport(app=create_app(sglang_sim))
+    )
+    server = RolloutServer([EngineGroup("vllm", [vllm]), EngineGroup("sglang", [sglang])])
+    await server.pause()
+    sent = [len(s.history()) for s in (vllm_sim, sglang_sim)]
+    collective = FromDistributed(["w"], ["float32"], [[1]], "g")
+    tensors = FromTensor([base64.b64encode(pickle.dumps([("w", 1.0)])).decode()])
+    for push, op in ((tensors, "tensor"), (collective, "distributed")):
+        with pytest.raises(IllegalEngineOp) as refused:
+            await server.update_weights(push, "v1")
+        assert refused.value.engine == "vllm/0" and refused.value.op == "update_weights"
+        assert refused.value.reason.startswith(
+            f"{type(push).__name__} sends ['update_weights_from_{op}'], which the vllm driver "
+            f"does not carry (it writes weights by ['update_weights_from_disk'])"
+        )
+    assert [len(s.history()) for s in (vllm_sim, sglang_sim)] == sent
+    assert server.state is ServerState.DRAINED
+    await server.resume()
+    alone = RolloutServer([EngineGroup("sglang", [sglang])])
+    await alone.pause()
+    await alone.update_weights(tensors, "v1")
+    assert [e["op"] for e in sglang_sim.history()].count("update_weights_from_tensor") == 1
     for client in (vllm, sglang):
         await client.close()
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from rollout_lifecycle import SGLangHTTPEngine
+from rollout_lifecycle import FromDisk, FromDistributed, FromTensor, SGLangHTTPEngine
 from rollout_lifecycle.backends.engine import EngineHost
 from rollout_lifecycle.backends.vllm.client import VLLM_CAPABILITIES, VLLMHTTPEngine
 from rollout_lifecycle.contract.capabilities import DEFAULT, Capabilities, capabilities_of
@@ -19,6 +19,8 @@ from rollout_lifecycle.contract.fingerprint import (
     VLLM_SCHEME,
     Fingerprint,
 )
+from rollout_lifecycle.contract.ops import Op
+from rollout_lifecycle.contract.push import sends_of
 from rollout_lifecycle.contract.values import Tag
 from rollout_lifecycle.testing.faults import FaultyEngine
 from rollout_lifecycle.testing.simulated import SimulatedEngine
@@ -39,6 +41,39 @@ def test_each_driver_declares_its_family() -> None:
     assert SGLangHTTPEngine.capabilities.fingerprint_scheme == SGLANG_SCHEME
     assert VLLM_CAPABILITIES.fingerprint_scheme == VLLM_SCHEME
     assert SimulatedEngine.capabilities.fingerprint_scheme == SIMULATED_SCHEME
+
+
+#: The operations that write weights.
+WRITES = frozenset(
+    {
+        Op.UPDATE_FROM_DISK,
+        Op.UPDATE_FROM_TENSOR,
+        Op.UPDATE_FROM_DISTRIBUTED,
+        Op.INIT_UPDATE_GROUP,
+        Op.DESTROY_UPDATE_GROUP,
+    }
+)
+
+
+@pytest.mark.parametrize("driver", [SGLangHTTPEngine, VLLMHTTPEngine, SimulatedEngine])
+def test_each_driver_declares_the_weight_writes_it_has_a_method_for(driver: type) -> None:
+    carried = frozenset(op for op in WRITES if callable(getattr(driver, op.value, None)))
+    assert driver.capabilities.weight_writes == carried
+    assert Op.UPDATE_FROM_DISK in carried
+
+
+def test_each_built_in_strategy_says_what_it_sends() -> None:
+    assert FromDisk("/x").sends == {Op.UPDATE_FROM_DISK}
+    assert FromTensor(["a"]).sends == {Op.UPDATE_FROM_TENSOR}
+    spec = {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "g"}
+    assert FromDistributed(**spec).sends == {Op.UPDATE_FROM_DISTRIBUTED}  # type: ignore[arg-type]
+    joins = FromDistributed(  # type: ignore[arg-type]
+        **spec, master_address="127.0.0.1", master_port=1, world_size=2, rank_offsets={"e": 1}
+    )
+    assert joins.sends == WRITES - {Op.UPDATE_FROM_DISK, Op.UPDATE_FROM_TENSOR}
+    assert sends_of(lambda update: None) == frozenset() and sends_of(FromDisk("/x")) == {
+        Op.UPDATE_FROM_DISK
+    }
 
 
 async def test_the_simulator_reads_fingerprints_in_its_declared_scheme() -> None:
@@ -71,8 +106,10 @@ def test_vllm_releases_its_weights_only_with_the_kv_cache(
 def test_the_plain_form_comes_back_as_the_same_capabilities_through_json() -> None:
     for caps in (DEFAULT, VLLM_CAPABILITIES, Capabilities("x", ((CG, W),), True, "x-md5")):
         assert Capabilities.from_wire(json.loads(json.dumps(caps.to_wire()))) == caps
-    # a newer driver's keys are ignored
+    # a newer driver's keys are ignored, and so are the writes this library has no name for
     assert Capabilities.from_wire({"family": "vllm", "later": 1}) == Capabilities("vllm")
+    read = Capabilities.from_wire({"weight_writes": ["update_weights_from_disk", "teleport"]})
+    assert read.weight_writes == {Op.UPDATE_FROM_DISK}
 
 
 @pytest.mark.parametrize(
@@ -84,6 +121,8 @@ def test_the_plain_form_comes_back_as_the_same_capabilities_through_json() -> No
         ({"release_requires": [["weights", "kv"]]}, "'kv'"),
         ({"kv_wakes_at_continue": "yes"}, "'yes'"),
         ({"fingerprint_scheme": ""}, "fingerprint_scheme must be a name"),
+        ({"weight_writes": "update_weights_from_disk"}, "weight_writes must be operation"),
+        ({"weight_writes": [1]}, "weight_writes must be operation"),
     ],
 )
 def test_a_mistyped_plain_form_is_refused_by_name(data: object, named: str) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from rollout_lifecycle import ALL_TAGS, KV_TAGS, EngineHost, PauseMode, ServerState, Tag
+from rollout_lifecycle.contract.capabilities import Capabilities
 from rollout_lifecycle.contract.exceptions import IllegalEngineOp, InvalidArgument
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
@@ -231,4 +232,7 @@ def test_a_snapshot_whose_capabilities_are_garbage_is_refused_by_name() -> None:
     with pytest.raises(InvalidArgument, match="field 'capabilities'"):
         EngineSnapshot.from_dict(saved)
     saved["capabilities"] = VLLM_DECLARED
-    assert EngineSnapshot.from_dict(saved).capabilities == VLLM_DECLARED
+    loaded = EngineSnapshot.from_dict(saved).capabilities
+    assert loaded is not None and {k: loaded[k] for k in VLLM_DECLARED} == VLLM_DECLARED
+    # a form written before a capability was declared loads with its default
+    assert loaded["fingerprint_scheme"] == Capabilities().fingerprint_scheme

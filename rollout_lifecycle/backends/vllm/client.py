@@ -54,6 +54,7 @@ from rollout_lifecycle.contract.exceptions import (
     InvalidArgument,
 )
 from rollout_lifecycle.contract.fingerprint import VLLM_SCHEME, Fingerprint
+from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.values import (
     PauseMode,
     Tag,
@@ -86,6 +87,9 @@ VLLM_CAPABILITIES = Capabilities(
     kv_wakes_at_continue=True,
     # vllm: model_executor/model_loader/weight_checksum.py compute_tensor_digests
     fingerprint_scheme=VLLM_SCHEME,
+    # A reload in place (``update_weights_from_disk``); tensors reach vLLM only through its
+    # weight-transfer engine, which a push of the caller's own drives.
+    weight_writes=frozenset({Op.UPDATE_FROM_DISK}),
 )
 #: A reload's answer when the prefix cache could not be reset after it.
 _NOT_RESET_AFTER_RELOAD = (
