@@ -1,9 +1,8 @@
 """Configuration (``core/config.py``): the default deadlines and policy, names turned into their
 members, frozen values, ``dataclasses.replace`` checking what it changes, the flush retry
-interval bounded by the flush deadline it is given with, and the bounds a value may reach.
-
-Every bad value of every field is in ``tests/system/test_bad_values.py`` and the messages of
-the common ones in ``tests/core/test_pieces.py``; this file covers what those leave out.
+interval bounded by the flush deadline it is given with, the bounds a value may reach, and the
+messages of the common bad values (every bad value of every field is in
+``tests/system/test_bad_values.py``).
 """
 
 from __future__ import annotations
@@ -147,3 +146,29 @@ def test_an_unknown_choice_is_refused_with_the_valid_ones(
     with pytest.raises(InvalidArgument) as refused:
         LifecycleConfig(**kwargs)
     assert named in str(refused.value) and f"valid: {valid}" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"pause_mode": "pause"}, "'pause'"),
+        ({"deadlines": 3}, "deadlines"),
+        ({"release_tags": ["kv_cache", "weight"]}, "'weight'"),
+        ({"release_tags": []}, "empty"),
+        ({"release_tags": ["kv_cache", "kv_cache"]}, "twice"),
+        ({"release_tags": "kv_cache"}, "'kv_cache'"),
+        ({"dead_engines": "ignore"}, "'ignore'"),
+        ({"flush_retry_interval": 0}, "0"),
+    ],
+)
+def test_bad_config_names_the_bad_value(kwargs: dict[str, object], needle: str) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        LifecycleConfig(**kwargs)  # type: ignore[arg-type]
+    assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("inf"), float("nan"), "10", True])
+def test_bad_deadline_names_the_phase_and_value(value: object) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        Deadlines(flush=value)  # type: ignore[arg-type]
+    assert "'flush'" in str(err.value) and repr(value) in str(err.value)

@@ -16,7 +16,12 @@ from typing import Any
 
 import pytest
 
-from rollout_lifecycle import EngineGroup, LifecycleConfig, RolloutServer, SimulatedEngine
+from rollout_lifecycle import (
+    EngineGroup,
+    LifecycleConfig,
+    RolloutServer,
+    SimulatedEngine,
+)
 from rollout_lifecycle.contract.exceptions import HookFailed, InvalidArgument
 from rollout_lifecycle.core.config import Deadlines
 from rollout_lifecycle.core.hooks import HOOK_EVENTS, EventMaker, Hooks
@@ -352,3 +357,29 @@ async def test_cancelling_its_call_cancels_a_running_hook_as_hook_cancelled() ->
         await asyncio.wait_for(emit, 30)
     assert cancelled == [True] and stopped.value.reason == "was cancelled"
     assert stopped.value.event == "drained" and op.running == set()
+
+
+async def test_hook_failure_keeps_the_entered_state_and_retry_works() -> None:
+    from rollout_lifecycle import HookFailed
+
+    engines = [SimulatedEngine(f"e{i}") for i in range(2)]
+    server = RolloutServer([EngineGroup("actor", engines)])
+    calls = 0
+
+    def flaky(event: object) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("trainer not ready")
+
+    server.on("released", flaky)
+    with pytest.raises(HookFailed) as err:
+        await server.offload()
+    assert err.value.state == "released"
+    assert isinstance(err.value.__cause__, RuntimeError)
+    assert server.state is ServerState.RELEASED
+    await server.onload()
+    assert server.state is ServerState.SERVING
+    await server.offload()
+    assert calls == 2
+    await server.onload()

@@ -1,5 +1,5 @@
-"""The fleet ledger without engines: the memory-target table, the state the records imply, and
-the operations the records know."""
+"""The fleet ledger without engines: the memory-target table, the state the records imply, the
+operations the records know, and the guard of each call that could kill an engine."""
 
 from __future__ import annotations
 
@@ -7,7 +7,14 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from rollout_lifecycle import ALL_TAGS, KV_TAGS, EngineHost, PauseMode, ServerState, Tag
+from rollout_lifecycle import (
+    ALL_TAGS,
+    KV_TAGS,
+    EngineHost,
+    PauseMode,
+    ServerState,
+    Tag,
+)
 from rollout_lifecycle.contract.capabilities import Capabilities
 from rollout_lifecycle.contract.exceptions import IllegalEngineOp, InvalidArgument
 from rollout_lifecycle.contract.ops import Op
@@ -236,3 +243,54 @@ def test_a_snapshot_whose_capabilities_are_garbage_is_refused_by_name() -> None:
     assert loaded is not None and {k: loaded[k] for k in VLLM_DECLARED} == VLLM_DECLARED
     # a form written before a capability was declared loads with its default
     assert loaded["fingerprint_scheme"] == Capabilities().fingerprint_scheme
+
+
+def test_engine_record_guards_each_fatal_call() -> None:
+    record = EngineRecord(id="actor/0", group="actor", handle=None)
+    with pytest.raises(IllegalEngineOp, match="not released"):
+        record.check_resume([Tag.KV_CACHE])
+    with pytest.raises(IllegalEngineOp, match="not paused"):
+        record.check_release([Tag.KV_CACHE])
+    ok = EngineOutcome(Outcome.OK)
+    record.apply("pause_generation", (), PauseMode.RETRACT, ok)
+    with pytest.raises(IllegalEngineOp, match="flush"):
+        record.check_release([Tag.KV_CACHE])
+    record.apply("flush_cache", (), None, ok)
+    record.check_release([Tag.KV_CACHE])
+    record.apply("release_memory_occupation", (Tag.KV_CACHE,), None, ok)
+    with pytest.raises(IllegalEngineOp, match="already released"):
+        record.check_release([Tag.KV_CACHE, Tag.WEIGHTS])
+    with pytest.raises(IllegalEngineOp, match="kv_cache"):
+        record.check_continue()
+    with pytest.raises(IllegalEngineOp, match="not released"):
+        record.check_resume([Tag.KV_CACHE, Tag.WEIGHTS])  # the resume-everything trap
+    record.check_resume([Tag.KV_CACHE])
+    record.apply("release_memory_occupation", (Tag.WEIGHTS,), None, ok)
+    with pytest.raises(IllegalEngineOp, match="weights are released"):
+        record.check_write_weights()
+
+
+def test_in_place_pause_never_allows_a_release() -> None:
+    record = EngineRecord(id="a/0", group="a", handle=None)
+    ok = EngineOutcome(Outcome.OK)
+    record.apply("pause_generation", (), PauseMode.IN_PLACE, ok)
+    record.apply("flush_cache", (), None, ok)
+    with pytest.raises(IllegalEngineOp, match="in_place"):
+        record.check_release([Tag.KV_CACHE])
+
+
+def test_a_release_without_answer_makes_its_tags_unknown_and_blocks_both_directions() -> None:
+    record = EngineRecord(id="a/0", group="a", handle=None)
+    ok = EngineOutcome(Outcome.OK)
+    record.apply("pause_generation", (), PauseMode.RETRACT, ok)
+    record.apply("flush_cache", (), None, ok)
+    record.apply(
+        "release_memory_occupation", (Tag.KV_CACHE,), None, EngineOutcome(Outcome.TIMED_OUT)
+    )
+    with pytest.raises(IllegalEngineOp, match="unknown"):
+        record.check_release([Tag.KV_CACHE])
+    with pytest.raises(IllegalEngineOp, match="unknown"):
+        record.check_resume([Tag.KV_CACHE])
+    with pytest.raises(IllegalEngineOp):
+        record.check_continue()
+    assert record.snapshot().uncertain == ("kv_cache",)

@@ -3,6 +3,7 @@ default targets and guards of each operation, and a call that outlives its phase
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ from rollout_lifecycle import (
     SimulatedEngine,
     Tag,
 )
+from rollout_lifecycle.backends.engine import incarnation_of
 from rollout_lifecycle.contract.commands import (
     Continue,
     EngineCommand,
@@ -31,12 +33,14 @@ from rollout_lifecycle.core.bus import Bus, RecordsChanged
 from rollout_lifecycle.core.config import DeadEnginePolicy
 from rollout_lifecycle.core.ledger import EngineRecord, default_targets
 from rollout_lifecycle.core.runner import (
+    Calls,
     PhaseRunner,
     PhaseSettled,
     Plan,
     WorkerUrls,
     issue,
 )
+from rollout_lifecycle.testing import calls_received
 from rollout_lifecycle.testing.fleets import simulated_engines as sims
 
 
@@ -206,3 +210,32 @@ async def test_each_engines_worker_url_is_asked_once() -> None:
     assert runner.asked[1:] == [(Op.WORKER_URL, ["a/0"])]
     for engine in [*engines, replacement]:
         await engine.close()
+
+
+async def test_a_batch_of_calls_keeps_each_call_with_its_engine_in_order() -> None:
+    engines = [SimulatedEngine(f"sim-{i}") for i in range(5)]
+    actor, critic = EngineGroup("actor", engines[:3]), EngineGroup("critic", engines[3:])
+    calls = Calls.join([actor.pause_generation(PauseMode.RETRACT), critic.probe(), actor.probe()])
+    assert len(calls) == 8
+    views = list(calls)
+    ids = ["actor/0", "actor/1", "actor/2", "critic/0", "critic/1", "actor/0", "actor/1", "actor/2"]
+    assert [c.record.id for c in views] == ids
+    assert [c.op for c in views] == ["pause_generation"] * 3 + ["server_info"] * 5
+    assert [c.mode for c in views] == [PauseMode.RETRACT] * 3 + [None] * 5
+    assert [c.start for c in views] == sorted(c.start for c in views)
+    answers = await asyncio.gather(*(c.ref for c in views))
+    # each ref is its own engine's answer
+    labels = ["sim-0", "sim-1", "sim-2", "sim-3", "sim-4", "sim-0", "sim-1", "sim-2"]
+    # /server_info names no engine; the simulator's model path does.
+    paths = [a["model_path"] for a in answers[3:]]
+    assert paths == [f"simulated/{x}" for x in labels[3:]]
+    # a checked call answers the incarnation the engine showed before it ran (read on the first
+    # call to an engine, and then by every call that could kill it), its result, and, read with
+    # the incarnation, what the engine's driver declares it can do
+    declared = SimulatedEngine.capabilities.to_wire()
+    assert answers[:3] == [[incarnation_of(a), None, declared] for a in answers[5:]]
+    for engine in engines[:3]:  # the probe came after the pause, which was checked first
+        received = calls_received(engine.history())
+        assert [c["op"] for c in received] == ["pause_generation", "server_info"]
+        assert received[0]["checks"] == ["observe"]
+    await asyncio.gather(*(e.close() for e in engines))

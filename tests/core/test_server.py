@@ -4,12 +4,14 @@ reconcile, recovery, machine, generation; the parts its clients share in ``test_
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
 
 from rollout_lifecycle import (
     EngineGroup,
+    EngineHost,
     InvalidArgument,
     PhaseFailed,
     RolloutServer,
@@ -98,3 +100,44 @@ async def test_a_failed_server_is_left_failed_on_exit_for_recover_to_settle() ->
             await server.onload_weights()
     assert server.state is S.FAILED
     assert sims[0].paused and sims[0].released_tags  # nothing was sent to it after the failure
+
+
+def test_groups_and_servers_reject_bad_input_before_touching_engines() -> None:
+    engine = SimulatedEngine("e")
+    with pytest.raises(InvalidArgument, match="no engines"):
+        EngineGroup("actor", [])
+    with pytest.raises(InvalidArgument, match="same object"):
+        EngineGroup("actor", [engine, engine])
+    with pytest.raises(InvalidArgument, match="'a/b'"):
+        EngineGroup("a/b", [engine])
+    with pytest.raises(InvalidArgument, match="str"):
+        EngineGroup("actor", ["http://localhost:30000"])
+    with pytest.raises(InvalidArgument, match="at least one"):
+        RolloutServer([])
+    host = EngineHost(engine)
+    with pytest.raises(InvalidArgument, match="named 'actor'"):
+        RolloutServer([EngineGroup("actor", [host]), EngineGroup("actor", [SimulatedEngine()])])
+    with pytest.raises(InvalidArgument, match="belongs to one group"):
+        RolloutServer([EngineGroup("a", [host]), EngineGroup("b", [host])])
+    with pytest.raises(InvalidArgument, match="LifecycleConfig"):
+        RolloutServer([EngineGroup("a", [host])], config={"pause_mode": "retract"})  # type: ignore[arg-type]
+    assert engine.history() == []
+
+
+async def test_in_process_fleet_runs_a_full_cycle_and_reports_state() -> None:
+    engines = [SimulatedEngine(f"e{i}", token_latency=0.001) for i in range(3)]
+    server = RolloutServer([EngineGroup("actor", engines)])
+    metrics = await server.offload()
+    assert {"lifecycle/offload/pause_s", "lifecycle/offload/flush_s"} <= metrics.keys()
+    assert all(e.memory() == {"weights": 0, "kv_cache": 0, "cuda_graph": 0} for e in engines)
+    snap = server.snapshot()
+    assert snap.state is ServerState.RELEASED
+    assert snap.to_dict()["groups"][0]["engines"][0]["released"] == (
+        "weights",
+        "kv_cache",
+        "cuda_graph",
+    )
+    await server.onload()
+    assert all(e.memory()["kv_cache"] > 0 for e in engines)
+    assert server.state is ServerState.SERVING
+    await asyncio.gather(*(e.close() for e in engines))

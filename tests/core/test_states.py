@@ -1,11 +1,17 @@
-"""The transition table and the call plans read from it."""
+"""The server's states, the transition table and the call plans read from it."""
 
 from __future__ import annotations
 
 import pytest
 
-from rollout_lifecycle import IllegalTransition, RolloutServer, ServerState
-from rollout_lifecycle.core.states import CALLS, PHASED, TRANSITIONS, destination
+from rollout_lifecycle import (
+    EngineGroup,
+    IllegalTransition,
+    RolloutServer,
+    ServerState,
+    SimulatedEngine,
+)
+from rollout_lifecycle.core.states import CALLS, PHASED, TRANSITIONS, destination, sources_of
 
 S = ServerState
 CALL_PLANS = [(call, state, plan) for call, plans in CALLS.items() for state, plan in plans.items()]
@@ -41,7 +47,6 @@ def test_every_phased_trigger_is_a_transition() -> None:
 
 
 async def test_an_illegal_call_names_the_states_it_is_legal_in() -> None:
-    from rollout_lifecycle import EngineGroup, SimulatedEngine
 
     engine = SimulatedEngine(label="s")
     server = RolloutServer([EngineGroup("a", [engine])])
@@ -50,3 +55,28 @@ async def test_an_illegal_call_names_the_states_it_is_legal_in() -> None:
     assert caught.value.allowed == tuple(s.value for s in CALLS["onload_kv"])
     assert server.state is S.SERVING
     await engine.close()
+
+
+def test_server_states_are_exactly_the_designed_names() -> None:
+    assert [s.value for s in ServerState] == [
+        "serving",
+        "pausing",
+        "drained",
+        "released",
+        "weights_restored",
+        "kv_restored",
+        "failed",
+    ]
+
+
+def test_transition_table_allows_weight_writes_only_where_weights_are_resident() -> None:
+    assert set(sources_of("write_weights")) == {
+        ServerState.DRAINED,
+        ServerState.WEIGHTS_RESTORED,
+        ServerState.KV_RESTORED,
+    }
+    assert ServerState.RELEASED not in sources_of("write_weights")
+    assert sources_of("restore_kv") == (ServerState.WEIGHTS_RESTORED,)
+    assert set(sources_of("resume")) == {ServerState.DRAINED, ServerState.KV_RESTORED}
+    assert ServerState.FAILED not in sources_of("fail")
+    assert all("trigger" in row and "source" in row for row in TRANSITIONS)
