@@ -25,6 +25,7 @@ from rollout_lifecycle import (
     SimulatedEngine,
     WeightsNotVerified,
 )
+from rollout_lifecycle.contract.capabilities import Capabilities
 from rollout_lifecycle.contract.fingerprint import SGLANG_SCHEME, VLLM_SCHEME
 from rollout_lifecycle.trainer import SERVING_DTYPES, VLLM_PREFIX, fingerprint, tensor_digest
 
@@ -121,6 +122,8 @@ class Float16Engine(SimulatedEngine):
     """A simulated engine whose checksum digests the bytes of the checkpoint it loaded, held
     in float16 (an SGLang server started with ``--dtype float16``)."""
 
+    #: It reads SGLang's checksums, and says so (``Capabilities.fingerprint_scheme``).
+    capabilities = Capabilities("sglang-float16", fingerprint_scheme=SGLANG_SCHEME)
     loaded: str | None = None
 
     async def update_weights_from_disk(self, model_path: str, **options: Any) -> None:
@@ -132,7 +135,7 @@ class Float16Engine(SimulatedEngine):
         assert self.loaded is not None
         held = CHECKPOINTS[self.loaded].items()
         digests = {k: tensor_digest(v.astype(numpy.float16), SGLANG_SCHEME) for k, v in held}
-        return {"scheme": SGLANG_SCHEME, "tensors": digests}
+        return {"scheme": self.capabilities.fingerprint_scheme, "tensors": digests}
 
 
 async def test_a_verification_says_when_an_engine_holds_the_trainers_tensors_in_another_dtype() -> (
