@@ -14,6 +14,7 @@ and the one place that plans with it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -71,7 +72,12 @@ class Capabilities:
         )
 
     def to_wire(self) -> dict[str, Any]:
-        """As plain values (a Ray call's answer, a snapshot, the journal)."""
+        """As plain values (a Ray call's answer, a snapshot, the journal): a new mapping of
+        values built once per declaration (a snapshot holds one for each engine)."""
+        return dict(self._wire)
+
+    @functools.cached_property
+    def _wire(self) -> dict[str, Any]:
         return {
             "family": self.family,
             "release_requires": [[tag.value, need.value] for tag, need in self.release_requires],

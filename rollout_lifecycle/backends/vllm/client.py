@@ -9,7 +9,9 @@ How each operation lands on vLLM (see ``docs/vllm-contract.md``):
   requests hold KV blocks; that is reported as the refusal (400) of a busy engine.
 * release: ``/sleep?level=1`` (weights to host memory, KV cache dropped) or ``level=2`` (both
   dropped; the weights must be pushed again), always with ``mode=keep`` so a release never
-  aborts. vLLM releases weights and KV cache together, so a release must name both.
+  aborts. vLLM puts the weights to sleep only with the KV cache, so a release of the weights
+  must name the KV cache too (``VLLM_CAPABILITIES``); one of the KV cache alone sleeps both and
+  wakes the weights back.
 * resume: ``/wake_up?tags=weights`` at once. The KV cache's wake is held back until the
   continue: vLLM resumes generation as soon as every allocation is resident again
   (``EngineCore.wake_up``), so the wake that completes it *is* the continue, and it is sent only
