@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rollout_lifecycle.contract.commands import Continue, EndUpdate
+from rollout_lifecycle.contract.commands import EndUpdate
 from rollout_lifecycle.contract.exceptions import (
     HookFailed,
     IllegalEngineOp,
@@ -24,13 +24,16 @@ from rollout_lifecycle.core.args import PhaseArgs
 from rollout_lifecycle.core.config import DeadEnginePolicy
 from rollout_lifecycle.core.ledger import EngineRecord, GroupRecords
 from rollout_lifecycle.core.parts import Client, Parts
-from rollout_lifecycle.core.reconcile import KEEPER_PHASES, Reconciler
+from rollout_lifecycle.core.reconcile import KEEPER_PHASES, RECOVER_PHASES, Reconciler
 from rollout_lifecycle.core.runner import Plan
 from rollout_lifecycle.core.states import Phase, ServerState
 
 S = ServerState
 
 FAILED = ServerState.FAILED.value
+#: The phases of undoing a drain that failed: a reconciliation back to ``serving``, whose
+#: continue is named for what it undoes.
+UNDO_PHASES = {**RECOVER_PHASES, Op.CONTINUE: Phase.CONTINUE_AFTER_FAILURE}
 
 
 class Phases(Client):
@@ -100,19 +103,19 @@ class Phases(Client):
         """Continue the engines a drain paused (nothing is released); True if none stays paused.
 
         After a failed drain this follows ``continue_on_failure``; ``always`` is for a drain a
-        hook refused, which must return to ``serving``.
+        hook refused, which must return to ``serving``. It is a reconciliation back to
+        ``serving`` (``Reconciler.reconcile``): a pause that missed its deadline may still land
+        and would overtake a continue sent before it, so such calls get until the deadline and
+        an engine whose pause is still in flight is left paused (as recorded) for recover() to
+        continue once it has landed; an engine that reports other weights than the fleet's
+        waits paused for an update.
         """
         if not (always or self._config.continue_on_failure):
             return False
-        deadline = self._config.deadlines.continue_
-        # A pause that missed its deadline may still land and would overtake a continue sent
-        # before it: such calls get until the deadline, and an engine whose pause is still in
-        # flight is left paused (as recorded) for recover() to continue once it has landed.
-        targets = await self._runner.landed(self._fleet.continuable(), deadline, Op.CONTINUE)
-        plan = Plan(Continue(), tuple(targets))
-        result = await self._runner.run(Phase.CONTINUE_AFTER_FAILURE, plan, deadline)
-        self._last_outcomes = result.outcomes
-        return self._runner.succeeded(result.outcomes) and not any(
+        records = self._fleet.records()
+        outcomes = await self.reconciler.reconcile(S.SERVING, records, UNDO_PHASES)
+        self._last_outcomes = outcomes
+        return self._runner.succeeded(outcomes) and not any(
             r.paused and not r.stale for r in self._fleet.live()
         )
 

@@ -20,7 +20,8 @@ released behind an engine that was not drained); the resume before them and the 
 them are decided engine by engine, so they run whatever happened to the others. ``recover()``
 reconciles its replacements and the healthy engines to the fleet's state; ``reset()`` and an
 offload's release reconcile the paused engines of the groups that keep their memory (their
-continue). A later call finishes what a failed one left.
+continue); a drain that failed is undone by reconciling the fleet back to ``serving``
+(``Phases.undo_pause``). A later call finishes what a failed one left.
 
 The lifecycle's forward transitions are the same steps, taken one at a time and strictly
 (``Reconciler.advance``): each step's engines and tags come from the same comparison of goal
@@ -326,7 +327,8 @@ class Reconciler(Client):
         paused = run.to_continue()
         if not paused:
             return
-        landed = await self._runner.landed(paused, self._deadline(Op.PAUSE), Op.CONTINUE)
+        # (a pause still in flight gets the continue's deadline to land: the continue waits)
+        landed = await self._runner.landed(paused, self._deadline(Op.CONTINUE), Op.CONTINUE)
         lacking = await self.lacking_weights(landed)
         for record in landed:
             if record.id in lacking and not self._versions.interrupted:

@@ -13,6 +13,7 @@ import pytest
 from rollout_lifecycle import (
     DeadEnginePolicy,
     EngineGroup,
+    FromDisk,
     HookFailed,
     IllegalEngineOp,
     LifecycleConfig,
@@ -118,6 +119,32 @@ async def test_a_flush_that_fails_continues_every_paused_engine_and_releases_not
         assert ops(engine)[-1] == "continue_generation"
         assert not paused(engine)
     assert not any(r.paused for r in server.groups[0].records)
+    await close(*engines)
+
+
+async def test_undoing_a_failed_drain_continues_only_the_engines_with_the_fleets_weights() -> None:
+    """The undo of a failed drain is a reconciliation back to ``serving``: an engine that
+    reports other weights than the fleet's (its version changed behind the server's back) is
+    not continued onto them; it waits paused, stale, for an update, and the others serve."""
+    engines = faulty(3)
+    server = RolloutServer([EngineGroup("actor", engines)])
+    await server.pause()
+    await server.update_weights(FromDisk("/ckpt/1"), "v1")
+    await server.resume()
+    await engines[0].inner.update_weight_version("v0", abort_all_requests=False)
+    engines[2].arm("flush_cache", "reject")
+    with pytest.raises(PhaseFailed, match="'flush'"):
+        await server.offload()
+    assert [paused(e) for e in engines] == [True, False, False]
+    assert "continue_generation" not in ops(engines[0])[-3:]
+    record = server.groups[0].records[0]
+    assert record.paused and record.stale
+    # an update reaches it and it serves again
+    assert await server.reset() is S.SERVING
+    await server.pause()
+    await server.update_weights(FromDisk("/ckpt/2"), "v2")
+    await server.resume()
+    assert not any(paused(e) for e in engines)
     await close(*engines)
 
 
