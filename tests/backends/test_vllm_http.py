@@ -135,6 +135,20 @@ def engine(fake: FakeVLLM, **options: Any) -> VLLMHTTPEngine:
     return VLLMHTTPEngine(URL, transport=httpx.MockTransport(fake), **options)
 
 
+def mixed_pair(
+    vllm_name: str = "vllm",
+) -> tuple[SimulatedEngine, VLLMHTTPEngine, SimulatedEngine, SGLangHTTPEngine]:
+    """A vLLM stand-in and an SGLang stand-in, each over its own simulated engine, and the
+    client of each: ``(vllm_sim, vllm, sglang_sim, sglang)``."""
+    vllm_sim = SimulatedEngine(vllm_name, token_latency=0.001)
+    vllm = VLLMHTTPEngine(URL, transport=httpx.ASGITransport(app=create_vllm_app(vllm_sim)))
+    sglang_sim = SimulatedEngine("sglang", token_latency=0.001)
+    sglang = SGLangHTTPEngine(
+        "http://127.0.0.1:30000", transport=httpx.ASGITransport(app=create_app(sglang_sim))
+    )
+    return vllm_sim, vllm, sglang_sim, sglang
+
+
 @pytest.mark.parametrize(
     ("mode", "sent"),
     [
@@ -454,12 +468,7 @@ async def test_a_read_added_as_a_command_reaches_each_backend_through_the_runner
     command: the runner sends it through the engine host's ``run`` to the vLLM client's own
     ``is_sleeping`` (``/is_sleeping``), which tells what the engine really did; SGLang's client
     has no such read, refuses it (501), and is left out of the answers."""
-    vllm_sim = SimulatedEngine("vllm-sleepy", token_latency=0.001)
-    vllm = VLLMHTTPEngine(URL, transport=httpx.ASGITransport(app=create_vllm_app(vllm_sim)))
-    sglang_sim = SimulatedEngine("sglang", token_latency=0.001)
-    sglang = SGLangHTTPEngine(
-        "http://127.0.0.1:30000", transport=httpx.ASGITransport(app=create_app(sglang_sim))
-    )
+    _, vllm, _, sglang = mixed_pair("vllm-sleepy")
     server = RolloutServer([EngineGroup("vllm", [vllm]), EngineGroup("sglang", [sglang])])
     records = list(server.fleet.records())
     runner = PhaseRunner("read", DeadEnginePolicy.FAIL, Bus())
@@ -519,12 +528,7 @@ async def test_a_vllm_kv_cache_is_asleep_until_the_continue_and_its_record_says_
     the continue the record says ``kv_asleep`` (the vLLM stand-in's KV cache is still asleep
     then), where an SGLang engine of the same fleet, which resumed it, is ``drained``; the
     continue wakes it and both serve."""
-    vllm_sim = SimulatedEngine("vllm", token_latency=0.001)
-    vllm = VLLMHTTPEngine(URL, transport=httpx.ASGITransport(app=create_vllm_app(vllm_sim)))
-    sglang_sim = SimulatedEngine("sglang", token_latency=0.001)
-    sglang = SGLangHTTPEngine(
-        "http://127.0.0.1:30000", transport=httpx.ASGITransport(app=create_app(sglang_sim))
-    )
+    vllm_sim, vllm, sglang_sim, sglang = mixed_pair()
     server = RolloutServer([EngineGroup("vllm", [vllm]), EngineGroup("sglang", [sglang])])
     seen: list[dict[str, Any]] = []
 
@@ -561,12 +565,7 @@ async def test_fingerprints_come_in_each_drivers_declared_scheme_and_a_write_pla
     """Each client's fingerprint is in the scheme its driver declares; a verified write whose
     ``expected`` fingerprint is in a scheme neither engine of a mixed fleet hashes in is
     refused before anything is sent, naming each family's scheme; one per engine scheme goes."""
-    vllm_sim = SimulatedEngine("vllm", token_latency=0.001)
-    vllm = VLLMHTTPEngine(URL, transport=httpx.ASGITransport(app=create_vllm_app(vllm_sim)))
-    sglang_sim = SimulatedEngine("sglang", token_latency=0.001)
-    sglang = SGLangHTTPEngine(
-        "http://127.0.0.1:30000", transport=httpx.ASGITransport(app=create_app(sglang_sim))
-    )
+    vllm_sim, vllm, sglang_sim, sglang = mixed_pair()
     server = RolloutServer([EngineGroup("vllm", [vllm]), EngineGroup("sglang", [sglang])])
     await server.pause()
     await server.update_weights(FromDisk(str(tmp_path)), "v1")
@@ -598,12 +597,7 @@ async def test_a_weight_write_the_vllm_driver_does_not_carry_is_refused_before_s
     a fleet with a vLLM engine is refused before any engine is sent anything, naming the
     engine, what the push sends and what the driver carries; the fleet stays drained, and an
     SGLang engine alone takes the same push."""
-    vllm_sim = SimulatedEngine("vllm", token_latency=0.001)
-    vllm = VLLMHTTPEngine(URL, transport=httpx.ASGITransport(app=create_vllm_app(vllm_sim)))
-    sglang_sim = SimulatedEngine("sglang", token_latency=0.001)
-    sglang = SGLangHTTPEngine(
-        "http://127.0.0.1:30000", transport=httpx.ASGITransport(app=create_app(sglang_sim))
-    )
+    vllm_sim, vllm, sglang_sim, sglang = mixed_pair()
     server = RolloutServer([EngineGroup("vllm", [vllm]), EngineGroup("sglang", [sglang])])
     await server.pause()
     sent = [len(s.history()) for s in (vllm_sim, sglang_sim)]
