@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 from rollout_lifecycle.backends.http.transport import scrub
 from rollout_lifecycle.backends.http.wire import check_str_list
 from rollout_lifecycle.backends.secret import Secret
+from rollout_lifecycle.contract.capabilities import Capabilities, capabilities_of
 from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import (
     EngineDead,
@@ -173,6 +174,12 @@ class LaunchedServer(Generic[_C]):
     def url(self) -> str:
         """The server's base URL."""
         return self._http.url
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the server's client declares its engine family can do (``contract/
+        capabilities``): a launched vLLM server is planned with as vLLM, not as SGLang."""
+        return capabilities_of(self._http)
 
     @property
     def command(self) -> list[str]:

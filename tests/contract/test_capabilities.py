@@ -10,7 +10,9 @@ import pytest
 
 from rollout_lifecycle import FromDisk, FromDistributed, FromTensor, SGLangHTTPEngine
 from rollout_lifecycle.backends.engine import EngineHost
+from rollout_lifecycle.backends.sglang.launch import LaunchedSGLangEngine
 from rollout_lifecycle.backends.vllm.client import VLLM_CAPABILITIES, VLLMHTTPEngine
+from rollout_lifecycle.backends.vllm.launch import LaunchedVLLMEngine
 from rollout_lifecycle.contract.capabilities import DEFAULT, Capabilities, capabilities_of
 from rollout_lifecycle.contract.exceptions import InvalidArgument
 from rollout_lifecycle.contract.fingerprint import (
@@ -37,6 +39,11 @@ def test_each_driver_declares_its_family() -> None:
     # a wrapper declares what it wraps; an object that declares nothing does what SGLang does
     assert capabilities_of(FaultyEngine(SimulatedEngine("sim"))).family == "simulated"
     assert capabilities_of(object()) is DEFAULT and DEFAULT.family == "sglang"
+    # a launcher declares what its server's client does
+    launched = LaunchedVLLMEngine("/models/m", port=8123, python="/venv/bin/python")
+    assert capabilities_of(launched) is VLLM_CAPABILITIES
+    sglang = LaunchedSGLangEngine("/models/m", port=30001)
+    assert capabilities_of(sglang) is SGLangHTTPEngine.capabilities
     # how each family digests its tensors (``weight_fingerprint`` answers in this scheme)
     assert SGLangHTTPEngine.capabilities.fingerprint_scheme == SGLANG_SCHEME
     assert VLLM_CAPABILITIES.fingerprint_scheme == VLLM_SCHEME
