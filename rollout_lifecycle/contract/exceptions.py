@@ -10,7 +10,7 @@ boundaries.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -169,11 +169,14 @@ class WeightsNotVerified(StaleWeights):
         )
 
 
-def _tensor_list(names: tuple[str, ...], shown: int = 4) -> str:
-    if not names:
-        return ""
+def shortlist(names: Sequence[str], shown: int) -> str:
+    """The first ``shown`` of ``names``, and how many more, for a message: ``a, b and 3 more``."""
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
-    return f" (tensors {', '.join(names[:shown])}{more})"
+    return ", ".join(names[:shown]) + more
+
+
+def _tensor_list(names: tuple[str, ...], shown: int = 4) -> str:
+    return f" (tensors {shortlist(names, shown)})" if names else ""
 
 
 class RouterError(LifecycleError):

@@ -8,7 +8,7 @@ they run, and the states they connect, are the state machine's; what each guaran
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from rollout_lifecycle.contract.commands import EndUpdate
 from rollout_lifecycle.contract.exceptions import (
@@ -33,7 +33,7 @@ S = ServerState
 FAILED = ServerState.FAILED.value
 #: The phases of undoing a drain that failed: a reconciliation back to ``serving``, whose
 #: continue is named for what it undoes.
-UNDO_PHASES = {**RECOVER_PHASES, Op.CONTINUE: Phase.CONTINUE_AFTER_FAILURE}
+UNDO_PHASES: Mapping[Op, Phase] = {**RECOVER_PHASES, Op.CONTINUE: Phase.CONTINUE_AFTER_FAILURE}
 
 
 class Phases(Client):

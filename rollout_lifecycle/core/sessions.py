@@ -20,7 +20,12 @@ from rollout_lifecycle.contract.commands import (
     Pause,
     SetVersion,
 )
-from rollout_lifecycle.contract.exceptions import IllegalEngineOp, PhaseFailed, WeightPushFailed
+from rollout_lifecycle.contract.exceptions import (
+    IllegalEngineOp,
+    PhaseFailed,
+    WeightPushFailed,
+    shortlist,
+)
 from rollout_lifecycle.contract.fingerprint import Fingerprint
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import SESSION_OPEN, EngineOutcome
@@ -58,9 +63,8 @@ class WeightWriter(Client):
                 cannot.setdefault((caps.family, caps.weight_writes), []).append(record.id)
         for (family, carried), ids in cannot.items():
             missing = sorted(op.value for op in sends - carried)
-            more = f" and {len(ids) - 3} more" if len(ids) > 3 else ""
             raise IllegalEngineOp(
-                ", ".join(ids[:3]) + more,
+                shortlist(ids, 3),
                 "update_weights",
                 f"{type(args.push).__name__} sends {missing}, which the {family} driver does not "
                 f"carry (it writes weights by {sorted(op.value for op in carried)}): push with "

@@ -360,8 +360,6 @@ async def test_cancelling_its_call_cancels_a_running_hook_as_hook_cancelled() ->
 
 
 async def test_hook_failure_keeps_the_entered_state_and_retry_works() -> None:
-    from rollout_lifecycle import HookFailed
-
     engines = [SimulatedEngine(f"e{i}") for i in range(2)]
     server = RolloutServer([EngineGroup("actor", engines)])
     calls = 0
