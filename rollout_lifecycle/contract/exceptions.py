@@ -49,7 +49,7 @@ class IllegalTransition(LifecycleError):
         why = reason
         if why is None:
             why = f"it is allowed from: {', '.join(repr(s) for s in self.allowed)}"
-        super().__init__(f"{call}() is not allowed in state {state!r}; {why}")
+        super().__init__(f"{call}() is not allowed in state {str(state)!r}; {why}")
 
 
 class IllegalEngineOp(LifecycleError):
@@ -74,8 +74,8 @@ class PhaseFailed(LifecycleError):
         bad = {k: v for k, v in self.outcomes.items() if not v.ok}
         detail = "; ".join(f"{k}: {v}" for k, v in sorted(bad.items()))
         super().__init__(
-            f"phase {phase!r} failed on {len(bad)} of {len(self.outcomes)} engine(s) "
-            f"(server is now {state!r}): {detail}"
+            f"phase {str(phase)!r} failed on {len(bad)} of {len(self.outcomes)} engine(s) "
+            f"(server is now {str(state)!r}): {detail}"
         )
 
     @property
@@ -106,7 +106,7 @@ class HookFailed(LifecycleError):
         self.args = (self._message(),)
 
     def _message(self) -> str:
-        where = f"server left in {self.state!r}"
+        where = f"server left in {str(self.state)!r}"
         return f"hook {self.hook} for event {self.event!r} {self.reason} ({where})"
 
 
