@@ -12,8 +12,9 @@ phase per command and each a barrier, in the lifecycle's order:
    ``in_place`` pause mode, which keeps requests' memory);
 4. release what the goal releases, only on engines paused and idle, never a tag held released;
 5. continue what the goal lets generate (``Target.paused`` false) that is paused with all its
-   memory resident and the fleet's weights (a versioned update's version is read first; one
-   that reports another is marked stale and waits paused for an update, as a replacement does).
+   memory resident and the fleet's weights (a versioned update's version is read first, also
+   of an engine waiting for the weights: one that reports it holds them; one that reports
+   another is marked stale and waits paused for an update, as a replacement does).
 
 Pause, flush and release stop at the first phase that does not succeed everywhere (nothing is
 released behind an engine that was not drained); the resume before them and the continue after
@@ -45,6 +46,7 @@ from rollout_lifecycle.contract.commands import (
     Release,
     Resume,
 )
+from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import PhaseFailed, StaleWeights
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import EngineOutcome
@@ -53,6 +55,7 @@ from rollout_lifecycle.core.config import DeadEnginePolicy
 from rollout_lifecycle.core.ledger import (
     CONTINUABLE_STATES,
     EngineRecord,
+    EngineState,
     GroupRecords,
     Target,
     target,
@@ -94,6 +97,12 @@ class _Pass:
     targets: dict[str, Target]
     phases: Mapping[Op, Phase]
     outcomes: dict[str, EngineOutcome] = field(default_factory=dict)
+    #: The first step that did not succeed everywhere.
+    failed: Phase | None = None
+
+    def takes(self, op: Op) -> bool:
+        """Whether this reconciliation takes the steps of ``op``: those its phases name."""
+        return op in self.phases
 
     def target(self, record: EngineRecord) -> Target:
         return self.targets[record.group]
@@ -123,9 +132,18 @@ class _Pass:
         return {r.id: set(self.target(r).released) - r.released for r in idle}
 
     def to_continue(self) -> list[EngineRecord]:
-        """Paused with all its memory resident where the target generates, and with the
-        fleet's weights as far as the record knows."""
-        return [r for r in self.live if not self.target(r).paused and r.state in CONTINUABLE_STATES]
+        """Paused with all its memory resident where the target generates, with the fleet's
+        weights as far as the record knows or waiting for them where a version may show them
+        (not where only a write can: ``needs_write``)."""
+        return [
+            r
+            for r in self.live
+            if not self.target(r).paused
+            and (
+                r.state in CONTINUABLE_STATES
+                or (r.state is EngineState.WAITING and not r.needs_write)
+            )
+        ]
 
 
 class Reconciler(Client):
@@ -136,26 +154,41 @@ class Reconciler(Client):
         goal: ServerState,
         records: Sequence[EngineRecord],
         phases: Mapping[Op, Phase] = RECOVER_PHASES,
+        *,
+        hold: bool = False,
     ) -> dict[str, EngineOutcome]:
         """Bring the live engines of ``records`` to ``goal``'s memory targets, each step as the
         phase ``phases`` names; the outcome of every call sent (empty when nothing was out of
-        place)."""
-        run = self._pass(goal, records, phases)
-        await self._by_tags(run, Op.RESUME, run.resume_wanted(), self._deadline(Op.RESUME))
-        await self._drain_and_release(run)
-        await self._continue(run)
-        return run.outcomes
+        place). A step whose operation ``phases`` does not name is not taken; ``hold`` holds
+        every engine out of serving, whatever its group."""
+        return (await self._reconcile(goal, records, phases, hold)).outcomes
 
     async def require(
         self,
         goal: ServerState,
         records: Sequence[EngineRecord],
         phases: Mapping[Op, Phase] = RECOVER_PHASES,
+        *,
+        hold: bool = False,
     ) -> None:
-        """``reconcile``, raising ``PhaseFailed`` if a call it sent did not succeed."""
-        outcomes = await self.reconcile(goal, records, phases)
-        if not self._runner.succeeded(outcomes):
-            raise PhaseFailed(phases[Op.CONTINUE], outcomes, FAILED)
+        """``reconcile``, raising ``PhaseFailed`` under the name of the first step that did not
+        succeed everywhere."""
+        run = await self._reconcile(goal, records, phases, hold)
+        if run.failed is not None:
+            raise PhaseFailed(run.failed, run.outcomes, FAILED)
+
+    async def _reconcile(
+        self,
+        goal: ServerState,
+        records: Sequence[EngineRecord],
+        phases: Mapping[Op, Phase],
+        hold: bool,
+    ) -> _Pass:
+        run = self._pass(goal, records, phases, hold=hold)
+        await self._by_tags(run, Op.RESUME, run.resume_wanted(), self._deadline(Op.RESUME))
+        await self._drain_and_release(run)
+        await self._continue(run)
+        return run
 
     async def advance(
         self,
@@ -277,13 +310,17 @@ class Reconciler(Client):
         return Flush(self._config.deadlines.flush, self._config.flush_retry_interval)
 
     async def _step(self, run: _Pass, plan: Plan, deadline: float) -> bool:
-        """Run one step (the phase its pass names for its command) if it has targets; whether
-        every call of it succeeded."""
-        if not plan.targets:
+        """Run one step (the phase its pass names for its command) if it has targets and the
+        pass takes it; whether every call of it succeeded."""
+        if not plan.targets or not run.takes(plan.op):
             return True
-        got = (await self._runner.run(run.phases[plan.op], plan, deadline)).outcomes
+        phase = run.phases[plan.op]
+        got = (await self._runner.run(phase, plan, deadline)).outcomes
         run.outcomes.update(got)
-        return self._runner.succeeded(got)
+        if self._runner.succeeded(got):
+            return True
+        run.failed = run.failed or phase
+        return False
 
     async def _by_tags(
         self,
@@ -307,7 +344,7 @@ class Reconciler(Client):
         does not succeed. (Engines a reconcile pauses are replacements or of unknown pause: a
         wait mode pauses them in retract mode.)"""
         mode = without_wait(self._config.pause_mode)
-        to_pause = run.to_pause()
+        to_pause = run.to_pause() if run.takes(Op.PAUSE) else []
         # a continue still in flight lands first (it would undo the pause)
         await self._runner.landed(to_pause, self._deadline(Op.PAUSE), Op.PAUSE)
         plan = Plan(Pause(mode), tuple(to_pause))
@@ -325,7 +362,7 @@ class Reconciler(Client):
         """Continue the paused engines the targets let generate, once a pause still in flight
         has landed, except those without the fleet's weights (they wait for an update)."""
         paused = run.to_continue()
-        if not paused:
+        if not paused or not run.takes(Op.CONTINUE):
             return
         # (a pause still in flight gets the continue's deadline to land: the continue waits)
         landed = await self._runner.landed(paused, self._deadline(Op.CONTINUE), Op.CONTINUE)
@@ -335,6 +372,13 @@ class Reconciler(Client):
                 # it reports other weights than the fleet's (a push that failed under it): it
                 # waits paused for an update, as a replacement does, and never serves them
                 record.lacks_weights()
+                logger().warning(
+                    "engine.waits_for_weights",
+                    server=self._name,
+                    engine=record.id,
+                    expected=self._versions.expected,
+                    reports=lacking[record.id],
+                )
         plan = Plan(_CONTINUE, tuple(r for r in landed if r.id not in lacking))
         await self._step(run, plan, self._deadline(Op.CONTINUE))
 

@@ -23,9 +23,9 @@ from rollout_lifecycle import (
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import Outcome
 from rollout_lifecycle.core.ledger import SETTLED_STATES
-from rollout_lifecycle.core.states import ServerState
+from rollout_lifecycle.core.states import Phase, ServerState
 from rollout_lifecycle.testing.faults import FaultyEngine
-from rollout_lifecycle.testing.fleets import ROUTES, bring_to
+from rollout_lifecycle.testing.fleets import ROUTES, bring_to, received_changes
 
 S = ServerState
 
@@ -133,6 +133,47 @@ async def test_an_engine_reporting_other_weights_is_not_continued_and_waits_stal
     assert actor1.paused and actor1.stale and engines[1].state()["paused"]
     assert server.fleet.settled_state() is S.SERVING
     assert not server.fleet.serves(actor1, S.SERVING)
+    for engine in engines:
+        await engine.close()
+
+
+async def test_an_engine_waiting_for_the_weights_is_continued_once_it_reports_them() -> None:
+    """Toward ``serving`` with ``v2`` expected: an engine waiting for the weights (stale,
+    paused) that now reports ``v2`` holds them and is continued; one that reports ``v2`` but
+    failed the last write's verification is not read and waits for a write."""
+    server, engines = two_group_server_and_engines()
+    await server.pause()
+    server._versions.expected = "v2"
+    for engine in engines:
+        await engine.update_weight_version("v2", abort_all_requests=False)
+    waiting, unverified = server.fleet.records()[1], server.fleet.records()[3]
+    waiting.lacks_weights()
+    unverified.failed_verification()
+    outcomes = await server._phases.reconciler.reconcile(S.SERVING, server.fleet.live())
+    assert sorted(outcomes) == ["actor/0", "actor/1", "reward/0"]
+    assert not waiting.stale and not waiting.paused and not engines[1].state()["paused"]
+    assert unverified.stale and unverified.paused and engines[3].state()["paused"]
+    assert "weight_version" not in lifecycle_ops(engines[3])
+    for engine in engines:
+        await engine.close()
+
+
+async def test_a_reconciliation_takes_only_the_steps_its_phases_name() -> None:
+    """Toward ``released`` from ``serving`` with only the pause named: the engines that
+    offload are paused, nothing is flushed or released. With the flush named too and refused
+    by one engine, ``require`` raises under the flush's name."""
+    server, engines = two_group_server_and_engines(wrap=True)
+    reconciler = server._phases.reconciler
+    live = server.fleet.live()
+    outcomes = await reconciler.reconcile(S.RELEASED, live, {Op.PAUSE: Phase.PAUSE_FOR_UPDATE})
+    assert sorted(outcomes) == ["actor/0", "actor/1"]
+    assert [received_changes(e) for e in engines] == [["pause_generation"]] * 2 + [[]] * 2
+    engines[1].arm("flush_cache", "reject")
+    phases = {Op.PAUSE: Phase.PAUSE, Op.FLUSH: Phase.FLUSH, Op.RELEASE: Phase.RELEASE}
+    with pytest.raises(PhaseFailed) as failed:
+        await reconciler.require(S.RELEASED, live, phases)
+    assert failed.value.phase is Phase.FLUSH
+    assert not any("release_memory_occupation" in lifecycle_ops(e) for e in engines)
     for engine in engines:
         await engine.close()
 
