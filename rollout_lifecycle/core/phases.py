@@ -15,7 +15,6 @@ from rollout_lifecycle.contract.exceptions import (
     HookFailed,
     IllegalEngineOp,
     PhaseFailed,
-    StaleWeights,
 )
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
@@ -192,16 +191,6 @@ class Phases(Client):
             outcomes = await self.close_sessions(Phase.CLOSE_WEIGHT_UPDATE, left_open)
             if any(r.session_unknown for r in left_open if r.alive):
                 raise PhaseFailed(Phase.CLOSE_WEIGHT_UPDATE, outcomes, FAILED)
-
-    async def check_versions(self, targets: Sequence[EngineRecord]) -> None:
-        """Refuse to continue engines without the expected weights (``StaleWeights``).
-
-        An engine must report the version of the last versioned update, and a replacement must
-        have received an update since it joined. Nothing is continued when one lacks them.
-        """
-        stale = await self.reconciler.lacking_weights(targets)
-        if stale:
-            raise StaleWeights(self._versions.wanted(), stale)
 
 
 __all__ = ["Phases"]

@@ -10,14 +10,12 @@ paused, on the expected weights only.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping
 
 from rollout_lifecycle.contract.commands import (
     BeginUpdate,
-    Continue,
     EndUpdate,
     Flush,
-    Pause,
     SetVersion,
 )
 from rollout_lifecycle.contract.exceptions import (
@@ -30,9 +28,8 @@ from rollout_lifecycle.contract.fingerprint import Fingerprint
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import SESSION_OPEN, EngineOutcome
 from rollout_lifecycle.contract.push import WeightPush, WeightUpdate, sends_of
-from rollout_lifecycle.contract.values import PauseMode, without_wait
+from rollout_lifecycle.contract.values import PauseMode
 from rollout_lifecycle.core.args import PhaseArgs
-from rollout_lifecycle.core.ledger import EngineRecord
 from rollout_lifecycle.core.parts import Client, Parts
 from rollout_lifecycle.core.phases import Phases
 from rollout_lifecycle.core.runner import PhaseResult, Plan, guard_groups
@@ -40,6 +37,9 @@ from rollout_lifecycle.core.states import Phase, ServerState
 from rollout_lifecycle.core.verify import Verifier
 
 FAILED = ServerState.FAILED.value
+#: The write's reconciliations take one step each: the pause before it, the continue after it.
+_HOLD: Mapping[Op, Phase] = {Op.PAUSE: Phase.PAUSE_FOR_UPDATE}
+_SERVE: Mapping[Op, Phase] = {Op.CONTINUE: Phase.CONTINUE_AFTER_UPDATE}
 
 
 class WeightWriter(Client):
@@ -85,12 +85,11 @@ class WeightWriter(Client):
         if version is not None:
             # From here on generation continues only on engines that report this version.
             self._versions.expected = version
-        # Engines still serving (groups that keep their memory) are paused around the write.
+        # Engines still serving (groups that keep their memory) are paused around the write:
+        # the pause of a reconciliation to 'drained' that holds every engine.
         serving = [r for r in fleet.live() if not r.paused]
-        if serving:
-            mode = without_wait(self._config.pause_mode)
-            plan = Plan(Pause(mode), tuple(serving))
-            await runner.require(Phase.PAUSE_FOR_UPDATE, plan, deadlines.pause)
+        reconciler = self._phases.reconciler
+        await reconciler.require(ServerState.DRAINED, serving, _HOLD, hold=True)
         # A session that an earlier update left open (its begin or end did not complete, or a
         # process killed in its push) is closed first, or this begin would be refused with "a
         # weight update session is already open".
@@ -143,23 +142,18 @@ class WeightWriter(Client):
         await runner.require(Phase.FLUSH_AFTER_UPDATE, plan, deadlines.flush + deadlines.probe)
         if spec is not None:
             await self._verifier.verify(fleet.live(), before, spec, version)
-        await self._continue_paused(serving)
-
-    async def _continue_paused(self, serving: Sequence[EngineRecord]) -> None:
-        # Only a complete write continues what it paused, and only on the expected weights; on
-        # any failure those engines stay paused until the next continue checks them again.
-        resumed = [r for r in serving if r.alive and r.paused and not r.unverified]
-        if self._state() is not ServerState.DRAINED:
-            # Outside 'drained' the groups that keep their memory serve: an earlier write that
-            # failed left them paused, and this complete one continues them.
-            chosen = {r.id for r in resumed}
-            keepers = self._fleet.paused_keepers()
-            resumed += [r for r in keepers if r.id not in chosen and not r.unverified]
-        if resumed:
-            await self._phases.check_versions(resumed)
-            plan = Plan(Continue(), tuple(resumed))
-            deadline = self._config.deadlines.continue_
-            await self._runner.require(Phase.CONTINUE_AFTER_UPDATE, plan, deadline)
+        # Only a complete write continues what it paused: the continue of a reconciliation to
+        # the server's state. Outside 'drained' the groups that keep their memory serve (also
+        # those an earlier write that failed left paused). In 'drained' they serve or not as
+        # the server found them (not held there): those the write paused go back to serving.
+        # An engine without the expected weights (it reports another version, or failed
+        # verification) waits paused for an update while the others go on.
+        state = self._state()
+        if state is ServerState.DRAINED:
+            paused_here = [r for r in serving if not fleet.offloads(r)]
+            await reconciler.require(ServerState.SERVING, paused_here, _SERVE)
+        else:
+            await reconciler.require(state, fleet.records(), _SERVE)
 
     async def _begin(self) -> dict[str, EngineOutcome]:
         """Open a session on every live engine (``begin_weight_update``); the outcomes."""

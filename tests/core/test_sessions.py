@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from rollout_lifecycle import (
     DeadEnginePolicy,
@@ -107,6 +108,69 @@ async def test_a_write_in_drained_flushes_everywhere_and_continues_nothing() -> 
     for engine in actor + reward:
         assert since(engine, start[engine]) == [*SESSION, "flush_cache"]
         assert inner(engine).state()["paused"]
+    await close(*actor, *reward)
+
+
+class KeepsItsVersion(SimulatedEngine):
+    """Answers a version write and keeps the version it had."""
+
+    async def update_weight_version(self, version: str, *, abort_all_requests: bool = True) -> None:
+        return None
+
+
+async def test_after_a_write_a_keeper_reporting_another_version_waits_and_the_rest_serve() -> None:
+    # The write's continue is a reconciliation: engine by engine, not all or nothing.
+    actor = faulty(2, "a")
+    reward = [
+        SimulatedEngine("r0", token_latency=0.001),
+        KeepsItsVersion("r1", token_latency=0.001),
+    ]
+    groups = [EngineGroup("actor", actor), EngineGroup("reward", reward, needs_offload=False)]
+    server = RolloutServer(groups)
+    await server.offload()
+    await server.onload_weights()
+    with capture_logs() as logs:
+        await server.update_weights(Push(), version="v1")
+    assert server.state is S.WEIGHTS_RESTORED
+    kept, lagging = server.groups[1].records
+    assert not kept.paused and not reward[0].state()["paused"]
+    assert lagging.paused and lagging.stale and reward[1].state()["paused"]
+    assert [
+        (e["engine"], e["expected"], e["reports"])
+        for e in logs
+        if e["event"] == "engine.waits_for_weights"
+    ] == [("reward/1", "v1", "default")]
+    # the strict continue of the offloaded groups refuses it by name
+    with pytest.raises(StaleWeights, match="reward/1"):
+        await server.onload_kv()
+    await close(*actor, *reward)
+
+
+async def test_a_write_in_drained_continues_the_keepers_it_paused() -> None:
+    # An offload whose release a hook refused stops in 'drained' with the keepers serving:
+    # the write pauses them around itself and lets them serve again.
+    server, actor, reward = server_and_faulty_groups()
+
+    def refuse() -> None:
+        raise RuntimeError("not now")
+
+    remove = server.on("before_release", refuse)
+    with pytest.raises(HookFailed):
+        await server.offload()
+    remove()
+    assert server.state is S.DRAINED
+    assert not any(inner(e).state()["paused"] for e in reward)
+    start = {e: len(ops(e)) for e in reward}
+    await server.update_weights(Push(), version="v1")
+    for engine in reward:
+        assert since(engine, start[engine]) == [
+            "pause_generation",
+            *SESSION,
+            "flush_cache",
+            "continue_generation",
+        ]
+        assert not inner(engine).state()["paused"]
+    assert all(inner(e).state()["paused"] for e in actor)
     await close(*actor, *reward)
 
 
