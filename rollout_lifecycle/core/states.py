@@ -4,8 +4,9 @@ data.
 The server's ``transitions.AsyncMachine`` runs on ``TRANSITIONS``; a transition with a phase
 (``PHASED``) runs it before the state changes, so a phase that fails leaves the state where it
 was. ``CALLS`` says, for each public call, the states it is legal in and the transitions it
-fires from each, in order: the server reads it, and a test checks that every plan is a path
-through ``TRANSITIONS``. The Mermaid diagram is drawn from the same rows, so it cannot drift.
+fires from each, in order: each call declares its goal and where it is legal, and its
+transitions are the path through ``TRANSITIONS`` that leads there. The Mermaid diagram is
+drawn from the same rows, so it cannot drift.
 """
 
 from __future__ import annotations
@@ -159,34 +160,6 @@ PHASED: tuple[str, ...] = (
     "resume",
 )
 
-#: Each public call: the states it is legal in, and the transitions it fires from each, in order
-#: (an empty plan: the call has nothing to do there). ``offload`` pauses and drains only the
-#: groups that offload; ``pause`` all of them.
-CALLS: dict[str, dict[ServerState, tuple[str, ...]]] = {
-    "offload": {
-        S.SERVING: ("pause", "drain", "release"),
-        S.DRAINED: ("release",),
-        S.RELEASED: (),
-    },
-    "onload_weights": {S.RELEASED: ("restore_weights",), S.WEIGHTS_RESTORED: ()},
-    "update_weights": {
-        S.DRAINED: ("write_weights",),
-        S.WEIGHTS_RESTORED: ("write_weights",),
-        S.KV_RESTORED: ("write_weights",),
-    },
-    "onload_kv": {S.WEIGHTS_RESTORED: ("restore_kv", "resume"), S.KV_RESTORED: ("resume",)},
-    "onload": {
-        S.SERVING: (),
-        S.DRAINED: ("resume",),
-        S.RELEASED: ("restore_weights", "restore_kv", "resume"),
-        S.WEIGHTS_RESTORED: ("restore_kv", "resume"),
-        S.KV_RESTORED: ("resume",),
-    },
-    "pause": {S.SERVING: ("pause", "drain"), S.DRAINED: ()},
-    "resume": {S.SERVING: (), S.DRAINED: ("resume",), S.KV_RESTORED: ("resume",)},
-    "reset": {S.FAILED: ("reset",)},
-}
-
 
 def destination(trigger: str, state: ServerState) -> ServerState | None:
     """Where ``trigger`` leads from ``state`` (``state`` itself for ``write_weights``); None
@@ -212,6 +185,56 @@ def sources_of(trigger: str) -> tuple[ServerState, ...]:
             if state not in out:
                 out.append(state)
     return tuple(out)
+
+
+#: The transitions a call may chain toward its goal: those that move the state forward (not
+#: ``fail``, the undo ``abandon``, the write in place, or ``reset``, which leaves ``failed``).
+_FORWARD = ("pause", "drain", "release", "restore_weights", "restore_kv", "resume")
+
+
+def _path(source: ServerState, goal: ServerState) -> tuple[str, ...]:
+    """The transitions (``_FORWARD`` rows of ``TRANSITIONS``) that lead from ``source`` to
+    ``goal``, fewest first; ``ValueError`` if none does."""
+    paths: dict[ServerState, tuple[str, ...]] = {source: ()}
+    frontier = [source]
+    while frontier and goal not in paths:
+        state = frontier.pop(0)
+        for trigger in _FORWARD:
+            dest = destination(trigger, state)
+            if dest is not None and dest not in paths:
+                paths[dest] = (*paths[state], trigger)
+                frontier.append(dest)
+    if goal not in paths:
+        raise ValueError(f"no transitions lead from {source.value!r} to {goal.value!r}")
+    return paths[goal]
+
+
+def _toward(goal: ServerState, *legal: ServerState) -> dict[ServerState, tuple[str, ...]]:
+    """The plan of a call that brings the server to ``goal`` from each state in ``legal``."""
+    return {state: _path(state, goal) for state in legal}
+
+
+def _in_place(trigger: str) -> dict[ServerState, tuple[str, ...]]:
+    """The plan of a call that fires ``trigger`` alone, wherever it is legal."""
+    return {state: (trigger,) for state in sources_of(trigger)}
+
+
+#: Each public call: the states it is legal in, and the transitions it fires from each, in order
+#: (an empty plan: the call has nothing to do there). A call names its goal and where it is
+#: legal; the transitions that lead there are read from ``TRANSITIONS``. ``offload`` pauses and
+#: drains only the groups that offload; ``pause`` all of them.
+CALLS: dict[str, dict[ServerState, tuple[str, ...]]] = {
+    "offload": _toward(S.RELEASED, S.SERVING, S.DRAINED, S.RELEASED),
+    "onload_weights": _toward(S.WEIGHTS_RESTORED, S.RELEASED, S.WEIGHTS_RESTORED),
+    "update_weights": _in_place("write_weights"),
+    "onload_kv": _toward(S.SERVING, S.WEIGHTS_RESTORED, S.KV_RESTORED),
+    "onload": _toward(
+        S.SERVING, S.SERVING, S.DRAINED, S.RELEASED, S.WEIGHTS_RESTORED, S.KV_RESTORED
+    ),
+    "pause": _toward(S.DRAINED, S.SERVING, S.DRAINED),
+    "resume": _toward(S.SERVING, S.SERVING, S.DRAINED, S.KV_RESTORED),
+    "reset": _in_place("reset"),
+}
 
 
 def mermaid() -> str:

@@ -11,7 +11,14 @@ from rollout_lifecycle import (
     ServerState,
     SimulatedEngine,
 )
-from rollout_lifecycle.core.states import CALLS, PHASED, TRANSITIONS, destination, sources_of
+from rollout_lifecycle.core.states import (
+    CALLS,
+    PHASED,
+    TRANSITIONS,
+    _path,
+    destination,
+    sources_of,
+)
 
 S = ServerState
 CALL_PLANS = [(call, state, plan) for call, plans in CALLS.items() for state, plan in plans.items()]
@@ -38,6 +45,15 @@ def test_every_call_plan_is_a_path_through_the_transitions(
         "reset": {S.SERVING},  # (destination() takes reset to serving; the records decide)
     }
     assert at in ends[call], (call, state, at)
+
+
+def test_a_plan_is_the_fewest_forward_transitions_to_the_goal() -> None:
+    # (docs/design.md's calls table, which a test compares with CALLS, pins every plan)
+    assert _path(S.RELEASED, S.SERVING) == ("restore_weights", "restore_kv", "resume")
+    assert _path(S.DRAINED, S.DRAINED) == ()
+    # the way out of 'failed' is reset, which no call chains toward a goal
+    with pytest.raises(ValueError, match="no transitions lead from 'failed' to 'serving'"):
+        _path(S.FAILED, S.SERVING)
 
 
 def test_every_phased_trigger_is_a_transition() -> None:
