@@ -17,7 +17,6 @@ import json
 from collections.abc import Awaitable, Hashable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from rollout_lifecycle.backends.sglang.api import SESSION_ALREADY_OPEN
 from rollout_lifecycle.contract import seam
 from rollout_lifecycle.contract.capabilities import capabilities_of
 from rollout_lifecycle.contract.exceptions import (
@@ -32,7 +31,7 @@ from rollout_lifecycle.contract.exceptions import (
 )
 from rollout_lifecycle.contract.identity import COARSE, Expectation, disagreement
 from rollout_lifecycle.contract.ops import CHECKED_OPS, Op
-from rollout_lifecycle.contract.outcome import SESSION_OPEN, Outcome
+from rollout_lifecycle.contract.outcome import Outcome
 from rollout_lifecycle.contract.urls import url_identity
 from rollout_lifecycle.contract.values import (
     DEFAULT_GROUP_NAME,
@@ -84,7 +83,8 @@ class EngineBackend(Protocol):
         ...
 
     async def begin_weight_update(self) -> None:
-        """``POST /begin_weight_update``."""
+        """``POST /begin_weight_update``; a session already open is refused with
+        ``SESSION_OPEN`` (409), whatever the server's own answer for it."""
         ...
 
     async def end_weight_update(self) -> None:
@@ -350,13 +350,8 @@ class EngineHost:
 
     async def begin_weight_update(self) -> None:
         """Open a weight-update session; one already open is refused with ``SESSION_OPEN``
-        (409), the lifecycle's word for it."""
-        try:
-            await self._backend.begin_weight_update()
-        except EngineRejected as exc:
-            if exc.status == 400 and SESSION_ALREADY_OPEN in exc.message:
-                raise EngineRejected(exc.engine, exc.op, exc.message, SESSION_OPEN) from None
-            raise
+        (409), as the backend says (``EngineBackend.begin_weight_update``)."""
+        await self._backend.begin_weight_update()
 
     async def end_weight_update(self) -> None:
         """Close a weight-update session."""

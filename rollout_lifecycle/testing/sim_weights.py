@@ -18,6 +18,7 @@ from rollout_lifecycle.backends.sglang.api import (
 from rollout_lifecycle.backends.tensor_payload import deadly, decoded
 from rollout_lifecycle.contract.exceptions import EngineRejected
 from rollout_lifecycle.contract.fingerprint import SIMULATED_SCHEME, Fingerprint
+from rollout_lifecycle.contract.outcome import SESSION_OPEN
 from rollout_lifecycle.contract.values import DEFAULT_GROUP_NAME, Tag
 from rollout_lifecycle.testing.sim_calls import SimCalls
 from rollout_lifecycle.testing.sim_scheduler import SimScheduler
@@ -52,7 +53,8 @@ class SimWeights:
         return selector
 
     async def begin_weight_update(self, selector: str = "all") -> None:
-        """``POST /begin_weight_update``: open a session (400 if one is open)."""
+        """``POST /begin_weight_update``: open a session (``SESSION_OPEN`` if one is open, as
+        every backend refuses it; the SGLang stand-in answers SGLang's 400)."""
         # sglang: weight_updater.py SchedulerWeightUpdaterManager.begin_weight_update
         state = self._state
         op = "begin_weight_update"
@@ -60,7 +62,7 @@ class SimWeights:
             self._check_selector(op, selector)
             await self._wait_unpaused_idle(op)
             if state.session_open:
-                raise EngineRejected(state.label, op, SESSION_ALREADY_OPEN, 400)
+                raise EngineRejected(state.label, op, SESSION_ALREADY_OPEN, SESSION_OPEN)
             state.session_open = True
             state.session_selector = selector
 

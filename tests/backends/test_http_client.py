@@ -38,13 +38,14 @@ from rollout_lifecycle import (
 )
 from rollout_lifecycle.backends.http.wire import HTTPTimeouts, parse_version
 from rollout_lifecycle.backends.secret import Secret
-from rollout_lifecycle.backends.sglang.api import BY_PATH
+from rollout_lifecycle.backends.sglang.api import BY_PATH, SESSION_ALREADY_OPEN
 from rollout_lifecycle.backends.sglang.client import SGLangHTTPEngine, sglang_http_factory
 from rollout_lifecycle.backends.sglang.launch import (
     ADMIN_KEY_ENV,
     LaunchedSGLangEngine,
     launched_sglang_factory,
 )
+from rollout_lifecycle.contract.outcome import SESSION_OPEN
 
 URL = "http://engine.test:30000"
 ADMIN_KEY = "sk-admin-7f3a9c1e55d0"
@@ -1298,6 +1299,25 @@ async def test_engine_host_flushes_with_no_server_side_timeout() -> None:
 
 
 # --------------------------------------------------------------------------------- the selector
+
+
+async def test_a_session_already_open_is_refused_as_session_open_and_other_400s_as_they_are() -> (
+    None
+):
+    # sglang: weight_updater.py begin_weight_update answers 400 with its text; every backend
+    # refuses a session already open with SESSION_OPEN, which the lifecycle closes and retries.
+    def answer(message: str) -> Handler:
+        return lambda _: httpx.Response(400, json={"success": False, "message": message})
+
+    engine = make_engine(FakeServer(answer(SESSION_ALREADY_OPEN)))
+    with pytest.raises(EngineRejected) as open_already:
+        await engine.begin_weight_update()
+    assert open_already.value.status == SESSION_OPEN
+    assert SESSION_ALREADY_OPEN in open_already.value.message
+    other = make_engine(FakeServer(answer("selector must be one of all, draft")))
+    with pytest.raises(EngineRejected) as refused:
+        await other.begin_weight_update()
+    assert refused.value.status == 400
 
 
 async def test_one_selector_goes_to_begin_and_to_every_update() -> None:

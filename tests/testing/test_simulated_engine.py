@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from rollout_lifecycle.contract.exceptions import EngineDead, EngineRejected, InvalidArgument
+from rollout_lifecycle.contract.outcome import SESSION_OPEN
 from rollout_lifecycle.contract.values import ALL_TAGS, PauseMode, Tag
 from rollout_lifecycle.testing import collector_load, until
 from rollout_lifecycle.testing.simulated import SimulatedEngine
@@ -762,8 +763,9 @@ async def test_tensor_update_needs_a_weight_update_session(make_engine: MakeEngi
     with pytest.raises(EngineRejected, match="no weight-update session is open"):
         await engine.end_weight_update()
     await engine.begin_weight_update()
-    with pytest.raises(EngineRejected, match="already open"):
+    with pytest.raises(EngineRejected, match="already open") as again:
         await engine.begin_weight_update()
+    assert again.value.status == SESSION_OPEN  # as every backend refuses it
     await engine.update_weights_from_tensor(
         b"w", weight_version="1", flush_cache=False, abort_all_requests=False
     )

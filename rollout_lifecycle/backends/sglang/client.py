@@ -24,11 +24,13 @@ from rollout_lifecycle.backends.http.wire import (
     shown,
 )
 from rollout_lifecycle.backends.secret import Secret, secret_kwargs
+from rollout_lifecycle.backends.sglang.api import SESSION_ALREADY_OPEN
 from rollout_lifecycle.backends.sglang.link import SGLangLink
 from rollout_lifecycle.backends.tensor_payload import check_tensor_payloads
 from rollout_lifecycle.contract.capabilities import Capabilities
 from rollout_lifecycle.contract.exceptions import EngineRejected, InvalidArgument
 from rollout_lifecycle.contract.fingerprint import SGLANG_SCHEME, Fingerprint
+from rollout_lifecycle.contract.outcome import SESSION_OPEN
 from rollout_lifecycle.contract.values import (
     DEFAULT_GROUP_NAME,
     PauseMode,
@@ -247,11 +249,19 @@ class SGLangHTTPEngine:
     # ----------------------------------------------------------------------------- weights
 
     async def begin_weight_update(self) -> None:
-        """``POST /begin_weight_update {"selector": S}`` with the client's ``weight_selector``."""
+        """``POST /begin_weight_update {"selector": S}`` with the client's ``weight_selector``;
+        a session already open is refused with ``SESSION_OPEN``."""
         op = "begin_weight_update"
         # sglang: io_struct.py BeginWeightUpdateReqInput.selector (default "all"); the updates
         # of the session must name the same runners.
-        await self._send(op, {"selector": self._link.selector})
+        try:
+            await self._send(op, {"selector": self._link.selector})
+        except EngineRejected as exc:
+            # sglang: weight_updater.py begin_weight_update answers 400 with its text; the
+            # backends' word for a session already open is SESSION_OPEN
+            if exc.status == 400 and SESSION_ALREADY_OPEN in exc.message:
+                raise EngineRejected(exc.engine, exc.op, exc.message, SESSION_OPEN) from None
+            raise
 
     async def end_weight_update(self) -> None:
         """``POST /end_weight_update {}``."""

@@ -31,6 +31,7 @@ from rollout_lifecycle.contract.exceptions import (
     EngineRejected,
     InvalidArgument,
 )
+from rollout_lifecycle.contract.outcome import SESSION_OPEN
 from rollout_lifecycle.testing.sim_state import SIM_VERSION
 from rollout_lifecycle.testing.simulated import SimulatedEngine
 from rollout_lifecycle.testing.standin.auth import AuthMiddleware
@@ -184,7 +185,12 @@ def create_app(
 
     @serves("begin_weight_update")
     async def begin_weight_update(_: Request, values: dict[str, Any]) -> str:
-        await state.call(engine.begin_weight_update(values["selector"]))
+        try:
+            await state.call(engine.begin_weight_update(values["selector"]))
+        except EngineRejected as exc:
+            if exc.status == SESSION_OPEN:  # SGLang answers a session already open with 400
+                raise EngineRejected(exc.engine, exc.op, exc.message, 400) from None
+            raise
         return "Success"
 
     @serves("end_weight_update")
