@@ -110,8 +110,13 @@ class _Pending:
         self.task: asyncio.Task[Any] | None = None
         #: Cancelled before the loop started it.
         self.cancel_first = False
-        #: What the caller waits on: the call as it settled, ``(cancelled, value, error)``.
-        self.settled: Future[tuple[bool, Any, BaseException | None]] | None = None
+        #: A cancel was carried out on the loop (a call is cancelled once: a second cancel
+        #: would interrupt the phase the first lets settle).
+        self.cancelled = False
+        #: What the caller waits on: the call as it settled, ``(cancelled, value, error)``;
+        #: cancelled itself if the loop ended under the call. It exists before the call is
+        #: handed to the loop, so that a caller interrupted during the hand-over can wait on it.
+        self.settled: Future[tuple[bool, Any, BaseException | None]] = Future()
 
 
 class _Runtime:
@@ -146,44 +151,59 @@ class _Runtime:
     def submit(
         self, pending: _Pending, make: Callable[[], Awaitable[Any]], context: contextvars.Context
     ) -> None:
-        """Start ``make()`` on the loop in ``context``; ``pending.settled`` tells how it ended."""
-        pending.settled = self.portal.start_task_soon(self._run, pending, make, context)
+        """Start ``make()`` on the loop in ``context``; ``pending.settled`` tells how it ended.
+
+        The hand-over blocks until the loop has taken the call, and the loop may start it
+        before the hand-over returns: a caller interrupted in it must settle the call as one
+        interrupted while waiting (``_settle``)."""
+        self.portal.start_task_soon(self._run, pending, make, context)
 
     @staticmethod
     async def _run(
         pending: _Pending, make: Callable[[], Awaitable[Any]], context: contextvars.Context
-    ) -> tuple[bool, Any, BaseException | None]:
+    ) -> None:
         # The call runs as a task of its own, in its caller's context (so that a call from a
         # hook's worker thread is seen as part of the operation that ran the hook); this task
         # only waits for it and reports how it ended, never raising (a BaseException escaping
         # a portal task would end the loop).
         if pending.cancel_first:
-            return (True, None, None)
+            return  # (settled by the cancel)
         task = context.run(asyncio.create_task, _awaited(make))
         pending.task = task
         try:
             await asyncio.wait([task])
         except asyncio.CancelledError:  # the portal is shutting down under the call
             task.cancel()
+            pending.settled.cancel()
             raise
         if task.cancelled():
-            return (True, None, None)
-        if (error := task.exception()) is not None:
-            return (False, None, error)
-        return (False, task.result(), None)
+            pending.settled.set_result((True, None, None))
+        elif (error := task.exception()) is not None:
+            pending.settled.set_result((False, None, error))
+        else:
+            pending.settled.set_result((False, task.result(), None))
 
     def cancel(self, calls: Sequence[_Pending]) -> None:
-        """Cancel ``calls`` on the loop (a settled call has nothing to cancel)."""
+        """Cancel ``calls`` on the loop, each once (a settled call has nothing to cancel; one
+        the loop has not started settles as cancelled and never starts)."""
 
         def cancel() -> None:
             for pending in calls:
+                if pending.cancelled:
+                    continue
+                pending.cancelled = True
                 if pending.task is None:
                     pending.cancel_first = True
+                    if not pending.settled.done():
+                        pending.settled.set_result((True, None, None))
                 else:
                     pending.task.cancel()
 
-        with contextlib.suppress(RuntimeError):  # the loop has stopped: every call has settled
+        try:
             self.portal.call(cancel)
+        except RuntimeError:  # the loop has stopped: a call it did not settle never will
+            for pending in calls:
+                pending.settled.cancel()
 
     def stop(self) -> None:
         """Stop the loop without waiting (the finalizer of a facade nobody closed)."""
@@ -204,7 +224,7 @@ class _Runtime:
             self.closed = True
             running = list(self.pending)
         self.cancel([pending for pending in running if not pending.nested])
-        wait([p.settled for p in running if p.settled is not None])
+        wait([p.settled for p in running])
         with contextlib.suppress(RuntimeError):  # the loop has ended already
             self.portal.call(self.portal.stop)
         self.thread.join()
@@ -324,8 +344,8 @@ def _settle(runtime: _Runtime, pending: _Pending, settled: Future[Any]) -> BaseE
     while True:
         try:
             if not cancelled:
+                runtime.cancel([pending])  # (again after an interrupt in it: once on the loop)
                 cancelled = True
-                runtime.cancel([pending])
             wait([settled])
             return interrupted
         except BaseException as exc:
@@ -677,20 +697,25 @@ class SyncRolloutServer:
             limit = None
         runtime = self._runtime
         pending = _Pending(nested)
-        # The check and the hand-over are one step for close(): a call handed over before it
-        # marked the facade closed runs (or is cancelled) before the loop stops.
-        with runtime.guard:
-            self._check_usable(call)
-            runtime.pending.add(pending)
-            runtime.submit(pending, make, contextvars.copy_context())
         settled = pending.settled
-        assert settled is not None
+        handed = False
         try:
             try:
+                # The check and the hand-over are one step for close(): a call handed over
+                # before it marked the facade closed runs (or is cancelled) before the loop
+                # stops.
+                with runtime.guard:
+                    self._check_usable(call)
+                    runtime.pending.add(pending)
+                    handed = True
+                    runtime.submit(pending, make, contextvars.copy_context())
                 finished = bool(wait([settled], timeout=limit).done)
             except BaseException:
-                # Interrupted (Ctrl-C): like a cancelled async caller, settle first, then raise.
-                _settle(runtime, pending, settled)
+                # Interrupted (Ctrl-C) while waiting, or while handing the call over (which the
+                # loop may have started already): like a cancelled async caller, settle first,
+                # then raise.
+                if handed:
+                    _settle(runtime, pending, settled)
                 raise
             if not finished and (interrupted := _settle(runtime, pending, settled)) is not None:
                 raise interrupted

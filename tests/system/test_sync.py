@@ -505,6 +505,64 @@ def test_an_interrupted_caller_gets_its_interrupt_after_the_call_settles(make: A
     rollout.onload(timeout=T)
 
 
+@pytest.mark.parametrize("taken", [True, False], ids=["the-loop-took-it", "before-the-loop"])
+def test_an_interrupt_during_the_hand_over_settles_the_call_before_it_is_raised(
+    make: Any, taken: bool
+) -> None:
+    """Found under load: the loop may start a call before its hand-over returns to the caller,
+    and a Ctrl-C can land in the hand-over. The caller gets it once the call has settled (here
+    once the release it holds has landed); a call the loop never took never starts."""
+
+    class Interrupt(BaseException):
+        pass
+
+    engines = [FaultyEngine(e) for e in sims(2)]
+    held = threading.Event()
+    release = engines[0].inner.release_memory_occupation
+
+    async def held_release(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.to_thread(held.wait, T)
+        return await release(*args, **kwargs)
+
+    engines[0].inner.release_memory_occupation = held_release  # type: ignore[method-assign]
+    rollout = make(EngineGroup("actor", engines))
+    runtime = rollout._runtime
+    hand_over = runtime.submit
+    handed: list[Any] = []
+
+    def interrupted_hand_over(pending: Any, call: Any, context: Any) -> None:
+        if handed:  # (the offload's hand-over alone is interrupted)
+            return hand_over(pending, call, context)
+        handed.append(pending)
+        if taken:
+            hand_over(pending, call, context)
+            in_flight(engines[0], "release_memory_occupation")
+        raise Interrupt
+
+    def release_once_cancelled() -> None:
+        blocking_until(lambda: bool(handed) and handed[0].cancelled, "the call to be cancelled")
+        held.set()
+
+    runtime.submit = interrupted_hand_over
+    helper = threading.Thread(target=release_once_cancelled)
+    helper.start()
+    try:
+        with pytest.raises(Interrupt):
+            rollout.offload(timeout=T)
+        # settled when the caller got its interrupt: nothing in flight, nothing half-way
+        assert engines[0].in_flight == 0
+        assert rollout.state is (S.RELEASED if taken else S.SERVING)
+    finally:
+        held.set()
+        helper.join(T)
+        runtime.submit = hand_over
+    assert handed[0].settled.result() == (True, None, None)  # cancelled
+    if not taken:
+        assert [c["op"] for c in engines[0].calls] == []  # it never started
+    rollout.onload(timeout=T)
+    assert rollout.state is S.SERVING
+
+
 def test_a_sync_push_past_its_deadline_is_waited_for_before_the_call_fails(make: Any) -> None:
     config = LifecycleConfig(deadlines=Deadlines(weight_update=0.1))
     rollout = make(EngineGroup("actor", sims(2)), config=config)
