@@ -38,6 +38,8 @@ S = ServerState
 
 #: The calls of a weight write, as they reach an engine.
 SESSION = ["begin_weight_update", "end_weight_update", "update_weight_version"]
+#: The same for an engine that served: paused around the write, flushed, continued after it.
+AROUND_A_SERVING_ENGINE = ["pause_generation", *SESSION, "flush_cache", "continue_generation"]
 
 
 def since(engine: SimulatedEngine | FaultyEngine, count: int) -> list[str]:
@@ -86,12 +88,7 @@ async def test_a_write_with_the_kv_cache_released_pauses_and_continues_only_what
         assert since(engine, start[engine]) == SESSION
     # the engines that served: paused around the write, flushed, continued on the new weights
     for engine in reward:
-        assert since(engine, start[engine]) == [
-            "pause_generation",
-            *SESSION,
-            "flush_cache",
-            "continue_generation",
-        ]
+        assert since(engine, start[engine]) == AROUND_A_SERVING_ENGINE
         assert not inner(engine).state()["paused"]
     for engine in actor + reward:
         assert await inner(engine).weight_version() == "v1"
@@ -163,12 +160,7 @@ async def test_a_write_in_drained_continues_the_keepers_it_paused() -> None:
     start = {e: len(ops(e)) for e in reward}
     await server.update_weights(Push(), version="v1")
     for engine in reward:
-        assert since(engine, start[engine]) == [
-            "pause_generation",
-            *SESSION,
-            "flush_cache",
-            "continue_generation",
-        ]
+        assert since(engine, start[engine]) == AROUND_A_SERVING_ENGINE
         assert not inner(engine).state()["paused"]
     assert all(inner(e).state()["paused"] for e in actor)
     await close(*actor, *reward)

@@ -456,6 +456,20 @@ def test_a_timeout_cancels_the_call_once_the_phase_in_flight_settles(make: Any) 
     assert rollout.state is S.SERVING
 
 
+def engines_whose_first_release_is_held() -> tuple[list[FaultyEngine], threading.Event]:
+    """Two engines; the first one's release waits until the event is set (at most ``T``)."""
+    engines = [FaultyEngine(e) for e in sims(2)]
+    held = threading.Event()
+    release = engines[0].inner.release_memory_occupation
+
+    async def held_release(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.to_thread(held.wait, T)
+        return await release(*args, **kwargs)
+
+    engines[0].inner.release_memory_occupation = held_release  # type: ignore[method-assign]
+    return engines, held
+
+
 def test_an_interrupted_caller_gets_its_interrupt_after_the_call_settles(make: Any) -> None:
     """Ctrl-C during a release, then a second Ctrl-C while the call settles: the caller gets the
     first interrupt once the release has landed, never a server still moving. The release is
@@ -465,21 +479,13 @@ def test_an_interrupted_caller_gets_its_interrupt_after_the_call_settles(make: A
     class Interrupt(BaseException):
         pass
 
-    engines = [FaultyEngine(e) for e in sims(2)]
+    engines, held = engines_whose_first_release_is_held()
     handled: list[bool] = []  # per interrupt: whether the release was still in flight
 
     def interrupt(signum: int, frame: Any) -> None:
         handled.append(engines[0].in_flight > 0)
         raise Interrupt(len(handled))
 
-    held = threading.Event()
-    release = engines[0].inner.release_memory_occupation
-
-    async def held_release(*args: Any, **kwargs: Any) -> Any:
-        await asyncio.to_thread(held.wait, T)
-        return await release(*args, **kwargs)
-
-    engines[0].inner.release_memory_occupation = held_release  # type: ignore[method-assign]
     rollout = make(EngineGroup("actor", engines))
     main = threading.main_thread().ident or 0
 
@@ -516,15 +522,7 @@ def test_an_interrupt_during_the_hand_over_settles_the_call_before_it_is_raised(
     class Interrupt(BaseException):
         pass
 
-    engines = [FaultyEngine(e) for e in sims(2)]
-    held = threading.Event()
-    release = engines[0].inner.release_memory_occupation
-
-    async def held_release(*args: Any, **kwargs: Any) -> Any:
-        await asyncio.to_thread(held.wait, T)
-        return await release(*args, **kwargs)
-
-    engines[0].inner.release_memory_occupation = held_release  # type: ignore[method-assign]
+    engines, held = engines_whose_first_release_is_held()
     rollout = make(EngineGroup("actor", engines))
     runtime = rollout._runtime
     hand_over = runtime.submit
