@@ -56,7 +56,6 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from rollout_lifecycle.contract import seam
 from rollout_lifecycle.contract.commands import Observe
 from rollout_lifecycle.contract.exceptions import EngineClaimed, InvalidArgument
 from rollout_lifecycle.contract.identity import distinguishes
@@ -464,7 +463,7 @@ class Claims:
     def _in_process(self, record: EngineRecord) -> bool:
         """Whether this server made the last claim of an engine reachable only through this
         process's handles, and no other server claimed it since."""
-        key = seam.identity(record.handle)
+        key = record.key
         mine = (id(self), self._count - 1)
         same = _IN_PROCESS.get(key) == mine
         _IN_PROCESS[key] = (id(self), self._count)

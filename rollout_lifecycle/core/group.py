@@ -122,7 +122,7 @@ class EngineGroup:
         index = self._records.index(record)
         handle = seam.as_handle(engine, self._name, index)
         key = seam.identity(handle)
-        if any(seam.identity(r.handle) == key for r in self._records if r is not record):
+        if any(r.key == key for r in self._records if r is not record):
             raise InvalidArgument(f"the replacement for {record.id} is already in the group")
         old = record.handle
         record.renew(handle)

@@ -12,10 +12,11 @@ Nothing here sends a call.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Protocol
 
+from rollout_lifecycle.contract import seam
 from rollout_lifecycle.contract.capabilities import Capabilities
 from rollout_lifecycle.contract.enums import ValueEnum
 from rollout_lifecycle.contract.exceptions import IllegalEngineOp, InvalidArgument
@@ -343,6 +344,18 @@ class EngineRecord:
     #: claims were let go in between and cannot tell that nobody else took them
     #: (``core/claims``). A checked call then reads the engine's pause state again.
     unwatched: bool = field(default=True, repr=False, compare=False)
+    #: The handle whose engine ``key`` names, and that key (``key``'s cache).
+    _keyed: tuple[Any, Hashable] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def key(self) -> Hashable:
+        """What makes this record's engine one engine, however it is reached
+        (``contract.seam.identity`` of its handle): the server's URL, the Ray actor, the
+        in-process backend. Worked out once per handle; a replacement's is its own."""
+        keyed = self._keyed
+        if keyed is None or keyed[0] is not self.handle:
+            keyed = self._keyed = (self.handle, seam.identity(self.handle))
+        return keyed[1]
 
     def busy_for(self, op: Op) -> bool:
         """Whether the call still in flight on this engine would matter to a call of ``op``

@@ -223,11 +223,7 @@ class Recovery(Client):
         """Refuse, before anything is retired, replacements that are engines of this server
         already (other than the one each replaces) or that two factory calls returned."""
         replaced = {r.id for r, _ in replacements}
-        taken = {
-            seam.identity(r.handle): f"engine {r.id}"
-            for r in self._fleet.records()
-            if r.id not in replaced
-        }
+        taken = {r.key: f"engine {r.id}" for r in self._fleet.records() if r.id not in replaced}
         for record, engine in replacements:
             key = seam.identity(seam.as_handle(engine, record.group, 0))
             if key in taken:

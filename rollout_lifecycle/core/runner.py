@@ -563,7 +563,7 @@ class WorkerUrls:
 
     async def of(self, records: Sequence[EngineRecord]) -> dict[str, str | None]:
         """The worker URL of each of ``records``, by engine id (None: none, or not known yet)."""
-        keys = [seam.identity(r.handle) for r in records]
+        keys = [r.key for r in records]
         missing = [r for r, key in zip(records, keys, strict=True) if key not in self._urls]
         if missing:
             found = await self._runner.ask(ReadWorkerUrl(), missing, self._deadline)

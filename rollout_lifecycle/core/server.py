@@ -14,7 +14,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from rollout_lifecycle.contract import seam
 from rollout_lifecycle.contract.commands import Observe
 from rollout_lifecycle.contract.exceptions import InvalidArgument, LifecycleError
 from rollout_lifecycle.contract.fingerprint import Fingerprint
@@ -529,7 +528,7 @@ def _check_groups(groups: object) -> None:
             raise InvalidArgument(f"two groups are named {group.name!r}")
         names.add(group.name)
         for record in group.records:
-            key = seam.identity(record.handle)
+            key = record.key
             first = owners.get(key)
             if first is not None:
                 raise InvalidArgument(

@@ -216,6 +216,24 @@ async def test_recover_refuses_a_replacement_that_is_another_engine() -> None:
     assert server.snapshot().engines()["a/0"].alive
 
 
+async def test_recover_refuses_as_a_replacement_the_engine_an_earlier_recover_put_in() -> None:
+    # An engine is named by what its record holds now: the replacement, not the engine that
+    # held its slot before.
+    a = faulty(2, "a")
+    config = LifecycleConfig(dead_engines=DeadEnginePolicy.SKIP)
+    server = RolloutServer([EngineGroup("a", a)], config)
+    a[0].arm("server_info", "die")
+    await server.probe()
+    new = SimulatedEngine("a-new", token_latency=0.001)
+    await server.recover(lambda engine_id: new)
+    assert server.snapshot().engines()["a/0"].alive
+    a[1].arm("server_info", "die")
+    await server.probe()
+    with pytest.raises(InvalidArgument, match="is engine a/0 already"):
+        await server.recover(lambda engine_id: new)
+    assert not new.dead and server.snapshot().engines()["a/0"].alive
+
+
 # -- hooks that never return ---------------------------------------------------------------
 
 
