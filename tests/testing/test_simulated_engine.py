@@ -1031,6 +1031,29 @@ async def test_take_history_gives_each_finished_call_once_and_keeps_running_ones
     assert engine.take_history() == []
 
 
+@pytest.mark.parametrize("latency", [{}, {"observe": 0.01}], ids=["at once", "with latency"])
+async def test_an_observe_is_recorded_and_a_dead_engine_refuses_it_whatever_it_takes(
+    make_engine: MakeEngine, latency: dict[str, float]
+) -> None:
+    # A read without latency takes a path of its own (no coroutine per read): it must record
+    # and refuse exactly as one with latency does.
+    engine = make_engine(op_latency=latency)
+    first = await engine.observe()
+    assert first["paused"] is False and isinstance(first["incarnation"], str)
+    await engine.pause_generation(PauseMode.RETRACT)
+    assert (await engine.observe(identify=False))["paused"] is True
+    await engine.flush_cache(0.0)
+    await engine.release_memory_occupation([Tag.KV_CACHE])
+    with pytest.raises(EngineDead):
+        await engine.release_memory_occupation([Tag.KV_CACHE])  # released twice: fatal
+    with pytest.raises(EngineDead):
+        await engine.observe()
+    reads = [e for e in engine.history() if e["op"] == "observe"]
+    assert [e["outcome"] for e in reads] == ["ok", "ok", "dead"]
+    assert all(e["end"] is not None and e["end"] >= e["start"] for e in reads)
+    assert "engine is dead" in reads[-1]["detail"]
+
+
 # ------------------------------------------------------------------ validation
 
 
