@@ -15,6 +15,7 @@ import pytest
 from benchmarks import (
     drain,
     growth,
+    guard,
     identity,
     memory_plan,
     order,
@@ -89,6 +90,22 @@ async def test_growth_measures_both_contenders_without_violations(freeze: bool) 
         assert point.checked == 4 and point.violations == [] and point.incomplete == 0
     assert "50 / 5" in growth.report(points)
     assert gc.get_freeze_count() == 0  # nothing left frozen
+
+
+async def test_the_guard_measures_both_ratios_and_fails_a_ratio_past_its_limit(
+    ray_cluster: None,
+) -> None:
+    ratios = [await guard.in_process(20, rounds=2), await guard.on_ray(2, rounds=1)]
+    for ratio in ratios:
+        assert ratio.value > 0 and ratio.faults == () and ratio.target < ratio.limit
+    assert "library / raw floor" in guard.report(ratios)
+    # The verdict: past the limit, not a number, or a broken invariant fails; at it, passes.
+    at_limit = dataclasses.replace(ratios[0], value=ratios[0].limit)
+    assert not at_limit.failed
+    assert dataclasses.replace(at_limit, value=at_limit.limit * 1.01).failed
+    assert dataclasses.replace(at_limit, value=float("nan")).failed
+    assert dataclasses.replace(at_limit, faults=("a barrier violated",)).failed
+    assert "FAIL" in guard.report([dataclasses.replace(at_limit, value=9.0)])
 
 
 async def test_verify_measures_a_push_with_and_without_its_verification() -> None:
