@@ -14,7 +14,7 @@ import contextlib
 import contextvars
 import hashlib
 import json
-from collections.abc import Awaitable, Hashable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from rollout_lifecycle.contract import seam
@@ -149,9 +149,9 @@ def incarnation_of(info: Mapping[str, Any]) -> str | None:
     return digest if parts["random_seed"] is not None else COARSE + digest
 
 
-async def observe(backend: object, *, paused: bool, identify: bool) -> dict[str, Any]:
-    """What ``backend``'s engine says of itself: ``{"incarnation": str | None, "paused": bool |
-    None}``, each read only when asked for (``identify``, ``paused``).
+def observe(backend: object, *, paused: bool, identify: bool) -> Awaitable[dict[str, Any]]:
+    """What ``backend``'s engine says of itself, to await: ``{"incarnation": str | None,
+    "paused": bool | None}``, each read only when asked for (``identify``, ``paused``).
 
     A backend that offers ``observe()`` answers it itself (the HTTP client reads the routes
     below at once; the simulator its own state). Otherwise: the incarnation from
@@ -161,11 +161,13 @@ async def observe(backend: object, *, paused: bool, identify: bool) -> dict[str,
     paused. SGLang answers ``/ping`` and ``/ready`` so; an engine that is unhealthy or
     starting, or a backend without them, cannot tell (None).
     """
+    # (The backend's own coroutine is handed back, not awaited here: one coroutine less per
+    # read, and a checked call reads once per engine per phase.)
     own = getattr(backend, "observe", None)
     if own is not None:
-        found: dict[str, Any] = await own(paused=paused, identify=identify)
+        found: Awaitable[dict[str, Any]] = own(paused=paused, identify=identify)
         return found
-    return await read_engine(backend, paused=paused, identify=identify)
+    return read_engine(backend, paused=paused, identify=identify)
 
 
 async def read_engine(backend: object, *, paused: bool, identify: bool) -> dict[str, Any]:
@@ -243,10 +245,12 @@ class EngineHost:
         backend without it refuses with a 501 ``EngineRejected``."""
         if op not in _OPS:
             raise InvalidArgument(f"{short_repr(op)} is not an engine operation")
+        return await self._method(op)(*args)
+
+    def _method(self, op: str) -> Callable[..., Awaitable[Any]]:
+        """What carries out the operation ``op`` (``run``)."""
         method = getattr(self, op, None)
-        if method is None:
-            method = self._optional(op)
-        return await method(*args)
+        return self._optional(op) if method is None else method  # type: ignore[no-any-return]
 
     async def checked(self, expect: Expectation, op: str, *args: Any) -> list[Any]:
         """The command ``op(*args)`` (``run``), carried out only once the engine has shown it
@@ -287,7 +291,7 @@ class EngineHost:
             if outcome is Outcome.RESTARTED:
                 raise EngineRestarted(label, op, expect[0], seen["incarnation"])
             raise EngineStateConflict(label, op, records, reported)
-        result = await self.run(op, *args)
+        result = await self._method(op)(*args)  # (``run``; ``op`` is checked above)
         return [seen["incarnation"], result, seen.get("capabilities")]
 
     async def pause_generation(self, mode: str) -> None:
