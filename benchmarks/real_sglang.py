@@ -7,7 +7,11 @@ order:
 - ``idle``: nothing in flight;
 - ``traffic``: ``--in-flight`` streamed requests per server (``/generate`` on SGLang with
   ``--new-tokens`` tokens, ``/v1/completions`` on vLLM with ``--vllm-new-tokens``: it decodes
-  faster), ``ignore_eos``, all decoding (each has sent its first token) when the offload starts.
+  faster), ``ignore_eos``, all decoding (each has sent its first token) when the offload starts;
+  their streams are read on the asyncio loop that runs the offload, as in a driver that also
+  sends the rollouts;
+- ``apart`` (with ``--conditions``): the same requests, read by another process, so that the
+  offload's loop does nothing else: what is left of the gap is the servers'.
 
 A cycle is ``offload()`` (pause, flush, release), ``onload_weights()`` (resume weights),
 ``update_weights(FromDisk(model))`` (the weight update: the server reloads the model it serves),
@@ -36,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import json
 import shlex
 import sys
 import time
@@ -62,6 +67,8 @@ from rollout_lifecycle.testing import asse_events
 
 ROOT = Path(__file__).resolve().parent.parent
 CONDITIONS = ("idle", "traffic")
+#: Every condition ``--conditions`` may name (``apart``: the traffic read by another process).
+ALL_CONDITIONS = ("idle", "traffic", "apart")
 KINDS = ("sglang", "vllm")
 #: Columns of the table: label, metric key (``None``: the offload call's wall time).
 PHASES: tuple[tuple[str, str | None], ...] = (
@@ -154,21 +161,79 @@ class Stream:
             self.started.set()
 
 
+def _open_streams(
+    client: httpx.AsyncClient, kind: str, urls: Sequence[str], in_flight: int, new_tokens: int,
+    tag: int,
+) -> list[Stream]:  # fmt: skip
+    """``in_flight`` streamed requests per server, each with its own prompt."""
+    return [
+        Stream(client, kind, url, [tag % 1000 + 1, i + 1], new_tokens)
+        for url in urls
+        for i in range(in_flight)
+    ]
+
+
+def _complete(tokens: int, reason: str | None, failed: bool, new_tokens: int) -> bool:
+    """A request came back whole: every token, finished by its length."""
+    return not failed and tokens == new_tokens and reason == "length"
+
+
+async def traffic_child(spec: dict[str, Any]) -> None:
+    """The ``apart`` condition's traffic, in a process of its own: opens the streams, prints
+    ``started`` once every one has its first token, and at the end one JSON line per stream
+    (tokens, finish reason, retracted, failed)."""
+    timeout = httpx.Timeout(spec["timeout"], connect=10.0)
+    async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
+        streams = _open_streams(
+            client, spec["kind"], spec["urls"], spec["in_flight"], spec["new_tokens"], spec["tag"]
+        )
+        await asyncio.wait_for(
+            asyncio.gather(*(s.started.wait() for s in streams)), spec["timeout"]
+        )
+        print("started", flush=True)
+        await asyncio.gather(*(s.task for s in streams), return_exceptions=True)
+    for s in streams:
+        failed = s.task.exception() is not None
+        print(json.dumps([s.tokens, s.reason, s.retracted, failed]), flush=True)
+
+
+async def _apart(fleet: Fleet, args: argparse.Namespace, tag: int) -> asyncio.subprocess.Process:
+    """Start the ``apart`` traffic (``traffic_child``) and wait until every stream decodes."""
+    spec = {
+        "kind": fleet.kind,
+        "urls": fleet.urls,
+        "in_flight": args.in_flight,
+        "new_tokens": fleet.new_tokens,
+        "tag": tag,
+        "timeout": args.request_timeout_s,
+    }
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "benchmarks.real_sglang", "--traffic-child", json.dumps(spec),
+        cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert child.stdout is not None
+    line = await asyncio.wait_for(child.stdout.readline(), args.request_timeout_s)
+    if line.strip() != b"started":
+        raise RuntimeError(f"the traffic process did not start its streams: {line!r}")
+    return child
+
+
 async def _cycle(
     fleet: Fleet, condition: str, model: str, args: argparse.Namespace, tag: int
 ) -> Cycle:
     streams: list[Stream] = []
+    child: asyncio.subprocess.Process | None = None
     timeout = httpx.Timeout(args.request_timeout_s, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
         if condition == "traffic":
-            streams = [
-                Stream(client, fleet.kind, url, [tag % 1000 + 1, i + 1], fleet.new_tokens)
-                for url in fleet.urls
-                for i in range(args.in_flight)
-            ]
+            streams = _open_streams(
+                client, fleet.kind, fleet.urls, args.in_flight, fleet.new_tokens, tag
+            )
             await asyncio.wait_for(
                 asyncio.gather(*(s.started.wait() for s in streams)), args.request_timeout_s
             )
+        elif condition == "apart":
+            child = await _apart(fleet, args, tag)
         server = fleet.server
         metrics: dict[str, float] = {}
         began = time.perf_counter()
@@ -182,16 +247,17 @@ async def _cycle(
         )
         metrics.update(await server.onload_kv())
         await asyncio.gather(*(s.task for s in streams), return_exceptions=True)
-    cycle = Cycle(fleet.kind, condition, wall, metrics, requests=len(streams))
+    answers = [(s.tokens, s.reason, s.retracted, s.task.exception() is not None) for s in streams]
+    if child is not None:
+        out, _ = await asyncio.wait_for(child.communicate(), args.request_timeout_s)
+        answers = [tuple(json.loads(line)) for line in out.decode().splitlines() if line]
+        if child.returncode or len(answers) != len(fleet.urls) * args.in_flight:
+            raise RuntimeError(f"the traffic process exited {child.returncode}: {out!r}")
+    cycle = Cycle(fleet.kind, condition, wall, metrics, requests=len(answers))
     cycle.flush_retries = metrics.get("lifecycle/offload/flush_retries", 0.0)
-    for stream in streams:
-        complete = (
-            stream.task.exception() is None
-            and stream.tokens == fleet.new_tokens
-            and stream.reason == "length"
-        )
-        cycle.lost += not complete
-        cycle.retracted += stream.retracted
+    for tokens, reason, retracted, failed in answers:
+        cycle.lost += not _complete(tokens, reason, failed, fleet.new_tokens)
+        cycle.retracted += bool(retracted)
     return cycle
 
 
@@ -202,7 +268,8 @@ async def run_benchmark(fleets: Sequence[Fleet], model: str, args: argparse.Name
     result = Result(len(fleets[0].urls), args.in_flight, tokens)
     tag = 0
     for k in range(args.warmup + args.rounds):
-        order = CONDITIONS if k % 2 == 0 else CONDITIONS[::-1]
+        conditions = tuple(args.conditions)
+        order = conditions if k % 2 == 0 else conditions[::-1]
         for condition in order:
             for fleet in fleets:
                 tag += 1
@@ -222,12 +289,14 @@ async def run_benchmark(fleets: Sequence[Fleet], model: str, args: argparse.Name
 def report(result: Result) -> str:
     """Median (min-max) ms per phase, engine kind and condition, and traffic / idle."""
     kinds = [k for k in KINDS if any(c.kind == k for c in result.cycles)]
+    conditions = [c for c in ALL_CONDITIONS if any(x.condition == c for x in result.cycles)]
+    busy_conditions = [c for c in conditions if c != "idle"]
     rows: list[list[object]] = []
     for label, key in PHASES:
         cells: list[object] = [label]
         for kind in kinds:
             medians = {}
-            for condition in CONDITIONS:
+            for condition in conditions:
                 values = [
                     (c.offload_wall_s if key is None else c.metrics.get(key, float("nan"))) * 1000
                     for c in result.cycles
@@ -235,22 +304,29 @@ def report(result: Result) -> str:
                 ]
                 medians[condition] = median(values)
                 cells.append(f"{medians[condition]:.1f} ({min(values):.1f}-{max(values):.1f})")
-            cells.append(f"{medians['traffic'] / medians['idle']:.2f}")
+            for condition in busy_conditions:
+                cells.append(f"{medians[condition] / medians['idle']:.2f}")
         rows.append(cells)
     lines = []
     for kind in kinds:
-        busy = [c for c in result.cycles if c.condition == "traffic" and c.kind == kind]
-        lines.append(
-            f"{result.servers} real {kind} server(s), {len(busy)} cycle(s) per condition; "
-            f"traffic: {result.in_flight} request(s) per server of {result.new_tokens[kind]} "
-            f"tokens, decoding at the offload; requests {sum(c.requests for c in busy)}, lost "
-            f"{sum(c.lost for c in busy)}, retracted {sum(c.retracted for c in busy)}; flush "
-            f"retries with traffic (median) {median([c.flush_retries for c in busy]):g}"
-        )
+        for condition in busy_conditions:
+            busy = [c for c in result.cycles if c.condition == condition and c.kind == kind]
+            lines.append(
+                f"{result.servers} real {kind} server(s), {len(busy)} cycle(s) per condition; "
+                f"{condition}: {result.in_flight} request(s) per server of "
+                f"{result.new_tokens[kind]} tokens, decoding at the offload; requests "
+                f"{sum(c.requests for c in busy)}, lost {sum(c.lost for c in busy)}, retracted "
+                f"{sum(c.retracted for c in busy)}; flush retries (median) "
+                f"{median([c.flush_retries for c in busy]):g}"
+            )
     headers = ["phase"]
     for kind in kinds:
-        headers += [f"{kind} idle ms", f"{kind} traffic ms", "x idle"]
-    lines.append("ms: median (min-max) of the cycles; x idle: traffic median / idle median")
+        headers += [f"{kind} {c} ms" for c in conditions]
+        headers += [f"{c} x idle" for c in busy_conditions]
+    lines.append(
+        "ms: median (min-max) of the cycles; x idle: the condition's median / idle median "
+        "(traffic: the streams read on the offload's loop; apart: by another process)"
+    )
     return "\n".join([*lines, table(headers, rows)])
 
 
@@ -335,7 +411,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=200, help="per SGLang request (200)")
     parser.add_argument("--vllm-new-tokens", type=int, default=1500, help="per vLLM request (1500)")
     parser.add_argument("--request-timeout-s", type=float, default=600.0)
+    parser.add_argument(
+        "--conditions",
+        nargs="+",
+        choices=ALL_CONDITIONS,
+        default=list(CONDITIONS),
+        help="the conditions each round runs (default: idle traffic)",
+    )
+    parser.add_argument("--traffic-child", metavar="JSON", help=argparse.SUPPRESS)
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--traffic-child"]:  # (the apart condition's traffic process)
+        asyncio.run(traffic_child(json.loads(argv[1])))
+        return 0
     args = parser.parse_args(argv)
+    if "idle" not in args.conditions:
+        parser.error("--conditions must include idle (every ratio is to it)")
     if not (args.url or args.sglang_python or args.vllm_url or args.vllm_python):
         parser.error("give --sglang-python / --vllm-python (launch servers) or --url / --vllm-url")
     if any("=" not in item for item in args.sglang_env):
