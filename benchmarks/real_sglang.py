@@ -11,7 +11,12 @@ order:
   their streams are read on the asyncio loop that runs the offload, as in a driver that also
   sends the rollouts;
 - ``apart`` (with ``--conditions``): the same requests, read by another process, so that the
-  offload's loop does nothing else: what is left of the gap is the servers'.
+  offload's loop does nothing else: what is left of the gap is the servers';
+- ``verified`` (with ``--conditions``): idle, the weight update verified
+  (``update_weights(verify=True, may_be_noop=True)``: the push reloads the checkpoint the
+  servers hold, so each engine's fingerprint is read after the push only, not before); its
+  cycle against the idle one is what one fingerprint read adds to a cycle (a push that changes
+  the weights reads twice: ``verify_weights`` in the table is one read).
 
 A cycle is ``offload()`` (pause, flush, release), ``onload_weights()`` (resume weights),
 ``update_weights(FromDisk(model))`` (the weight update: the server reloads the model it serves),
@@ -63,21 +68,26 @@ from rollout_lifecycle import (
     launched_sglang_factory,
     launched_vllm_factory,
 )
+from rollout_lifecycle.contract.identity import PROOF_WINDOW
 from rollout_lifecycle.testing import asse_events
 
 ROOT = Path(__file__).resolve().parent.parent
 CONDITIONS = ("idle", "traffic")
 #: Every condition ``--conditions`` may name (``apart``: the traffic read by another process).
-ALL_CONDITIONS = ("idle", "traffic", "apart")
+ALL_CONDITIONS = ("idle", "traffic", "apart", "verified")
 KINDS = ("sglang", "vllm")
-#: Columns of the table: label, metric key (``None``: the offload call's wall time).
+#: The whole cycle's wall time, as a row of the table.
+CYCLE = "cycle"
+#: Rows of the table: label, metric key (``None``: the offload call's wall time).
 PHASES: tuple[tuple[str, str | None], ...] = (
+    ("cycle (wall)", CYCLE),
     ("offload (wall)", None),
     ("pause", "lifecycle/offload/pause_s"),
     ("flush", "lifecycle/offload/flush_s"),
     ("release", "lifecycle/offload/release_s"),
     ("resume weights", "lifecycle/onload_weights/weights_s"),
     ("weight update", "lifecycle/update_weights/total_s"),
+    ("verify_weights", "lifecycle/update_weights/verify_weights_s"),
     ("resume kv", "lifecycle/onload_kv/kv_s"),
     ("continue", "lifecycle/onload_kv/continue_s"),
 )
@@ -234,6 +244,11 @@ async def _cycle(
             )
         elif condition == "apart":
             child = await _apart(fleet, args, tag)
+        # Every offload comes after a rollout in a training loop: no answer is recent enough to
+        # prove the process (``proof_window``), so its pause reads the engine first. Without
+        # this gap an idle cycle would start within the window of the last one, skip that read
+        # and look cheaper than it is.
+        await asyncio.sleep(args.gap_s)
         server = fleet.server
         metrics: dict[str, float] = {}
         began = time.perf_counter()
@@ -242,10 +257,16 @@ async def _cycle(
         metrics.update(await server.onload_weights())
         metrics.update(
             await server.update_weights(
-                FromDisk(model), version=f"bench-{fleet.kind}-{condition}-{tag}"
+                FromDisk(model),
+                version=f"bench-{fleet.kind}-{condition}-{tag}",
+                verify=condition == "verified",
+                # (the same checkpoint again: the fingerprints cannot change, so the one
+                # before the push is not read; the one after it is)
+                may_be_noop=condition == "verified",
             )
         )
         metrics.update(await server.onload_kv())
+        metrics[CYCLE] = time.perf_counter() - began
         await asyncio.gather(*(s.task for s in streams), return_exceptions=True)
     answers = [(s.tokens, s.reason, s.retracted, s.task.exception() is not None) for s in streams]
     if child is not None:
@@ -309,7 +330,7 @@ def report(result: Result) -> str:
         rows.append(cells)
     lines = []
     for kind in kinds:
-        for condition in busy_conditions:
+        for condition in (c for c in busy_conditions if c in ("traffic", "apart")):
             busy = [c for c in result.cycles if c.condition == condition and c.kind == kind]
             lines.append(
                 f"{result.servers} real {kind} server(s), {len(busy)} cycle(s) per condition; "
@@ -325,7 +346,8 @@ def report(result: Result) -> str:
         headers += [f"{c} x idle" for c in busy_conditions]
     lines.append(
         "ms: median (min-max) of the cycles; x idle: the condition's median / idle median "
-        "(traffic: the streams read on the offload's loop; apart: by another process)"
+        "(traffic: the streams read on the offload's loop; apart: by another process; "
+        "verified: idle, the weight update verified)"
     )
     return "\n".join([*lines, table(headers, rows)])
 
@@ -411,6 +433,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=200, help="per SGLang request (200)")
     parser.add_argument("--vllm-new-tokens", type=int, default=1500, help="per vLLM request (1500)")
     parser.add_argument("--request-timeout-s", type=float, default=600.0)
+    parser.add_argument(
+        "--gap-s",
+        type=float,
+        default=PROOF_WINDOW + 0.1,
+        help="seconds between a condition's set-up and its offload, in every condition; longer "
+        "than the proof window, as after a rollout (default %(default)g)",
+    )
     parser.add_argument(
         "--conditions",
         nargs="+",
