@@ -104,8 +104,6 @@ _SERVING_STATE = EngineState.SERVING
 LIVE_STATES = frozenset(EngineState) - {EngineState.DEAD}
 #: The states of the engines ``recover()`` replaces.
 BROKEN_STATES = frozenset({EngineState.DEAD, EngineState.UNCERTAIN})
-#: Paused with every tag resident, whatever its weights.
-_PAUSED_RESIDENT = frozenset({EngineState.WAITING, EngineState.PAUSED, EngineState.DRAINED})
 #: Paused with every tag resident (or, for a driver whose continue wakes the KV cache, resumed)
 #: and the fleet's weights: a continue may be sent.
 CONTINUABLE_STATES = frozenset({EngineState.KV_ASLEEP, EngineState.PAUSED, EngineState.DRAINED})
@@ -991,16 +989,6 @@ class Fleet:
     def offloaded(self, skip: Collection[str] = ()) -> list[EngineRecord]:
         """The live records of the groups that offload."""
         return self.get(LIVE_STATES, skip=skip, offloading=True)
-
-    def paused_keepers(self) -> list[EngineRecord]:
-        """The paused live engines, with every tag resident, of the groups that keep their
-        memory."""
-        return self.get(_PAUSED_RESIDENT, offloading=False)
-
-    def continuable(self) -> list[EngineRecord]:
-        """The paused live engines that hold all their memory and have the fleet's weights:
-        what a drain that did not complete leaves to continue."""
-        return self.get(CONTINUABLE_STATES)
 
     def broken(self) -> list[EngineRecord]:
         """The engines ``recover()`` replaces: dead, or holding tags in an unknown state."""

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from rollout_lifecycle import EngineState, PauseMode, Tag
 from rollout_lifecycle.contract.values import ALL_TAGS
-from rollout_lifecycle.core.ledger import EngineRecord, EngineSnapshot, Fleet
+from rollout_lifecycle.core.ledger import CONTINUABLE_STATES, EngineRecord, EngineSnapshot, Fleet
 
 E = EngineState
 TAG_SETS = st.sets(st.sampled_from(list(Tag)))
@@ -108,8 +108,8 @@ class Group:
 def test_the_fleets_queries_are_sets_of_states(
     actor: list[EngineRecord], ref: list[EngineRecord]
 ) -> None:
-    """``live``, ``continuable``, ``broken``, ``paused_keepers`` and ``offloaded`` are the
-    records in some states; ``get``, ``count`` and ``by_state`` index the fleet by state."""
+    """``live``, ``broken`` and ``offloaded`` are the records in some states, as are the
+    continuable ones; ``get``, ``count`` and ``by_state`` index the fleet by state."""
     for i, r in enumerate(actor):
         r.id = f"actor/{i}"
     for i, r in enumerate(ref):
@@ -117,14 +117,11 @@ def test_the_fleets_queries_are_sets_of_states(
     fleet = Fleet([Group("actor", True, tuple(actor)), Group("ref", False, tuple(ref))], ALL_TAGS)
     everyone = actor + ref
     woken = [r for r in everyone if r.alive and not (r.released | r.uncertain)]
-    # (one without the fleet's weights waits for a push, whether or not its KV cache sleeps)
-    resident = [r for r in woken if not r.kv_asleep or r.stale]
     assert fleet.live() == [r for r in everyone if r.alive]
     assert fleet.offloaded() == [r for r in actor if r.alive]
     assert fleet.broken() == [r for r in everyone if not r.alive or r.uncertain]
     # (a KV cache asleep until the continue is woken by it: such an engine is continued too)
-    assert fleet.continuable() == [r for r in woken if r.paused and not r.stale]
-    assert fleet.paused_keepers() == [r for r in resident if r in ref and r.paused]
+    assert fleet.get(CONTINUABLE_STATES) == [r for r in woken if r.paused and not r.stale]
     assert fleet.live(skip={"actor/0"}) == [r for r in everyone if r.alive and r.id != "actor/0"]
     counts = fleet.by_state()
     assert list(counts) == list(EngineState)

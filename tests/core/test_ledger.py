@@ -136,8 +136,6 @@ def test_named_queries() -> None:
     ref0.paused = True
     assert ledger.live() == [actor0, ref0]
     assert ledger.offloaded() == [actor0]
-    assert ledger.paused_keepers() == [ref0]
-    assert ledger.continuable() == [ref0]
     assert ledger.broken() == [actor1]
     assert ledger.dead_groups() == []
     actor0.alive = False
