@@ -33,20 +33,26 @@ class SimCalls:
         """Whether ``op`` takes no time (no latency set for it): ``at_once`` may take it."""
         return not self._state.op_latency.get(op)
 
+    def _start(self, op: str, **fields: Any) -> dict[str, Any]:
+        """Record the call ``op`` starting now, with ``fields``; a dead or closed server refuses
+        the connection at once, with no latency and no effect: recorded ``dead``,
+        ``EngineDead``."""
+        state = self._state
+        entry = state.record(op, **fields)
+        try:
+            state.check_alive(op)
+        except EngineDead as exc:
+            entry["outcome"], entry["detail"], entry["end"] = "dead", exc.message, time.monotonic()
+            raise
+        self._scheduler.ensure_running()
+        return entry
+
     def at_once(self, op: str) -> dict[str, Any]:
         """Take the call ``op`` that takes no time (``answers_at_once``) as ``op`` does a body
         that cannot fail: recorded, refused by a dead or closed server (``EngineDead``), else
         answered now. A read made thousands of times per phase (the checks' ``observe``) costs
         the fleet no coroutine of its own."""
-        state = self._state
-        entry = state.record(op)
-        try:
-            state.check_alive(op)
-        except EngineDead as exc:
-            entry["outcome"], entry["detail"] = "dead", exc.message
-            entry["end"] = time.monotonic()
-            raise
-        self._scheduler.ensure_running()
+        entry = self._start(op)
         entry["outcome"], entry["end"] = "ok", time.monotonic()
         return entry
 
@@ -54,12 +60,9 @@ class SimCalls:
     async def op(self, op: str, **fields: Any) -> AsyncIterator[dict[str, Any]]:
         """Run the body as the call ``op``, recorded in the history with ``fields``."""
         state = self._state
-        entry = state.record(op, **fields)
+        entry = self._start(op, **fields)
         process = state.process
         try:
-            # A dead server refuses the connection at once: no latency, no effect.
-            state.check_alive(op)
-            self._scheduler.ensure_running()
             delay = self._draw_latency(op)
             if delay > 0:
                 await asyncio.sleep(delay)
