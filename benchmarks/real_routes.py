@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from benchmarks._common import cpu_sglang_setup, machine, median, table
-from benchmarks.real_sglang import _open_streams
+from benchmarks.real_sglang import open_streams
 from rollout_lifecycle import free_port, launched_sglang_factory
 
 #: The routes, in the order an offload meets them: method, path, body.
@@ -47,8 +47,9 @@ async def measure(url: str, rounds: int, in_flight: int, new_tokens: int) -> dic
             condition = "idle" if k % 2 == 0 else "traffic"
             streams = []
             if condition == "traffic":
-                streams = _open_streams(traffic, "sglang", [url], in_flight, new_tokens, k)
-                await asyncio.wait_for(asyncio.gather(*(s.started.wait() for s in streams)), 600)
+                streams = await open_streams(
+                    traffic, "sglang", [url], in_flight, new_tokens, k, timeout=600.0
+                )
             for method, path, body in ROUTES:
                 began = time.perf_counter()
                 answer = await client.request(method, url + path, json=body)

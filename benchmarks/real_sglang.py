@@ -149,6 +149,11 @@ class Stream:
                     "stream": True, "return_token_ids": True}  # fmt: skip
         self.task = asyncio.ensure_future(self._run(client, kind, f"{url}{path}", body))
 
+    def answer(self) -> list[Any]:
+        """What became of the request, once it has ended: ``[tokens, finish reason, retracted,
+        failed]`` (plain values: the ``apart`` condition's traffic process prints them)."""
+        return [self.tokens, self.reason, self.retracted, self.task.exception() is not None]
+
     async def _run(
         self, client: httpx.AsyncClient, kind: str, url: str, body: dict[str, Any]
     ) -> None:
@@ -171,16 +176,19 @@ class Stream:
             self.started.set()
 
 
-def _open_streams(
+async def open_streams(
     client: httpx.AsyncClient, kind: str, urls: Sequence[str], in_flight: int, new_tokens: int,
-    tag: int,
+    tag: int, timeout: float,
 ) -> list[Stream]:  # fmt: skip
-    """``in_flight`` streamed requests per server, each with its own prompt."""
-    return [
+    """``in_flight`` streamed requests per server, each with its own prompt, once every one
+    decodes (has its first token; ``timeout`` seconds at most)."""
+    streams = [
         Stream(client, kind, url, [tag % 1000 + 1, i + 1], new_tokens)
         for url in urls
         for i in range(in_flight)
     ]
+    await asyncio.wait_for(asyncio.gather(*(s.started.wait() for s in streams)), timeout)
+    return streams
 
 
 def _complete(tokens: int, reason: str | None, failed: bool, new_tokens: int) -> bool:
@@ -194,17 +202,14 @@ async def traffic_child(spec: dict[str, Any]) -> None:
     (tokens, finish reason, retracted, failed)."""
     timeout = httpx.Timeout(spec["timeout"], connect=10.0)
     async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
-        streams = _open_streams(
-            client, spec["kind"], spec["urls"], spec["in_flight"], spec["new_tokens"], spec["tag"]
-        )
-        await asyncio.wait_for(
-            asyncio.gather(*(s.started.wait() for s in streams)), spec["timeout"]
-        )
+        streams = await open_streams(
+            client, spec["kind"], spec["urls"], spec["in_flight"], spec["new_tokens"], spec["tag"],
+            spec["timeout"],
+        )  # fmt: skip
         print("started", flush=True)
         await asyncio.gather(*(s.task for s in streams), return_exceptions=True)
     for s in streams:
-        failed = s.task.exception() is not None
-        print(json.dumps([s.tokens, s.reason, s.retracted, failed]), flush=True)
+        print(json.dumps(s.answer()), flush=True)
 
 
 async def _apart(fleet: Fleet, args: argparse.Namespace, tag: int) -> asyncio.subprocess.Process:
@@ -236,12 +241,10 @@ async def _cycle(
     timeout = httpx.Timeout(args.request_timeout_s, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
         if condition == "traffic":
-            streams = _open_streams(
-                client, fleet.kind, fleet.urls, args.in_flight, fleet.new_tokens, tag
-            )
-            await asyncio.wait_for(
-                asyncio.gather(*(s.started.wait() for s in streams)), args.request_timeout_s
-            )
+            streams = await open_streams(
+                client, fleet.kind, fleet.urls, args.in_flight, fleet.new_tokens, tag,
+                args.request_timeout_s,
+            )  # fmt: skip
         elif condition == "apart":
             child = await _apart(fleet, args, tag)
         # Every offload comes after a rollout in a training loop: no answer is recent enough to
@@ -268,10 +271,10 @@ async def _cycle(
         metrics.update(await server.onload_kv())
         metrics[CYCLE] = time.perf_counter() - began
         await asyncio.gather(*(s.task for s in streams), return_exceptions=True)
-    answers = [(s.tokens, s.reason, s.retracted, s.task.exception() is not None) for s in streams]
+    answers = [s.answer() for s in streams]
     if child is not None:
         out, _ = await asyncio.wait_for(child.communicate(), args.request_timeout_s)
-        answers = [tuple(json.loads(line)) for line in out.decode().splitlines() if line]
+        answers = [json.loads(line) for line in out.decode().splitlines() if line]
         if child.returncode or len(answers) != len(fleet.urls) * args.in_flight:
             raise RuntimeError(f"the traffic process exited {child.returncode}: {out!r}")
     cycle = Cycle(fleet.kind, condition, wall, metrics, requests=len(answers))
@@ -288,8 +291,8 @@ async def run_benchmark(fleets: Sequence[Fleet], model: str, args: argparse.Name
     tokens = {f.kind: f.new_tokens for f in fleets}
     result = Result(len(fleets[0].urls), args.in_flight, tokens)
     tag = 0
+    conditions = tuple(args.conditions)
     for k in range(args.warmup + args.rounds):
-        conditions = tuple(args.conditions)
         order = conditions if k % 2 == 0 else conditions[::-1]
         for condition in order:
             for fleet in fleets:
@@ -449,7 +452,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=list(CONDITIONS),
         help="the conditions each round runs (default: idle traffic)",
     )
-    parser.add_argument("--traffic-child", metavar="JSON", help=argparse.SUPPRESS)
     if argv is None:
         argv = sys.argv[1:]
     if argv[:1] == ["--traffic-child"]:  # (the apart condition's traffic process)
