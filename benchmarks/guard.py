@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from benchmarks import growth, overhead
 from benchmarks._common import machine, median, table
-from rollout_lifecycle.testing.actor_fleets import local_ray
+from rollout_lifecycle.testing import local_ray
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,6 @@ from rollout_lifecycle import (
     launched_sglang_factory,
     launched_vllm_factory,
 )
-from rollout_lifecycle.contract.identity import PROOF_WINDOW
 from rollout_lifecycle.testing import asse_events
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -441,7 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--gap-s",
         type=float,
-        default=PROOF_WINDOW + 0.1,
+        default=LifecycleConfig().proof_window + 0.1,
         help="seconds between a condition's set-up and its offload, in every condition; longer "
         "than the proof window, as after a rollout (default %(default)g)",
     )
