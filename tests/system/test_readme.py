@@ -33,7 +33,7 @@ def blocks(language: str) -> list[str]:
 def test_readme_opens_with_the_demo_and_the_test_commands() -> None:
     commands = blocks("bash")
     assert commands[0].strip() == "pip install '.[plot]' && rollout-lifecycle demo"
-    assert commands[1].strip().endswith("python -m pytest")
+    assert commands[1].strip().endswith("python -m pytest -n 2")
     first_code = README.read_text().index("```")
     assert README.read_text().index("```bash", first_code) == first_code
 
