@@ -143,9 +143,12 @@ async def test_identity_times_both_contenders_and_the_checks_really_read(gap: fl
     # With checks, every check read what the pace calls for (the simulator answers a check's
     # read in one `observe`; `inspect_cycle` compared every engine's reads, by the op they
     # checked); the patched baseline sent plain.
-    per_cycle = 0 if not gap else 4
-    assert identity.expected_reads(gap).total() == per_cycle
-    assert run.reads[identity.CHECKED] == [per_cycle, per_cycle]
+    # At least what the pace forces; at most one per checked call, which a machine that stalls
+    # past the proof window between two calls adds.
+    least, most = identity.expected_reads(gap).total(), identity.possible_reads().total()
+    assert (least, most) == (0 if not gap else 4, 7)
+    assert len(run.reads[identity.CHECKED]) == 2
+    assert all(least <= n <= most for n in run.reads[identity.CHECKED])
     assert run.reads[identity.UNCHECKED] == [0, 0]
     # Read through server_info / ping / ready, spaced: the pause reads all three (a serving
     # engine's incarnation and pause state), the three others the pause state.

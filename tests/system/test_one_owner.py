@@ -84,6 +84,11 @@ async def test_ray_actors_that_reach_one_server_under_two_spellings_are_refused_
     spelled = url.replace("127.0.0.1", socket.gethostname())
     actors = [start_engine_actor(sglang_http_factory(u)) for u in (url, spelled)]
     try:
+        # Up first, as a framework starts its actors before it builds the server: the first
+        # contact reads each engine within `Deadlines.probe` (10 s), which a loaded machine
+        # can spend on starting an actor's process (then that engine is met by its first
+        # check instead: a conflict, with nothing sent to it, but its twin already paused).
+        await asyncio.wait_for(asyncio.gather(*(a.ping.remote() for a in actors)), BOUND)
         server = RolloutServer([EngineGroup("actor", actors)])
         with pytest.raises(InvalidArgument, match=rf"\({url}\) and actor/1 \({spelled}\) are one"):
             await asyncio.wait_for(server.offload(), BOUND)
