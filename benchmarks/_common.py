@@ -26,6 +26,11 @@ from rollout_lifecycle.testing import (
 History = Sequence[Mapping[str, Any]]
 
 _CONFIG = LifecycleConfig()
+#: How long an answer proves the process that gave it (the default ``proof_window``).
+PROOF_WINDOW = _CONFIG.proof_window
+#: Seconds between two calls that are just past the proof window, as after a trainer's work:
+#: the later call's check reads the engine first.
+SPACED_S = PROOF_WINDOW + 0.1
 #: One full cycle (offload + onload weights + onload KV) as the library sends it: phase name,
 #: engine op and its arguments, in barrier order. The baselines send exactly these calls.
 CYCLE_CALLS: tuple[tuple[str, str, tuple[Any, ...]], ...] = (

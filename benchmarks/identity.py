@@ -62,6 +62,8 @@ from typing import Any, NamedTuple
 from unittest import mock
 
 from benchmarks._common import (
+    PROOF_WINDOW,
+    SPACED_S,
     Profile,
     complete_round,
     cpu_vllm_setup,
@@ -75,7 +77,6 @@ from rollout_lifecycle import (
     EngineGroup,
     EngineHost,
     FromDisk,
-    LifecycleConfig,
     RolloutServer,
     ServerState,
     SGLangHTTPEngine,
@@ -100,10 +101,6 @@ RUNNER_CHECKED_OPS = "rollout_lifecycle.core.commands.CHECKED_OPS"
 #: reads; the ones after it in the same call are proven by the answers before them.
 PAUSE_STATE = ("pause state",)
 IDENTITY = ("incarnation", "pause state")
-#: How long an answer proves the process that gave it (the default ``proof_window``).
-PROOF_WINDOW = LifecycleConfig().proof_window
-#: Seconds between the calls of a cycle in the spaced pace: past the proof window.
-SPACED_S = PROOF_WINDOW + 0.1
 #: The paces a fleet's cycles run at: each call right after the one before, or spaced.
 PACES = {"back to back": 0.0, f"calls {SPACED_S:g} s apart": SPACED_S}
 

@@ -56,7 +56,14 @@ from typing import Any
 
 import httpx
 
-from benchmarks._common import cpu_sglang_setup, cpu_vllm_setup, machine, median, table
+from benchmarks._common import (
+    SPACED_S,
+    cpu_sglang_setup,
+    cpu_vllm_setup,
+    machine,
+    median,
+    table,
+)
 from rollout_lifecycle import (
     EngineGroup,
     FromDisk,
@@ -440,7 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--gap-s",
         type=float,
-        default=LifecycleConfig().proof_window + 0.1,
+        default=SPACED_S,
         help="seconds between a condition's set-up and its offload, in every condition; longer "
         "than the proof window, as after a rollout (default %(default)g)",
     )
