@@ -80,6 +80,12 @@ def _add_fake_sglang(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="fail an update from disk whose model path is not a directory, as SGLang does",
     )
     fake.add_argument("--max-running", type=int, help="most requests decoding at once")
+    fake.add_argument(
+        "--dp-size",
+        type=int,
+        help="data-parallel ranks it reports (/server_info dp_size); with more than one it "
+        "refuses tensor and collective weight writes, as SGLang does",
+    )
     fake.add_argument("--gpu-memory-bytes", type=int, help="GPU size; resume beyond it dies (OOM)")
     fake.add_argument(
         "--memory-bytes",
@@ -131,7 +137,14 @@ def _fake_sglang(args: argparse.Namespace) -> int:
         options["op_latency"] = latency
     if memory:
         options["memory_bytes"] = memory
-    for name in ("token_latency", "seed", "health_timeout", "weight_version", "max_running"):
+    for name in (
+        "token_latency",
+        "seed",
+        "health_timeout",
+        "weight_version",
+        "max_running",
+        "dp_size",
+    ):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     if args.gpu_memory_bytes is not None:

@@ -55,6 +55,12 @@ class Capabilities:
             Op.DESTROY_UPDATE_GROUP,
         }
     )
+    #: The data-parallel ranks behind the engine's one URL, each a scheduler process holding
+    #: the whole model (SGLang's ``dp_size``), as the process reports it; 1 for one scheduler.
+    ranks: int = 1
+    #: Why ``weight_writes`` is narrower than the family's, when it is (a data-parallel SGLang
+    #: server's refusals); the refusal of a write it does not carry says it.
+    writes_limited_by: str = ""
 
     def release_refusal(self, tags: Collection[Tag]) -> str | None:
         """Why a release of ``tags`` cannot be carried out by this family; None when it can."""
@@ -84,6 +90,8 @@ class Capabilities:
             "kv_wakes_at_continue": self.kv_wakes_at_continue,
             "fingerprint_scheme": self.fingerprint_scheme,
             "weight_writes": sorted(op.value for op in self.weight_writes),
+            "ranks": self.ranks,
+            "writes_limited_by": self.writes_limited_by,
         }
 
     @classmethod
@@ -126,7 +134,15 @@ class Capabilities:
             raise InvalidArgument(
                 f"capabilities: weight_writes must be operation names, got {writes!r}"
             )
-        found = cls(family, tuple(requires), wakes, scheme, carried)
+        ranks = data.get("ranks", cls.ranks)
+        if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+            raise InvalidArgument(f"capabilities: ranks must be an int >= 1, got {ranks!r}")
+        limited_by = data.get("writes_limited_by", cls.writes_limited_by)
+        if not isinstance(limited_by, str):
+            raise InvalidArgument(
+                f"capabilities: writes_limited_by must be a string, got {limited_by!r}"
+            )
+        found = cls(family, tuple(requires), wakes, scheme, carried, ranks, limited_by)
         # One object per distinct declaration: a fleet's records share their family's.
         return _INTERNED.setdefault(found, found)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
+from rollout_lifecycle.contract.capabilities import Capabilities
 from rollout_lifecycle.contract.commands import (
     BeginUpdate,
     EndUpdate,
@@ -56,20 +57,22 @@ class WeightWriter(Client):
         fingerprint's scheme (``Verification.check_schemes``). An engine whose driver is not
         known yet leaves the question to the engine."""
         sends = sends_of(args.push)
-        cannot: dict[tuple[str, frozenset[Op]], list[str]] = {}
+        cannot: dict[Capabilities, list[str]] = {}
         for record in self._fleet.live() if sends else ():
             caps = record.capabilities
             if caps is not None and not sends <= caps.weight_writes:
-                cannot.setdefault((caps.family, caps.weight_writes), []).append(record.id)
-        for (family, carried), ids in cannot.items():
-            missing = sorted(op.value for op in sends - carried)
+                cannot.setdefault(caps, []).append(record.id)
+        for caps, ids in cannot.items():
+            missing = sorted(op.value for op in sends - caps.weight_writes)
+            why = f"; {caps.writes_limited_by}" if caps.writes_limited_by else ""
             raise IllegalEngineOp(
                 shortlist(ids, 3),
                 "update_weights",
-                f"{type(args.push).__name__} sends {missing}, which the {family} driver does not "
-                f"carry (it writes weights by {sorted(op.value for op in carried)}): push with "
-                f"a strategy it carries, or write through the engine's own weight transfer in "
-                f"a push of yours",
+                f"{type(args.push).__name__} sends {missing}, which the {caps.family} driver "
+                f"does not carry (it writes weights by "
+                f"{sorted(op.value for op in caps.weight_writes)}{why}): push with a strategy "
+                f"it carries, or write through the engine's own weight transfer in a push of "
+                f"yours",
             )
         if args.verify is not None:
             args.verify.check_schemes(self._fleet.records())

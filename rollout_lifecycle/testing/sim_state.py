@@ -117,6 +117,8 @@ HISTORY_CHUNK = 16
 
 #: The most requests ``max_running`` may let run at once.
 MAX_RUNNING = 1_000_000
+#: The most data-parallel ranks a simulated server reports.
+MAX_DP_SIZE = 1024
 
 
 def seconds_of(value: object) -> float | None:
@@ -235,6 +237,7 @@ class SimState:
         dp_dummy_batches: bool = False,
         health_timeout: float = 20.0,
         max_running: int = 1024,
+        dp_size: int = 1,
         gpu_memory_bytes: int | None = None,
         check_model_paths: bool = False,
         model_path: str | None = None,
@@ -264,6 +267,9 @@ class SimState:
         self.gpu_memory_bytes = gpu_memory_bytes
         self.external_bytes = 0
         self.max_running = max_running
+        #: The data-parallel ranks it reports (``dp_size``): with more than one it refuses
+        #: tensor and collective weight writes (``SimWeights``), as SGLang does.
+        self.dp_size = check_int("dp_size", dp_size, minimum=1, maximum=MAX_DP_SIZE)
         self.weights_cpu_backup = check_flag("weights_cpu_backup", weights_cpu_backup)
         self.dp_dummy_batches = check_flag("dp_dummy_batches", dp_dummy_batches)
         self.check_model_paths = check_flag("check_model_paths", check_model_paths)
@@ -553,7 +559,7 @@ class SimState:
             "api_key": None,
             "admin_api_key": None,
             "random_seed": self.random_seed,
-            "dp_size": 1,
+            "dp_size": self.dp_size,
             "tp_size": 1,
         }
 

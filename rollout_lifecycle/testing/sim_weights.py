@@ -119,6 +119,14 @@ class SimWeights:
                 content=model_path,
             )
 
+    def _single_rank(self, op: str, what: str) -> None:
+        """A data-parallel server refuses tensor and collective writes with a 500 and stays up:
+        an assert in its tokenizer manager (sglang: tokenizer_control_mixin.py
+        TokenizerControlMixin.update_weights_from_tensor and the group calls)."""
+        if self._state.dp_size > 1:
+            why = f"data-parallel replicas are not supported for {what}"
+            raise EngineRejected(self._state.label, op, why, 500)
+
     async def update_weights_from_tensor(
         self,
         payload: Any,
@@ -138,6 +146,7 @@ class SimWeights:
             abort_all_requests=abort_all_requests,
             selector=selector,
         ) as entry:
+            self._single_rank(op, "update weights from tensor")
             self._check_selector(op, selector)
             await self._write_weights(
                 entry,
@@ -180,6 +189,7 @@ class SimWeights:
         # sglang: model_runner_components/weight_updater.py init_weights_update_group
         op = "init_weights_update_group"
         async with self._calls.op(op, group_name=group_name, backend=backend):
+            self._single_rank(op, "update weights from distributed")
             if not isinstance(group_name, str) or not group_name:
                 raise EngineRejected(
                     self._state.label,
@@ -201,6 +211,7 @@ class SimWeights:
         # sglang: model_runner_components/weight_updater.py destroy_weights_update_group
         op = "destroy_weights_update_group"
         async with self._calls.op(op, group_name=group_name):
+            self._single_rank(op, "destroy parameter update group")
             if self._state.groups.pop(group_name, None) is None:
                 raise EngineRejected(
                     self._state.label, op, "The group to be destroyed does not exist.", 400
@@ -231,6 +242,7 @@ class SimWeights:
             abort_all_requests=abort_all_requests,
             selector=selector,
         ) as entry:
+            self._single_rank(op, "update weights from distributed")
             self._check_selector(op, selector)
             # sglang: model_runner_components/weight_updater.py receive_weights_from_distributed
             # (the assertion is caught by update_weights_from_distributed and answered as 400)

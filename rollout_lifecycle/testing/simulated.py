@@ -9,13 +9,14 @@ import functools
 import inspect
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 from rollout_lifecycle.backends.sglang.api import (
     FLUSH_FAILED,
     FLUSH_TIMED_OUT,
     WEIGHTS_WRITTEN_FLUSH_FAILED,
 )
+from rollout_lifecycle.backends.sglang.client import data_parallel
 from rollout_lifecycle.contract.capabilities import Capabilities
 from rollout_lifecycle.contract.exceptions import EngineUnreachable, InvalidArgument
 from rollout_lifecycle.contract.fingerprint import SIMULATED_SCHEME
@@ -63,6 +64,7 @@ class SimulatedEngine:
         dp_dummy_batches: bool = False,
         health_timeout: float = 20.0,
         max_running: int = 1024,
+        dp_size: int = 1,
         gpu_memory_bytes: int | None = None,
         check_model_paths: bool = False,
         model_path: str | None = None,
@@ -78,11 +80,14 @@ class SimulatedEngine:
             dp_dummy_batches=dp_dummy_batches,
             health_timeout=health_timeout,
             max_running=max_running,
+            dp_size=dp_size,
             gpu_memory_bytes=gpu_memory_bytes,
             check_model_paths=check_model_paths,
             model_path=model_path,
         )
         self._scheduler = SimScheduler(self._state)
+        if dp_size > 1:
+            self.capabilities = data_parallel(dp_size, type(self).capabilities)
 
     # The call parts hold nothing but the state and the scheduler, so each is made for the
     # call it takes and dropped with it. A fleet of thousands of in-process engines would
@@ -101,10 +106,9 @@ class SimulatedEngine:
     # ----------------------------------------------------------------------------- properties
 
     #: What the simulator can do: SGLang's abilities, each tag on its own; its fingerprints
-    #: digest what it records it holds (``SIMULATED_SCHEME``).
-    capabilities: ClassVar[Capabilities] = Capabilities(
-        "simulated", fingerprint_scheme=SIMULATED_SCHEME
-    )
+    #: digest what it records it holds (``SIMULATED_SCHEME``). One made with ``dp_size`` above
+    #: 1 declares what a data-parallel SGLang server can do (``__init__``).
+    capabilities: Capabilities = Capabilities("simulated", fingerprint_scheme=SIMULATED_SCHEME)
 
     @property
     def label(self) -> str:

@@ -10,6 +10,7 @@ import pytest
 
 from rollout_lifecycle import FromDisk, FromDistributed, FromTensor, SGLangHTTPEngine
 from rollout_lifecycle.backends.engine import EngineHost
+from rollout_lifecycle.backends.sglang.client import SGLANG_CAPABILITIES, data_parallel
 from rollout_lifecycle.backends.sglang.launch import LaunchedSGLangEngine
 from rollout_lifecycle.backends.vllm.client import VLLM_CAPABILITIES, VLLMHTTPEngine
 from rollout_lifecycle.backends.vllm.launch import LaunchedVLLMEngine
@@ -31,10 +32,10 @@ W, KV, CG = Tag.WEIGHTS, Tag.KV_CACHE, Tag.CUDA_GRAPH
 
 
 def test_each_driver_declares_its_family() -> None:
-    assert SGLangHTTPEngine.capabilities.family == "sglang"
+    assert SGLANG_CAPABILITIES.family == "sglang"
     assert VLLMHTTPEngine.capabilities is VLLM_CAPABILITIES
     assert VLLM_CAPABILITIES.family == "vllm" and VLLM_CAPABILITIES.kv_wakes_at_continue
-    assert not SGLangHTTPEngine.capabilities.kv_wakes_at_continue
+    assert not SGLANG_CAPABILITIES.kv_wakes_at_continue
     assert capabilities_of(SimulatedEngine("sim")).family == "simulated"
     # a wrapper declares what it wraps; an object that declares nothing does what SGLang does
     assert capabilities_of(FaultyEngine(SimulatedEngine("sim"))).family == "simulated"
@@ -43,9 +44,9 @@ def test_each_driver_declares_its_family() -> None:
     launched = LaunchedVLLMEngine("/models/m", port=8123, python="/venv/bin/python")
     assert capabilities_of(launched) is VLLM_CAPABILITIES
     sglang = LaunchedSGLangEngine("/models/m", port=30001)
-    assert capabilities_of(sglang) is SGLangHTTPEngine.capabilities
+    assert capabilities_of(sglang) is SGLANG_CAPABILITIES
     # how each family digests its tensors (``weight_fingerprint`` answers in this scheme)
-    assert SGLangHTTPEngine.capabilities.fingerprint_scheme == SGLANG_SCHEME
+    assert SGLANG_CAPABILITIES.fingerprint_scheme == SGLANG_SCHEME
     assert VLLM_CAPABILITIES.fingerprint_scheme == VLLM_SCHEME
     assert SimulatedEngine.capabilities.fingerprint_scheme == SIMULATED_SCHEME
 
@@ -62,11 +63,21 @@ WRITES = frozenset(
 )
 
 
-@pytest.mark.parametrize("driver", [SGLangHTTPEngine, VLLMHTTPEngine, SimulatedEngine])
-def test_each_driver_declares_the_weight_writes_it_has_a_method_for(driver: type) -> None:
+@pytest.mark.parametrize(
+    ("driver", "declared"),
+    [
+        (SGLangHTTPEngine, SGLANG_CAPABILITIES),
+        (VLLMHTTPEngine, VLLM_CAPABILITIES),
+        (SimulatedEngine, SimulatedEngine.capabilities),
+    ],
+)
+def test_each_driver_declares_the_weight_writes_it_has_a_method_for(
+    driver: type, declared: Capabilities
+) -> None:
     carried = frozenset(op for op in WRITES if callable(getattr(driver, op.value, None)))
-    assert driver.capabilities.weight_writes == carried
+    assert declared.weight_writes == carried
     assert Op.UPDATE_FROM_DISK in carried
+    assert declared.ranks == 1 and not declared.writes_limited_by
 
 
 def test_each_built_in_strategy_says_what_it_sends() -> None:
@@ -107,11 +118,12 @@ def test_vllm_releases_its_weights_only_with_the_kv_cache(
     assert (why is not None) == refused
     if why is not None:
         assert "vllm" in why and "['kv_cache']" in why
-    assert SGLangHTTPEngine.capabilities.release_refusal(tags) is None  # one by one
+    assert SGLANG_CAPABILITIES.release_refusal(tags) is None  # one by one
 
 
 def test_the_plain_form_comes_back_as_the_same_capabilities_through_json() -> None:
-    for caps in (DEFAULT, VLLM_CAPABILITIES, Capabilities("x", ((CG, W),), True, "x-md5")):
+    odd = Capabilities("x", ((CG, W),), True, "x-md5", frozenset(), 3, "why")
+    for caps in (DEFAULT, VLLM_CAPABILITIES, odd, data_parallel(4)):
         assert Capabilities.from_wire(json.loads(json.dumps(caps.to_wire()))) == caps
     # a newer driver's keys are ignored, and so are the writes this library has no name for
     assert Capabilities.from_wire({"family": "vllm", "later": 1}) == Capabilities("vllm")
@@ -130,6 +142,9 @@ def test_the_plain_form_comes_back_as_the_same_capabilities_through_json() -> No
         ({"fingerprint_scheme": ""}, "fingerprint_scheme must be a name"),
         ({"weight_writes": "update_weights_from_disk"}, "weight_writes must be operation"),
         ({"weight_writes": [1]}, "weight_writes must be operation"),
+        ({"ranks": 0}, "ranks must be an int >= 1, got 0"),
+        ({"ranks": True}, "ranks must be an int >= 1, got True"),
+        ({"writes_limited_by": None}, "writes_limited_by must be a string, got None"),
     ],
 )
 def test_a_mistyped_plain_form_is_refused_by_name(data: object, named: str) -> None:

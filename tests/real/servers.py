@@ -190,6 +190,9 @@ class RealServer:
     api_key: str | None = None
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    #: More server arguments (``--dp-size 2``), and more environment for its processes.
+    extra_args: tuple[str, ...] = ()
+    extra_env: dict[str, str] = field(default_factory=dict)
     _tail: deque[str] = field(default_factory=lambda: deque(maxlen=40))
 
     @property
@@ -204,7 +207,7 @@ class RealServer:
             cmd += ["--admin-api-key", self.admin_key]
         if self.api_key is not None:
             cmd += ["--api-key", self.api_key]
-        return cmd
+        return [*cmd, *self.extra_args]
 
     def start(self) -> RealServer:
         """Spawn the process (it becomes ready later: ``wait_ready``)."""
@@ -213,7 +216,7 @@ class RealServer:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **self.env.child_env()},
+            env={**os.environ, **self.env.child_env(), **self.extra_env},
             start_new_session=True,
         )
         assert self.proc.stdout is not None
@@ -320,7 +323,7 @@ class RealVLLMServer(RealServer):
         cmd += [*VLLM_CPU_FLAGS, *LONG_CONTEXT]
         if self.api_key is not None:
             cmd += ["--api-key", self.api_key]
-        return cmd
+        return [*cmd, *self.extra_args]
 
 
 def start_all(servers: list[RealServer]) -> list[RealServer]:

@@ -9,9 +9,10 @@ error translation); timeouts and value checks are ``http.wire``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import httpx
 
@@ -28,8 +29,13 @@ from rollout_lifecycle.backends.sglang.api import SESSION_ALREADY_OPEN
 from rollout_lifecycle.backends.sglang.link import SGLangLink
 from rollout_lifecycle.backends.tensor_payload import check_tensor_payloads
 from rollout_lifecycle.contract.capabilities import Capabilities
-from rollout_lifecycle.contract.exceptions import EngineRejected, InvalidArgument
+from rollout_lifecycle.contract.exceptions import (
+    EngineRejected,
+    IllegalEngineOp,
+    InvalidArgument,
+)
 from rollout_lifecycle.contract.fingerprint import SGLANG_SCHEME, Fingerprint
+from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import SESSION_OPEN
 from rollout_lifecycle.contract.values import (
     DEFAULT_GROUP_NAME,
@@ -42,6 +48,42 @@ from rollout_lifecycle.contract.values import (
 )
 
 __all__ = ["SGLangHTTPEngine", "sglang_http_factory"]
+
+
+#: What SGLang can do (``contract/capabilities``): each tag released and resumed on its own;
+#: weights written from disk, from tensors and over a collective group; checksums that are
+#: 64-bit sha256 prefixes (``weight_fingerprint``).
+SGLANG_CAPABILITIES = Capabilities("sglang", fingerprint_scheme=SGLANG_SCHEME)
+#: The writes a data-parallel SGLang server refuses: its tokenizer manager asserts
+#: ``dp_size == 1`` before each (sglang: tokenizer_control_mixin.py
+#: TokenizerControlMixin.init_weights_update_group, destroy_weights_update_group,
+#: update_weights_from_distributed, update_weights_from_tensor), which the server answers 500.
+_SINGLE_RANK_WRITES = frozenset(
+    {
+        Op.UPDATE_FROM_TENSOR,
+        Op.UPDATE_FROM_DISTRIBUTED,
+        Op.INIT_UPDATE_GROUP,
+        Op.DESTROY_UPDATE_GROUP,
+    }
+)
+
+_SINGLE_RANK_OPS = frozenset(op.value for op in _SINGLE_RANK_WRITES)
+
+
+@functools.cache
+def data_parallel(ranks: int, base: Capabilities = SGLANG_CAPABILITIES) -> Capabilities:
+    """What an SGLang server with ``ranks`` data-parallel ranks (``--dp-size``) can do: what
+    ``base`` (one rank's) can, but its weights are written from disk only
+    (``_SINGLE_RANK_WRITES``)."""
+    return dataclasses.replace(
+        base,
+        weight_writes=base.weight_writes - _SINGLE_RANK_WRITES,
+        ranks=ranks,
+        writes_limited_by=(
+            f"a data-parallel SGLang server (dp_size {ranks}) refuses tensor and collective "
+            f"weight writes: its tokenizer manager asserts dp_size == 1"
+        ),
+    )
 
 
 class SGLangHTTPEngine:
@@ -71,9 +113,13 @@ class SGLangHTTPEngine:
     ``abort_request`` are never held back by it.
     """
 
-    #: What SGLang can do (``contract/capabilities``): each tag released and resumed on its own;
-    #: its checksums are 64-bit sha256 prefixes (``weight_fingerprint``).
-    capabilities: ClassVar[Capabilities] = Capabilities("sglang", fingerprint_scheme=SGLANG_SCHEME)
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the server can do (``contract/capabilities``): ``SGLANG_CAPABILITIES``, or
+        ``data_parallel(ranks)`` when the last ``/server_info`` named more than one rank (the
+        engine host reads them with the incarnation, so they are the process's)."""
+        ranks = self._link.ranks
+        return SGLANG_CAPABILITIES if ranks == 1 else data_parallel(ranks)
 
     def __init__(
         self,
@@ -138,8 +184,12 @@ class SGLangHTTPEngine:
         return f"SGLangHTTPEngine({self._link.arguments()})"
 
     async def _send(self, op: str, body: dict[str, Any] | None = None, **how: Any) -> None:
-        """The attach check (once), then one call of the endpoint ``op``."""
+        """The attach check (once), then one call of the endpoint ``op``; a write the server is
+        known to refuse (``data_parallel``) is refused here, unsent."""
         await self._link.attach(op)
+        if op in _SINGLE_RANK_OPS and self._link.ranks > 1:
+            limit = data_parallel(self._link.ranks).writes_limited_by
+            raise IllegalEngineOp(self.label, op, f"{limit}; write the weights from disk")
         await self._link.call(op, body, **how)
 
     # ----------------------------------------------------------------------------- lifecycle

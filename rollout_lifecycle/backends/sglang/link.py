@@ -80,6 +80,8 @@ class SGLangLink:
         self._check_version = check_flag("check_version", check_version)
         #: The SGLang version found by the attach check, once it passed.
         self._version: str | None = None
+        #: The data-parallel ranks the last ``/server_info`` named (``dp_size``).
+        self._ranks = 1
 
     @property
     def url(self) -> str:
@@ -100,6 +102,12 @@ class SGLangLink:
     def selector(self) -> str:
         """The selector sent to ``/begin_weight_update`` and every tensor/distributed update."""
         return self._selector
+
+    @property
+    def ranks(self) -> int:
+        """The data-parallel ranks behind the URL (``dp_size``), as the last ``/server_info``
+        read said: each rank is a scheduler process holding the whole model. 1 before any."""
+        return self._ranks
 
     @property
     def version(self) -> str | None:
@@ -142,8 +150,18 @@ class SGLangLink:
         ``api_key`` and ``admin_api_key``, and ``launch_command``); they come back masked, as
         do other secret arguments and any occurrence of this client's keys.
         """
+        return await self._server_info("server_info")
+
+    async def _server_info(self, op: str) -> dict[str, Any]:
+        """``GET /server_info`` for ``op``; keeps the data-parallel ranks it names (``ranks``)."""
         # sglang: common.py build_server_info (server_args.resolved_dict() + launch_command)
-        return await self.info("server_info")
+        info = await self.info("server_info", op)
+        # sglang: server_args.py ServerArgs.dp_size (absent from a server that predates it)
+        ranks = info.get("dp_size", 1)
+        if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+            self._wire.garbage(op, "/server_info", f"dp_size is {shown(ranks)}")
+        self._ranks = ranks
+        return info
 
     async def observe(self, *, paused: bool = True, identify: bool = True) -> dict[str, Any]:
         """What the server says of itself (``EngineHost.observe``), its reads sent at once:
@@ -225,7 +243,7 @@ class SGLangLink:
         calls does not ask again. Raises ``IllegalEngineOp`` (naming the version found) when it
         is too old, missing or unreadable; engine errors of the probe itself pass through.
         """
-        info = await self.info("server_info", op)
+        info = await self._server_info(op)
         found = info.get("version")
         wanted = ".".join(str(n) for n in MIN_SGLANG_VERSION)
         if found is None:

@@ -79,9 +79,13 @@ def _answer(row: Endpoint, result: Any) -> Response:
 
 
 def _refused(row: Endpoint, exc: EngineRejected) -> Response:
-    """An engine's refusal in the shape ``row`` answers one with."""
+    """An engine's refusal in the shape ``row`` answers one with; a 500 is an exception the
+    server's handler did not catch (an assert), which its framework answers without the text."""
     from starlette.responses import JSONResponse, PlainTextResponse, Response
 
+    if exc.status == 500:
+        # starlette: ServerErrorMiddleware answers an uncaught exception so
+        return PlainTextResponse("Internal Server Error", status_code=500)
     if row.answer is Answer.SUCCESS:
         return JSONResponse({"success": False, "message": exc.message}, status_code=400)
     if row.answer is Answer.TEXT:

@@ -138,6 +138,7 @@ def _engine_argv(options: Mapping[str, Any]) -> list[str]:
         "health_timeout": "--health-timeout",
         "weight_version": "--weight-version",
         "max_running": "--max-running",
+        "dp_size": "--dp-size",
         "gpu_memory_bytes": "--gpu-memory-bytes",
     }
     for name, value in options.items():

@@ -1,0 +1,130 @@
+"""A data-parallel SGLang server (``--dp-size N``: N scheduler processes behind one URL) refuses
+tensor and collective weight writes (sglang: tokenizer_control_mixin.py, an assert on
+``dp_size == 1`` answered with a 500). The SGLang driver reads ``dp_size`` from ``/server_info``
+with the incarnation and declares so (``data_parallel``), so the lifecycle refuses such a push
+before anything is sent, and says why; the stand-in and the simulator report ``dp_size`` and
+refuse those writes as the server does."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import pickle
+from collections.abc import Iterator
+
+import pytest
+
+from rollout_lifecycle import (
+    EngineGroup,
+    FromDisk,
+    FromDistributed,
+    FromTensor,
+    IllegalEngineOp,
+    RolloutServer,
+    ServerState,
+    SGLangHTTPEngine,
+)
+from rollout_lifecycle.backends.engine import EngineHost
+from rollout_lifecycle.backends.sglang.client import SGLANG_CAPABILITIES, data_parallel
+from rollout_lifecycle.contract.capabilities import Capabilities
+from rollout_lifecycle.contract.exceptions import EngineError
+from rollout_lifecycle.contract.ops import Op
+from rollout_lifecycle.testing.simulated import SimulatedEngine
+from rollout_lifecycle.testing.standin import StandInServer
+
+PAYLOAD = [base64.b64encode(pickle.dumps([("w", 1.0)])).decode()]
+TENSORS = FromTensor(PAYLOAD)
+COLLECTIVE = FromDistributed(["w"], ["float32"], [[1]], "g")
+WRITES = ("begin_weight_update", "update_weights_from_tensor", "update_weights_from_distributed")
+
+
+@pytest.fixture
+def dp_standin() -> Iterator[StandInServer]:
+    server = StandInServer(token_latency=0.001, dp_size=2).start()
+    yield server
+    server.stop()
+
+
+def sent_writes(server: StandInServer) -> list[str]:
+    return [e["op"] for e in server.history() if e["op"] in WRITES]
+
+
+async def test_the_driver_reads_the_ranks_with_the_incarnation_and_narrows_its_writes(
+    dp_standin: StandInServer,
+) -> None:
+    client = SGLangHTTPEngine(dp_standin.url)
+    try:
+        assert client.capabilities is SGLANG_CAPABILITIES  # nothing read yet: one rank
+        seen = await EngineHost(client).observe(paused=False, identify=True)
+        declared = Capabilities.from_wire(seen["capabilities"])
+        assert declared == data_parallel(2) and declared.ranks == 2
+        assert declared.weight_writes == {Op.UPDATE_FROM_DISK}
+        assert "dp_size 2" in declared.writes_limited_by
+    finally:
+        await client.close()
+
+
+async def test_a_tensor_or_collective_push_to_a_data_parallel_server_is_refused_unsent(
+    dp_standin: StandInServer,
+) -> None:
+    """Refused by the lifecycle before the write's first call, naming the engine, what the
+    push sends and why the server cannot take it; the same fleet takes a push from disk."""
+    client = SGLangHTTPEngine(dp_standin.url)
+    server = RolloutServer([EngineGroup("dp", [client])])
+    try:
+        await server.pause()
+        for push, op in ((TENSORS, "tensor"), (COLLECTIVE, "distributed")):
+            with pytest.raises(IllegalEngineOp) as refused:
+                await server.update_weights(push, "v1")
+            assert refused.value.engine == "dp/0"
+            assert f"sends ['update_weights_from_{op}']" in refused.value.reason
+            assert "a data-parallel SGLang server (dp_size 2) refuses" in refused.value.reason
+        assert sent_writes(dp_standin) == []
+        assert server.state is ServerState.DRAINED
+        await server.update_weights(FromDisk("/models/next"), "v1")
+        await server.resume()
+        assert await client.weight_version() == "v1"
+    finally:
+        await client.close()
+
+
+async def test_the_client_alone_refuses_what_it_knows_the_server_refuses(
+    dp_standin: StandInServer,
+) -> None:
+    """Once the attach check has read ``/server_info``, the client refuses a tensor write
+    unsent; a client that has read nothing sends it, and the server answers with its 500 and
+    stays up (the stand-in as SGLang 0.5.23)."""
+    payload = PAYLOAD
+    knows = SGLangHTTPEngine(dp_standin.url)
+    blind = SGLangHTTPEngine(dp_standin.url, check_version=False)
+    try:
+        await knows.begin_weight_update()
+        with pytest.raises(IllegalEngineOp, match="dp_size 2") as refused:
+            await knows.update_weights_from_tensor(
+                payload, weight_version="v1", flush_cache=False, abort_all_requests=False
+            )
+        assert refused.value.op == "update_weights_from_tensor"
+        assert "update_weights_from_tensor" not in sent_writes(dp_standin)
+        with pytest.raises(EngineError, match="answered 500"):
+            await blind.update_weights_from_tensor(
+                payload, weight_version="v1", flush_cache=False, abort_all_requests=False
+            )
+        await knows.end_weight_update()
+        assert await asyncio.to_thread(dp_standin.alive)
+    finally:
+        await knows.close()
+        await blind.close()
+
+
+async def test_the_simulator_declares_and_refuses_as_a_data_parallel_server() -> None:
+    engine = SimulatedEngine("dp", dp_size=2, token_latency=0.001)
+    assert engine.capabilities.ranks == 2
+    assert engine.capabilities.weight_writes == {Op.UPDATE_FROM_DISK}
+    assert engine.capabilities.family == "simulated"
+    assert SimulatedEngine("one").capabilities.ranks == 1
+    assert (await engine.server_info())["dp_size"] == 2
+    server = RolloutServer([EngineGroup("dp", [engine])])
+    await server.pause()
+    with pytest.raises(IllegalEngineOp, match="dp_size 2"):
+        await server.update_weights(TENSORS, "v1")
+    assert not [e for e in engine.history() if e["op"] in WRITES]
