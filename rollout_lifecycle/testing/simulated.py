@@ -116,6 +116,11 @@ class SimulatedEngine:
         return self._state.label
 
     @property
+    def dp_size(self) -> int:
+        """The data-parallel ranks it reports (``/server_info`` ``dp_size``)."""
+        return self._state.dp_size
+
+    @property
     def dead(self) -> bool:
         """True once a fatal misuse has killed the engine."""
         return self._state.dead

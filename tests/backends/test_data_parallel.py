@@ -84,6 +84,9 @@ async def test_a_tensor_or_collective_push_to_a_data_parallel_server_is_refused_
         await server.update_weights(FromDisk("/models/next"), "v1")
         await server.resume()
         assert await client.weight_version() == "v1"
+        # its two ranks answer /weights_checker each, with the same weights: one fingerprint
+        tensors = (await client.weight_fingerprint())["tensors"]
+        assert tensors and not any(name.startswith(("dp", "tp")) for name in tensors)
     finally:
         await client.close()
 

@@ -1554,3 +1554,42 @@ async def test_a_tensor_parallel_engines_ranks_are_told_apart_by_prefix() -> Non
 
     engine = make_engine(FakeServer(two_ranks))
     assert (await engine.weight_fingerprint())["tensors"] == {"tp0:w": "aa", "tp1:w": "bb"}
+
+
+def checker(*ranks: tuple[dict[str, int], str]) -> httpx.Response:
+    """A ``/weights_checker`` answer of ranks, each (its placement, its digest of ``w``)."""
+    body = [
+        {"checksums": {"w": digest}, "parallelism_info": [{"role": "target", **place}]}
+        for place, digest in ranks
+    ]
+    return httpx.Response(200, json={"success": True, "ranks": body})
+
+
+@pytest.mark.parametrize(
+    ("ranks", "tensors"),
+    [
+        # data-parallel replicas that agree: one set of weights (a real --dp-size 2 server)
+        ((({"tp_rank": 0, "dp_rank": 0}, "aa"), ({"tp_rank": 0, "dp_rank": 1}, "aa")), {"w": "aa"}),
+        # replicas that differ: each named, so no trainer's fingerprint matches
+        (
+            (({"tp_rank": 0, "dp_rank": 0}, "aa"), ({"tp_rank": 0, "dp_rank": 1}, "bb")),
+            {"dp0:w": "aa", "dp1:w": "bb"},
+        ),
+        # two replicas of two shards
+        (
+            tuple(({"tp_rank": t, "dp_rank": d}, f"s{t}") for d in (0, 1) for t in (0, 1)),
+            {"tp0:w": "s0", "tp1:w": "s1"},
+        ),
+        # pipeline stages are shards too
+        (
+            (({"pp_rank": 0, "tp_rank": 0}, "p0"), ({"pp_rank": 1, "tp_rank": 0}, "p1")),
+            {"pp0:tp0:w": "p0", "pp1:tp0:w": "p1"},
+        ),
+    ],
+)
+async def test_data_parallel_replicas_are_one_fingerprint_when_they_agree(
+    ranks: tuple[tuple[dict[str, int], str], ...], tensors: dict[str, str]
+) -> None:
+    engine = make_engine(FakeServer(lambda request: checker(*ranks)))
+    assert (await engine.weight_fingerprint())["tensors"] == tensors
+    await engine.close()

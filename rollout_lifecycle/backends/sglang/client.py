@@ -471,7 +471,8 @@ class SGLangHTTPEngine:
     async def weight_fingerprint(self) -> dict[str, Any]:
         """``POST /weights_checker {"action": "checksum", "selector": "target"}``: a digest per
         tensor of the weights the engine holds, as ``Fingerprint.to_wire`` gives it (with
-        tensor parallelism each name is prefixed with its rank, ``tp1:...``)."""
+        tensor parallelism each name is prefixed with its rank, ``tp1:...``; data-parallel
+        replicas that hold the same weights are one: ``_rank_checksums``)."""
         # sglang: http_server.py check_weights; tokenizer_control_mixin.py check_weights
         # (ranks: one ChecksumInfo per rank); utils/weight_checker.py _compute_checksum
         op = "weight_fingerprint"
@@ -521,19 +522,53 @@ def _update_flags(
 
 
 def _rank_checksums(answer: dict[str, Any]) -> dict[str, str] | None:
-    """Every rank's ``checksums`` of a ``/weights_checker`` answer in one mapping, names
-    prefixed with the rank when there are several; None for an answer without them."""
+    """Every rank's ``checksums`` of a ``/weights_checker`` answer in one mapping; None for an
+    answer without them.
+
+    A rank's ``parallelism_info`` places it. Tensor- and pipeline-parallel ranks hold different
+    shards, so with more than one shard each name is prefixed with its shard (``tp1:w``, or
+    ``pp1:tp0:w`` with pipeline stages). Data-parallel ranks (``dp_rank``) each hold the whole
+    model: replicas that agree are one mapping, and replicas that differ are each prefixed with
+    their rank (``dp1:w``), which no trainer's fingerprint matches, since the engine then does
+    not serve one set of weights. A rank without ``parallelism_info`` is the tensor-parallel
+    rank of its place in the list.
+    """
+    # sglang: tokenizer_control_mixin.py check_weights (one ChecksumInfo per scheduler: with
+    # --dp-size 2 two entries, dp_rank 0 and 1, tp_rank 0 each; seen on a real 0.5.23 server)
     ranks = answer.get("ranks")
     if answer.get("success") is not True or not isinstance(ranks, list) or not ranks:
         return None
-    tensors: dict[str, str] = {}
+    shards: dict[tuple[int, int], dict[int, dict[str, str]]] = {}  # (pp, tp) -> dp -> sums
     for i, rank in enumerate(ranks):
         sums = rank.get("checksums") if isinstance(rank, dict) else None
         if not isinstance(sums, dict):
             return None
-        prefix = f"tp{i}:" if len(ranks) > 1 else ""
-        tensors.update({prefix + str(k): str(v) for k, v in sums.items()})
+        pp, tp, dp = _placement(rank, i)
+        shards.setdefault((pp, tp), {})[dp] = {str(k): str(v) for k, v in sums.items()}
+    staged = any(pp for pp, _ in shards)
+    tensors: dict[str, str] = {}
+    for (pp, tp), replicas in shards.items():
+        shard = "" if len(shards) == 1 else f"pp{pp}:tp{tp}:" if staged else f"tp{tp}:"
+        first = next(iter(replicas.values()))
+        if all(sums == first for sums in replicas.values()):
+            tensors.update({shard + k: v for k, v in first.items()})
+        else:
+            for dp, sums in replicas.items():
+                tensors.update({f"dp{dp}:{shard}{k}": v for k, v in sums.items()})
     return tensors
+
+
+def _placement(rank: dict[str, Any], index: int) -> tuple[int, int, int]:
+    """A ``/weights_checker`` rank's pipeline, tensor and data-parallel ranks, from its
+    ``parallelism_info``; (0, ``index``, 0) when it names none."""
+    info = rank.get("parallelism_info")
+    first = info[0] if isinstance(info, list) and info and isinstance(info[0], dict) else None
+    if first is None:
+        return 0, index, 0
+    found = (first.get("pp_rank", 0), first.get("tp_rank", index), first.get("dp_rank", 0))
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in found):
+        return 0, index, 0
+    return found
 
 
 def sglang_http_factory(url: str, **kwargs: Any) -> Callable[[], SGLangHTTPEngine]:

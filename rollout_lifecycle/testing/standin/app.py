@@ -301,13 +301,20 @@ def create_app(
             return JSONResponse({"success": False, "message": message}, status_code=400)
         sums = (await state.call(engine.weight_fingerprint()))["tensors"]
         rank = hashlib.sha256("".join(f"{k}{sums[k]}" for k in sorted(sums)).encode())
-        placement = dict.fromkeys(("tp_rank", "dp_rank", "pp_rank", "rank"), 0)
+        placement = dict.fromkeys(("tp_rank", "pp_rank", "rank"), 0)
+        # one entry per data-parallel rank, each saying dp_size 1 (as a real --dp-size 2
+        # server answers: each scheduler reports its own rank's view)
         sizes = dict.fromkeys(("tp_size", "dp_size", "pp_size", "size"), 1)
-        info = {"role": "target", **placement, **sizes}
         ranks = [
-            {"checksums": sums, "per_gpu_checksum": rank.hexdigest(), "parallelism_info": [info]}
+            {
+                "checksums": sums,
+                "per_gpu_checksum": rank.hexdigest(),
+                "parallelism_info": [{"role": "target", **placement, "dp_rank": dp, **sizes}],
+            }
+            for dp in range(engine.dp_size)
         ]
-        engine_sum = hashlib.sha256(rank.hexdigest().encode()).hexdigest()
+        # sglang: tokenizer_control_mixin.py check_weights (sha256 over every rank's own)
+        engine_sum = hashlib.sha256(rank.hexdigest().encode() * len(ranks)).hexdigest()
         return {"success": True, "message": "", "ranks": ranks, "per_engine_checksum": engine_sum}
 
     @serves("health")
