@@ -22,7 +22,7 @@ from typing import Any
 from rollout_lifecycle.contract.exceptions import InvalidArgument
 from rollout_lifecycle.contract.fingerprint import SGLANG_SCHEME
 from rollout_lifecycle.contract.ops import Op
-from rollout_lifecycle.contract.values import Tag, parse_tags
+from rollout_lifecycle.contract.values import Tag, check_int, parse_tags
 
 
 @dataclass(frozen=True)
@@ -134,9 +134,7 @@ class Capabilities:
             raise InvalidArgument(
                 f"capabilities: weight_writes must be operation names, got {writes!r}"
             )
-        ranks = data.get("ranks", cls.ranks)
-        if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
-            raise InvalidArgument(f"capabilities: ranks must be an int >= 1, got {ranks!r}")
+        ranks = check_int("capabilities: ranks", data.get("ranks", cls.ranks), minimum=1)
         limited_by = data.get("writes_limited_by", cls.writes_limited_by)
         if not isinstance(limited_by, str):
             raise InvalidArgument(

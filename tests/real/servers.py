@@ -207,12 +207,12 @@ class RealServer:
             cmd += ["--admin-api-key", self.admin_key]
         if self.api_key is not None:
             cmd += ["--api-key", self.api_key]
-        return [*cmd, *self.extra_args]
+        return cmd
 
     def start(self) -> RealServer:
         """Spawn the process (it becomes ready later: ``wait_ready``)."""
         self.proc = subprocess.Popen(
-            self.command(),
+            [*self.command(), *self.extra_args],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -323,7 +323,7 @@ class RealVLLMServer(RealServer):
         cmd += [*VLLM_CPU_FLAGS, *LONG_CONTEXT]
         if self.api_key is not None:
             cmd += ["--api-key", self.api_key]
-        return [*cmd, *self.extra_args]
+        return cmd
 
 
 def start_all(servers: list[RealServer]) -> list[RealServer]:

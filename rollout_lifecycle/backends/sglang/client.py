@@ -188,7 +188,7 @@ class SGLangHTTPEngine:
         known to refuse (``data_parallel``) is refused here, unsent."""
         await self._link.attach(op)
         if op in _SINGLE_RANK_OPS and self._link.ranks > 1:
-            limit = data_parallel(self._link.ranks).writes_limited_by
+            limit = self.capabilities.writes_limited_by
             raise IllegalEngineOp(self.label, op, f"{limit}; write the weights from disk")
         await self._link.call(op, body, **how)
 
