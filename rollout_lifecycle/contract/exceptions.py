@@ -216,6 +216,30 @@ class EngineDead(EngineError):
     """The engine is gone (process died, actor died, connection refused); it answers nothing."""
 
 
+class EngineUnhealthy(EngineDead):
+    """The engine's server answers, but not as a whole: one of its processes is gone or stuck
+    (a data-parallel rank that never answers while the server's front end does). Nothing is
+    sent to it; it counts as dead, and ``recover()`` replaces the whole server, never a part.
+
+    ``ranks`` is how many ranks the server has; ``waited`` how long its state read, which
+    every rank must answer, went unanswered (None from a model that knows it never will)."""
+
+    def __init__(self, engine: str, op: str, ranks: int, waited: float | None) -> None:
+        within = "" if waited is None else f" in {waited:g}s"
+        super().__init__(
+            engine,
+            op,
+            f"unhealthy: the server answers /ping, but its state read, which each of its "
+            f"{ranks} data-parallel ranks must answer, gave nothing{within}: a rank's "
+            f"process is gone or stuck, and the server does not bring one back. Nothing was "
+            f"sent; replace the whole server (recover(), its factory stopping every process of "
+            f"the old one)",
+        )
+        self._init = (engine, op, ranks, waited)
+        self.ranks = ranks
+        self.waited = waited
+
+
 class EngineUnreachable(EngineError):
     """The engine could not be reached (transport error); it may or may not be alive."""
 

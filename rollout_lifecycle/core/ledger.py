@@ -474,17 +474,23 @@ class EngineRecord:
         address is not paused. Elsewhere (a pause of a serving engine, an unknown pause state,
         a pause sent again) the incarnation is read (``identify``), as by the first checked
         call of an engine whose incarnation (or driver's capabilities, read with it) the record
-        does not know yet."""
+        does not know yet.
+
+        An engine of several processes (its driver declares ``ranks`` above 1) is read before
+        every call, proven or not: an answer proves the process at the address, not that each
+        of its ranks lives on, and its driver's read tells a server that lost one."""
         proven = now < self.proven_until
-        if proven and not self.unwatched:
+        caps = self.capabilities
+        several = caps is not None and caps.ranks > 1
+        if proven and not self.unwatched and not several:
             return None
         paused = None if self.pause_unknown or (op is _PAUSE and self.paused) else self.paused
         identify = (
             self.incarnation is None
-            or self.capabilities is None  # (read with the incarnation: once per process)
+            or caps is None  # (read with the incarnation: once per process)
             or (not proven and paused is not True)
         )
-        if paused is None and not identify:
+        if paused is None and not identify and not several:
             return None
         return [self.incarnation, paused, identify]
 

@@ -15,6 +15,20 @@ from rollout_lifecycle.contract.exceptions import EngineDead, EngineRejected, En
 from rollout_lifecycle.testing.sim_scheduler import SimScheduler
 from rollout_lifecycle.testing.sim_state import SimState
 
+#: The calls a server's front end answers by itself, without waiting for its data-parallel
+#: ranks (sglang: http_server.py ping -> is_healthy, ready -> is_ready, model_info -> the
+#: tokenizer manager's config; tokenizer_manager.py abort_request sends to the schedulers and
+#: answers, and pause_generation in abort mode is such aborts until no weight update runs): a
+#: server that lost a rank still answers them.
+FRONT_END_OPS = frozenset({"ping", "ready", "weight_version", "abort_request"})
+
+
+def waits_for_ranks(op: str, fields: dict[str, Any]) -> bool:
+    """Whether the call ``op`` (with ``fields``) waits for every data-parallel rank."""
+    return op not in FRONT_END_OPS and not (
+        op == "pause_generation" and fields.get("mode") == "abort"
+    )
+
 
 class SimCalls:
     """The front end of one simulated server's control calls (``op``, ``fatal``)."""
@@ -72,6 +86,11 @@ class SimCalls:
                     raise EngineUnreachable(
                         state.label, op, "connection dropped: the server restarted"
                     )
+            if state.lost_ranks and waits_for_ranks(op, fields):
+                # the front end waits for every rank's answer, and one rank never answers
+                # (sglang: communicator.py FanOutCommunicator; nothing times it out)
+                entry["detail"] = f"waits for lost rank(s) {sorted(state.lost_ranks)}"
+                await asyncio.get_running_loop().create_future()
             yield entry
         except EngineRejected as exc:
             entry["outcome"] = "rejected"

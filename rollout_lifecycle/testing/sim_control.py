@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from rollout_lifecycle.backends.sglang.api import FLUSH_FAILED, FLUSH_TIMED_OUT, PAUSE_MODES
-from rollout_lifecycle.contract.exceptions import EngineRejected
+from rollout_lifecycle.contract.exceptions import EngineRejected, EngineUnhealthy
 from rollout_lifecycle.contract.values import ALL_TAGS, PauseMode, Tag
 from rollout_lifecycle.testing.sim_calls import SimCalls
 from rollout_lifecycle.testing.sim_scheduler import SimScheduler
@@ -244,8 +244,15 @@ class SimControl:
         return healthy
 
     async def observe(self, *, paused: bool = True, identify: bool = True) -> dict[str, Any]:
-        """``/server_info``'s incarnation and the pause ``/ping`` and ``/ready`` tell."""
-        calls = self._calls
+        """``/server_info``'s incarnation and the pause ``/ping`` and ``/ready`` tell; a server
+        of several ranks that lost one is ``EngineUnhealthy``, as the SGLang driver finds it
+        (its ``/server_info`` waits for every rank: ``SGLangLink._server_info``)."""
+        calls, state = self._calls, self._state
+        if state.lost_ranks and (identify or state.dp_size > 1):
+            entry = calls.at_once("observe")
+            error = EngineUnhealthy(state.label, "observe", state.dp_size, None)
+            entry["outcome"], entry["detail"] = "dead", error.message
+            raise error
         if calls.answers_at_once("observe"):
             calls.at_once("observe")
             return self._observed(paused=paused, identify=identify)

@@ -380,6 +380,9 @@ class SimState:
         self.healthy = True
         self.dead = False
         self.death_reason: str | None = None
+        # Data-parallel ranks whose process is gone while the rest of the server lives on
+        # (``SimulatedEngine.lose_rank``); a dict used as a set (see ``released``).
+        self.lost_ranks: dict[int, None] = {}
 
     @property
     def rng(self) -> random.Random:

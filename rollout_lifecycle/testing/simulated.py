@@ -441,6 +441,19 @@ class SimulatedEngine:
         state.counts["restarts"] += 1
         entry["end"] = time.monotonic()
 
+    def lose_rank(self, rank: int) -> None:
+        """The process of data-parallel rank ``rank`` dies while the rest of the server lives
+        on, as a killed SGLang ``scheduler_DP1`` leaves it: the front end still answers
+        ``/ping``, ``/ready`` and ``/model_info``; every call that needs the ranks
+        (``/server_info`` and every lifecycle and weight call) waits for an answer that never
+        comes. Generate requests are not dealt to ranks here: they run on. Until a restart."""
+        state = self._state
+        if not isinstance(rank, int) or not 0 <= rank < state.dp_size:
+            raise InvalidArgument(f"rank must be one of the {state.dp_size} ranks, got {rank!r}")
+        state.lost_ranks[rank] = None
+        entry = state.record("lose_rank", outcome="ok", rank=rank)
+        entry["end"] = entry["start"]
+
     async def close(self) -> None:
         """Stop the scheduler; in-flight generates get ``EngineDead``. Idempotent, never raises."""
         state = self._state

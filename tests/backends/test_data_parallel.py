@@ -3,7 +3,13 @@ tensor and collective weight writes (sglang: tokenizer_control_mixin.py, an asse
 ``dp_size == 1`` answered with a 500). The SGLang driver reads ``dp_size`` from ``/server_info``
 with the incarnation and declares so (``data_parallel``), so the lifecycle refuses such a push
 before anything is sent, and says why; the stand-in and the simulator report ``dp_size`` and
-refuse those writes as the server does."""
+refuse those writes as the server does.
+
+A data-parallel server one of whose rank processes died lives on half: its front end answers
+``/ping``, and every call that needs the ranks waits for ever. The driver names it unhealthy
+(``EngineUnhealthy``, counted dead) from a ``/server_info`` that does not answer while
+``/ping`` does, before any lifecycle call is sent to it, and ``recover()`` replaces it whole;
+a single-rank server whose ``/server_info`` is slow is only timed out."""
 
 from __future__ import annotations
 
@@ -16,10 +22,15 @@ import pytest
 
 from rollout_lifecycle import (
     EngineGroup,
+    EngineTimeout,
+    EngineUnhealthy,
     FromDisk,
     FromDistributed,
     FromTensor,
+    HTTPTimeouts,
     IllegalEngineOp,
+    Outcome,
+    PhaseFailed,
     RolloutServer,
     ServerState,
     SGLangHTTPEngine,
@@ -131,3 +142,106 @@ async def test_the_simulator_declares_and_refuses_as_a_data_parallel_server() ->
     with pytest.raises(IllegalEngineOp, match="dp_size 2"):
         await server.update_weights(TENSORS, "v1")
     assert not [e for e in engine.history() if e["op"] in WRITES]
+
+
+#: A probe timeout short enough for a test: the whole-server read gets half of it.
+QUICK = HTTPTimeouts(probe=1.0)
+
+
+def after(history: list[dict[str, object]], op: str) -> list[str]:
+    """The ops the engine took after its first ``op``."""
+    ops = [str(e["op"]) for e in history]
+    return ops[ops.index(op) + 1 :]
+
+
+def assert_unhealthy(failed: PhaseFailed) -> None:
+    (outcome,) = failed.outcomes.values()
+    assert outcome.outcome is Outcome.DEAD, outcome
+    assert outcome.detail.startswith("unhealthy: the server answers /ping"), outcome.detail
+    assert "each of its 2 data-parallel ranks" in outcome.detail
+
+
+async def test_a_server_that_lost_a_rank_is_named_unhealthy_unsent_and_recovered_whole(
+    dp_standin: StandInServer,
+) -> None:
+    client = SGLangHTTPEngine(dp_standin.url, timeouts=QUICK)
+    fresh = StandInServer(token_latency=0.001, dp_size=2).start()
+    made: list[SGLangHTTPEngine] = []
+    server = RolloutServer([EngineGroup("dp", [client])])
+    try:
+        await server.offload()
+        await asyncio.to_thread(dp_standin.lose_rank, 1)
+        with pytest.raises(PhaseFailed) as failed:
+            await server.onload_weights()
+        assert_unhealthy(failed.value)
+        assert server.state is ServerState.FAILED
+        record = server.snapshot().engines()["dp/0"]
+        assert not record.alive and record.last_outcome.startswith("dead (unhealthy")
+        # nothing but the reads that found it: no resume reached the half-alive server
+        taken = after(await asyncio.to_thread(dp_standin.history), "lose_rank")
+        assert set(taken) <= {"server_info", "ping", "ready"}, taken
+
+        def factory(engine_id: str) -> SGLangHTTPEngine:
+            made.append(SGLangHTTPEngine(fresh.url, timeouts=QUICK))
+            return made[-1]
+
+        outcomes = await server.recover(factory)
+        assert outcomes["dp/0"].ok and len(made) == 1
+        # a whole new server, held out of serving until it has the fleet's weights
+        assert server.snapshot().engines()["dp/0"].stale
+        assert (await asyncio.to_thread(fresh.state))["paused"] is True
+        await server.offload()
+        await server.onload_weights()
+        await server.update_weights(FromDisk("/models/next"), "v2")
+        await server.onload_kv()
+        assert server.state is ServerState.SERVING
+        assert (await asyncio.to_thread(fresh.state))["paused"] is False
+        assert await made[0].weight_version() == "v2"
+    finally:
+        await client.close()
+        for engine in made:
+            await engine.close()
+        fresh.stop()
+
+
+async def test_a_single_rank_server_slow_to_answer_its_state_is_timed_out_not_unhealthy(
+    dp_standin: StandInServer,
+) -> None:
+    """Only a server of several ranks has a part that can be gone while the rest answers."""
+    one = StandInServer(token_latency=0.001).start()
+    clients = [SGLangHTTPEngine(url, timeouts=QUICK) for url in (one.url, dp_standin.url)]
+    try:
+        for client in clients:
+            await client.server_info()  # (the attach read: the ranks are known)
+        await asyncio.to_thread(one.inject, {"path": "/server_info", "kind": "delay", "seconds": 3})
+        await asyncio.to_thread(dp_standin.lose_rank, 0)
+        with pytest.raises(EngineTimeout) as slow:
+            await clients[0].server_info()
+        assert not isinstance(slow.value, EngineUnhealthy)
+        with pytest.raises(EngineUnhealthy) as half:
+            await EngineHost(clients[1]).observe(paused=True, identify=False)
+        assert (half.value.ranks, half.value.waited) == (2, 0.5)
+    finally:
+        for client in clients:
+            await client.close()
+        one.stop()
+
+
+async def test_the_simulator_that_lost_a_rank_is_unhealthy_and_recovered_whole() -> None:
+    engine = SimulatedEngine("dp", dp_size=2, token_latency=0.001)
+    server = RolloutServer([EngineGroup("dp", [engine])])
+    await server.offload()
+    engine.lose_rank(1)
+    with pytest.raises(PhaseFailed) as failed:
+        await server.onload_weights()
+    assert_unhealthy(failed.value)
+    assert after(engine.history(), "lose_rank") == ["observe"]
+    replacement = SimulatedEngine("dp-new", dp_size=2, token_latency=0.001)
+    assert (await server.recover(lambda _id: replacement))["dp/0"].ok
+    assert replacement.paused  # held until it has the fleet's weights
+    await server.pause()
+    await server.update_weights(FromDisk("/models/next"), "v2")
+    await server.resume()
+    assert server.state is ServerState.SERVING and not replacement.paused
+    with pytest.raises(Exception, match="rank must be one of the 2 ranks"):
+        engine.lose_rank(2)

@@ -3,15 +3,21 @@ process per rank behind one URL, a data-parallel controller between) through the
 cycle on this CPU: five cycles with requests decoding on both ranks lose nothing, every request
 the retract pause found is retracted and finishes full length, and each cycle's weights are
 verified against the trainer's fingerprint (the ranks are replicas: they must agree). A tensor
-push, which the server refuses on more than one rank, is refused by the library unsent."""
+push, which the server refuses on more than one rank, is refused by the library unsent. A rank's
+process killed mid-cycle leaves the server half-alive (its front end answers ``/ping``, every call
+that needs the ranks hangs): the library names it unhealthy before it sends it anything, and
+``recover()`` brings a whole new server back, the requests it held resubmitted and finished."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import pickle
+import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -36,6 +42,8 @@ from rollout_lifecycle import (
     FromTensor,
     IllegalEngineOp,
     LifecycleConfig,
+    Outcome,
+    PhaseFailed,
     RolloutServer,
     ServerState,
     SGLangHTTPEngine,
@@ -132,3 +140,85 @@ async def test_a_tensor_push_is_refused_unsent_and_the_server_answers_500_to_one
         await assert_serving(dp_server, before or "")
     finally:
         await engine.close()
+
+
+def rank_process(server: RealServer, rank: int) -> int:
+    """The pid of data-parallel rank ``rank``'s scheduler (``sglang::scheduler_DP<rank>``, a
+    process of the server's group)."""
+    assert server.proc is not None
+    title = f"sglang::scheduler_DP{rank}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if (
+                os.getpgid(int(entry.name)) == server.proc.pid
+                and title in (entry / "cmdline").read_bytes()
+            ):
+                return int(entry.name)
+        except (OSError, ProcessLookupError):
+            continue
+    raise AssertionError(f"no {title.decode()} in the group of {server.url}:\n{server.output()}")
+
+
+async def test_a_rank_killed_mid_cycle_is_named_unhealthy_and_recover_brings_a_whole_new_server(
+    dp_server: RealServer, real_servers: list[RealServer], real_sglang: RealSGLang
+) -> None:
+    """A fleet of a single-rank server and the two-rank one, six requests decoding through the
+    library's generation client; after the offload the scheduler of rank 1 is killed. The
+    resume names the two-rank server dead (unhealthy: it answers ``/ping``, its ranks do not),
+    and nothing is sent to it; ``recover()`` replaces it by a whole new server at its address
+    (every process of the old one stopped), whose weights are then pushed and verified with
+    the other's; every request, those the half-alive server held included, finishes full
+    length."""
+    shared, model = real_servers[0], real_sglang.model
+    urls = [shared.url, dp_server.url]
+    expected = await asyncio.to_thread(trainer_fingerprint, real_sglang, model, "sglang")
+    engines = [SGLangHTTPEngine(url) for url in urls]
+    made: list[SGLangHTTPEngine] = []
+    server = RolloutServer([EngineGroup("actor", engines)])
+
+    def restart(engine_id: str) -> SGLangHTTPEngine:
+        assert engine_id == "actor/1"
+        # the paused single-rank server busy-polls a core: frozen while the new one starts
+        dp_server.restart(hold=[shared])
+        made.append(SGLangHTTPEngine(dp_server.url))
+        return made[-1]
+
+    try:
+        async with slowed(urls, SLOW_STEP_S):
+            traffic = [
+                asyncio.ensure_future(server.generation.generate(request(40 + i))) for i in range(6)
+            ]
+            await admitted(urls, traffic)
+            await server.offload()
+        os.kill(rank_process(dp_server, 1), signal.SIGKILL)
+        with pytest.raises(PhaseFailed) as failed:
+            await server.onload_weights()
+        outcomes = failed.value.outcomes
+        assert outcomes["actor/0"].ok, outcomes
+        half = outcomes["actor/1"]
+        assert half.outcome is Outcome.DEAD, half
+        assert half.detail.startswith("unhealthy: the server answers /ping"), half.detail
+        assert "each of its 2 data-parallel ranks" in half.detail
+        assert dp_server.alive()  # half-alive: its launcher and front end live on
+        assert not any(t.done() for t in traffic)
+        await server.recover(lambda engine_id: asyncio.to_thread(restart, engine_id))
+        assert len(made) == 1 and server.state is ServerState.WEIGHTS_RESTORED
+        await server.update_weights(FromDisk(model), "dp-recovered", expected=expected)
+        await server.onload_kv()
+        answers = await asyncio.wait_for(asyncio.gather(*traffic), timeout=600)
+        assert_full(answers, TOKENS)
+        resubmitted = [a["meta_info"].get("num_resubmissions", 0) for a in answers]
+        print(f"{len(answers)} of {len(traffic)} answered; resubmissions {resubmitted}")
+        assert sum(resubmitted) >= 1  # (the requests the old two-rank server held)
+        records = server.snapshot().engines()
+        assert all(r.alive and not r.stale and not r.unverified for r in records.values())
+        assert records["actor/1"].capabilities is not None
+        assert records["actor/1"].capabilities["ranks"] == RANKS
+        await assert_serving(dp_server, "dp-recovered")
+        await assert_serving(shared, "dp-recovered")
+    finally:
+        server.generation.close()
+        for engine in [*engines, *made]:
+            await engine.close()

@@ -24,6 +24,7 @@ from rollout_lifecycle.contract.exceptions import (
     EngineDead,
     EngineRejected,
     EngineTimeout,
+    EngineUnhealthy,
     EngineUnreachable,
     IllegalEngineOp,
     InvalidArgument,
@@ -153,9 +154,25 @@ class SGLangLink:
         return await self._server_info("server_info")
 
     async def _server_info(self, op: str) -> dict[str, Any]:
-        """``GET /server_info`` for ``op``; keeps the data-parallel ranks it names (``ranks``)."""
-        # sglang: common.py build_server_info (server_args.resolved_dict() + launch_command)
-        info = await self.info("server_info", op)
+        """``GET /server_info`` for ``op``; keeps the data-parallel ranks it names (``ranks``).
+
+        On a server of several ranks the read waits for every rank, so it is the check that the
+        server is whole: it gets half the probe timeout, and unanswered while ``/ping`` answers
+        (the front end's own health) the server is not whole, ``EngineUnhealthy``. A rank whose
+        process died leaves such a server: its front end and the other ranks live on, and
+        nothing restarts the rank."""
+        # sglang: http_server.py server_info -> tokenizer_control_mixin.py get_internal_state,
+        # a FanOutCommunicator (communicator.py) that returns once every rank has answered and
+        # queues each later read behind one that has not
+        ranks = self._ranks
+        wait = self._timeouts.probe / 2 if ranks > 1 else None
+        try:
+            # sglang: common.py build_server_info (server_args.resolved_dict() + launch_command)
+            info = await self.info("server_info", op, timeout=wait)
+        except EngineTimeout:
+            if wait is not None and await self.ping():
+                raise EngineUnhealthy(self.label, op, ranks, wait) from None
+            raise
         # sglang: server_args.py ServerArgs.dp_size (absent from a server that predates it)
         ranks = info.get("dp_size", 1)
         if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
@@ -167,16 +184,18 @@ class SGLangLink:
         """What the server says of itself (``EngineHost.observe``), its reads sent at once:
         the incarnation ``/server_info`` names (``identify``), and whether it is paused
         (``paused``: a server that answers ``/ping`` and not ``/ready`` is paused; one that
-        does not answer ``/ping`` cannot tell)."""
+        does not answer ``/ping`` cannot tell). A server of several ranks is read whole every
+        time (``_server_info``): a checked call is never sent to one that is not."""
+        whole = identify or self._ranks > 1  # (a server of several ranks: is it whole?)
         reads: list[Awaitable[Any]] = []
-        if identify:
+        if whole:
             reads.append(self.server_info())
         if paused:
             reads += [self.ping(), self.ready()]
         answers = list(await asyncio.gather(*reads))
-        info = answers.pop(0) if identify else None
+        info = answers.pop(0) if whole else None
         found: dict[str, Any] = {"incarnation": None, "paused": None}
-        if info is not None:
+        if identify and info is not None:
             found["incarnation"] = incarnation_of(info)
         if paused:
             healthy, serving = answers
@@ -308,7 +327,9 @@ class SGLangLink:
         """Raise the ``EngineError`` of an answer that is not what ``path`` answers."""
         self._wire.garbage(op, path, why)
 
-    async def info(self, name: str, op: str | None = None) -> dict[str, Any]:
+    async def info(
+        self, name: str, op: str | None = None, timeout: float | None = None
+    ) -> dict[str, Any]:
         """An information endpoint's JSON object, from its path or, on a server that predates
         it, its older alias.
 
@@ -317,7 +338,7 @@ class SGLangLink:
         paths = ENDPOINTS[name].paths
         for i, path in enumerate(paths):
             try:
-                data = await self.call(name, op=op, path=path)
+                data = await self.call(name, op=op, path=path, timeout=timeout)
                 break
             except EngineRejected as exc:
                 if exc.status != 404 or i == len(paths) - 1:

@@ -16,7 +16,7 @@ import hashlib
 import json
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from rollout_lifecycle.backends.http.rows import Answer, Endpoint
 from rollout_lifecycle.backends.secret import Secret, as_secret
@@ -432,11 +432,21 @@ def create_app(
     async def stats(_: Request) -> Any:
         return engine.stats()
 
+    async def lose_rank(request: Request) -> Any:
+        body = await request.json()
+        rank = body.get("rank") if isinstance(body, dict) else None
+        try:
+            engine.lose_rank(cast(int, rank))  # (checked there)
+        except InvalidArgument as exc:
+            raise BadRequest(str(exc)) from None
+        return {"lost_ranks": [rank]}
+
     standin("/v1/loads", ["GET"], loads)
     standin("/_standin/history", ["GET"], history)
     standin("/_standin/memory", ["GET"], memory)
     standin("/_standin/state", ["GET"], engine_state)
     standin("/_standin/stats", ["GET"], stats)
+    standin("/_standin/lose_rank", ["POST"], lose_rank)
     standin(FAULTS_PATH, ["GET", "POST", "DELETE"], faults)
     return app
 

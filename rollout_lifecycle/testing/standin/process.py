@@ -444,6 +444,12 @@ class StandInServer:
         result: list[dict[str, Any]] = self._standin_call("GET", FAULTS_PATH)["faults"]
         return result
 
+    def lose_rank(self, rank: int) -> None:
+        """The process of data-parallel rank ``rank`` dies, the rest of the server living on
+        (``POST /_standin/lose_rank``; ``SimulatedEngine.lose_rank`` says what it answers then).
+        Until a restart."""
+        self._standin_call("POST", "/_standin/lose_rank", {"rank": rank})
+
     def state(self) -> dict[str, Any]:
         """What SGLang does not publish: paused, pause mode, released tags, weights valid,
         a deferred flush, an open weight-update session (``GET /_standin/state``)."""
