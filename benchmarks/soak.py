@@ -106,6 +106,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+#: The real-server soak's traffic: long enough answers, and twice the concurrency per cycle,
+#: that offloads find requests still decoding on a CPU (each leg's min_in_flight_at_offload
+#: says). The real-SGLang test tier runs the soak so too, on its own servers.
+REAL_KNOBS = Knobs(concurrency=32, tokens=(16, 64), trainer_step_s=0.2, min_decode_s=0.3)
+
+
 def run_real(args: argparse.Namespace) -> TrafficReport:
     launch, model = cpu_sglang_launch()
     return asyncio.run(
@@ -118,9 +124,7 @@ def run_real(args: argparse.Namespace) -> TrafficReport:
             legs=2,
             death_every=args.real_death_every,
             seed=args.seed,
-            # long enough answers, and twice the concurrency per cycle, that offloads find
-            # requests still decoding on a CPU (each leg's min_in_flight_at_offload says)
-            knobs=Knobs(concurrency=32, tokens=(16, 64), trainer_step_s=0.2, min_decode_s=0.3),
+            knobs=REAL_KNOBS,
         )
     )
 
