@@ -387,6 +387,13 @@ class RealServerPool:
         self._taken.append(server)
         return server.wait_ready()
 
+    def give_back(self, server: RealServer) -> None:
+        """Take back a disposable server that is as fresh as a new one (a test that only
+        restarted it: nothing asked of the new process), to be the next ``disposable()``: one
+        start fewer (a minute of CI's two cores)."""
+        self._taken.remove(server)
+        self._spares.append(server)
+
     def stop(self) -> None:
         for server in [*self._shared, self._keyed, *self._spares, *self._taken]:
             server.stop()

@@ -114,7 +114,14 @@ def target(request: pytest.FixtureRequest) -> Iterator[Target]:
         def real_disposable() -> Target:
             server = pool.disposable()
             stops.append(server.stop)
-            return _disposable_target(_real_target(server), server.restart)
+
+            def give_back() -> None:
+                stops.remove(server.stop)
+                pool.give_back(server)
+
+            disposable = _disposable_target(_real_target(server), server.restart)
+            disposable._give_back = give_back
+            return disposable
 
         target = _real_target(real)
         target._disposable = real_disposable

@@ -42,6 +42,7 @@ class Target:
     _exited: Callable[[float], bool] = field(repr=False, default=lambda _: False)
     _disposable: Callable[[], Target] | None = field(repr=False, default=None)
     _restart: Callable[[], object] | None = field(repr=False, default=None)
+    _give_back: Callable[[], object] | None = field(repr=False, default=None)
 
     def headers(self, key: str | None = None) -> dict[str, str]:
         """``Authorization: Bearer KEY`` for ``key`` (by default the control key: the admin
@@ -68,6 +69,13 @@ class Target:
         ready."""
         assert self._restart is not None, "only a disposable target restarts"
         self._restart()
+
+    def give_back(self) -> None:
+        """Hand a disposable server that is as fresh as a new one (only restarted since) back
+        to be the next disposable one, instead of stopping it (where its kind keeps spares)."""
+        assert self._restart is not None, "only a disposable target is given back"
+        if self._give_back is not None:
+            self._give_back()
 
 
 #: The system calls in which an event loop waits for its sockets, by machine (epoll_wait,

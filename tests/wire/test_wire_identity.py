@@ -80,3 +80,4 @@ async def test_a_server_restarted_at_its_address_is_a_new_incarnation_and_a_fres
         assert (await client.get("/ping")).status_code == 200
     assert incarnation_of(after) != incarnation_of(before)
     assert after["startup_time"] != before["startup_time"]
+    server.give_back()  # a fresh server, asked nothing since its start: the next test's
