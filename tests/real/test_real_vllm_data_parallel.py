@@ -1,0 +1,173 @@
+"""A real vLLM 0.32 server with two data-parallel ranks (``--data-parallel-size 2``: an engine
+core process per rank, ``EngineCore_DP0`` and ``_DP1``, and a ``DPCoordinator``, behind one API
+server) through the colocated cycle on this CPU: five cycles, each begun with requests decoding
+on both ranks (the server's per-engine ``num_requests_running``), lose nothing, and every request
+finishes full length on its cycle's version. (vLLM on a CPU cannot show its weights to a
+checksum: ``test_real_vllm.py``; these cycles are not verified.) A rank's engine core killed
+after an offload takes the whole server down (vLLM's engine-core monitor shuts the API server
+down): the library names it dead and ``recover()`` brings a whole new server back."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from real.servers import RealVLLM, RealVLLMServer
+
+from rollout_lifecycle import (
+    EngineGroup,
+    FromDisk,
+    Outcome,
+    PhaseFailed,
+    RolloutServer,
+    ServerState,
+)
+from rollout_lifecycle.backends.vllm.client import VLLMHTTPEngine
+from rollout_lifecycle.testing.waits import until
+
+pytestmark = pytest.mark.real_vllm
+
+RANKS = 2
+CYCLES = 5
+#: Requests per cycle: the API server deals them to the ranks by their load, two each.
+REQUESTS = 2 * RANKS
+#: Long enough (~200 tokens/s a request here) that every request still decodes at the pause.
+TOKENS = 3000
+#: ``/metrics``: requests each engine core runs now (``engine`` is its data-parallel rank).
+RUNNING = re.compile(r'^vllm:num_requests_running\{engine="(\d+)"[^}]*\} ([0-9.]+)$', re.M)
+
+
+@pytest.fixture(scope="module")
+def dp_vllm(real_vllm: RealVLLM) -> Iterator[RealVLLMServer]:
+    server = RealVLLMServer(real_vllm, extra_args=("--data-parallel-size", str(RANKS)))
+    server.start().wait_ready()
+    yield server
+    server.stop()
+
+
+def request(i: int) -> dict[str, object]:
+    return {
+        "input_ids": [1, 2, 3, 4 + i],
+        "sampling_params": {"max_new_tokens": TOKENS, "temperature": 0, "ignore_eos": True},
+    }
+
+
+async def running_per_rank(url: str) -> dict[int, float]:
+    async with httpx.AsyncClient(timeout=30) as client:
+        text = (await client.get(f"{url}/metrics")).text
+    return {int(rank): float(n) for rank, n in RUNNING.findall(text)}
+
+
+async def on_every_rank(url: str, traffic: Sequence[asyncio.Future[Any]]) -> None:
+    """Return once each rank runs a request (a fact, not a sleep); fail if one ended first."""
+
+    async def running() -> bool:
+        if any(job.done() for job in traffic):
+            raise AssertionError(f"a request ended before the pause: {traffic}")
+        counts = await running_per_rank(url)
+        return sorted(counts) == list(range(RANKS)) and all(counts.values())
+
+    await until(running, deadline=300, every=0.05, what="a request running on every rank")
+
+
+def rank_process(server: RealVLLMServer, rank: int) -> int:
+    """The pid of rank ``rank``'s engine core (``VLLM::EngineCore_DP<rank>``, in the group)."""
+    assert server.proc is not None
+    title = f"EngineCore_DP{rank}".encode()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (
+                    os.getpgid(int(entry.name)) == server.proc.pid
+                    and title in (entry / "cmdline").read_bytes()
+                ):
+                    return int(entry.name)
+            except OSError:
+                continue
+    raise AssertionError(f"no {title.decode()} in the group of {server.url}")
+
+
+async def test_five_cycles_with_requests_on_both_ranks_lose_nothing(
+    dp_vllm: RealVLLMServer, real_vllm: RealVLLM
+) -> None:
+    engine = VLLMHTTPEngine(dp_vllm.url)
+    server = RolloutServer([EngineGroup("dp", [engine])])
+    try:
+        for cycle in range(1, CYCLES + 1):
+            version = f"vdp-{cycle}"
+            traffic = [
+                asyncio.ensure_future(server.generate(request(i), "dp")) for i in range(REQUESTS)
+            ]
+            await on_every_rank(dp_vllm.url, traffic)
+            await server.offload()
+            assert not any(job.done() for job in traffic)  # the pause found them all
+            await server.onload_weights()
+            await server.update_weights(FromDisk(real_vllm.model), version)
+            await server.onload_kv()
+            answers = await asyncio.wait_for(asyncio.gather(*traffic), 600)
+            assert [len(a["output_ids"]) for a in answers] == [TOKENS] * REQUESTS, cycle
+            assert await engine.weight_version() == version
+        stats = server.generation.stats()
+        print(f"{CYCLES} cycles on {RANKS} ranks: {stats}")
+        sent = CYCLES * REQUESTS
+        assert (stats["submitted"], stats["completed"], stats["failed"]) == (sent, sent, 0)
+        assert server.state is ServerState.SERVING
+    finally:
+        await engine.close()
+
+
+async def test_a_rank_killed_mid_cycle_takes_the_server_down_and_recover_brings_a_whole_one(
+    dp_vllm: RealVLLMServer, real_vllm: RealVLLM
+) -> None:
+    engine = VLLMHTTPEngine(dp_vllm.url)
+    made: list[VLLMHTTPEngine] = []
+    server = RolloutServer([EngineGroup("dp", [engine])])
+
+    def restart(engine_id: str) -> VLLMHTTPEngine:
+        dp_vllm.restart()  # every process of the old one stopped, a new one at its address
+        made.append(VLLMHTTPEngine(dp_vllm.url))
+        return made[-1]
+
+    try:
+        await server.offload()
+        os.kill(rank_process(dp_vllm, 1), signal.SIGKILL)
+        # vLLM's engine-core monitor shuts the API server down: its port closes
+        await until(
+            lambda: asyncio.to_thread(_refused, dp_vllm.url),
+            deadline=120,
+            what="the API server to close its port",
+            every=0.2,
+        )
+        with pytest.raises(PhaseFailed) as failed:
+            await server.onload_weights()
+        (outcome,) = failed.value.outcomes.values()
+        assert outcome.outcome is Outcome.DEAD, outcome
+        await server.recover(lambda engine_id: asyncio.to_thread(restart, engine_id))
+        assert len(made) == 1
+        await server.pause()
+        await server.update_weights(FromDisk(real_vllm.model), "vdp-recovered")
+        await server.resume()
+        answer = await asyncio.wait_for(server.generate(request(9), "dp"), 300)
+        assert len(answer["output_ids"]) == TOKENS
+        assert await made[0].weight_version() == "vdp-recovered"
+        assert server.state is ServerState.SERVING
+    finally:
+        for client in [engine, *made]:
+            await client.close()
+
+
+def _refused(url: str) -> bool:
+    try:
+        httpx.get(f"{url}/health", timeout=5)
+    except httpx.ConnectError:
+        return True
+    except httpx.HTTPError:
+        return False
+    return False
