@@ -85,12 +85,17 @@ async def test_full_colocated_cycle_over_http_with_traffic_in_flight(
     actors = [start_engine_actor(sglang_http_factory(s.url, admin_key=ADMIN_KEY)) for s in servers]
     try:
         await asyncio.wait_for(asyncio.gather(*(a.ping.remote() for a in actors)), timeout=60)
+        # The probe below warms each actor's way to its server; on a machine under two CPU hogs
+        # an actor's first reads took longer than the default probe deadline (10 s), which is
+        # the machine's speed, not what this test shows: a deadline load cannot reach.
         server = RolloutServer(
-            [EngineGroup("actor", actors[:2]), EngineGroup("critic", actors[2:])]
+            [EngineGroup("actor", actors[:2]), EngineGroup("critic", actors[2:])],
+            LifecycleConfig(deadlines=Deadlines(probe=120.0)),
         )
         # Every engine actor's way to its server is warm (its first reads and connection) before
         # traffic starts, so the pause below follows the fact it waits for closely.
-        assert all(o.ok for o in (await server.probe()).values())
+        probed = await server.probe()
+        assert all(o.ok for o in probed.values()), probed
         before = {s.url: len(await history_of(s.url)) for s in servers}
         async with httpx.AsyncClient(timeout=180) as client:
             # Long enough (12 s at 4 ms a token) to be decoding still when the pause lands, on a
