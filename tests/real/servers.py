@@ -227,6 +227,22 @@ class RealServer:
         for raw in stream:
             self._tail.append(raw.decode("utf-8", "replace").rstrip())
 
+    def process_titled(self, title: str) -> int:
+        """The pid of the process of this server's group whose command line holds ``title``
+        (a rank's scheduler or engine core: ``sglang::scheduler_DP1``, ``EngineCore_DP1``)."""
+        assert self.proc is not None
+        wanted = title.encode()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                pid = int(entry.name)
+                if os.getpgid(pid) == self.proc.pid and wanted in (entry / "cmdline").read_bytes():
+                    return pid
+            except OSError:  # (gone meanwhile, or not ours to read)
+                continue
+        raise AssertionError(f"no {title} in the group of {self.url}:\n{self.output()}")
+
     def output(self) -> str:
         return "\n".join(self._tail)
 

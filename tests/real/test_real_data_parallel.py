@@ -17,7 +17,6 @@ import pickle
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -142,25 +141,6 @@ async def test_a_tensor_push_is_refused_unsent_and_the_server_answers_500_to_one
         await engine.close()
 
 
-def rank_process(server: RealServer, rank: int) -> int:
-    """The pid of data-parallel rank ``rank``'s scheduler (``sglang::scheduler_DP<rank>``, a
-    process of the server's group)."""
-    assert server.proc is not None
-    title = f"sglang::scheduler_DP{rank}".encode()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if (
-                os.getpgid(int(entry.name)) == server.proc.pid
-                and title in (entry / "cmdline").read_bytes()
-            ):
-                return int(entry.name)
-        except (OSError, ProcessLookupError):
-            continue
-    raise AssertionError(f"no {title.decode()} in the group of {server.url}:\n{server.output()}")
-
-
 async def test_a_rank_killed_mid_cycle_is_named_unhealthy_and_recover_brings_a_whole_new_server(
     dp_server: RealServer, real_servers: list[RealServer], real_sglang: RealSGLang
 ) -> None:
@@ -192,7 +172,7 @@ async def test_a_rank_killed_mid_cycle_is_named_unhealthy_and_recover_brings_a_w
             ]
             await admitted(urls, traffic)
             await server.offload()
-        os.kill(rank_process(dp_server, 1), signal.SIGKILL)
+        os.kill(dp_server.process_titled("sglang::scheduler_DP1"), signal.SIGKILL)
         with pytest.raises(PhaseFailed) as failed:
             await server.onload_weights()
         outcomes = failed.value.outcomes
