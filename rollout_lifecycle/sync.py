@@ -518,6 +518,11 @@ class SyncRolloutServer:
         """The state and what the server knows of every engine."""
         return self._call("snapshot", lambda: _now(self._server.snapshot))
 
+    def unhealthy_units(self) -> dict[str, str]:
+        """The units of several servers that cannot serve whole, with why; see
+        ``RolloutServer.unhealthy_units``."""
+        return self._call("unhealthy_units", lambda: _now(self._server.unhealthy_units))
+
     def probe(self, *, timeout: float | None = None) -> dict[str, EngineOutcome]:
         """Probe every live engine's liveness without generating; dead ones are marked dead."""
         return self._call("probe", lambda: self._server.probe(), timeout)
@@ -596,12 +601,17 @@ class SyncRolloutServer:
         return self._call("reset", lambda: self._server.reset(), timeout)
 
     def recover(
-        self, factory: SyncEngineFactory, *, timeout: float | None = None
+        self,
+        factory: SyncEngineFactory | None = None,
+        *,
+        unit_factory: Callable[[tuple[str, ...]], Any] | None = None,
+        timeout: float | None = None,
     ) -> dict[str, EngineOutcome]:
-        """Replace dead and uncertain engines through ``factory(engine_id)`` (a sync factory runs
-        in a worker thread); see ``RolloutServer.recover``."""
-        target = self._threaded(factory) if callable(factory) else factory
-        return self._call("recover", lambda: self._server.recover(target), timeout)
+        """Replace dead and uncertain engines through ``factory(engine_id)``, and unhealthy
+        units whole through ``unit_factory(member_ids)`` (a sync factory runs in a worker
+        thread); see ``RolloutServer.recover``."""
+        one, unit = (self._threaded(f) if callable(f) else f for f in (factory, unit_factory))
+        return self._call("recover", lambda: self._server.recover(one, unit_factory=unit), timeout)
 
     @contextmanager
     def paused(self, *, timeout: float | None = None) -> Iterator[SyncRolloutServer]:

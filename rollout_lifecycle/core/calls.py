@@ -115,6 +115,7 @@ PUBLIC_CALLS: dict[str, PublicCall] = {
         PublicCall("on", _P, "call a hook on an event; returns its remover", user_code="hook"),
         PublicCall("state", _P, "the aggregate state"),
         PublicCall("snapshot", _P, "the state and what the server knows of every engine"),
+        PublicCall("unhealthy_units", _P, "the units of several servers that cannot serve whole"),
         PublicCall("metrics", _P, "timings of the last completed call of each kind"),
         PublicCall("expected_version", _P, "the version of the last versioned weight update"),
         PublicCall("name", _P, "the server's name"),

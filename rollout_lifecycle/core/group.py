@@ -50,9 +50,20 @@ class EngineGroup:
     ``engines`` are Ray actor handles of ``EngineActor`` (production), ``EngineHost`` objects, or
     bare engine backends (in-process fleets; wrapped in an ``EngineHost``). Groups with
     ``needs_offload=False`` (GPUs not shared with the trainer) are never released.
+
+    ``unit=N`` declares that the engines form units of ``N`` servers, each ``N`` in a row (a
+    prefill/decode pair, a replica spread over the servers of several nodes): servers that live
+    and die together. A unit serves (to the generation client and the router) only while every
+    member serves; a member continues only once every member has its memory back; a member
+    dead or with tags in an unknown state makes the whole unit unhealthy
+    (``RolloutServer.unhealthy_units``) and ``recover(unit_factory=...)`` replaces the unit
+    whole; a verified write fails every member of a unit where one fails. Each member keeps
+    its own record, incarnation and claim.
     """
 
-    def __init__(self, name: str, engines: Sequence[Any], needs_offload: bool = True) -> None:
+    def __init__(
+        self, name: str, engines: Sequence[Any], needs_offload: bool = True, unit: int = 1
+    ) -> None:
         check_name("group name", name, trimmed=True)
         if "/" in name:
             raise InvalidArgument(
@@ -64,6 +75,13 @@ class EngineGroup:
             raise InvalidArgument(f"engines of group {name!r} must be a sequence, got {engines!r}")
         if not engines:
             raise InvalidArgument(f"group {name!r} has no engines")
+        if not isinstance(unit, int) or isinstance(unit, bool) or unit < 1:
+            raise InvalidArgument(f"unit of group {name!r} must be an int >= 1, got {unit!r}")
+        if len(engines) % unit:
+            raise InvalidArgument(
+                f"group {name!r} has {len(engines)} engines, not a whole number of units of "
+                f"{unit}: give {unit} engines per unit"
+            )
         handles: list[Any] = []
         seen: dict[Hashable, int] = {}
         for index, engine in enumerate(engines):
@@ -82,14 +100,20 @@ class EngineGroup:
         self._before_send: Callable[[], None] | None = None
         self._name = name
         self._needs_offload = needs_offload
+        self._unit = unit
         self._records = tuple(
             EngineRecord(id=f"{name}/{i}", group=name, handle=h) for i, h in enumerate(handles)
         )
+        for start in range(0, len(self._records), unit) if unit > 1 else ():
+            members = self._records[start : start + unit]
+            for record in members:
+                record.joins(members)
 
     def __repr__(self) -> str:
+        units = f", unit={self._unit}" if self._unit > 1 else ""
         return (
             f"EngineGroup({self._name!r}, engines={len(self._records)}, "
-            f"needs_offload={self._needs_offload})"
+            f"needs_offload={self._needs_offload}{units})"
         )
 
     @property
@@ -101,6 +125,11 @@ class EngineGroup:
     def needs_offload(self) -> bool:
         """True when the group's GPUs are shared with the trainer."""
         return self._needs_offload
+
+    @property
+    def unit(self) -> int:
+        """How many servers make one unit of this group (1: each engine is a unit alone)."""
+        return self._unit
 
     @property
     def engines(self) -> tuple[Any, ...]:

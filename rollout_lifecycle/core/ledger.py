@@ -344,6 +344,10 @@ class EngineRecord:
     unwatched: bool = field(default=True, repr=False, compare=False)
     #: The handle whose engine ``key`` names, and that key (``key``'s cache).
     _keyed: tuple[Any, Hashable] | None = field(default=None, repr=False, compare=False)
+    #: The other members of the unit this engine belongs to (``EngineGroup(unit=N)``): servers
+    #: that live, serve and are replaced together. Empty for an engine that is a unit alone. Set
+    #: once by its group; a slot keeps its mates when its engine is replaced.
+    mates: tuple[EngineRecord, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def key(self) -> Hashable:
@@ -380,6 +384,35 @@ class EngineRecord:
     def idle(self) -> bool:
         """Paused and known to be idle (``is_idle``)."""
         return is_idle(self)
+
+    @property
+    def unit(self) -> tuple[EngineRecord, ...]:
+        """The records of this engine's unit, in group order (this one alone when it is a
+        unit by itself)."""
+        if not self.mates:
+            return (self,)
+        return tuple(sorted((self, *self.mates), key=lambda r: int(r.id.rpartition("/")[2])))
+
+    @property
+    def unit_name(self) -> str:
+        """How messages name this engine's unit: ``group/first-last`` (its own id alone)."""
+        if not self.mates:
+            return self.id
+        members = self.unit
+        return f"{members[0].id}-{members[-1].id.rpartition('/')[2]}"
+
+    def joins(self, unit: Sequence[EngineRecord]) -> None:
+        """This engine is a member of ``unit`` (its group's records, in order, this one among
+        them): the others are its ``mates`` from now on."""
+        if self not in unit:
+            raise InvalidArgument(f"engine {self.id} is not a member of the unit it joins")
+        self.mates = tuple(m for m in unit if m is not self)
+
+    def broken_mate(self) -> EngineRecord | None:
+        """The first other member of this engine's unit that ``recover()`` must replace (dead,
+        or holding tags in an unknown state), which makes the whole unit unhealthy; None while
+        every member is whole."""
+        return next((m for m in self.unit if m is not self and m.state in BROKEN_STATES), None)
 
     # -- guards: each raises before a call that would kill the engine is sent ------------------
 
@@ -450,6 +483,20 @@ class EngineRecord:
         held = sorted(t.value for t in self.released | self.uncertain)
         if held:
             raise self._refuse(op, f"tags {held} are released; generation would run on them")
+        for mate in self.mates:  # a unit continues as one, once every member has its memory
+            if not mate.alive:
+                raise self._refuse(
+                    op,
+                    f"its unit {self.unit_name} is unhealthy: member {mate.id} is dead; a unit "
+                    f"continues only whole, recover() replaces it",
+                )
+            lacking = sorted(t.value for t in mate.released | mate.uncertain)
+            if lacking:
+                raise self._refuse(
+                    op,
+                    f"member {mate.id} of its unit {self.unit_name} holds tags {lacking} "
+                    f"released; a unit continues only once every member has its memory back",
+                )
 
     def check_write_weights(self) -> None:
         """Write weights only when they are resident."""
@@ -932,6 +979,9 @@ def default_targets(group: GroupRecords, op: Op) -> list[EngineRecord]:
     engines, the rest to every live engine."""
     targets = command(op).targets
     if targets is _ON_PAUSED:
+        if op is _CONTINUE:
+            # (the members of an unhealthy unit stay paused: recover() replaces the unit)
+            return [r for r in group.records if r.alive and r.paused and not r.broken_mate()]
         return [r for r in group.records if r.alive and r.paused]
     if targets is _ON_OFFLOADING and not group.needs_offload:
         return []
@@ -996,9 +1046,25 @@ class Fleet:
         """The live records of the groups that offload."""
         return self.get(LIVE_STATES, skip=skip, offloading=True)
 
-    def broken(self) -> list[EngineRecord]:
-        """The engines ``recover()`` replaces: dead, or holding tags in an unknown state."""
-        return self.get(BROKEN_STATES)
+    def broken(self, also: Iterable[EngineRecord] = ()) -> list[EngineRecord]:
+        """The engines ``recover()`` replaces: dead, or holding tags in an unknown state, and
+        every member of their units (and of the units of ``also``: members found restarted),
+        in group order. A unit is replaced whole, never one member."""
+        seeds = {r.id for r in self.get(BROKEN_STATES)} | {r.id for r in also}
+        out = {m.id for r in self.records() if r.id in seeds for m in r.unit}
+        return [r for r in self.records() if r.id in out]
+
+    def unhealthy_units(self) -> dict[str, str]:
+        """Each unit of several servers that cannot serve whole (a member dead, or holding
+        tags in an unknown state), by ``unit_name``, with why."""
+        out: dict[str, str] = {}
+        for record in self.records():
+            if record.mates and record.unit_name not in out:
+                bad = [m for m in record.unit if m.state in BROKEN_STATES]
+                if bad:
+                    said = ", ".join(f"{m.id} {m.state.value}" for m in bad)
+                    out[record.unit_name] = f"{said}; recover() replaces the unit whole"
+        return out
 
     def dead_groups(self) -> list[GroupRecords]:
         """The groups none of whose engines is alive."""
@@ -1019,9 +1085,12 @@ class Fleet:
     def serves(self, record: EngineRecord, state: ServerState) -> bool:
         """Whether ``record``'s engine may take generate requests with the server in ``state``:
         its record says it can (``EngineRecord.serves``) and the state lets its group
-        (``may_serve``). The one predicate the generation client routes by and the router
-        binding registers by."""
-        return record.serves and may_serve(state, self._offloads[record.group])
+        (``may_serve``), and so do those of every other member of its unit: a unit serves whole
+        or not at all. The one predicate the generation client routes by and the router binding
+        registers by."""
+        if not record.serves or not may_serve(state, self._offloads[record.group]):
+            return False
+        return all(m.serves for m in record.mates)
 
     def target(self, record: EngineRecord, state: ServerState) -> Target | None:
         """The memory state ``record`` should be in when the server is settled in ``state``."""
@@ -1040,8 +1109,9 @@ class Fleet:
             return None
         if _E.STALE in states:
             return None  # a replacement that could not be brought up: recover() pauses it
-        # Replacements without the weights, held paused while their groups serve.
-        waiting = {r.id for r in live if r.state is _E.WAITING}
+        # Replacements without the weights, and the members of units that are not whole, held
+        # paused while their groups serve.
+        waiting = {r.id for r in live if r.state is _E.WAITING or r.broken_mate()}
         offload = [r for r in live if self._offloads[r.group]]
         others = [r for r in live if not self._offloads[r.group]]
         released = {frozenset(r.released) for r in offload} or {frozenset()}

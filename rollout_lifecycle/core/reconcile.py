@@ -134,11 +134,13 @@ class _Pass:
     def to_continue(self) -> list[EngineRecord]:
         """Paused with all its memory resident where the target generates, with the fleet's
         weights as far as the record knows or waiting for them where a version may show them
-        (not where only a write can: ``needs_write``)."""
+        (not where only a write can: ``needs_write``); not a member of a unit that is not
+        whole (``broken_mate``: it stays paused until ``recover()`` replaces the unit)."""
         return [
             r
             for r in self.live
             if not self.target(r).paused
+            and not r.broken_mate()
             and (
                 r.state in CONTINUABLE_STATES
                 or (r.state is EngineState.WAITING and not r.needs_write)

@@ -35,6 +35,9 @@ S = ServerState
 
 #: Makes a replacement engine for an engine id (``"group/index"``); may be async.
 EngineFactory = Callable[[str], Any]
+#: Makes a replacement unit for the ids of a unit's members (``("pd/0", "pd/1")``, a group
+#: declared with ``unit=2``): one new engine per member, in that order; may be async.
+UnitFactory = Callable[[tuple[str, ...]], Any]
 
 
 class Recovery(Client):
@@ -111,11 +114,19 @@ class Recovery(Client):
             await gate.after(plan, result)  # the router follows the records learned
         return result.outcomes
 
-    async def recover(self, factory: EngineFactory) -> dict[str, EngineOutcome]:
-        """Replace the broken engines, heal the rest; the outcome of every step."""
+    async def recover(
+        self, factory: EngineFactory | None, unit_factory: UnitFactory | None = None
+    ) -> dict[str, EngineOutcome]:
+        """Replace the broken engines (every member of a unit one of them belongs to, through
+        ``unit_factory``; the others through ``factory``), heal the rest; the outcome of every
+        step."""
         fleet, machine = self._fleet, self._machine
+        _check_factories(_units(fleet.broken()), factory, unit_factory)  # (before any read)
         renewed = await self.survey(Phase.RECOVER_SURVEY)  # fresh servers now, like replacements
-        broken = fleet.broken()
+        # a member restarted in place makes its unit unhealthy: the unit is replaced whole
+        broken = fleet.broken(also=[r for r in renewed if r.mates])
+        units = _units(broken)
+        _check_factories(units, factory, unit_factory)
         state = machine.state
         skip = {r.id for r in broken} | {r.id for r in renewed}
         goal = fleet.settled_state(skip=skip) if state is S.FAILED else state
@@ -128,9 +139,29 @@ class Recovery(Client):
         assert goal is not None
         replacements: list[tuple[EngineRecord, Any]] = []
         deadline = self._config.deadlines.startup
-        for record in broken:  # every replacement exists before anything is retired
-            engine = await self._hooks.run_user("recover", factory, record.id, deadline, wrap=False)
-            replacements.append((record, engine))
+        for unit in units:  # every replacement exists before anything is retired
+            if len(unit) == 1:
+                (record,) = unit
+                assert factory is not None  # (_check_factories)
+                engine = await self._hooks.run_user(
+                    "recover", factory, record.id, deadline, wrap=False
+                )
+                replacements.append((record, engine))
+                continue
+            ids = tuple(r.id for r in unit)
+            assert unit_factory is not None  # (_check_factories)
+            made = await self._hooks.run_user("recover", unit_factory, ids, deadline, wrap=False)
+            if isinstance(made, str | bytes) or not isinstance(made, Sequence):
+                raise InvalidArgument(
+                    f"unit_factory({ids}) must return a sequence of {len(unit)} engines, one per "
+                    f"member in that order; got {made!r}"
+                )
+            if len(made) != len(unit):
+                raise InvalidArgument(
+                    f"unit_factory({ids}) returned {len(made)} engines for a unit of "
+                    f"{len(unit)}: give one new engine per member, in that order"
+                )
+            replacements.extend(zip(unit, made, strict=True))
         self._check_replacements(replacements)
         log = logger().bind(server=self._name, call="recover")
         retired = []
@@ -194,7 +225,17 @@ class Recovery(Client):
             said = observed if isinstance(observed, Mapping) else {}
             seen = said.get("incarnation")
             saved = previous.get(record.id)
-            if saved is not None and saved.incarnation is not None and seen == saved.incarnation:
+            same = saved is not None and saved.incarnation is not None and seen == saved.incarnation
+            unused: tuple[Outcome, str] | None = None  # (not used: its tags become unknown)
+            if same and record.mates:
+                # one member of a unit as it was, the rest new: not a unit that lives together
+                unused = (
+                    Outcome.REFUSED,
+                    f"the unit factory handed back the process {record.id} was (incarnation "
+                    f"{seen}, not restarted): a unit is replaced whole; restart every member",
+                )
+            elif same:
+                assert saved is not None
                 record.kept(saved)  # the process the record described: it keeps its record
                 outcomes[record.id] = EngineOutcome(Outcome.OK, "", out.duration_s)
                 if record.uncertain:
@@ -206,17 +247,18 @@ class Recovery(Client):
                         out.duration_s,
                     )
             elif out.outcome is Outcome.CONFLICT:
-                record.learn(Outcome.CONFLICT, None)  # (its tags unknown: replaced again)
-                outcomes[record.id] = EngineOutcome(
+                unused = (
                     Outcome.CONFLICT,
                     f"the replacement is not a fresh server ({out.detail}); what memory it "
                     f"holds cannot be read, so it is not used",
-                    out.duration_s,
                 )
             elif out.ok:
                 # (a replacement's record is new: it names no process yet)
                 record.met(seen, said.get("capabilities"))
                 fresh.append(record)
+            if unused is not None:
+                record.learn(Outcome.CONFLICT, None)  # (replaced again by the next recover())
+                outcomes[record.id] = EngineOutcome(*unused, out.duration_s)
         return outcomes, fresh
 
     def _check_replacements(self, replacements: Sequence[tuple[EngineRecord, Any]]) -> None:
@@ -234,4 +276,37 @@ class Recovery(Client):
             taken[key] = f"the replacement for {record.id}"
 
 
-__all__ = ["EngineFactory", "Recovery"]
+def _units(records: Sequence[EngineRecord]) -> list[tuple[EngineRecord, ...]]:
+    """``records`` (each unit's members all in it, in group order) as their units."""
+    out: list[tuple[EngineRecord, ...]] = []
+    seen: set[str] = set()
+    for record in records:
+        if record.id not in seen:
+            unit = record.unit
+            seen.update(r.id for r in unit)
+            out.append(unit)
+    return out
+
+
+def _check_factories(
+    units: Sequence[tuple[EngineRecord, ...]],
+    factory: EngineFactory | None,
+    unit_factory: UnitFactory | None,
+) -> None:
+    """Refuse, before anything is made, a recover() that lacks the factory a broken engine or
+    unit needs."""
+    for unit in units:
+        if len(unit) == 1 and factory is None:
+            raise InvalidArgument(
+                f"engine {unit[0].id} must be replaced ({unit[0].state.value}); recover(factory) "
+                f"makes one engine, pass it"
+            )
+        if len(unit) > 1 and unit_factory is None:
+            why = ", ".join(f"{r.id} {r.state.value}" for r in unit)
+            raise InvalidArgument(
+                f"unit {unit[0].unit_name} must be replaced whole ({why}); "
+                f"recover(unit_factory=...) makes the {len(unit)} engines of a unit, pass it"
+            )
+
+
+__all__ = ["EngineFactory", "Recovery", "UnitFactory"]

@@ -37,7 +37,7 @@ from rollout_lifecycle.core.machine import Machine
 from rollout_lifecycle.core.observe import Recorder
 from rollout_lifecycle.core.parts import Parts, Versions
 from rollout_lifecycle.core.phases import Phases
-from rollout_lifecycle.core.recovery import EngineFactory, Recovery
+from rollout_lifecycle.core.recovery import EngineFactory, Recovery, UnitFactory
 from rollout_lifecycle.core.router_sync import RouterSync, WorkerRouter
 from rollout_lifecycle.core.runner import PhaseRunner, PhaseSettled, Plan, WorkerUrls
 from rollout_lifecycle.core.scope import Serializer, current
@@ -426,17 +426,32 @@ class RolloutServer:
         await self._serializer.run("reset", self._recovery.reset)
         return self.state
 
-    async def recover(self, factory: EngineFactory) -> dict[str, EngineOutcome]:
-        """Replace dead engines, and engines whose memory state is unknown, through ``factory``.
+    async def recover(
+        self, factory: EngineFactory | None = None, *, unit_factory: UnitFactory | None = None
+    ) -> dict[str, EngineOutcome]:
+        """Replace dead engines, and engines whose memory state is unknown, through ``factory``
+        (called with the engine's id; may be async).
 
-        Each replacement is brought to the memory state of its group in the server's current
-        state (paused and flushed, released tags released) before it rejoins, and counts as
-        stale until it receives weights. From ``failed`` the server then settles in the state
-        the engines imply. Returns the outcome of bringing up each replacement.
+        A unit of several servers (``EngineGroup(unit=N)``) with such a member, or a member
+        found restarted, is replaced whole through ``unit_factory``: called with the ids of its
+        members, it returns one new engine per member, in that order; the members that still
+        lived are retired. Each replacement is brought to the memory state of its group in the
+        server's current state (paused and flushed, released tags released) before it rejoins,
+        and counts as stale until it receives weights. From ``failed`` the server then settles
+        in the state the engines imply. Returns the outcome of bringing up each replacement.
         """
-        if not callable(factory):
-            raise InvalidArgument(f"factory must be callable, got {factory!r}")
-        return await self._run("recover", lambda: self._recovery.recover(factory))
+        for name, fn in (("factory", factory), ("unit_factory", unit_factory)):
+            if fn is not None and not callable(fn):
+                raise InvalidArgument(f"{name} must be callable, got {fn!r}")
+        if factory is None and unit_factory is None:
+            raise InvalidArgument("recover() needs a factory, a unit_factory, or both")
+        return await self._run("recover", lambda: self._recovery.recover(factory, unit_factory))
+
+    def unhealthy_units(self) -> dict[str, str]:
+        """Each unit of several servers (``EngineGroup(unit=N)``) that cannot serve whole,
+        named ``group/first-last``, with why (a member dead, or holding tags in an unknown
+        state): ``recover(unit_factory=...)`` replaces it."""
+        return self._fleet.unhealthy_units()
 
     @asynccontextmanager
     async def paused(self) -> AsyncIterator[RolloutServer]:

@@ -136,13 +136,59 @@ def judge(
     after: Mapping[str, Fingerprint | str],
     before: Mapping[str, Fingerprint],
     spec: Verification,
+    units: Mapping[str, str] | None = None,
 ) -> dict[str, Verdict]:
     """The engines of ``after`` that fail verification, by id (module docstring).
 
     ``groups`` maps each engine to its group; ``after`` holds each engine's fingerprint after
     the push, or why it could not be read; ``before`` the fingerprints read before it (an
-    engine missing there is not checked for a change).
+    engine missing there is not checked for a change); ``units`` the engines that are members
+    of a unit of several servers to its name (``_unit_verdicts``).
     """
+    failed = _engine_verdicts(groups, after, before, spec)
+    if units:
+        failed.update(_unit_verdicts(units, after, failed))
+    return failed
+
+
+def _unit_verdicts(
+    units: Mapping[str, str],
+    after: Mapping[str, Fingerprint | str],
+    failed: Mapping[str, Verdict],
+) -> dict[str, Verdict]:
+    """A unit serves only when every member holds the same weights, checked: its members that
+    passed fail when another member failed, or when the members' fingerprints (of one scheme)
+    differ among themselves."""
+    members: dict[str, list[str]] = defaultdict(list)
+    for engine, unit in units.items():
+        if engine in after:
+            members[unit].append(engine)
+    out: dict[str, Verdict] = {}
+    for unit, engines in members.items():
+        bad = [e for e in engines if e in failed]
+        prints = [after[e] for e in engines if e not in failed]
+        digests = {(p.scheme, p.digest) for p in prints if isinstance(p, Fingerprint)}
+        if bad:
+            why = (
+                f"member {bad[0]} of its unit {unit} failed verification ({failed[bad[0]].problem})"
+            )
+        elif len({scheme for scheme, _ in digests}) < len(digests):
+            why = f"the members of its unit {unit} hold different weights"
+        else:
+            continue
+        for engine in engines:
+            if engine not in failed:
+                out[engine] = Verdict(f"{why}: a unit serves only with every member verified")
+    return out
+
+
+def _engine_verdicts(
+    groups: Mapping[str, str],
+    after: Mapping[str, Fingerprint | str],
+    before: Mapping[str, Fingerprint],
+    spec: Verification,
+) -> dict[str, Verdict]:
+    """``judge`` of each engine by itself and against its group."""
     failed: dict[str, Verdict] = {}
     expected = {f.scheme: f for f in spec.expected}
     peers: dict[tuple[str, str], dict[str, Fingerprint]] = defaultdict(dict)
@@ -299,7 +345,8 @@ class Verifier(Client):
         after = await self.read(Phase.VERIFY_WEIGHTS, [r for r in records if r.alive])
         earlier = {k: v for k, v in before.items() if isinstance(v, Fingerprint)}
         groups = {r.id: r.group for r in records}
-        verdicts = judge(groups, after, earlier, spec)
+        units = {r.id: r.unit_name for r in records if r.mates}
+        verdicts = judge(groups, after, earlier, spec, units)
         for record in records:
             if record.id in verdicts:
                 record.failed_verification()

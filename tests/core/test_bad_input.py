@@ -77,7 +77,9 @@ async def test_bad_call_arguments_are_refused_before_any_engine_is_touched() -> 
     with pytest.raises(InvalidArgument, match="''"):
         await server.update_weights(lambda update: None, version="")
     with pytest.raises(InvalidArgument, match="callable"):
-        await server.recover(None)  # type: ignore[arg-type]
+        await server.recover("not callable")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="needs a factory"):
+        await server.recover(None)
     with pytest.raises(InvalidArgument, match="'kv'"):
         group.release_memory(["kv"])
     with pytest.raises(InvalidArgument, match="empty"):
