@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import os
 import random
 import threading
@@ -63,6 +64,9 @@ T = TypeVar("T")
 LEG_MODES: tuple[PauseMode, PauseMode] = (PauseMode.RETRACT, PauseMode.ABORT)
 #: The two groups of every server, both offloaded with the trainer.
 GROUPS: tuple[str, str] = ("actor", "critic")
+#: The critic's servers form units of two (``EngineGroup(unit=2)``) where it has an even number:
+#: a member killed makes its unit unhealthy, and ``recover()`` replaces the unit whole.
+UNIT_GROUPS: dict[str, int] = {"critic": 2}
 #: Lifecycle op latencies of the simulated engines, seconds (uniform, seeded per engine).
 SIM_OP_LATENCY: tuple[float, float] = (0.001, 0.005)
 _SIM_OPS = (
@@ -103,6 +107,8 @@ class TrafficReport:
     violations: int  # call-order / barrier violations in the engines' histories
     wall_s: float
     rss_mb: list[tuple[int, float]]  # (cycle index, driver RSS in MiB) after every cycle
+    #: Units of several servers replaced whole (a member killed: ``UNIT_GROUPS``).
+    units_replaced: int = 0
     #: Aborted attempts in ``retract`` legs (must be 0: retract keeps every request).
     aborted_under_retract: int = 0
     #: Requests planned but never sent (a leg stopped early): not in ``submitted``.
@@ -132,6 +138,7 @@ class TrafficReport:
             "resubmitted": self.resubmitted,
             "deaths": self.deaths,
             "recoveries": self.recoveries,
+            "units replaced": self.units_replaced,
             "violations": self.violations,
             "wall s": round(self.wall_s, 1),
             "req/s": round(self.submitted / wall, 1),
@@ -185,6 +192,13 @@ def timeline_histories(server: RolloutServer) -> dict[str, History]:
         )
     server.timeline.clear()
     return dict(histories)
+
+
+def _unit(group: str, engines: int) -> int:
+    """The unit size of ``group`` with ``engines`` engines (``UNIT_GROUPS``; 1 where it does not
+    divide them)."""
+    unit = UNIT_GROUPS.get(group, 1)
+    return unit if engines % unit == 0 else 1
 
 
 def _split(total: int, parts: int) -> list[int]:
@@ -271,8 +285,13 @@ class Fleet:
         return None
 
     async def aborted(self) -> int | None:
-        """Attempts the engines answered with finish_reason abort (None: they do not say)."""
+        """Attempts the engines answered with finish_reason abort (None: they do not say); not
+        those of engines the server retires (``retiring``)."""
         return None
+
+    def retiring(self, handle: Any) -> None:
+        """The server is about to retire ``handle``'s engine (a member of a unit replaced
+        whole): the abort of its retirement is not the lifecycle's abort of a request."""
 
     async def end_leg(self) -> None:
         """Stop this leg's engines (the next leg builds its own)."""
@@ -293,6 +312,8 @@ class SimFleet(Fleet):
         self._hosts: dict[int, str] = {}
         self._live: list[SimulatedEngine] = []
         self._aborted = 0
+        #: Labels of the engines the server retires (``retiring``).
+        self._retired: set[str] = set()
 
     def _make(self, label: str) -> EngineHost:
         engine = SimulatedEngine(
@@ -328,14 +349,20 @@ class SimFleet(Fleet):
         return {e.label: e.take_history() for e in self._live}
 
     async def aborted(self) -> int:
-        return self._aborted + sum(e.stats()["aborted"] for e in self._live)
+        counted = (e for e in self._live if e.label not in self._retired)
+        return self._aborted + sum(e.stats()["aborted"] for e in counted)
+
+    def retiring(self, handle: Any) -> None:
+        self._retired.add(self._hosts[id(handle)])
 
     async def end_leg(self) -> None:
         # The soak took the histories; keep the counts and drop the engines.
         for engine in self._live:
-            self._aborted += engine.stats()["aborted"]
+            if engine.label not in self._retired:
+                self._aborted += engine.stats()["aborted"]
             await engine.close()
         self._live.clear()
+        self._retired.clear()
         self._engines.clear()
         self._hosts.clear()
 
@@ -748,10 +775,20 @@ class Soak:
         room = 20 - len(self.report.violation_samples)
         self.report.violation_samples.extend(found[: max(0, room)])
 
+    async def _unit_replacement(self, ids: tuple[str, ...]) -> list[Any]:
+        """A fresh unit for a unit found unhealthy: a replacement per member."""
+        self.report.units_replaced += 1
+        assert self._server is not None
+        engines = self._server.engines()
+        for engine_id in ids:
+            self.fleet.retiring(engines[engine_id])
+        made = [self.fleet.replacement(engine_id) for engine_id in ids]
+        return [await m if inspect.isawaitable(m) else m for m in made]
+
     def _new_server(self, groups: list[list[Any]], mode: PauseMode, leg: int) -> RolloutServer:
         return RolloutServer(
             [
-                EngineGroup(name, engines, needs_offload=True)
+                EngineGroup(name, engines, needs_offload=True, unit=_unit(name, len(engines)))
                 for name, engines in zip(GROUPS, groups, strict=True)
             ],
             LifecycleConfig(pause_mode=mode),
@@ -919,7 +956,8 @@ class Soak:
         if found is None or found.ok:
             self.report.errors.append(f"cycle {n}: probe did not find {victim} dead: {found}")
         self.windows.append(time.monotonic())
-        await bounded(f"cycle {n}: recover", server.recover(self.fleet.replacement), call)
+        recovery = server.recover(self.fleet.replacement, unit_factory=self._unit_replacement)
+        await bounded(f"cycle {n}: recover", recovery, call)
         state["recoveries"] += 1
 
 

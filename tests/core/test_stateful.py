@@ -180,13 +180,22 @@ PUSH_EVENT = "update_weights"
 
 # -- the fleet -------------------------------------------------------------------------------
 
-GROUPS: tuple[tuple[str, int, bool], ...] = (
-    ("actor", 2, True),
-    ("critic", 2, True),
-    ("reward", 1, False),
+#: (name, engines, needs_offload, unit): the critic's two servers are one unit (they live, serve
+#: and are replaced together: ``EngineGroup(unit=2)``).
+GROUPS: tuple[tuple[str, int, bool, int], ...] = (
+    ("actor", 2, True, 1),
+    ("critic", 2, True, 2),
+    ("reward", 1, False, 1),
 )
-SLOTS: tuple[str, ...] = tuple(f"{name}/{i}" for name, n, _ in GROUPS for i in range(n))
-KEEPS_MEMORY = frozenset(name for name, _, offload in GROUPS if not offload)
+SLOTS: tuple[str, ...] = tuple(f"{name}/{i}" for name, n, _, _ in GROUPS for i in range(n))
+KEEPS_MEMORY = frozenset(name for name, _, offload, _ in GROUPS if not offload)
+#: The slots of each unit of several servers.
+UNITS: tuple[tuple[str, ...], ...] = tuple(
+    tuple(f"{name}/{i + k}" for k in range(unit))
+    for name, n, _, unit in GROUPS
+    if unit > 1
+    for i in range(0, n, unit)
+)
 DEADLINES = Deadlines(
     pause=0.2,
     flush=0.3,
@@ -380,6 +389,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         #: What each window ran (``run``'s ``what``), to name the call a violation is in.
         self.window_names: list[str] = []
         self.made = itertools.count()
+        #: When each engine was made (by label): which engine held a slot at a moment.
+        self.made_at: dict[str, float] = {}
         #: The last weight write did not complete: groups kept serving stay paused until one
         #: does ("only a complete write continues what it paused").
         self.write_pending = False
@@ -397,7 +408,13 @@ class LifecycleMachine(RuleBasedStateMachine):
             engine.arm(op, kind, seconds=0.3 if kind == "slow" else 0.0)
         self.engines[label] = engine
         self.slot_of[label] = slot
+        self.made_at[label] = time.monotonic()
         return engine
+
+    def engine_at(self, slot: str, moment: float) -> FaultyEngine | None:
+        """The engine that held ``slot`` at ``moment`` (the last one made for it by then)."""
+        made = [lb for lb, s in self.slot_of.items() if s == slot and self.made_at[lb] <= moment]
+        return self.engines[max(made, key=self.made_at.__getitem__)] if made else None
 
     def current(self, slot: str) -> FaultyEngine:
         assert self.server is not None
@@ -430,7 +447,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         if name == "update_weights":
             return self.update(kw.get("push", "disk"), kw.get("version"))
         if name == "recover":
-            return server.recover(self.factory(kw.get("fault")))
+            return self.recover_with(kw.get("fault"))
         method: Callable[[], Coroutine[Any, Any, Any]] = getattr(server, name)
         return method()
 
@@ -442,21 +459,35 @@ class LifecycleMachine(RuleBasedStateMachine):
             self.write_pending = True
             if isinstance(exc, HookFailed) and exc.event == PUSH_EVENT and version is None:
                 self.unpushed = True  # the push itself raised (not a hook before it)
-            elif isinstance(exc, PhaseFailed) and exc.phase in AFTER_THE_WRITE:
+            elif (isinstance(exc, PhaseFailed) and exc.phase in AFTER_THE_WRITE) or (
+                isinstance(exc, HookFailed) and exc.event == "after_update_weights"
+            ):
                 self.unpushed = False  # the write completed; what failed came after it
             raise
         self.write_pending = False
         self.unpushed = False
         return metrics
 
-    def factory(self, fault: tuple[str, str] | None) -> Callable[[str], FaultyEngine]:
-        """Fresh engines for ``recover``; the first one made carries ``fault``, if any."""
+    def factories(
+        self, fault: tuple[str, str] | None
+    ) -> tuple[Callable[[str], FaultyEngine], Callable[[tuple[str, ...]], list[FaultyEngine]]]:
+        """Fresh engines and fresh units for ``recover``; the first engine made carries
+        ``fault``, if any."""
         pending = [fault]
 
         def make(engine_id: str) -> FaultyEngine:
             return self.make_engine(engine_id, pending.pop() if pending else None)
 
-        return make
+        def make_unit(ids: tuple[str, ...]) -> list[FaultyEngine]:
+            self.tally["units_replaced"] += 1
+            return [make(engine_id) for engine_id in ids]
+
+        return make, make_unit
+
+    def recover_with(self, fault: tuple[str, str] | None) -> Coroutine[Any, Any, Any]:
+        assert self.server is not None
+        factory, unit_factory = self.factories(fault)
+        return self.server.recover(factory, unit_factory=unit_factory)
 
     def expect(self, what: str, awaitable: Awaitable[Any]) -> bool:
         """Run one API call; True if it returned, False if it raised an expected error."""
@@ -483,8 +514,9 @@ class LifecycleMachine(RuleBasedStateMachine):
                 name,
                 [self.make_engine(f"{name}/{i}") for i in range(n)],
                 needs_offload=offload,
+                unit=unit,
             )
-            for name, n, offload in GROUPS
+            for name, n, offload, unit in GROUPS
         ]
         config = LifecycleConfig(pause_mode=mode, deadlines=DEADLINES, dead_engines=policy)
         self.server = RolloutServer(groups, config, name="property")
@@ -687,6 +719,28 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert not problems, "invariant 7 (state is the truth) violated:\n" + "\n".join(problems)
 
     @invariant()
+    def units_move_as_one(self) -> None:
+        """No continue reaches a member of a unit while, as far as the library could know
+        when it sent it, another member was dead (a call of it had answered dead) or held
+        memory released (a release of it had landed, no resume since): a unit continues
+        only whole, once every member has its memory back."""
+        problems: list[str] = []
+        for label, engine in self.engines.items():
+            others = mates(self.slot_of[label])
+            if not others:
+                continue
+            for call in engine.calls:
+                if call["op"] != "continue_generation":
+                    continue
+                sent = call["start"]
+                for slot in others:
+                    mate = self.engine_at(slot, sent)
+                    lacking = None if mate is None else lacks_memory(mate, sent)
+                    if lacking:
+                        problems.append(f"continue to {label} at {sent:.6f}: {lacking}")
+        assert not problems, "units move as one, violated:\n" + "\n".join(problems[:10])
+
+    @invariant()
     def memory_keeping_groups_never_released(self) -> None:
         for label, engine in self.engines.items():
             if self.slot_of[label].split("/")[0] in KEEPS_MEMORY:
@@ -770,7 +824,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             # leave 'failed' by inspection; the first that works starts the next round.
             attempts: list[tuple[str, Callable[[], Awaitable[Any]]]] = []
             if state is S.FAILED or broken:
-                attempts.append(("recover", lambda: server.recover(self.factory(None))))
+                attempts.append(("recover", lambda: self.recover_with(None)))
             if state in (S.DRAINED, S.RELEASED, S.WEIGHTS_RESTORED, S.KV_RESTORED):
                 attempts.append(("onload", server.onload))
             if state is S.FAILED:
@@ -981,7 +1035,13 @@ def state_mismatches(
                     want_paused = actual_paused
                 else:
                     want_paused = False
-            if actual_paused and (lacks_weights or (write_pending and not group.needs_offload)):
+            # (a member of a unit another member of which is broken is held paused)
+            held = any(
+                not m.alive or m.uncertain for m in server.fleet.records() if m.id in mates(snap.id)
+            )
+            if actual_paused and (
+                lacks_weights or held or (write_pending and not group.needs_offload)
+            ):
                 want_paused = True
             if actual_paused != want_paused or actual_released != want_released:
                 problems.append(
@@ -991,6 +1051,30 @@ def state_mismatches(
     if len(keeps_paused) > 1:
         problems.append("server is 'drained' but the memory-keeping engines disagree on paused")
     return problems
+
+
+def lacks_memory(engine: FaultyEngine, moment: float) -> str | None:
+    """Why ``engine`` could not serve as a unit's member at ``moment``, as its calls that had
+    ended by then show: one answered dead, or it held tags released (a landed release, no
+    landed resume of them since); None if neither."""
+    released: set[str] = set()
+    for call in engine.calls:
+        end = call["end"]
+        if end is None or end > moment:
+            continue
+        if call["outcome"] == "dead":
+            return f"{engine.label} had answered dead"
+        if call["landed"] and call["op"] == "release_memory_occupation":
+            released |= set(call["tags"] or ("weights", "kv_cache", "cuda_graph"))
+        elif call["landed"] and call["op"] == "resume_memory_occupation":
+            released -= set(call["tags"] or ("weights", "kv_cache", "cuda_graph"))
+    return f"{engine.label} held {sorted(released)} released" if released else None
+
+
+def mates(engine_id: str) -> tuple[str, ...]:
+    """The other members of ``engine_id``'s unit (none for an engine that is a unit alone)."""
+    unit = next((u for u in UNITS if engine_id in u), ())
+    return tuple(slot for slot in unit if slot != engine_id)
 
 
 # -- FaultyEngine itself -------------------------------------------------------------------------
