@@ -86,6 +86,12 @@ class SimCalls:
                     raise EngineUnreachable(
                         state.label, op, "connection dropped: the server restarted"
                     )
+            if state.slow_ranks and waits_for_ranks(op, fields):
+                # the front end answers once the slowest rank has
+                slowest = max(state.slow_ranks, key=state.slow_ranks.__getitem__)
+                entry["detail"] = f"waits for slow rank {slowest}"
+                await asyncio.sleep(state.slow_ranks[slowest])
+                state.check_alive(op)
             if state.lost_ranks and waits_for_ranks(op, fields):
                 # the front end waits for every rank's answer, and one rank never answers
                 # (sglang: communicator.py FanOutCommunicator; nothing times it out)

@@ -253,7 +253,7 @@ class SimControl:
             error = EngineUnhealthy(state.label, "observe", state.dp_size, None)
             entry["outcome"], entry["detail"] = "dead", error.message
             raise error
-        if calls.answers_at_once("observe"):
+        if calls.answers_at_once("observe") and not state.slow_ranks:
             calls.at_once("observe")
             return self._observed(paused=paused, identify=identify)
         async with calls.op("observe"):

@@ -348,6 +348,12 @@ class SimState:
         # _update_weight_version_if_provided only on success.
         self.weight_version = self.initial_version
         self.served_version = self.initial_version
+        # Data-parallel ranks whose process is gone while the rest of the server lives on
+        # (``SimulatedEngine.lose_rank``); a dict used as a set (see ``released``). And the
+        # seconds a slow rank takes to answer each call that waits for every rank
+        # (``SimulatedEngine.slow_rank``). A new process has every rank, at full speed.
+        self.lost_ranks: dict[int, None] = {}
+        self.slow_ranks: dict[int, float] = {}
         self.weights_valid = True
         # What the weights hold (``SimWeights.fingerprint``): the checkpoint every engine
         # starts from, then what each write wrote; per tensor where a write named tensors.
@@ -380,9 +386,6 @@ class SimState:
         self.healthy = True
         self.dead = False
         self.death_reason: str | None = None
-        # Data-parallel ranks whose process is gone while the rest of the server lives on
-        # (``SimulatedEngine.lose_rank``); a dict used as a set (see ``released``).
-        self.lost_ranks: dict[int, None] = {}
 
     @property
     def rng(self) -> random.Random:

@@ -454,6 +454,23 @@ class SimulatedEngine:
         entry = state.record("lose_rank", outcome="ok", rank=rank)
         entry["end"] = entry["start"]
 
+    def slow_rank(self, rank: int, seconds: float) -> None:
+        """Data-parallel rank ``rank`` takes ``seconds`` to answer every call that waits for
+        every rank (a pause, a flush, a release, ``/server_info``: those ``lose_rank`` would
+        hang), so the server answers them that much later; 0 makes it as fast as the rest.
+        Until a restart."""
+        state = self._state
+        if not isinstance(rank, int) or not 0 <= rank < state.dp_size:
+            raise InvalidArgument(f"rank must be one of the {state.dp_size} ranks, got {rank!r}")
+        if not isinstance(seconds, int | float) or isinstance(seconds, bool) or seconds < 0:
+            raise InvalidArgument(f"seconds must be a number >= 0, got {seconds!r}")
+        if seconds:
+            state.slow_ranks[rank] = float(seconds)
+        else:
+            state.slow_ranks.pop(rank, None)
+        entry = state.record("slow_rank", outcome="ok", rank=rank, seconds=seconds)
+        entry["end"] = entry["start"]
+
     async def close(self) -> None:
         """Stop the scheduler; in-flight generates get ``EngineDead``. Idempotent, never raises."""
         state = self._state

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import pytest
 
 from rollout_lifecycle import (
+    Deadlines,
     EngineGroup,
     EngineTimeout,
     EngineUnhealthy,
@@ -29,6 +30,8 @@ from rollout_lifecycle import (
     FromTensor,
     HTTPTimeouts,
     IllegalEngineOp,
+    InvalidArgument,
+    LifecycleConfig,
     Outcome,
     PhaseFailed,
     RolloutServer,
@@ -245,3 +248,57 @@ async def test_the_simulator_that_lost_a_rank_is_unhealthy_and_recovered_whole()
     assert server.state is ServerState.SERVING and not replacement.paused
     with pytest.raises(Exception, match="rank must be one of the 2 ranks"):
         engine.lose_rank(2)
+
+
+@pytest.mark.looptime
+async def test_a_rank_slower_to_pause_holds_the_fleet_back_and_past_the_deadline_is_named() -> None:
+    """A simulated two-rank server one of whose ranks is slow answers each call that waits for
+    every rank that much later (``SimulatedEngine.slow_rank``): within the pause deadline the
+    offload waits for it, no engine released before its pause answered; past it the pause is
+    named timed out and nothing is released anywhere (virtual time)."""
+    dp = SimulatedEngine("dp", dp_size=2, token_latency=0.001)
+    single = SimulatedEngine("one", token_latency=0.001)
+    config = LifecycleConfig(deadlines=Deadlines(pause=5.0))
+    server = RolloutServer([EngineGroup("actor", [single, dp])], config)
+    dp.slow_rank(1, 2.0)  # (twice within the deadline: the read that checks the pause waits too)
+    await server.offload()
+    paused = next(e["end"] for e in dp.history() if e["op"] == "pause_generation")
+    released = [e["start"] for e in single.history() if e["op"] == "release_memory_occupation"]
+    assert released and min(released) >= paused  # the slow rank held every release back
+    await server.onload()
+    dp.slow_rank(1, 8.0)  # past the pause deadline
+    releases = [str(e["op"]) for e in single.history()].count("release_memory_occupation")
+    with pytest.raises(PhaseFailed) as failed:
+        await server.offload()
+    assert failed.value.outcomes["actor/1"].outcome is Outcome.TIMED_OUT
+    ops = [str(e["op"]) for e in single.history()]
+    assert ops.count("release_memory_occupation") == releases  # none sent this time
+    dp.slow_rank(1, 0)
+    with pytest.raises(Exception, match="seconds must be a number >= 0"):
+        dp.slow_rank(1, -1)
+
+
+async def test_a_stand_in_rank_slower_to_pause_delays_what_waits_for_every_rank(
+    dp_standin: StandInServer,
+) -> None:
+    client = SGLangHTTPEngine(dp_standin.url)
+    try:
+        await asyncio.to_thread(dp_standin.slow_rank, 1, 0.2)
+        await client.pause_generation("retract")
+        await client.weight_version()  # answered by the front end alone
+        await asyncio.to_thread(dp_standin.slow_rank, 1, 0)
+        await client.continue_generation()
+        found = {
+            str(e["op"]): e.get("detail")
+            for e in await asyncio.to_thread(dp_standin.history)
+            if e["op"] in ("pause_generation", "weight_version", "continue_generation")
+        }
+        assert found == {
+            "pause_generation": "waits for slow rank 1",
+            "weight_version": None,
+            "continue_generation": None,
+        }
+        with pytest.raises(InvalidArgument, match="rank must be one of the 2 ranks, got 2"):
+            await asyncio.to_thread(dp_standin.slow_rank, 2, 0.1)
+    finally:
+        await client.close()

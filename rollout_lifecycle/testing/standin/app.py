@@ -441,12 +441,22 @@ def create_app(
             raise BadRequest(str(exc)) from None
         return {"lost_ranks": [rank]}
 
+    async def slow_rank(request: Request) -> Any:
+        body = await request.json()
+        found = body if isinstance(body, dict) else {}
+        try:
+            engine.slow_rank(cast(int, found.get("rank")), cast(float, found.get("seconds")))
+        except InvalidArgument as exc:  # (checked there)
+            raise BadRequest(str(exc)) from None
+        return {"slow_rank": found.get("rank"), "seconds": found.get("seconds")}
+
     standin("/v1/loads", ["GET"], loads)
     standin("/_standin/history", ["GET"], history)
     standin("/_standin/memory", ["GET"], memory)
     standin("/_standin/state", ["GET"], engine_state)
     standin("/_standin/stats", ["GET"], stats)
     standin("/_standin/lose_rank", ["POST"], lose_rank)
+    standin("/_standin/slow_rank", ["POST"], slow_rank)
     standin(FAULTS_PATH, ["GET", "POST", "DELETE"], faults)
     return app
 

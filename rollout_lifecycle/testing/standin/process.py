@@ -450,6 +450,11 @@ class StandInServer:
         Until a restart."""
         self._standin_call("POST", "/_standin/lose_rank", {"rank": rank})
 
+    def slow_rank(self, rank: int, seconds: float) -> None:
+        """Data-parallel rank ``rank`` answers every call that waits for every rank ``seconds``
+        late (``POST /_standin/slow_rank``; ``SimulatedEngine.slow_rank``); 0 ends it."""
+        self._standin_call("POST", "/_standin/slow_rank", {"rank": rank, "seconds": seconds})
+
     def state(self) -> dict[str, Any]:
         """What SGLang does not publish: paused, pause mode, released tags, weights valid,
         a deferred flush, an open weight-update session (``GET /_standin/state``)."""
