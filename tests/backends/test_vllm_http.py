@@ -32,6 +32,7 @@ from rollout_lifecycle.backends.engine import EngineHost
 from rollout_lifecycle.backends.vllm.client import VLLMHTTPEngine, vllm_http_factory
 from rollout_lifecycle.contract.commands import ReadSleeping
 from rollout_lifecycle.contract.exceptions import (
+    EngineDead,
     EngineError,
     EngineRejected,
     EngineUnreachable,
@@ -656,3 +657,38 @@ async def test_a_release_vllm_cannot_make_is_refused_before_anything_is_paused()
     assert not [e for e in sim.history() if e["op"] == "pause_generation"]
     for one in (client, again):
         await one.close()
+
+
+#: vLLM 0.32.0's answer once an engine core died (create_error_response of EngineDeadError).
+ENGINE_CORE_DIED = httpx.Response(
+    500,
+    json={
+        "error": {
+            "message": "EngineCore encountered an issue. See stack trace (above) for the root "
+            "cause.",
+            "type": "InternalServerError",
+            "param": None,
+            "code": 500,
+        }
+    },
+)
+
+
+async def test_a_server_whose_engine_core_died_is_dead_and_its_requests_go_elsewhere() -> None:
+    dead = FakeVLLM(v1_completions=lambda r: ENGINE_CORE_DIED)
+    with pytest.raises(EngineDead, match=r"its engine core died \(vLLM's EngineDeadError\)"):
+        await engine(dead).generate({"input_ids": [1], "sampling_params": {"max_new_tokens": 2}})
+    other = FakeVLLM(v1_completions=lambda r: httpx.Response(500, json={"error": {"message": "x"}}))
+    with pytest.raises(EngineRejected):  # another 500 is a refusal, as before
+        await engine(other).generate({"input_ids": [1], "sampling_params": {"max_new_tokens": 2}})
+    # through the generation client: sent again to the engine that lives, answered there
+    alive = FakeVLLM()
+    second = VLLMHTTPEngine("http://127.0.0.1:8001", transport=httpx.MockTransport(alive))
+    server = RolloutServer([EngineGroup("vllm", [engine(dead), second])])
+    answers = [
+        await server.generate({"input_ids": [i], "sampling_params": {"max_new_tokens": 2}})
+        for i in range(4)
+    ]
+    assert [a["output_ids"] for a in answers] == [[5, 6]] * 4
+    assert server.generation.stats()["failed"] == 0
+    assert server.generation.stats()["engine_deaths"] >= 1

@@ -4,8 +4,9 @@ server) through the colocated cycle on this CPU: five cycles, each begun with re
 on both ranks (the server's per-engine ``num_requests_running``), lose nothing, and every request
 finishes full length on its cycle's version. (vLLM on a CPU cannot show its weights to a
 checksum: ``test_real_vllm.py``; these cycles are not verified.) A rank's engine core killed
-after an offload takes the whole server down (vLLM's engine-core monitor shuts the API server
-down): the library names it dead and ``recover()`` brings a whole new server back."""
+after an offload that kept requests on both ranks takes the whole server down (vLLM's
+engine-core monitor shuts the API server down): the library names it dead, ``recover()`` brings
+a whole new server back, and the requests the dead one held are sent to it again and finish."""
 
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ CYCLES = 5
 REQUESTS = 2 * RANKS
 #: Long enough (~200 tokens/s a request here) that a request runs on well past the pause.
 TOKENS = 3000
+#: The requests of the test that kills a rank: shorter, as they are decoded again from the start.
+KILLED_TOKENS = 1000
 #: ``/metrics``: requests each engine core runs now (``engine`` is its data-parallel rank).
 RUNNING = re.compile(r'^vllm:num_requests_running\{engine="(\d+)"[^}]*\} ([0-9.]+)$', re.M)
 
@@ -51,10 +54,10 @@ def dp_vllm(real_vllm: RealVLLM) -> Iterator[RealVLLMServer]:
     server.stop()
 
 
-def request(i: int) -> dict[str, object]:
+def request(i: int, tokens: int = TOKENS) -> dict[str, object]:
     return {
         "input_ids": [1, 2, 3, 4 + i],
-        "sampling_params": {"max_new_tokens": TOKENS, "temperature": 0, "ignore_eos": True},
+        "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True},
     }
 
 
@@ -115,19 +118,28 @@ async def test_five_cycles_with_requests_on_both_ranks_lose_nothing(
 
 
 async def test_a_rank_killed_mid_cycle_takes_the_server_down_and_recover_brings_a_whole_one(
-    dp_vllm: RealVLLMServer, real_vllm: RealVLLM
+    dp_vllm: RealVLLMServer, real_vllm: RealVLLM, vllm_servers: list[RealVLLMServer]
 ) -> None:
-    engine = VLLMHTTPEngine(dp_vllm.url)
+    """Beside a single-rank server (the tier's shared one), so that the requests the dead
+    server held have an engine to be sent to again (with none alive they would fail at once:
+    ``NoLiveEngine``)."""
+    engine, other = VLLMHTTPEngine(dp_vllm.url), VLLMHTTPEngine(vllm_servers[1].url)
     made: list[VLLMHTTPEngine] = []
-    server = RolloutServer([EngineGroup("dp", [engine])])
+    server = RolloutServer([EngineGroup("dp", [engine, other])])
 
     def restart(engine_id: str) -> VLLMHTTPEngine:
         dp_vllm.restart()  # every process of the old one stopped, a new one at its address
         made.append(VLLMHTTPEngine(dp_vllm.url))
         return made[-1]
 
+    def send(i: int) -> asyncio.Future[Any]:
+        return asyncio.ensure_future(server.generate(request(i, KILLED_TOKENS), "dp"))
+
     try:
-        await server.offload()
+        traffic = [send(i) for i in range(2 * REQUESTS)]  # (about half to each server)
+        await on_every_rank(dp_vllm.url, traffic, send)
+        await server.offload()  # (the requests kept in the ranks' schedulers, frozen)
+        kept = [job for job in traffic if not job.done()]
         os.kill(dp_vllm.process_titled("EngineCore_DP1"), signal.SIGKILL)
         # vLLM's engine-core monitor shuts the API server down: its port closes
         await until(
@@ -138,19 +150,30 @@ async def test_a_rank_killed_mid_cycle_takes_the_server_down_and_recover_brings_
         )
         with pytest.raises(PhaseFailed) as failed:
             await server.onload_weights()
-        (outcome,) = failed.value.outcomes.values()
+        outcome = failed.value.outcomes["dp/0"]
         assert outcome.outcome is Outcome.DEAD, outcome
+        assert failed.value.outcomes["dp/1"].ok
         await server.recover(lambda engine_id: asyncio.to_thread(restart, engine_id))
         assert len(made) == 1
-        await server.pause()
+        # (the other server resumed its weights before the failure: the fleet settles there)
+        assert server.state is ServerState.WEIGHTS_RESTORED
         await server.update_weights(FromDisk(real_vllm.model), "vdp-recovered")
-        await server.resume()
-        answer = await asyncio.wait_for(server.generate(request(9), "dp"), 300)
-        assert len(answer["output_ids"]) == TOKENS
+        await server.onload_kv()
+        # the requests the dead server held (answered 500 EngineDeadError, or cut off) were
+        # sent again to the new one, and finish there full length
+        answers = await asyncio.wait_for(asyncio.gather(*traffic), 600)
+        assert [len(a["output_ids"]) for a in answers] == [KILLED_TOKENS] * len(traffic)
+        stats = server.generation.stats()
+        routes = [job.result()["meta_info"]["engines"] for job in kept]
+        print(f"a rank killed, {len(kept)} of {len(traffic)} requests kept: {stats}; {routes}")
+        assert stats["failed"] == 0
+        # every request the dead server kept was sent again, and finished, elsewhere
+        held = [r for r in routes if r[0] == "dp/0"]
+        assert held and all(len(r) >= 2 for r in held), routes
         assert await made[0].weight_version() == "vdp-recovered"
         assert server.state is ServerState.SERVING
     finally:
-        for client in [engine, *made]:
+        for client in [engine, other, *made]:
             await client.close()
 
 

@@ -207,7 +207,18 @@ class VLLMHTTPEngine:
         row = ENDPOINTS[name]
         op = name if op is None else op
         wait = getattr(self._timeouts, row.timeout) if timeout is None else timeout
-        response = await self._wire.request(row, body, wait, op=op, query=query)
+        try:
+            response = await self._wire.request(row, body, wait, op=op, query=query)
+        except EngineRejected as exc:
+            if exc.status == 500 and ENGINE_CORE_DEAD in exc.message:
+                # gone, not refusing: a request it held is sent elsewhere, as after a death
+                raise EngineDead(
+                    self._label,
+                    op,
+                    f"its engine core died (vLLM's EngineDeadError); the server shuts itself "
+                    f"down: {exc.message}",
+                ) from exc
+            raise
         return self._wire.read_answer(op, row, response)
 
     async def _send(
@@ -556,6 +567,13 @@ def parse_sleep_state(text: str) -> str | None:
             if f'sleep_state="{state}"' in labels and value.strip() in ("1", "1.0"):
                 return state
     return None
+
+
+#: What vLLM answers every call with once an engine core died (one rank's, on a data-parallel
+#: server): a 500 whose message is EngineDeadError's, and then it shuts itself down
+#: (vllm: v1/engine/exceptions.py EngineDeadError; entrypoints/serve/exception_handling/handlers/
+#: vllm_error.py engine_error_handler -> terminate_if_errored).
+ENGINE_CORE_DEAD = "EngineCore encountered an issue"
 
 
 def completion_id(rid: str) -> str:
