@@ -348,6 +348,10 @@ class EngineRecord:
     #: that live, serve and are replaced together. Empty for an engine that is a unit alone. Set
     #: once by its group; a slot keeps its mates when its engine is replaced.
     mates: tuple[EngineRecord, ...] = field(default=(), repr=False, compare=False)
+    #: Found restarted while the other members of its unit were not: a fresh process in a unit
+    #: whose others kept the old one's state, so the unit is unhealthy until ``recover()``
+    #: replaces it whole (a replacement's record is not: its whole unit is new).
+    parted: bool = False
 
     @property
     def key(self) -> Hashable:
@@ -408,11 +412,22 @@ class EngineRecord:
             raise InvalidArgument(f"engine {self.id} is not a member of the unit it joins")
         self.mates = tuple(m for m in unit if m is not self)
 
+    @property
+    def breaks_unit(self) -> bool:
+        """Whether this engine makes its unit unhealthy: dead, holding tags in an unknown state,
+        or restarted apart from the others (``parted``)."""
+        return self.parted or self.state in BROKEN_STATES
+
     def broken_mate(self) -> EngineRecord | None:
-        """The first other member of this engine's unit that ``recover()`` must replace (dead,
-        or holding tags in an unknown state), which makes the whole unit unhealthy; None while
-        every member is whole."""
-        return next((m for m in self.unit if m is not self and m.state in BROKEN_STATES), None)
+        """The first other member of this engine's unit that makes the unit unhealthy
+        (``breaks_unit``); None while every other member is whole."""
+        return next((m for m in self.mates if m.breaks_unit), None)
+
+    @property
+    def held_by_unit(self) -> bool:
+        """Whether this engine is held paused for its unit: the unit is unhealthy (it or
+        another member ``breaks_unit``) and only ``recover()`` brings it back."""
+        return self.parted or self.broken_mate() is not None
 
     # -- guards: each raises before a call that would kill the engine is sent ------------------
 
@@ -483,6 +498,12 @@ class EngineRecord:
         held = sorted(t.value for t in self.released | self.uncertain)
         if held:
             raise self._refuse(op, f"tags {held} are released; generation would run on them")
+        if self.parted:
+            raise self._refuse(
+                op,
+                f"it restarted apart from its unit {self.unit_name}, which is unhealthy; "
+                f"recover() replaces the unit whole",
+            )
         for mate in self.mates:  # a unit continues as one, once every member has its memory
             if not mate.alive:
                 raise self._refuse(
@@ -601,6 +622,7 @@ class EngineRecord:
         weights); what was uncertain of the old process is gone with it."""
         self.renew(self.handle)
         self.incarnation = incarnation
+        self.parted = bool(self.mates)
 
     # -- effects of calls ------------------------------------------------------------------------
 
@@ -807,6 +829,7 @@ class EngineRecord:
         self.capabilities, self.kv_asleep = None, False
         self.proven_until, self.unwatched = 0.0, True
         self._intent = None
+        self.parted = False
 
     def snapshot(self) -> EngineSnapshot:
         """An immutable copy of this record."""
@@ -981,7 +1004,7 @@ def default_targets(group: GroupRecords, op: Op) -> list[EngineRecord]:
     if targets is _ON_PAUSED:
         if op is _CONTINUE:
             # (the members of an unhealthy unit stay paused: recover() replaces the unit)
-            return [r for r in group.records if r.alive and r.paused and not r.broken_mate()]
+            return [r for r in group.records if r.alive and r.paused and not r.held_by_unit]
         return [r for r in group.records if r.alive and r.paused]
     if targets is _ON_OFFLOADING and not group.needs_offload:
         return []
@@ -1050,7 +1073,7 @@ class Fleet:
         """The engines ``recover()`` replaces: dead, or holding tags in an unknown state, and
         every member of their units (and of the units of ``also``: members found restarted),
         in group order. A unit is replaced whole, never one member."""
-        seeds = {r.id for r in self.get(BROKEN_STATES)} | {r.id for r in also}
+        seeds = {r.id for r in self.records() if r.breaks_unit} | {r.id for r in also}
         out = {m.id for r in self.records() if r.id in seeds for m in r.unit}
         return [r for r in self.records() if r.id in out]
 
@@ -1060,9 +1083,11 @@ class Fleet:
         out: dict[str, str] = {}
         for record in self.records():
             if record.mates and record.unit_name not in out:
-                bad = [m for m in record.unit if m.state in BROKEN_STATES]
+                bad = [m for m in record.unit if m.breaks_unit]
                 if bad:
-                    said = ", ".join(f"{m.id} {m.state.value}" for m in bad)
+                    said = ", ".join(
+                        f"{m.id} {'restarted apart' if m.parted else m.state.value}" for m in bad
+                    )
                     out[record.unit_name] = f"{said}; recover() replaces the unit whole"
         return out
 
@@ -1111,7 +1136,7 @@ class Fleet:
             return None  # a replacement that could not be brought up: recover() pauses it
         # Replacements without the weights, and the members of units that are not whole, held
         # paused while their groups serve.
-        waiting = {r.id for r in live if r.state is _E.WAITING or r.broken_mate()}
+        waiting = {r.id for r in live if r.state is _E.WAITING or r.held_by_unit}
         offload = [r for r in live if self._offloads[r.group]]
         others = [r for r in live if not self._offloads[r.group]]
         released = {frozenset(r.released) for r in offload} or {frozenset()}

@@ -135,12 +135,12 @@ class _Pass:
         """Paused with all its memory resident where the target generates, with the fleet's
         weights as far as the record knows or waiting for them where a version may show them
         (not where only a write can: ``needs_write``); not a member of a unit that is not
-        whole (``broken_mate``: it stays paused until ``recover()`` replaces the unit)."""
+        whole (``held_by_unit``: it stays paused until ``recover()`` replaces the unit)."""
         return [
             r
             for r in self.live
             if not self.target(r).paused
-            and not r.broken_mate()
+            and not r.held_by_unit
             and (
                 r.state in CONTINUABLE_STATES
                 or (r.state is EngineState.WAITING and not r.needs_write)

@@ -227,8 +227,9 @@ class Recovery(Client):
             saved = previous.get(record.id)
             same = saved is not None and saved.incarnation is not None and seen == saved.incarnation
             unused: tuple[Outcome, str] | None = None  # (not used: its tags become unknown)
-            if same and record.mates:
+            if same and record.mates and saved is not None and not saved.stale:
                 # one member of a unit as it was, the rest new: not a unit that lives together
+                # (one that was a fresh server, restarted in place, is handed back as such)
                 unused = (
                     Outcome.REFUSED,
                     f"the unit factory handed back the process {record.id} was (incarnation "

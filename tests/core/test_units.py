@@ -191,6 +191,14 @@ async def test_a_member_restarted_in_place_has_its_whole_unit_replaced() -> None
     server, engines, router = fleet()
     await server.sync_router()
     await engines[2].restart()  # a fresh process at pd/2's address: its unit's state is lost
+    await server.probe()
+    assert server.unhealthy_units() == {
+        "pd/2-3": "pd/2 restarted apart; recover() replaces the unit whole"
+    }
+    assert sorted(router.urls) == URLS[:2]  # neither member serves now
+    records = {r.id: r for r in server.fleet.records()}
+    with pytest.raises(IllegalEngineOp, match="restarted apart from its unit pd/2-3"):
+        records["pd/2"].check_continue()
     factory = UnitFactory()
     await server.recover(unit_factory=factory)
     assert factory.asked == [("pd/2", "pd/3")]
