@@ -64,8 +64,10 @@ T = TypeVar("T")
 LEG_MODES: tuple[PauseMode, PauseMode] = (PauseMode.RETRACT, PauseMode.ABORT)
 #: The two groups of every server, both offloaded with the trainer.
 GROUPS: tuple[str, str] = ("actor", "critic")
-#: The critic's servers form units of two (``EngineGroup(unit=2)``) where it has an even number:
-#: a member killed makes its unit unhealthy, and ``recover()`` replaces the unit whole.
+#: The critic's servers form units of two (``EngineGroup(unit=2)``) where it has two units or
+#: more: a member killed makes its unit unhealthy, and ``recover()`` replaces the unit whole
+#: while the other units serve its requests (a group of one unit serves nothing until the new
+#: unit's weights are pushed, and a leg's last recovery has no push after it).
 UNIT_GROUPS: dict[str, int] = {"critic": 2}
 #: Lifecycle op latencies of the simulated engines, seconds (uniform, seeded per engine).
 SIM_OP_LATENCY: tuple[float, float] = (0.001, 0.005)
@@ -195,10 +197,10 @@ def timeline_histories(server: RolloutServer) -> dict[str, History]:
 
 
 def _unit(group: str, engines: int) -> int:
-    """The unit size of ``group`` with ``engines`` engines (``UNIT_GROUPS``; 1 where it does not
-    divide them)."""
+    """The unit size of ``group`` with ``engines`` engines (``UNIT_GROUPS``; 1 where they are
+    not two units or more)."""
     unit = UNIT_GROUPS.get(group, 1)
-    return unit if engines % unit == 0 else 1
+    return unit if engines % unit == 0 and engines >= 2 * unit else 1
 
 
 def _split(total: int, parts: int) -> list[int]:
