@@ -348,6 +348,9 @@ class EngineRecord:
     #: that live, serve and are replaced together. Empty for an engine that is a unit alone. Set
     #: once by its group; a slot keeps its mates when its engine is replaced.
     mates: tuple[EngineRecord, ...] = field(default=(), repr=False, compare=False)
+    #: Every member of that unit in group order, this one included (``unit``); set with
+    #: ``mates`` by ``joins``.
+    _members: tuple[EngineRecord, ...] = field(default=(), repr=False, compare=False)
     #: Found restarted while the other members of its unit were not: a fresh process in a unit
     #: whose others kept the old one's state, so the unit is unhealthy until ``recover()``
     #: replaces it whole (a replacement's record is not: its whole unit is new).
@@ -393,9 +396,7 @@ class EngineRecord:
     def unit(self) -> tuple[EngineRecord, ...]:
         """The records of this engine's unit, in group order (this one alone when it is a
         unit by itself)."""
-        if not self.mates:
-            return (self,)
-        return tuple(sorted((self, *self.mates), key=lambda r: int(r.id.rpartition("/")[2])))
+        return self._members or (self,)
 
     @property
     def unit_name(self) -> str:
@@ -410,6 +411,7 @@ class EngineRecord:
         them): the others are its ``mates`` from now on."""
         if self not in unit:
             raise InvalidArgument(f"engine {self.id} is not a member of the unit it joins")
+        self._members = tuple(unit)
         self.mates = tuple(m for m in unit if m is not self)
 
     @property
@@ -1073,9 +1075,10 @@ class Fleet:
         """The engines ``recover()`` replaces: dead, or holding tags in an unknown state, and
         every member of their units (and of the units of ``also``: members found restarted),
         in group order. A unit is replaced whole, never one member."""
-        seeds = {r.id for r in self.records() if r.breaks_unit} | {r.id for r in also}
-        out = {m.id for r in self.records() if r.id in seeds for m in r.unit}
-        return [r for r in self.records() if r.id in out]
+        records = self.records()
+        seeds = [r for r in records if r.breaks_unit] + list(also)
+        out = {m.id for r in seeds for m in r.unit}
+        return [r for r in records if r.id in out]
 
     def unhealthy_units(self) -> dict[str, str]:
         """Each unit of several servers that cannot serve whole (a member dead, or holding

@@ -448,8 +448,7 @@ class SimulatedEngine:
         (``/server_info`` and every lifecycle and weight call) waits for an answer that never
         comes. Generate requests are not dealt to ranks here: they run on. Until a restart."""
         state = self._state
-        if not isinstance(rank, int) or not 0 <= rank < state.dp_size:
-            raise InvalidArgument(f"rank must be one of the {state.dp_size} ranks, got {rank!r}")
+        self._check_rank(rank)
         state.lost_ranks[rank] = None
         entry = state.record("lose_rank", outcome="ok", rank=rank)
         entry["end"] = entry["start"]
@@ -460,8 +459,7 @@ class SimulatedEngine:
         hang), so the server answers them that much later; 0 makes it as fast as the rest.
         Until a restart."""
         state = self._state
-        if not isinstance(rank, int) or not 0 <= rank < state.dp_size:
-            raise InvalidArgument(f"rank must be one of the {state.dp_size} ranks, got {rank!r}")
+        self._check_rank(rank)
         if not isinstance(seconds, int | float) or isinstance(seconds, bool) or seconds < 0:
             raise InvalidArgument(f"seconds must be a number >= 0, got {seconds!r}")
         if seconds:
@@ -470,6 +468,12 @@ class SimulatedEngine:
             state.slow_ranks.pop(rank, None)
         entry = state.record("slow_rank", outcome="ok", rank=rank, seconds=seconds)
         entry["end"] = entry["start"]
+
+    def _check_rank(self, rank: object) -> None:
+        """Refuse a rank this server does not have."""
+        ranks = self._state.dp_size
+        if not isinstance(rank, int) or not 0 <= rank < ranks:
+            raise InvalidArgument(f"rank must be one of the {ranks} ranks, got {rank!r}")
 
     async def close(self) -> None:
         """Stop the scheduler; in-flight generates get ``EngineDead``. Idempotent, never raises."""
