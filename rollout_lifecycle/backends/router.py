@@ -9,6 +9,13 @@ The worker API of sglang-router 0.3.2 (checked against the router itself; the le
   ``202`` and ``{"worker_id", ...}``. The worker is added by a background job that probes it
   first; until that job is done the worker is not listed (a paused worker's ``/health`` does
   not answer, so the job waits for it).
+* ``POST /workers`` with ``"worker_type"`` (``"prefill"`` with ``"bootstrap_port"``, or
+  ``"decode"``) registers one half of a prefill/decode pair, in either mode of the router; the
+  listing names each worker's ``worker_type`` (``"regular"`` by default) and a prefill worker's
+  ``bootstrap_port``. A router launched with ``--pd-disaggregation`` pairs a prefill and a
+  decode worker for each request, and answers ``503`` ("No decode workers available") while it
+  lists a half without the other. A second ``POST`` for a listed URL answers ``202`` and its job
+  then fails ("already exists"): the first registration's type stays.
 * ``DELETE /workers/{id}``: ``202``; the worker is taken out by a background job.
 * With ``--control-plane-api-keys 'id:name:admin:KEY'`` every worker call needs
   ``Authorization: Bearer KEY``: ``401`` without it or with a wrong one.
@@ -41,9 +48,10 @@ import httpx
 
 from rollout_lifecycle.backends.ports import free_port
 from rollout_lifecycle.backends.secret import Secret, as_secret
+from rollout_lifecycle.contract.capabilities import WORKER_TYPES
 from rollout_lifecycle.contract.exceptions import InvalidArgument, RouterError
 from rollout_lifecycle.contract.urls import url_identity
-from rollout_lifecycle.contract.values import check_seconds
+from rollout_lifecycle.contract.values import check_flag, check_seconds
 
 #: How often ``add`` and ``remove`` look whether the router has done the change.
 _POLL_S = 0.05
@@ -53,11 +61,14 @@ _BODY_LIMIT = 300
 
 @dataclass(frozen=True)
 class RouterWorker:
-    """One worker as the router lists it."""
+    """One worker as the router lists it: its type (``regular``, or the ``prefill`` or
+    ``decode`` half of a prefill/decode pair) and a prefill worker's bootstrap port."""
 
     id: str
     url: str
     healthy: bool
+    worker_type: str = "regular"
+    bootstrap_port: int | None = None
 
 
 class SGLangRouter:
@@ -141,7 +152,13 @@ class SGLangRouter:
         if not isinstance(rows, list):
             raise RouterError(self._url, f"GET /workers answered {str(found)[:_BODY_LIMIT]!r}")
         return [
-            RouterWorker(str(w.get("id")), str(w.get("url")), bool(w.get("is_healthy")))
+            RouterWorker(
+                str(w.get("id")),
+                str(w.get("url")),
+                bool(w.get("is_healthy")),
+                str(w.get("worker_type") or "regular"),
+                port if isinstance(port := w.get("bootstrap_port"), int) else None,
+            )
             for w in rows
             if isinstance(w, dict)
         ]
@@ -159,15 +176,35 @@ class SGLangRouter:
                     return worker
         return None
 
-    async def add(self, url: str) -> None:
-        """Register the worker at ``url``, and wait until the router lists it healthy."""
+    async def add(
+        self, url: str, *, worker_type: str = "regular", bootstrap_port: int | None = None
+    ) -> None:
+        """Register the worker at ``url`` as ``worker_type`` (``regular``, or a ``prefill``
+        worker with its ``bootstrap_port``, or a ``decode`` one), and wait until the router
+        lists it healthy. A worker listed at ``url`` as another type is refused
+        (``RouterError``): the router keeps the first registration of a URL (0.3.2 answers
+        ``202`` to the second, then its job fails), so ``remove`` it first."""
+        if worker_type not in WORKER_TYPES:
+            types = ", ".join(WORKER_TYPES)
+            raise InvalidArgument(f"worker_type must be one of {types}, got {worker_type!r}")
         key = url_identity(url)
         async with self._session() as client:
-            if await self._find(client, key) is None:
+            found = await self._find(client, key)
+            if found is None:
                 body: dict[str, Any] = {"url": url}
+                if worker_type != "regular":
+                    body["worker_type"] = worker_type
+                if bootstrap_port is not None:
+                    body["bootstrap_port"] = bootstrap_port
                 if self._worker_key is not None:
                     body["api_key"] = self._worker_key.reveal()
                 await self._call(client, "POST", "/workers", body)
+            elif found.worker_type != worker_type:
+                raise RouterError(
+                    self._url,
+                    f"worker {url} is listed as {found.worker_type}, not {worker_type}: "
+                    f"remove it first",
+                )
             await self._wait(
                 client, url, key, lambda w: w is not None and w.healthy, "listed healthy"
             )
@@ -209,7 +246,8 @@ class LaunchedRouter:
     Its health checks keep the router's defaults: a server bound to it takes workers out before
     it pauses them and puts them back once they serve, so the router never probes a paused
     worker (whose ``/health`` does not answer). ``worker_urls``: the workers to start with.
-    ``api_key``: the control-plane key to require. ``extra_args``: more ``sglang-router
+    ``api_key``: the control-plane key to require. ``prefill_decode``: launch it in
+    prefill/decode mode (``--pd-disaggregation``). ``extra_args``: more ``sglang-router
     launch`` flags. Use as an async context manager, or ``await wait_ready()`` then ``stop()``.
     """
 
@@ -220,6 +258,7 @@ class LaunchedRouter:
         api_key: str | Secret | None = None,
         policy: str = "round_robin",
         startup_timeout: float = 60.0,
+        prefill_decode: bool = False,
         extra_args: Sequence[str] = (),
     ) -> None:
         self._key = as_secret(api_key, what="api_key")
@@ -235,6 +274,7 @@ class LaunchedRouter:
             "--policy", policy,
             "--log-level", "warn",
             *(["--worker-urls", *worker_urls] if worker_urls else []),
+            *(["--pd-disaggregation"] if check_flag("prefill_decode", prefill_decode) else []),
             *extra_args,
         ]  # fmt: skip
         env = dict(os.environ)

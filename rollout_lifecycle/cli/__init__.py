@@ -86,6 +86,16 @@ def _add_fake_sglang(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="data-parallel ranks it reports (/server_info dp_size); with more than one it "
         "refuses tensor and collective weight writes, as SGLang does",
     )
+    fake.add_argument(
+        "--disaggregation-mode",
+        choices=("null", "prefill", "decode"),
+        help="what /server_info says it serves as (a prefill or decode half, or null)",
+    )
+    fake.add_argument(
+        "--disaggregation-bootstrap-port",
+        type=int,
+        help="the prefill server's bootstrap port /server_info names (default 8998)",
+    )
     fake.add_argument("--gpu-memory-bytes", type=int, help="GPU size; resume beyond it dies (OOM)")
     fake.add_argument(
         "--memory-bytes",
@@ -144,6 +154,8 @@ def _fake_sglang(args: argparse.Namespace) -> int:
         "weight_version",
         "max_running",
         "dp_size",
+        "disaggregation_mode",
+        "disaggregation_bootstrap_port",
     ):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)

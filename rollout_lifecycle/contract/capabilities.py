@@ -61,6 +61,26 @@ class Capabilities:
     #: Why ``weight_writes`` is narrower than the family's, when it is (a data-parallel SGLang
     #: server's refusals); the refusal of a write it does not carry says it.
     writes_limited_by: str = ""
+    #: What a router registers the server as (``WORKER_TYPES``): ``regular``, or one half of a
+    #: prefill/decode pair, as the process reports it (SGLang's ``--disaggregation-mode``).
+    #: A half serves only through a router in prefill/decode mode, which sends each request
+    #: to a prefill and a decode server together: the generation client never picks one.
+    worker_type: str = "regular"
+    #: A prefill server's bootstrap port (SGLang's ``--disaggregation-bootstrap-port``), which
+    #: the router hands to the decode half of each request; None for the other types.
+    bootstrap_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.worker_type not in WORKER_TYPES:
+            raise InvalidArgument(
+                f"capabilities: worker_type must be one of {', '.join(WORKER_TYPES)}, "
+                f"got {self.worker_type!r}"
+            )
+
+    @property
+    def half(self) -> bool:
+        """Whether the server is one half of a prefill/decode pair (``worker_type``)."""
+        return self.worker_type != "regular"
 
     def release_refusal(self, tags: Collection[Tag]) -> str | None:
         """Why a release of ``tags`` cannot be carried out by this family; None when it can."""
@@ -92,6 +112,8 @@ class Capabilities:
             "weight_writes": sorted(op.value for op in self.weight_writes),
             "ranks": self.ranks,
             "writes_limited_by": self.writes_limited_by,
+            "worker_type": self.worker_type,
+            "bootstrap_port": self.bootstrap_port,
         }
 
     @classmethod
@@ -140,11 +162,24 @@ class Capabilities:
             raise InvalidArgument(
                 f"capabilities: writes_limited_by must be a string, got {limited_by!r}"
             )
-        found = cls(family, tuple(requires), wakes, scheme, carried, ranks, limited_by)
+        worker_type = data.get("worker_type", cls.worker_type)
+        if not isinstance(worker_type, str):
+            raise InvalidArgument(
+                f"capabilities: worker_type must be a string, got {worker_type!r}"
+            )
+        port = data.get("bootstrap_port")
+        if port is not None:
+            port = check_int("capabilities: bootstrap_port", port, minimum=1, maximum=65535)
+        found = cls(
+            family, tuple(requires), wakes, scheme, carried, ranks, limited_by, worker_type, port
+        )
         # One object per distinct declaration: a fleet's records share their family's.
         return _INTERNED.setdefault(found, found)
 
 
+#: The ``worker_type`` values, in sglang-router 0.3.2's words (its worker API's
+#: ``worker_type``; SGLang's ``--disaggregation-mode`` says ``null`` for ``regular``).
+WORKER_TYPES = ("regular", "prefill", "decode")
 #: Every operation's wire name.
 _OP_NAMES = frozenset(op.value for op in Op)
 #: What a backend that declares nothing can do: what SGLang does.
@@ -159,4 +194,4 @@ def capabilities_of(backend: object) -> Capabilities:
     return found if isinstance(found, Capabilities) else DEFAULT
 
 
-__all__ = ["DEFAULT", "Capabilities", "capabilities_of"]
+__all__ = ["DEFAULT", "WORKER_TYPES", "Capabilities", "capabilities_of"]

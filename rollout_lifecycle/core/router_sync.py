@@ -11,6 +11,12 @@ memory resident, the expected weights, a replacement only once a weight update r
 a group the server's state lets serve), and the workers of engines that died, were retired or
 stopped serving are taken out.
 
+Each engine is registered as what its server says it serves as (``Capabilities.worker_type``,
+read with its incarnation): a regular worker, or the prefill (with its bootstrap port) or decode
+half of a prefill/decode pair, for a router in prefill/decode mode. The halves of a pair that
+form one unit (``EngineGroup(unit=2)``) serve together or not at all (``Fleet.serves``), so one
+sync registers both and one takes both out.
+
 The binding takes out only workers it owns, since other clients may share the router: the
 workers at the URLs of the engines in the fleet now, and a worker it registered itself for an
 engine that has since been retired (one it could not take out when the engine died), until it
@@ -32,6 +38,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from rollout_lifecycle.contract.capabilities import DEFAULT, Capabilities
 from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import InvalidArgument, RouterError
 from rollout_lifecycle.contract.ops import Op
@@ -54,7 +61,11 @@ class WorkerRouter(Protocol):
         """The listed workers (each with ``url``)."""
         ...
 
-    async def add(self, url: str) -> None: ...
+    async def add(
+        self, url: str, *, worker_type: str = "regular", bootstrap_port: int | None = None
+    ) -> None:
+        """Register ``url`` as ``worker_type`` (``contract/capabilities.WORKER_TYPES``)."""
+        ...
 
     async def remove(self, url: str) -> None: ...
 
@@ -157,30 +168,42 @@ class RouterSync:
         fleet = {url_identity(u) for u in urls.values() if u is not None}
         state, serves = self._state(), self._fleet.serves
         want = {
-            url_identity(u): u
+            url_identity(u): (u, r.capabilities or DEFAULT)
             for r in records
             if (u := urls[r.id]) is not None and serves(r, state)
         }
         async with self._locked():
-            listed: dict[str, str] = {}
+            listed: dict[str, tuple[str, str]] = {}
             for worker in await self.router.workers():
                 with contextlib.suppress(InvalidArgument):
-                    listed[url_identity(str(worker.url))] = str(worker.url)
+                    kind = str(getattr(worker, "worker_type", "regular"))
+                    listed[url_identity(str(worker.url))] = (str(worker.url), kind)
             owned = fleet | self._registered
-            extra = [listed[k] for k in listed.keys() & owned if k not in want]
-            missing = [u for k, u in want.items() if k not in listed]
+            # a worker listed as another type than its engine serves as (a server restarted
+            # in another mode) is taken out and registered again
+            wrong = {
+                k
+                for k, (_, caps) in want.items()
+                if k in listed and listed[k][1] != caps.worker_type
+            }
+            extra = [listed[k][0] for k in listed.keys() & owned if k not in want or k in wrong]
+            missing = [(u, caps) for k, (u, caps) in want.items() if k not in listed or k in wrong]
+            # A unit's members are added in one gather and taken out in one: the router has no
+            # call that changes several workers at once, so for the moment between its two
+            # background jobs it may list one half of a prefill/decode pair.
             await asyncio.gather(*(self._remove(u) for u in extra))
-            await asyncio.gather(*(self._add(u) for u in missing))
+            await asyncio.gather(*(self._add(u, caps) for u, caps in missing))
+        added = [u for u, _ in missing]
         if extra or missing:
-            self._log.info("router.synced", added=missing, removed=extra)
+            self._log.info("router.synced", added=added, removed=extra)
         self.failure = None
-        return {"added": missing, "removed": extra}
+        return {"added": added, "removed": extra}
 
-    async def _add(self, url: str) -> None:
+    async def _add(self, url: str, caps: Capabilities) -> None:
         # Owned from the request on: a registration whose wait fails may still be done by the
         # router later, and only this binding would ever take it out.
         self._registered.add(url_identity(url))
-        await self.router.add(url)
+        await self.router.add(url, worker_type=caps.worker_type, bootstrap_port=caps.bootstrap_port)
 
     async def _remove(self, url: str) -> None:
         await self.router.remove(url)

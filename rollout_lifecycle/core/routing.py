@@ -3,10 +3,11 @@ while none does.
 
 ``Router.acquire`` picks a serving engine (``Fleet.serves``: alive, unpaused, all memory
 resident, with the fleet's weights, in a group the server's state lets serve, as the router
-binding registers them; and not seen dying by this client; the fewest requests outstanding
-first), and holds the request while there is none, waking at every state change and phase end, until
-``hold_timeout`` or the request's deadline. A request whose every possible engine is dead
-fails at once.
+binding registers them; and not seen dying by this client, nor half of a prefill/decode pair,
+which only a router in that mode can serve; the fewest requests outstanding first), and holds
+the request while there is none, waking at every state change and phase end, until
+``hold_timeout`` or the request's deadline. A request whose every possible engine is dead, or
+a prefill/decode half, fails at once.
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ from typing import Any, Protocol
 
 from rollout_lifecycle.core.bus import Bus
 from rollout_lifecycle.core.ledger import EngineRecord, EngineState, Fleet, GroupRecords, may_serve
-from rollout_lifecycle.core.requests import GenerationTimeout, NoLiveEngine, Request
+from rollout_lifecycle.core.requests import (
+    GenerationError,
+    GenerationTimeout,
+    NoLiveEngine,
+    Request,
+)
 from rollout_lifecycle.core.states import ServerState
 
 
@@ -75,7 +81,11 @@ class Router:
         return may_serve(state, group.needs_offload)
 
     def _engine_serves(self, record: EngineRecord, state: ServerState) -> bool:
-        return self._server.fleet.serves(record, state) and not self.seen_dead(record)
+        return (
+            self._server.fleet.serves(record, state)
+            and not self.seen_dead(record)
+            and not _half(record)
+        )
 
     def pick(self, work: Request) -> EngineRecord | None:
         state = self._server.state
@@ -103,6 +113,7 @@ class Router:
                 if record is not None:
                     return record
                 self._check_alive(work)
+                self._check_direct(work)
                 now = clock()
                 waited = now - start
                 if now >= deadline:
@@ -171,6 +182,24 @@ class Router:
             work.compose(None, message) if work.engines else None,
         )
 
+    def _check_direct(self, work: Request) -> None:
+        """Refuse ``work`` at once when every engine that could serve it is a half of a
+        prefill/decode pair: such a request needs a prefill and a decode server together, as a
+        router in prefill/decode mode sends it, and this client sends to one engine."""
+        records = [
+            r for g in self._server.groups if work.group in (None, g.name) for r in g.records
+        ]
+        if not records or not all(_half(r) for r in records):
+            return
+        where = f"group {work.group!r}" if work.group is not None else "any group"
+        halves = ", ".join(
+            f"{r.id} {r.capabilities.worker_type}" for r in records if r.capabilities
+        )
+        raise GenerationError(
+            f"every engine of {where} is half of a prefill/decode pair ({halves}): send its "
+            f"requests through sglang-router in prefill/decode mode, which pairs the halves"
+        )
+
     def _why_held(self, work: Request) -> str:
         state = self._server.state
         groups = [g for g in self._server.groups if work.group in (None, g.name)]
@@ -199,6 +228,8 @@ class Router:
                 engine = r.state
                 if engine is not EngineState.DEAD and self.seen_dead(r):
                     notes.append(f"{r.id} died under a request")
+                elif _half(r):
+                    notes.append(f"{r.id} is a prefill/decode half, served through a router")
                 elif engine in why:
                     notes.append(f"{r.id} {why[engine]}")
         return f"the server is {state.value!r} and no engine of {where} serves ({', '.join(notes)})"
@@ -219,6 +250,13 @@ class Router:
             same_loop = False
         if same_loop:
             wake.set()  # waiters of another (finished) loop are gone; theirs is just dropped
+
+
+def _half(record: EngineRecord) -> bool:
+    """Whether ``record``'s server is one half of a prefill/decode pair (as its driver
+    declared with its incarnation): a request sent to it alone cannot be served."""
+    caps = record.capabilities
+    return caps is not None and caps.half
 
 
 __all__ = ["Router"]

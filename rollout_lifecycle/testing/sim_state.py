@@ -117,6 +117,10 @@ HISTORY_CHUNK = 16
 
 #: The most requests ``max_running`` may let run at once.
 MAX_RUNNING = 1_000_000
+#: SGLang's ``--disaggregation-mode`` values (``arg_groups/fields/disagg.py``).
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+#: SGLang's default ``--disaggregation-bootstrap-port``.
+DEFAULT_BOOTSTRAP_PORT = 8998
 #: The most data-parallel ranks a simulated server reports.
 MAX_DP_SIZE = 1024
 
@@ -241,6 +245,8 @@ class SimState:
         gpu_memory_bytes: int | None = None,
         check_model_paths: bool = False,
         model_path: str | None = None,
+        disaggregation_mode: str = "null",
+        disaggregation_bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT,
     ) -> None:
         if not isinstance(label, str) or not label:
             raise InvalidArgument(f"label must be a non-empty string, got {label!r}")
@@ -270,6 +276,21 @@ class SimState:
         #: The data-parallel ranks it reports (``dp_size``): with more than one it refuses
         #: tensor and collective weight writes (``SimWeights``), as SGLang does.
         self.dp_size = check_int("dp_size", dp_size, minimum=1, maximum=MAX_DP_SIZE)
+        #: What it says it serves as (SGLang's ``--disaggregation-mode``: ``null``, or a
+        #: ``prefill`` or ``decode`` half of a pair) and its bootstrap port. It generates as a
+        #: regular server all the same: the KV transfer between halves needs a GPU.
+        if disaggregation_mode not in DISAGGREGATION_MODES:
+            modes = ", ".join(DISAGGREGATION_MODES)
+            raise InvalidArgument(
+                f"disaggregation_mode must be one of {modes}, got {disaggregation_mode!r}"
+            )
+        self.disaggregation_mode = disaggregation_mode
+        self.bootstrap_port = check_int(
+            "disaggregation_bootstrap_port",
+            disaggregation_bootstrap_port,
+            minimum=1,
+            maximum=65535,
+        )
         self.weights_cpu_backup = check_flag("weights_cpu_backup", weights_cpu_backup)
         self.dp_dummy_batches = check_flag("dp_dummy_batches", dp_dummy_batches)
         self.check_model_paths = check_flag("check_model_paths", check_model_paths)
@@ -567,6 +588,8 @@ class SimState:
             "random_seed": self.random_seed,
             "dp_size": self.dp_size,
             "tp_size": 1,
+            "disaggregation_mode": self.disaggregation_mode,
+            "disaggregation_bootstrap_port": self.bootstrap_port,
         }
 
     def memory_usage(self) -> dict[str, Any]:

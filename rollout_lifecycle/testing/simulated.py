@@ -16,7 +16,7 @@ from rollout_lifecycle.backends.sglang.api import (
     FLUSH_TIMED_OUT,
     WEIGHTS_WRITTEN_FLUSH_FAILED,
 )
-from rollout_lifecycle.backends.sglang.client import data_parallel
+from rollout_lifecycle.backends.sglang.client import data_parallel, serving_as
 from rollout_lifecycle.contract.capabilities import Capabilities
 from rollout_lifecycle.contract.exceptions import EngineUnreachable, InvalidArgument
 from rollout_lifecycle.contract.fingerprint import SIMULATED_SCHEME
@@ -31,6 +31,7 @@ from rollout_lifecycle.testing.sim_calls import SimCalls
 from rollout_lifecycle.testing.sim_control import SimControl
 from rollout_lifecycle.testing.sim_scheduler import SimScheduler
 from rollout_lifecycle.testing.sim_state import (
+    DEFAULT_BOOTSTRAP_PORT,
     DEFAULT_MEMORY_BYTES,
     DEFAULT_WEIGHT_VERSION,
     SIM_VERSION,
@@ -68,6 +69,8 @@ class SimulatedEngine:
         gpu_memory_bytes: int | None = None,
         check_model_paths: bool = False,
         model_path: str | None = None,
+        disaggregation_mode: str = "null",
+        disaggregation_bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT,
     ) -> None:
         self._state = SimState(
             label,
@@ -84,10 +87,17 @@ class SimulatedEngine:
             gpu_memory_bytes=gpu_memory_bytes,
             check_model_paths=check_model_paths,
             model_path=model_path,
+            disaggregation_mode=disaggregation_mode,
+            disaggregation_bootstrap_port=disaggregation_bootstrap_port,
         )
         self._scheduler = SimScheduler(self._state)
+        declared = type(self).capabilities
         if dp_size > 1:
-            self.capabilities = data_parallel(dp_size, type(self).capabilities)
+            declared = data_parallel(dp_size, declared)
+        if disaggregation_mode != "null":
+            port = disaggregation_bootstrap_port if disaggregation_mode == "prefill" else None
+            declared = serving_as(declared, disaggregation_mode, port)
+        self.capabilities = declared
 
     # The call parts hold nothing but the state and the scheduler, so each is made for the
     # call it takes and dropped with it. A fleet of thousands of in-process engines would
@@ -107,7 +117,8 @@ class SimulatedEngine:
 
     #: What the simulator can do: SGLang's abilities, each tag on its own; its fingerprints
     #: digest what it records it holds (``SIMULATED_SCHEME``). One made with ``dp_size`` above
-    #: 1 declares what a data-parallel SGLang server can do (``__init__``).
+    #: 1 declares what a data-parallel SGLang server can do, one with a
+    #: ``disaggregation_mode`` the half it serves as (``__init__``).
     capabilities: Capabilities = Capabilities("simulated", fingerprint_scheme=SIMULATED_SCHEME)
 
     @property

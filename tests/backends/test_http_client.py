@@ -1593,3 +1593,44 @@ async def test_data_parallel_replicas_are_one_fingerprint_when_they_agree(
     engine = make_engine(FakeServer(lambda request: checker(*ranks)))
     assert (await engine.weight_fingerprint())["tensors"] == tensors
     await engine.close()
+
+
+@pytest.mark.parametrize(
+    ("info", "role"),
+    [
+        ({"version": "0.5.23", "disaggregation_mode": "null"}, ("regular", None)),
+        ({"version": "0.5.23"}, ("regular", None)),  # (a server that predates the argument)
+        (
+            {"disaggregation_mode": "prefill", "disaggregation_bootstrap_port": 8998},
+            ("prefill", 8998),
+        ),
+        (
+            {"disaggregation_mode": "decode", "disaggregation_bootstrap_port": 8998},
+            ("decode", None),
+        ),
+    ],
+)
+async def test_server_info_names_what_the_server_serves_as(
+    info: dict[str, Any], role: tuple[str, int | None]
+) -> None:
+    engine = make_engine(FakeServer(lambda request: httpx.Response(200, json=info)))
+    await engine.server_info()
+    assert (engine.capabilities.worker_type, engine.capabilities.bootstrap_port) == role
+    assert engine.capabilities.half == (role[0] != "regular")
+
+
+@pytest.mark.parametrize(
+    "info",
+    [
+        {"disaggregation_mode": "both"},
+        {"disaggregation_mode": "prefill"},
+        {"disaggregation_mode": "prefill", "disaggregation_bootstrap_port": "8998"},
+    ],
+    ids=["unknown_mode", "prefill_without_port", "port_not_int"],
+)
+async def test_a_disaggregation_mode_not_understood_is_a_garbage_answer(
+    info: dict[str, Any],
+) -> None:
+    engine = make_engine(FakeServer(lambda request: httpx.Response(200, json=info)))
+    with pytest.raises(EngineError, match=r"garbage answer.*disaggregation"):
+        await engine.server_info()

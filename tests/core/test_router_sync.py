@@ -12,7 +12,7 @@ and ``test_router_ownership.py``'s.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 import pytest
 from structlog.testing import capture_logs
@@ -40,17 +40,21 @@ FOREIGN = "http://other-team.test:9"
 class AtURL(SimulatedEngine):
     """A simulated engine with an address, so a router can list it."""
 
-    def __init__(self, url: str) -> None:
-        super().__init__(token_latency=0.001)
+    def __init__(self, url: str, **options: Any) -> None:
+        super().__init__(token_latency=0.001, **options)
         self.url = url
 
     def received(self, op: str) -> bool:
         return any(e["op"] == op for e in self.history())
 
+    def count(self, op: str) -> int:
+        return sum(1 for e in self.history() if e["op"] == op)
+
 
 class Worker:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, worker_type: str = "regular") -> None:
         self.url = url
+        self.worker_type = worker_type
 
 
 class ListRouter:
@@ -61,7 +65,11 @@ class ListRouter:
 
     def __init__(self, listed: Sequence[str] = (), engines: Sequence[AtURL] = ()) -> None:
         self.listed = list(listed)
+        #: The type and bootstrap port each listed worker was registered with.
+        self.types: dict[str, tuple[str, int | None]] = {}
         self.calls: list[tuple[str, str]] = []
+        #: What it listed each time a binding looked (what the last sync, or call, left).
+        self.looked: list[frozenset[str]] = []
         self._engines = {url_identity(e.url): e for e in engines}
         #: Per removal: whether its engine had been sent a pause by then.
         self.paused_when_removed: dict[str, bool] = {}
@@ -72,13 +80,17 @@ class ListRouter:
 
     async def workers(self) -> Sequence[Worker]:
         self.calls.append(("workers", ""))
+        self.looked.append(frozenset(self.listed))
         if self.listing_fails:
             raise RouterError(self.url, "GET /workers: unreachable")
-        return [Worker(u) for u in self.listed]
+        return [Worker(u, self.types.get(u, ("regular", None))[0]) for u in self.listed]
 
-    async def add(self, url: str) -> None:
+    async def add(
+        self, url: str, *, worker_type: str = "regular", bootstrap_port: int | None = None
+    ) -> None:
         self.calls.append(("add", url))
         self.listed.append(url)
+        self.types[url] = (worker_type, bootstrap_port)
 
     async def remove(self, url: str) -> None:
         self.calls.append(("remove", url))

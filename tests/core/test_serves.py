@@ -58,7 +58,7 @@ class ListRouter:
     async def workers(self) -> Sequence[Any]:
         return [Worker(u) for u in self.urls]
 
-    async def add(self, url: str) -> None:
+    async def add(self, url: str, **role: Any) -> None:
         self.urls.append(url)
 
     async def remove(self, url: str) -> None:

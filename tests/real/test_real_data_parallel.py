@@ -106,6 +106,7 @@ async def test_five_cycles_with_requests_on_both_ranks_lose_nothing_and_verify_t
                 record = server.snapshot().engines()["dp/0"]
                 assert not record.unverified and record.capabilities is not None
                 assert record.capabilities["ranks"] == RANKS
+                assert record.capabilities["worker_type"] == "regular"
         print(f"{answered} answered of {CYCLES * REQUESTS}, {time.monotonic() - started:.0f} s")
         assert answered == CYCLES * REQUESTS
         assert server.state is ServerState.SERVING

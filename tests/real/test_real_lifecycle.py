@@ -453,6 +453,10 @@ async def test_launched_engine_in_an_actor_runs_the_cycle_with_a_shared_server_t
         # The first call starts the server and waits for /ready (a start-up of tens of seconds).
         info = await asyncio.wait_for(launched.server_info.remote(), 900)
         assert info["version"] == "0.5.23"
+        # what the router binding registers it as: a regular server, not a prefill/decode half
+        # (sglang: arg_groups/fields/disagg.py Disagg.disaggregation_mode, bootstrap port 8998)
+        assert info["disaggregation_mode"] == "null"
+        assert info["disaggregation_bootstrap_port"] == 8998
         # The shared server's actor is started too, or its half of the traffic arrives seconds
         # after the launched server's (a new Ray worker), which can finish its half meanwhile.
         assert await asyncio.wait_for(shared.ping.remote(), 120)

@@ -95,6 +95,8 @@ async def test_a_member_killed_between_release_and_resume_has_its_unit_replaced_
         try:
             await server.sync_router()
             seen.append(await listed(router))
+            # every real server says it is a regular one (no --disaggregation-mode)
+            assert {w.worker_type for w in await router.workers()} == {"regular"}
             async with slowed(urls, SLOW_STEP_S):
                 traffic = [
                     asyncio.ensure_future(server.generation.generate(request(60 + i)))

@@ -98,10 +98,10 @@ class RefusingRemovals:
     async def workers(self) -> Sequence[Any]:
         return await self.router.workers()
 
-    async def add(self, url: str) -> None:
+    async def add(self, url: str, **role: Any) -> None:
         if self.refuse and self.adds:
             raise RouterError(self.router.url, f"POST /workers {url}: 503 refused", 503)
-        await self.router.add(url)
+        await self.router.add(url, **role)
 
     async def remove(self, url: str) -> None:
         if self.refuse and not self.adds:

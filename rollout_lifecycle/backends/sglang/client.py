@@ -86,6 +86,17 @@ def data_parallel(ranks: int, base: Capabilities = SGLANG_CAPABILITIES) -> Capab
     )
 
 
+@functools.cache
+def serving_as(
+    base: Capabilities, worker_type: str, bootstrap_port: int | None = None
+) -> Capabilities:
+    """``base`` for a server that serves as ``worker_type`` (``regular``, or a ``prefill`` or
+    ``decode`` half of a prefill/decode pair, with a prefill server's ``bootstrap_port``)."""
+    if (worker_type, bootstrap_port) == (base.worker_type, base.bootstrap_port):
+        return base
+    return dataclasses.replace(base, worker_type=worker_type, bootstrap_port=bootstrap_port)
+
+
 class SGLangHTTPEngine:
     """One SGLang 0.5.23 server over HTTP; implements ``EngineBackend``.
 
@@ -116,10 +127,12 @@ class SGLangHTTPEngine:
     @property
     def capabilities(self) -> Capabilities:
         """What the server can do (``contract/capabilities``): ``SGLANG_CAPABILITIES``, or
-        ``data_parallel(ranks)`` when the last ``/server_info`` named more than one rank (the
-        engine host reads them with the incarnation, so they are the process's)."""
-        ranks = self._link.ranks
-        return SGLANG_CAPABILITIES if ranks == 1 else data_parallel(ranks)
+        ``data_parallel(ranks)`` when the last ``/server_info`` named more than one rank, each
+        with the router worker type it named (``serving_as``; the engine host reads them with
+        the incarnation, so they are the process's)."""
+        ranks, (worker_type, bootstrap_port) = self._link.ranks, self._link.role
+        declared = SGLANG_CAPABILITIES if ranks == 1 else data_parallel(ranks)
+        return serving_as(declared, worker_type, bootstrap_port)
 
     def __init__(
         self,

@@ -83,6 +83,8 @@ class SGLangLink:
         self._version: str | None = None
         #: The data-parallel ranks the last ``/server_info`` named (``dp_size``).
         self._ranks = 1
+        #: What the last ``/server_info`` said the server serves as (``role``).
+        self._role: tuple[str, int | None] = ("regular", None)
 
     @property
     def url(self) -> str:
@@ -109,6 +111,13 @@ class SGLangLink:
         """The data-parallel ranks behind the URL (``dp_size``), as the last ``/server_info``
         read said: each rank is a scheduler process holding the whole model. 1 before any."""
         return self._ranks
+
+    @property
+    def role(self) -> tuple[str, int | None]:
+        """What the server serves as, as the last ``/server_info`` read said: its router worker
+        type (``regular``, ``prefill`` or ``decode``: ``--disaggregation-mode``) and, for a
+        prefill server, its bootstrap port. ``("regular", None)`` before any."""
+        return self._role
 
     @property
     def version(self) -> str | None:
@@ -178,7 +187,26 @@ class SGLangLink:
         if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
             self._wire.garbage(op, "/server_info", f"dp_size is {shown(ranks)}")
         self._ranks = ranks
+        self._role = self._role_in(op, info)
         return info
+
+    def _role_in(self, op: str, info: dict[str, Any]) -> tuple[str, int | None]:
+        """The worker type and bootstrap port a ``/server_info`` answer names."""
+        # sglang: arg_groups/fields/disagg.py Disagg.disaggregation_mode ("null", "prefill" or
+        # "decode") and disaggregation_bootstrap_port (the prefill server's bootstrap server)
+        mode = info.get("disaggregation_mode", "null")
+        if mode in (None, "null"):
+            return ("regular", None)
+        if mode not in ("prefill", "decode"):
+            self._wire.garbage(op, "/server_info", f"disaggregation_mode is {shown(mode)}")
+        if mode == "decode":
+            return ("decode", None)
+        port = info.get("disaggregation_bootstrap_port")
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            self._wire.garbage(
+                op, "/server_info", f"disaggregation_bootstrap_port is {shown(port)}"
+            )
+        return ("prefill", port)
 
     async def observe(self, *, paused: bool = True, identify: bool = True) -> dict[str, Any]:
         """What the server says of itself (``EngineHost.observe``), its reads sent at once:

@@ -139,6 +139,8 @@ def _engine_argv(options: Mapping[str, Any]) -> list[str]:
         "weight_version": "--weight-version",
         "max_running": "--max-running",
         "dp_size": "--dp-size",
+        "disaggregation_mode": "--disaggregation-mode",
+        "disaggregation_bootstrap_port": "--disaggregation-bootstrap-port",
         "gpu_memory_bytes": "--gpu-memory-bytes",
     }
     for name, value in options.items():
