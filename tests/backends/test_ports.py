@@ -16,6 +16,7 @@ from rollout_lifecycle.backends import ports
 def fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A process that has handed out no port yet (the suite's own ports stay handed out)."""
     monkeypatch.setattr(ports, "_handed_out", set())
+    monkeypatch.delenv(ports.PORTS_ENV, raising=False)
     yield
 
 
@@ -76,3 +77,16 @@ def test_a_range_reaching_into_the_ephemeral_one_is_cut_at_its_start(
     monkeypatch.setattr(ports, "_ephemeral_low", lambda: second)
     assert free_port() == first
     assert free_port() not in (first, second)
+
+
+def test_the_environment_narrows_the_range_for_one_process(
+    fresh: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, second = free_pair()
+    monkeypatch.setenv(ports.PORTS_ENV, f"{first}-{second}")
+    assert sorted([free_port(), free_port()]) == [first, second]
+    for bad in ("21000", "21000-20000", "x-y", "80-90", "21000-70000"):
+        monkeypatch.setenv(ports.PORTS_ENV, bad)
+        with pytest.raises(ValueError, match="ROLLOUT_LIFECYCLE_PORTS must be LOW-HIGH") as err:
+            free_port()
+        assert repr(bad) in str(err.value)

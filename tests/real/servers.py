@@ -286,12 +286,7 @@ class RealServer:
         """Stop the server and start a new one at the same port, as an orchestrator restarts a
         server in place; returns once the new one is ready. ``hold``: paused servers to freeze
         while it starts (``held``)."""
-        self.stop()
-        self.proc = None
-        with contextlib.ExitStack() as stack:
-            for other in hold:
-                stack.enter_context(other.held())
-            return self.start().wait_ready()
+        return restart_all([self], hold=hold)[0]
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
@@ -342,6 +337,22 @@ class RealVLLMServer(RealServer):
         return cmd
 
 
+def restart_all(
+    servers: Sequence[RealServer], *, hold: Sequence[RealServer] = ()
+) -> Sequence[RealServer]:
+    """``RealServer.restart`` for several servers at once (a unit restarts together): all are
+    stopped, then started together (start-up is mostly imports, so they overlap) while
+    ``hold`` is frozen, and ready when this returns."""
+    for server in servers:
+        server.stop()
+        server.proc = None
+    with contextlib.ExitStack() as stack:
+        for other in hold:
+            stack.enter_context(other.held())
+        start_all(list(servers))
+    return servers
+
+
 def start_all(servers: list[RealServer]) -> list[RealServer]:
     """Start servers together (start-up is mostly imports, so they overlap) and wait for all."""
     for server in servers:
@@ -354,6 +365,19 @@ def start_all(servers: list[RealServer]) -> list[RealServer]:
             server.stop()
         raise
     return servers
+
+
+#: The data-parallel ranks of the pool's two-rank server (``RealServerPool.data_parallel``).
+DP_RANKS = 2
+#: SGLang binds each rank's OpenMP threads to the cores this names, one ``|``-separated set per
+#: rank; unset, it wants a NUMA node per rank and asserts (sglang: numa_utils.py
+#: init_threads_binding), and this machine has one.
+DP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+def dp_server(env: RealSGLang) -> RealServer:
+    """A server with ``DP_RANKS`` data-parallel ranks (``--dp-size``), not started."""
+    return RealServer(env, extra_args=("--dp-size", str(DP_RANKS)), extra_env=dict(DP_ENV))
 
 
 class RealServerPool:
@@ -374,7 +398,26 @@ class RealServerPool:
         self._keyed = RealServer(env, admin_key=self.ADMIN_KEY, api_key=self.API_KEY)
         self._spares = [RealServer(env) for _ in range(spares)]
         self._taken: list[RealServer] = []
+        self._dp: RealServer | None = None
         start_all([*self._shared, self._keyed, *self._spares])
+
+    def data_parallel(self) -> RealServer:
+        """The shared two-rank server (``dp_server``), started on first use and kept serving
+        with all memory resident; one that is gone, or not whole (a rank that does not answer
+        ``/server_info``), is replaced first."""
+        server = self._dp
+        if server is not None and server.alive():
+            try:
+                whole = httpx.get(f"{server.url}/server_info", timeout=30.0).status_code == 200
+            except httpx.HTTPError:
+                whole = False
+            if whole:
+                _continue_if_paused(server)
+                return server
+        if server is not None:
+            server.stop()
+        self._dp = server = dp_server(self.env).start().wait_ready()
+        return server
 
     def shared(self, n: int = 2) -> list[RealServer]:
         if n > len(self._shared):
@@ -413,6 +456,8 @@ class RealServerPool:
     def stop(self) -> None:
         for server in [*self._shared, self._keyed, *self._spares, *self._taken]:
             server.stop()
+        if self._dp is not None:
+            self._dp.stop()
 
 
 def _continue_if_paused(server: RealServer, key: str | None = None) -> None:

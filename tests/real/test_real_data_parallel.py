@@ -16,13 +16,12 @@ import os
 import pickle
 import signal
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 from real.checkpoints import trainer_fingerprint
-from real.servers import RealServer, RealSGLang, slowed
+from real.servers import DP_RANKS, RealServer, RealServerPool, RealSGLang, slowed
 from real.test_real_lifecycle import (
     SLOW_STEP_S,
     TOKENS,
@@ -50,11 +49,7 @@ from rollout_lifecycle import (
 
 pytestmark = pytest.mark.real_sglang
 
-RANKS = 2
-#: SGLang binds each rank's OpenMP threads to the cores this names, one ``|``-separated set per
-#: rank; unset, it wants a NUMA node per rank and asserts (sglang: numa_utils.py
-#: init_threads_binding), and this machine has one.
-DP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+RANKS = DP_RANKS
 CYCLES = 5
 #: Requests per cycle: the controller deals them out in turn (round robin), two per rank.
 REQUESTS = 2 * RANKS
@@ -62,12 +57,10 @@ REQUESTS = 2 * RANKS
 PAYLOAD = [base64.b64encode(pickle.dumps([("w", 1.0)])).decode()]
 
 
-@pytest.fixture(scope="module")
-def dp_server(real_sglang: RealSGLang) -> Iterator[RealServer]:
-    server = RealServer(real_sglang, extra_args=("--dp-size", str(RANKS)), extra_env=DP_ENV)
-    server.start().wait_ready()
-    yield server
-    server.stop()
+@pytest.fixture
+def dp_server(real_pool: RealServerPool) -> RealServer:
+    """The pool's two-rank server (shared with the wire suite's lifecycle scenarios)."""
+    return real_pool.data_parallel()
 
 
 async def test_five_cycles_with_requests_on_both_ranks_lose_nothing_and_verify_the_weights(

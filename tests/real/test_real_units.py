@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from real.checkpoints import trainer_fingerprint
-from real.servers import RealServer, RealSGLang, slowed
+from real.servers import RealServer, RealSGLang, restart_all, slowed
 from real.test_real_lifecycle import (
     SLOW_STEP_S,
     TOKENS,
@@ -81,8 +81,7 @@ async def test_a_member_killed_between_release_and_resume_has_its_unit_replaced_
 
     def restart_unit(ids: tuple[str, ...]) -> list[SGLangHTTPEngine]:
         asked.append(ids)
-        for member in unit_servers:  # the survivor too: a unit restarts together
-            member.restart(hold=[single])
+        restart_all(unit_servers, hold=[single])  # the survivor too: a unit restarts together
         made.extend(SGLangHTTPEngine(s.url) for s in unit_servers)
         return made[-2:]
 

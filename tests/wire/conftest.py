@@ -95,7 +95,30 @@ def _disposable_target(target: Target, restart: Callable[[], object]) -> Target:
 def target(request: pytest.FixtureRequest) -> Iterator[Target]:
     """A shared keyless server, serving and unpaused; ``target.disposable()`` gives one a test
     may kill."""
-    kind: Kind = request.param
+    yield from _shared_target(request, request.param)
+
+
+@pytest.fixture(
+    params=[
+        "standin",
+        pytest.param("real", marks=pytest.mark.real_sglang),
+        pytest.param("real-dp", marks=pytest.mark.real_sglang),
+    ]
+)
+def cycle_target(request: pytest.FixtureRequest) -> Iterator[Target]:
+    """``target``, and for the lifecycle's scenarios (pause modes, the safe sequence) also the
+    pool's real server with two data-parallel ranks (``RealServerPool.data_parallel``), left
+    serving and unpaused: its front end must answer each call once every rank has done it."""
+    if request.param != "real-dp":
+        yield from _shared_target(request, request.param)
+        return
+    pool: RealServerPool = request.getfixturevalue("real_pool")
+    target = _real_target(pool.data_parallel())
+    yield target
+    _restore(target.url, target.headers())
+
+
+def _shared_target(request: pytest.FixtureRequest, kind: Kind) -> Iterator[Target]:
     stops: list[Callable[[], Any]] = []
     if kind == "standin":
         shared = request.getfixturevalue("standins").get("shared")

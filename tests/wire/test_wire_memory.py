@@ -1,5 +1,6 @@
-"""Release and resume by tags, the safe sequence end to end, and the fatal misuses: those a CPU
-server shows (on a disposable server), and those only the stand-in can show."""
+"""Release and resume by tags, the safe sequence end to end (on the real server also with two
+data-parallel ranks: ``cycle_target``), and the fatal misuses: those a CPU server shows (on a
+disposable server), and those only the stand-in can show."""
 
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ async def post_ok(client: httpx.AsyncClient, path: str, body: object) -> httpx.R
 
 
 async def test_release_and_resume_by_tags_answer_null_and_the_server_serves_after(
-    target: Target,
+    cycle_target: Target,
 ) -> None:
-    async with target.client() as client:
+    async with cycle_target.client() as client:
         await post_ok(client, "/pause_generation", {"mode": "retract"})
         for tag in ALL_TAGS:  # one call per tag
             answer = await post_ok(client, "/release_memory_occupation", {"tags": [tag]})
@@ -62,14 +63,16 @@ async def test_a_tag_named_twice_in_one_release_is_released_once(target: Target)
         assert out.status_code == 200 and len(out.json()["output_ids"]) == 3
 
 
-async def test_safe_sequence_through_the_library_keeps_every_request(target: Target) -> None:
+async def test_safe_sequence_through_the_library_keeps_every_request(
+    cycle_target: Target,
+) -> None:
     """pause(retract) -> flush (no timeout) -> release all -> resume weights -> update from
     disk -> resume kv_cache and cuda_graph -> continue, with requests in flight: every request
     finishes full length, retracted once, its output spanning both weight versions."""
     tokens = 400  # long enough to still be running when the pause lands on a loaded machine
-    engine = SGLangHTTPEngine(target.url, retries=1)
+    engine = SGLangHTTPEngine(cycle_target.url, retries=1)
     try:
-        async with target.client() as client:
+        async with cycle_target.client() as client:
             model_path = (await client.get("/model_info")).json()["model_path"]
             before = (await client.get("/model_info")).json()["weight_version"]
             tasks = await in_flight(client, 3, tokens)

@@ -1,4 +1,5 @@
-"""Pause in each mode with requests in flight, and what becomes of those requests."""
+"""Pause in each mode with requests in flight, and what becomes of those requests; on the real
+server also with two data-parallel ranks (``cycle_target``), the requests spread over both."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ TOKENS = 400
 
 
 async def test_abort_pause_returns_every_request_with_partial_output_and_finish_abort(
-    target: Target,
+    cycle_target: Target,
 ) -> None:
-    async with target.client() as client:
+    async with cycle_target.client() as client:
         tasks = await in_flight(client, 3, TOKENS)
         answer = await client.post("/pause_generation", json={"mode": "abort"})
         assert answer.status_code == 200, answer.text
@@ -31,9 +32,9 @@ async def test_abort_pause_returns_every_request_with_partial_output_and_finish_
 
 
 async def test_retracted_requests_finish_after_continue_and_count_the_retraction(
-    target: Target,
+    cycle_target: Target,
 ) -> None:
-    async with target.client() as client:
+    async with cycle_target.client() as client:
         tasks = await in_flight(client, 3, TOKENS)
         assert (await client.post("/pause_generation", json={"mode": "retract"})).status_code == 200
         assert not any(task.done() for task in tasks), "a retract pause keeps requests open"
@@ -44,8 +45,8 @@ async def test_retracted_requests_finish_after_continue_and_count_the_retraction
             assert result["meta_info"]["num_retractions"] >= 1
 
 
-async def test_in_place_paused_requests_finish_after_continue(target: Target) -> None:
-    async with target.client() as client:
+async def test_in_place_paused_requests_finish_after_continue(cycle_target: Target) -> None:
+    async with cycle_target.client() as client:
         tasks = await in_flight(client, 3, TOKENS)
         answer = await client.post("/pause_generation", json={"mode": "in_place"})
         assert answer.status_code == 200
@@ -57,10 +58,10 @@ async def test_in_place_paused_requests_finish_after_continue(target: Target) ->
 
 
 async def test_a_wait_mode_is_refused_with_400_and_the_requests_run_on_unpaused(
-    target: Target,
+    cycle_target: Target,
 ) -> None:
     # The library's wait mode is not SGLang's: its client drains with a flush instead.
-    async with target.client() as client:
+    async with cycle_target.client() as client:
         tasks = await in_flight(client, 2, TOKENS)
         answer = await client.post("/pause_generation", json={"mode": "wait"})
         assert answer.status_code == 400 and "wait" in answer.text, answer.text
@@ -70,8 +71,8 @@ async def test_a_wait_mode_is_refused_with_400_and_the_requests_run_on_unpaused(
             assert result["meta_info"]["num_retractions"] == 0
 
 
-async def test_requests_sent_while_paused_wait_and_run_after_continue(target: Target) -> None:
-    async with target.client() as client:
+async def test_requests_sent_while_paused_wait_and_run_after_continue(cycle_target: Target) -> None:
+    async with cycle_target.client() as client:
         assert (await client.post("/pause_generation", json={"mode": "retract"})).status_code == 200
         late = asyncio.create_task(client.post("/generate", json=gen_request(5)))
         done, _ = await asyncio.wait({late}, timeout=2.0)
