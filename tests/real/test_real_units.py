@@ -10,8 +10,6 @@ call (the binding adds a unit's members in one sync and takes them out in one), 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 
 import pytest
 from real.checkpoints import trainer_fingerprint
@@ -24,6 +22,7 @@ from real.test_real_lifecycle import (
     assert_serving,
     request,
 )
+from system.router_traffic import every_listed, watching
 
 from rollout_lifecycle import (
     Deadlines,
@@ -34,35 +33,11 @@ from rollout_lifecycle import (
     Outcome,
     PhaseFailed,
     RolloutServer,
-    SGLangRouter,
 )
 from rollout_lifecycle.backends.sglang.client import SGLangHTTPEngine
 from rollout_lifecycle.contract.urls import url_identity
 
 pytestmark = pytest.mark.real_sglang
-
-
-async def listed(router: SGLangRouter) -> frozenset[str]:
-    """The workers the router lists, healthy or not."""
-    return frozenset(url_identity(str(w.url)) for w in await router.workers())
-
-
-@contextlib.asynccontextmanager
-async def watching(router: SGLangRouter, seen: list[frozenset[str]]) -> AsyncIterator[None]:
-    """Read the router's workers every 50 ms for the block into ``seen``."""
-
-    async def watch() -> None:
-        while True:
-            seen.append(await listed(router))
-            await asyncio.sleep(0.05)
-
-    task = asyncio.ensure_future(watch())
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 async def test_a_member_killed_between_release_and_resume_has_its_unit_replaced_whole(
@@ -93,7 +68,7 @@ async def test_a_member_killed_between_release_and_resume_has_its_unit_replaced_
         server = RolloutServer(groups, config, router=router)
         try:
             await server.sync_router()
-            seen.append(await listed(router))
+            seen.append(await every_listed(router))
             # every real server says it is a regular one (no --disaggregation-mode)
             assert {w.worker_type for w in await router.workers()} == {"regular"}
             async with slowed(urls, SLOW_STEP_S):
@@ -103,7 +78,7 @@ async def test_a_member_killed_between_release_and_resume_has_its_unit_replaced_
                 ]
                 await admitted(urls, traffic)
                 await server.offload()
-            seen.append(await listed(router))
+            seen.append(await every_listed(router))
             incarnations = {r.id: r.incarnation for r in server.fleet.records()}
             async with watching(router, seen):
                 unit_servers[1].stop()  # a member's processes die between release and resume
@@ -119,13 +94,13 @@ async def test_a_member_killed_between_release_and_resume_has_its_unit_replaced_
                 await server.recover(unit_factory=lambda ids: asyncio.to_thread(restart_unit, ids))
             assert asked == [("pd/0", "pd/1")] and len(made) == 2
             assert server.unhealthy_units() == {}
-            seen.append(await listed(router))
+            seen.append(await every_listed(router))
             if server.state.value != "weights_restored":
                 await server.onload_weights()
             await server.update_weights(FromDisk(model), "unit-recovered", expected=expected)
-            seen.append(await listed(router))
+            seen.append(await every_listed(router))
             await server.onload_kv()
-            seen.append(await listed(router))
+            seen.append(await every_listed(router))
             answers = await asyncio.wait_for(asyncio.gather(*traffic), timeout=600)
             assert_full(answers, TOKENS)
             final = {url_identity(u) for u in urls}

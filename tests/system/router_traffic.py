@@ -19,6 +19,29 @@ async def listed(router: SGLangRouter) -> set[str]:
     return {url_identity(w.url) for w in await router.workers() if w.healthy}
 
 
+async def every_listed(router: SGLangRouter) -> frozenset[str]:
+    """The workers the router lists, healthy or not."""
+    return frozenset(url_identity(str(w.url)) for w in await router.workers())
+
+
+@contextlib.asynccontextmanager
+async def watching(router: SGLangRouter, seen: list[frozenset[str]]) -> AsyncIterator[None]:
+    """Read the router's workers (``every_listed``) every 50 ms for the block into ``seen``."""
+
+    async def watch() -> None:
+        while True:
+            seen.append(await every_listed(router))
+            await asyncio.sleep(0.05)
+
+    task = asyncio.ensure_future(watch())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 def ids(*urls: str) -> set[str]:
     return {url_identity(u) for u in urls}
 

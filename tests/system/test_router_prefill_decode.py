@@ -15,11 +15,10 @@ its two jobs may show one half for that moment).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
-from system.router_traffic import Traffic
+from system.router_traffic import Traffic, watching
 
 from rollout_lifecycle import (
     EngineGroup,
@@ -71,22 +70,6 @@ def halves(seen: Sequence[frozenset[str]], units: Sequence[Sequence[str]]) -> in
     """How many of the listings ``seen`` held some but not all members of a unit."""
     keys = [{url_identity(u) for u in unit} for unit in units]
     return sum(1 for s in seen if any(0 < len(s & k) < len(k) for k in keys))
-
-
-@contextlib.asynccontextmanager
-async def watching(router: SGLangRouter, seen: list[frozenset[str]]) -> AsyncIterator[None]:
-    async def watch() -> None:
-        while True:
-            seen.append(frozenset(await listing(router)))
-            await asyncio.sleep(0.05)
-
-    task = asyncio.ensure_future(watch())
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 def want(
