@@ -1,10 +1,12 @@
 """Shared fixtures: one local Ray cluster per test session, fleets of simulated engines, the
 session's real SGLang servers (started once, for tests marked ``real_sglang``), and structlog
-left as each test found it."""
+left as each test found it; under pytest-xdist each worker launches its servers on ports of its
+own."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,7 +25,24 @@ from real.servers import (
 )
 from real.vllm_models import API_KEY, long_model
 
+from rollout_lifecycle.backends.ports import PORT_RANGE, PORTS_ENV
 from rollout_lifecycle.testing import simulated_engine_actors
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, give each worker its own part of the library's port range
+    (``ROLLOUT_LIFECYCLE_PORTS``): a port one worker chose for a server could otherwise be
+    drawn by the other before that server binds it."""
+    worker, count = (
+        os.environ.get("PYTEST_XDIST_WORKER"),
+        os.environ.get("PYTEST_XDIST_WORKER_COUNT"),
+    )
+    if not worker or not worker.startswith("gw") or not count or PORTS_ENV in os.environ:
+        return
+    index, workers = int(worker[2:]), int(count)
+    low, high = PORT_RANGE
+    size = (high - low + 1) // workers
+    os.environ[PORTS_ENV] = f"{low + index * size}-{low + (index + 1) * size - 1}"
 
 
 @pytest.fixture(autouse=True)
