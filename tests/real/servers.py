@@ -300,17 +300,28 @@ class RealServer:
         paused scheduler runs no batch, so its watchdog (``WatchdogRaw``, active only in a
         batch) does not count the frozen time; nothing the server reports changes.
         """
-        assert self.proc is not None and self.alive(), f"{self.url} is not running"
-        os.killpg(self.proc.pid, signal.SIGSTOP)
+        self.freeze()
         try:
             yield
         finally:
-            os.killpg(self.proc.pid, signal.SIGCONT)
+            self.thaw()
+
+    def freeze(self) -> None:
+        """Stop every process of the server (SIGSTOP to its group) until ``thaw``."""
+        assert self.proc is not None and self.alive(), f"{self.url} is not running"
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """Continue the processes ``freeze`` stopped (SIGCONT; harmless on running ones)."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGCONT)
 
     def stop(self) -> None:
         if self.proc is None:
             return
         if self.proc.poll() is None:
+            self.thaw()  # (a frozen process would end only at the SIGKILL)
             os.killpg(self.proc.pid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=20)
@@ -403,10 +414,11 @@ class RealServerPool:
 
     def data_parallel(self) -> RealServer:
         """The shared two-rank server (``dp_server``), started on first use and kept serving
-        with all memory resident; one that is gone, or not whole (a rank that does not answer
-        ``/server_info``), is replaced first."""
+        with all memory resident (``park_data_parallel`` after each use); one that is gone, or
+        not whole (a rank that does not answer ``/server_info``), is replaced first."""
         server = self._dp
         if server is not None and server.alive():
+            server.thaw()
             try:
                 whole = httpx.get(f"{server.url}/server_info", timeout=30.0).status_code == 200
             except httpx.HTTPError:
@@ -418,6 +430,15 @@ class RealServerPool:
             server.stop()
         self._dp = server = dp_server(self.env).start().wait_ready()
         return server
+
+    def park_data_parallel(self) -> None:
+        """Freeze the two-rank server until its next use (``data_parallel`` thaws it): its
+        data-parallel controller polls its socket without pause, a whole core for as long as
+        it runs, idle or not (sglang: managers/data_parallel_controller.py
+        ``DataParallelController.event_loop``, ``recv`` with ``zmq.NOBLOCK`` in a loop), which
+        the tests between its uses would lose. Nothing talks to it while frozen."""
+        if self._dp is not None and self._dp.alive():
+            self._dp.freeze()
 
     def shared(self, n: int = 2) -> list[RealServer]:
         if n > len(self._shared):

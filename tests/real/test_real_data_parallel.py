@@ -16,6 +16,7 @@ import os
 import pickle
 import signal
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -58,9 +59,11 @@ PAYLOAD = [base64.b64encode(pickle.dumps([("w", 1.0)])).decode()]
 
 
 @pytest.fixture
-def dp_server(real_pool: RealServerPool) -> RealServer:
-    """The pool's two-rank server (shared with the wire suite's lifecycle scenarios)."""
-    return real_pool.data_parallel()
+def dp_server(real_pool: RealServerPool) -> Iterator[RealServer]:
+    """The pool's two-rank server (shared with the wire suite's lifecycle scenarios), frozen
+    between uses."""
+    yield real_pool.data_parallel()
+    real_pool.park_data_parallel()
 
 
 async def test_five_cycles_with_requests_on_both_ranks_lose_nothing_and_verify_the_weights(

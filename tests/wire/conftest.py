@@ -116,6 +116,7 @@ def cycle_target(request: pytest.FixtureRequest) -> Iterator[Target]:
     target = _real_target(pool.data_parallel())
     yield target
     _restore(target.url, target.headers())
+    pool.park_data_parallel()
 
 
 def _shared_target(request: pytest.FixtureRequest, kind: Kind) -> Iterator[Target]:
