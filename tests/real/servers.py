@@ -414,8 +414,9 @@ class RealServerPool:
 
     def data_parallel(self) -> RealServer:
         """The shared two-rank server (``dp_server``), started on first use and kept serving
-        with all memory resident (``park_data_parallel`` after each use); one that is gone, or
-        not whole (a rank that does not answer ``/server_info``), is replaced first."""
+        with all memory resident (``park_data_parallel`` after each use) until
+        ``drop_data_parallel``; one that is gone, or not whole (a rank that does not answer
+        ``/server_info``), is replaced first."""
         server = self._dp
         if server is not None and server.alive():
             server.thaw()
@@ -430,6 +431,13 @@ class RealServerPool:
             server.stop()
         self._dp = server = dp_server(self.env).start().wait_ready()
         return server
+
+    def drop_data_parallel(self) -> None:
+        """Stop the two-rank server (the next ``data_parallel`` starts another): the ~4 GB its
+        five processes hold would otherwise stay taken while other tests start servers."""
+        if self._dp is not None:
+            self._dp.stop()
+            self._dp = None
 
     def park_data_parallel(self) -> None:
         """Freeze the two-rank server until its next use (``data_parallel`` thaws it): its

@@ -58,9 +58,17 @@ REQUESTS = 2 * RANKS
 PAYLOAD = [base64.b64encode(pickle.dumps([("w", 1.0)])).decode()]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _dropped_after(real_pool: RealServerPool) -> Iterator[None]:
+    """The module's two-rank server is stopped when it ends: kept, its memory (with the pool's
+    and the servers the next modules start) left Ray's memory monitor killing their actors."""
+    yield
+    real_pool.drop_data_parallel()
+
+
 @pytest.fixture
 def dp_server(real_pool: RealServerPool) -> Iterator[RealServer]:
-    """The pool's two-rank server (shared with the wire suite's lifecycle scenarios), frozen
+    """The pool's two-rank server (the wire suite's lifecycle scenarios start it again), frozen
     between uses."""
     yield real_pool.data_parallel()
     real_pool.park_data_parallel()
