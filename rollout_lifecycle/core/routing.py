@@ -160,11 +160,13 @@ class Router:
         handle; a replacement in its slot is another engine)."""
         return not record.alive or self.seen_dead(record)
 
+    def _groups_of(self, work: Request) -> list[GroupRecords]:
+        """The groups that could serve ``work`` (its group, or all)."""
+        return [g for g in self._server.groups if work.group in (None, g.name)]
+
     def _check_alive(self, work: Request) -> None:
         """Fail ``work`` at once when every engine that could ever serve it is dead."""
-        records = [
-            r for g in self._server.groups if work.group in (None, g.name) for r in g.records
-        ]
+        records = [r for g in self._groups_of(work) for r in g.records]
         if not all(self._engine_dead(r) for r in records):
             return
         where = f"group {work.group!r}" if work.group is not None else "any group"
@@ -186,9 +188,7 @@ class Router:
         """Refuse ``work`` at once when every engine that could serve it is a half of a
         prefill/decode pair: such a request needs a prefill and a decode server together, as a
         router in prefill/decode mode sends it, and this client sends to one engine."""
-        records = [
-            r for g in self._server.groups if work.group in (None, g.name) for r in g.records
-        ]
+        records = [r for g in self._groups_of(work) for r in g.records]
         if not records or not all(_half(r) for r in records):
             return
         where = f"group {work.group!r}" if work.group is not None else "any group"
@@ -202,7 +202,7 @@ class Router:
 
     def _why_held(self, work: Request) -> str:
         state = self._server.state
-        groups = [g for g in self._server.groups if work.group in (None, g.name)]
+        groups = self._groups_of(work)
         where = f"group {work.group!r}" if work.group is not None else "any group"
         if not any(self._group_may_serve(g, state) for g in groups):
             return f"the server is {state.value!r} ({where} does not serve in that state)"

@@ -95,8 +95,7 @@ class SimulatedEngine:
         if dp_size > 1:
             declared = data_parallel(dp_size, declared)
         if disaggregation_mode != "null":
-            port = disaggregation_bootstrap_port if disaggregation_mode == "prefill" else None
-            declared = serving_as(declared, disaggregation_mode, port)
+            declared = serving_as(declared, disaggregation_mode, disaggregation_bootstrap_port)
         self.capabilities = declared
 
     # The call parts hold nothing but the state and the scheduler, so each is made for the

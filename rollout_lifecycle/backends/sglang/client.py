@@ -91,7 +91,10 @@ def serving_as(
     base: Capabilities, worker_type: str, bootstrap_port: int | None = None
 ) -> Capabilities:
     """``base`` for a server that serves as ``worker_type`` (``regular``, or a ``prefill`` or
-    ``decode`` half of a prefill/decode pair, with a prefill server's ``bootstrap_port``)."""
+    ``decode`` half of a prefill/decode pair), with ``bootstrap_port`` if it is a prefill
+    server (the port is a prefill server's alone: any other type keeps None)."""
+    if worker_type != "prefill":
+        bootstrap_port = None
     if (worker_type, bootstrap_port) == (base.worker_type, base.bootstrap_port):
         return base
     return dataclasses.replace(base, worker_type=worker_type, bootstrap_port=bootstrap_port)

@@ -200,7 +200,7 @@ class SGLangLink:
         if mode not in ("prefill", "decode"):
             self._wire.garbage(op, "/server_info", f"disaggregation_mode is {shown(mode)}")
         if mode == "decode":
-            return ("decode", None)
+            return ("decode", None)  # (its bootstrap port is unused: the prefill's serves)
         port = info.get("disaggregation_bootstrap_port")
         if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
             self._wire.garbage(
