@@ -37,6 +37,26 @@ class StateEntered:
     previous: ServerState
 
 
+@dataclass(frozen=True)
+class CallEnded:
+    """The public call ``call`` ended: ``outcome`` is ``ok``, ``error`` or ``cancelled``, after
+    ``seconds`` under the lock, or ``claimed`` when another controller held one of its engines
+    and it never began (``seconds`` 0)."""
+
+    call: str
+    outcome: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class WeightsVerified:
+    """A verified write read ``checked`` engines' fingerprints; ``failed`` are the ids of those
+    that failed (marked stale and unverified)."""
+
+    checked: int
+    failed: tuple[str, ...]
+
+
 #: The one ``RecordsChanged`` (it carries nothing).
 RECORDS_CHANGED = RecordsChanged()
 
@@ -85,4 +105,11 @@ class Bus:
                 await started
 
 
-__all__ = ["RECORDS_CHANGED", "Bus", "RecordsChanged", "StateEntered"]
+__all__ = [
+    "RECORDS_CHANGED",
+    "Bus",
+    "CallEnded",
+    "RecordsChanged",
+    "StateEntered",
+    "WeightsVerified",
+]

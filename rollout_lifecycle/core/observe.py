@@ -3,6 +3,8 @@ timeline, the call events, and (optionally) the resident memory before and after
 
 ``Recorder`` observes the serializer (each public call's start and end) and the phase runner
 (each settled ``PhaseResult``); the server reads its ``metrics``, ``slowest`` and ``timeline``.
+It publishes each call's end on the server's bus (``CallEnded``), for what watches the server
+from outside (``rollout_lifecycle.metrics``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any
 
 from rollout_lifecycle.contract.commands import EngineCommand, ReadMemory
 from rollout_lifecycle.contract.events import logger
+from rollout_lifecycle.contract.exceptions import EngineClaimed
+from rollout_lifecycle.core.bus import Bus, CallEnded
 from rollout_lifecycle.core.config import LifecycleConfig
 from rollout_lifecycle.core.ledger import EngineRecord, Fleet
 from rollout_lifecycle.core.runner import PhaseResult
@@ -35,8 +39,10 @@ class Recorder:
         fleet: Fleet,
         state: Callable[[], ServerState],
         ask: Callable[[EngineCommand, Sequence[EngineRecord], float], Awaitable[dict[str, Any]]],
+        bus: Bus,
     ) -> None:
         self._server = server
+        self._bus = bus
         self._name = name
         self._config = config
         self._fleet = fleet
@@ -79,6 +85,7 @@ class Recorder:
             outcome=outcome,
             duration_s=round(total, 6),
         )
+        self._bus.publish(CallEnded(op.call, outcome, total))
         if outcome != "ok":
             return
         if self._config.memory_metrics:
@@ -88,6 +95,13 @@ class Recorder:
                     op.metrics[f"lifecycle/{op.call}/{tag}_bytes_{when}"] = nbytes
         self.metrics.update(op.metrics)
         self.slowest.update(self._call_slowest)
+
+    def refused(self, op: Operation, error: EngineClaimed) -> None:
+        """A call refused before it began: another controller holds one of its engines."""
+        logger().info(
+            "call.claimed", server=self._name, call=op.call, engine=error.engine, by=error.holder
+        )
+        self._bus.publish(CallEnded(op.call, "claimed", 0.0))
 
     # -- phases (the runner's observer) ---------------------------------------------------------
 

@@ -288,6 +288,9 @@ class PhaseRunner:
         self.proof_window = proof_window
         self._skip_dead = dead_engines is DeadEnginePolicy.SKIP
         self._bus = bus
+        #: The server's events (``core.bus``): the runner publishes ``PhaseSettled`` and
+        #: ``RecordsChanged`` there, its clients what they find (``WeightsVerified``).
+        self.bus = bus
         #: Runs around every phase with engines (``core/router_sync.RouterSync``), if bound.
         self.gate: Gate | None = None
 

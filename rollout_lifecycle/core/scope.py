@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rollout_lifecycle.contract.events import logger
-from rollout_lifecycle.contract.exceptions import HookFailed, IllegalTransition
+from rollout_lifecycle.contract.exceptions import EngineClaimed, HookFailed, IllegalTransition
 from rollout_lifecycle.core import terminate
 from rollout_lifecycle.core.calls import LIFECYCLE_CALLS
 
@@ -118,6 +118,10 @@ class CallObserver(Protocol):
 
     async def end(self, op: Operation, outcome: str) -> None:
         """The call ended with ``outcome`` (``ok``, ``error`` or ``cancelled``)."""
+        ...
+
+    def refused(self, op: Operation, error: EngineClaimed) -> None:
+        """The call never began: another controller holds one of its engines."""
         ...
 
 
@@ -222,7 +226,11 @@ class Serializer:
             if op.cancelled:
                 raise asyncio.CancelledError(f"{op.call} cancelled before it started")
             # One controller per engine, for the whole call (calls made inside it included).
-            release = None if self._claim is None else await self._claim(op.call)
+            try:
+                release = None if self._claim is None else await self._claim(op.call)
+            except EngineClaimed as exc:
+                self._observer.refused(op, exc)
+                raise
             try:
                 return await self._claimed(op, body)
             finally:

@@ -108,7 +108,9 @@ class RolloutServer:
         self._fleet = fleet = Fleet(self._groups, config.release_tags)
         self._hooks = hooks = Hooks(self, name, lambda: self.state, config.deadlines, self._event)
         self._runner = runner = PhaseRunner(name, config.dead_engines, bus, config.proof_window)
-        self._recorder = recorder = Recorder(self, name, config, fleet, self._state, runner.ask)
+        self._recorder = recorder = Recorder(
+            self, name, config, fleet, self._state, runner.ask, bus
+        )
         bus.subscribe(PhaseSettled, lambda settled: recorder.phase(settled.result))
         urls = WorkerUrls(runner, config.deadlines.probe)
         self._router = None
@@ -287,6 +289,11 @@ class RolloutServer:
     ) -> list[dict[str, Any]]:
         """``generate`` for many requests at once; answers in request order."""
         return await self.generation.generate_batch(requests, group=group)
+
+    @property
+    def has_generation(self) -> bool:
+        """Whether the generation client exists (``generation`` creates it)."""
+        return self._generation is not None
 
     @property
     def generation(self) -> GenerationClient:

@@ -38,6 +38,7 @@ from rollout_lifecycle.contract.exceptions import (
 )
 from rollout_lifecycle.contract.fingerprint import Fingerprint
 from rollout_lifecycle.contract.values import check_flag
+from rollout_lifecycle.core.bus import WeightsVerified
 from rollout_lifecycle.core.config import DeadEnginePolicy
 from rollout_lifecycle.core.ledger import EngineRecord
 from rollout_lifecycle.core.parts import Client
@@ -350,6 +351,7 @@ class Verifier(Client):
         for record in records:
             if record.id in verdicts:
                 record.failed_verification()
+        self._runner.bus.publish(WeightsVerified(len(after), tuple(sorted(verdicts))))
         if not verdicts:
             return
         problems = {k: v.problem for k, v in verdicts.items()}

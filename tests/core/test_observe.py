@@ -18,6 +18,7 @@ from structlog.testing import capture_logs
 from rollout_lifecycle import ALL_TAGS, LifecycleConfig, ServerState
 from rollout_lifecycle.contract.commands import EngineCommand
 from rollout_lifecycle.contract.ops import Op
+from rollout_lifecycle.core.bus import Bus
 from rollout_lifecycle.core.ledger import EngineRecord, Fleet
 from rollout_lifecycle.core.observe import Recorder
 from rollout_lifecycle.core.runner import PhaseResult
@@ -53,7 +54,7 @@ def recorder(
     records = tuple(EngineRecord(f"actor/{i}", "actor", None) for i in range(3))
     fleet = Fleet([Group("actor", True, records)], ALL_TAGS)
     ask = memory if memory is not None else Memory({})
-    made = Recorder(owner, "srv", LifecycleConfig(**config), fleet, lambda: S.SERVING, ask)
+    made = Recorder(owner, "srv", LifecycleConfig(**config), fleet, lambda: S.SERVING, ask, Bus())
     return made, list(records)
 
 

@@ -48,6 +48,9 @@ class Observer:
     async def end(self, op: Operation, outcome: str) -> None:
         self.seen.append(f"end {op.call} {outcome}")
 
+    def refused(self, op: Operation, error: Exception) -> None:
+        self.seen.append(f"refused {op.call}")
+
 
 class CountingLock(asyncio.Lock):
     """The server's lock, counting the calls that have come to take it."""
