@@ -124,7 +124,7 @@ async def ray_chains() -> list[tuple[str, list[str]]]:
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         actors = simulated_engine_actors(2, token_latency=0.001)
         await asyncio.gather(*(a.ping.remote() for a in actors))

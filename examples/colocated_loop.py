@@ -47,7 +47,12 @@ def main() -> int:
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(
-            num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False
+            # "local": a cluster of its own, never one another process started on this machine
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            logging_level=logging.ERROR,
+            log_to_driver=False,
         )
     actors = simulated_engine_actors(ENGINES, label="actor", token_latency=0.002)
     try:

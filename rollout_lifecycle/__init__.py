@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from rollout_lifecycle.backends.actor import EngineActor, EngineActorBody, start_engine_actor
     from rollout_lifecycle.backends.engine import EngineBackend, EngineHost, incarnation_of
     from rollout_lifecycle.backends.http.wire import HTTPTimeouts
+    from rollout_lifecycle.backends.placement import EnginePlacement, PlacementFailed
     from rollout_lifecycle.backends.ports import free_port
     from rollout_lifecycle.backends.router import LaunchedRouter, RouterWorker, SGLangRouter
     from rollout_lifecycle.backends.secret import Secret
@@ -85,6 +86,8 @@ _LAZY: dict[str, str] = {
     "EngineHost": "rollout_lifecycle.backends.engine",
     "incarnation_of": "rollout_lifecycle.backends.engine",
     "HTTPTimeouts": "rollout_lifecycle.backends.http.wire",
+    "EnginePlacement": "rollout_lifecycle.backends.placement",
+    "PlacementFailed": "rollout_lifecycle.backends.placement",
     "SGLangHTTPEngine": "rollout_lifecycle.backends.sglang.client",
     "sglang_http_factory": "rollout_lifecycle.backends.sglang.client",
     "LaunchedSGLangEngine": "rollout_lifecycle.backends.sglang.launch",
@@ -125,6 +128,7 @@ __all__ = [
     "EngineGroup",
     "EngineHost",
     "EngineOutcome",
+    "EnginePlacement",
     "EngineRejected",
     "EngineRestarted",
     "EngineSnapshot",
@@ -157,6 +161,7 @@ __all__ = [
     "PauseMode",
     "Phase",
     "PhaseFailed",
+    "PlacementFailed",
     "RolloutServer",
     "RouterError",
     "RouterWorker",

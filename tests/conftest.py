@@ -26,7 +26,7 @@ from real.servers import (
 from real.vllm_models import API_KEY, long_model
 
 from rollout_lifecycle.backends.ports import PORT_RANGE, PORTS_ENV
-from rollout_lifecycle.testing import simulated_engine_actors
+from rollout_lifecycle.testing import LocalCluster, simulated_engine_actors
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -56,11 +56,38 @@ def unconfigured_structlog() -> Iterator[None]:
         structlog.reset_defaults()
 
 
+def start_local_ray() -> None:
+    ray.init(
+        # "local": this process's own cluster, never another worker's LocalCluster
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        logging_level="ERROR",
+        log_to_driver=False,
+    )
+
+
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    start_local_ray()
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_nodes() -> Iterator[LocalCluster]:
+    """A Ray cluster of three nodes on this machine (``LocalCluster``: each its own raylet, two
+    of the custom resource ``gpu`` each) for one module; this process's one-node cluster, if
+    it had one, is shut down for the module and started again after it."""
+    had = ray.is_initialized()
+    if had:
+        ray.shutdown()
+    try:
+        with LocalCluster(3) as cluster:
+            yield cluster
+    finally:
+        if had:
+            start_local_ray()
 
 
 @pytest.fixture

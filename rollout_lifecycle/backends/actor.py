@@ -38,6 +38,10 @@ class EngineActorBody(EngineHost):
         """Answer once the actor is up; returns the backend's label."""
         return self.backend.label
 
+    async def node_id(self) -> str:
+        """The Ray node this actor runs on (hex id; ``backends/placement.py`` checks it)."""
+        return str(ray.get_runtime_context().get_node_id())
+
 
 #: The Ray actor class. ``EngineActor.options(num_cpus=0).remote(factory)`` starts one.
 EngineActor: Any = ray.remote(EngineActorBody)

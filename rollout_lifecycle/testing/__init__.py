@@ -46,6 +46,7 @@ if TYPE_CHECKING:
         start_multi_engine_actor as start_multi_engine_actor,
     )
     from rollout_lifecycle.testing.actor_fleets import (
+        LocalCluster,
         local_ray,
         simulated_engine_actors,
         simulated_multi_engine_actors,
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
 
 #: Names whose modules load when first asked for: they bring Ray with them.
 _LAZY: dict[str, str] = {
+    "LocalCluster": "rollout_lifecycle.testing.actor_fleets",
     "local_ray": "rollout_lifecycle.testing.actor_fleets",
     "simulated_engine_actors": "rollout_lifecycle.testing.actor_fleets",
     "simulated_multi_engine_actors": "rollout_lifecycle.testing.actor_fleets",
@@ -106,6 +108,7 @@ __all__ = [
     "BARRIER_PAIRS",
     "CYCLE_PHASES",
     "History",
+    "LocalCluster",
     "SimulatedEngine",
     "StandInServer",
     "asse_events",

@@ -1,4 +1,5 @@
-"""Fleets of simulated engines in Ray actors, and a local Ray cluster to run them on.
+"""Fleets of simulated engines in Ray actors, and local Ray clusters to run them on: one node
+(``local_ray``) or several (``LocalCluster``: each node its own raylet, on this machine).
 
 The part of the test kit that needs Ray: ``rollout_lifecycle.testing`` loads this module the
 first time one of its names is asked for, so the in-process simulator imports without Ray.
@@ -12,27 +13,119 @@ from collections.abc import Iterator
 from typing import Any
 
 import ray
+from ray.cluster_utils import Cluster
 
 from rollout_lifecycle.backends.actor import start_engine_actor
 from rollout_lifecycle.backends.hosted import HostedEngine, start_multi_engine_actor
+from rollout_lifecycle.contract.exceptions import InvalidArgument
 from rollout_lifecycle.contract.values import check_int
 from rollout_lifecycle.testing.simulated import MAX_FLEET, fleet_factories
 
 
 @contextlib.contextmanager
 def local_ray() -> Iterator[None]:
-    """A local Ray cluster for a script or demo (2 CPUs, no dashboard, quiet), unless one is
-    running already; shut down on exit only if it was started here."""
+    """A local Ray cluster for a script or demo (2 CPUs, no dashboard, quiet), unless this
+    process is connected to one already; shut down on exit only if it was started here. Always
+    a cluster of its own (``address="local"``): a bare ``ray.init()`` joins the cluster another
+    process on this machine last started (``ray start``, ``LocalCluster``) if one runs."""
     started = not ray.is_initialized()
     if started:
         ray.init(
-            num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            logging_level=logging.ERROR,
+            log_to_driver=False,
         )
     try:
         yield
     finally:
         if started:
             ray.shutdown()
+
+
+#: How fast the cluster's control store (GCS) finds a node lost: a health check every 300 ms,
+#: the node dead after 3 missed (Ray's defaults take tens of seconds; ``_system_config`` keys of
+#: ray 2.60's ``ray_config_def.h``).
+FAST_NODE_LOSS = {
+    "health_check_initial_delay_ms": 0,
+    "health_check_period_ms": 300,
+    "health_check_timeout_ms": 300,
+    "health_check_failure_threshold": 3,
+}
+
+
+class LocalCluster:
+    """A Ray cluster of several nodes on this machine (``ray.cluster_utils.Cluster``): each node
+    its own raylet with ``cpus`` CPUs and ``gpus`` of the custom resource ``resource`` standing
+    for GPUs; the driver connected to it. A node removed is lost as a machine is (its raylet
+    killed, no drain), and the cluster finds it lost within a second (``FAST_NODE_LOSS``).
+
+    ``with LocalCluster(3) as cluster:``; the process must not be connected to Ray already.
+    """
+
+    def __init__(
+        self, nodes: int = 3, *, cpus: int = 1, gpus: int = 2, resource: str = "gpu"
+    ) -> None:
+        check_int("nodes", nodes, minimum=1, maximum=16)
+        check_int("cpus", cpus, minimum=0, maximum=64)
+        check_int("gpus", gpus, minimum=0, maximum=64)
+        self._shape = {"num_cpus": cpus, "resources": {resource: gpus}}
+        self._count = nodes
+        self._cluster: Cluster | None = None
+        self._nodes: dict[str, Any] = {}
+        self._head = ""
+
+    def __enter__(self) -> LocalCluster:
+        if ray.is_initialized():
+            raise InvalidArgument(
+                "this process is connected to Ray already: ray.shutdown() before a LocalCluster"
+            )
+        head = {**self._shape, "include_dashboard": False, "_system_config": FAST_NODE_LOSS}
+        self._cluster = cluster = Cluster(initialize_head=True, head_node_args=head)
+        head_node: Any = cluster.head_node
+        self._head = str(head_node.node_id)
+        self._nodes[self._head] = head_node
+        try:
+            for _ in range(self._count - 1):
+                self.add_node()
+            ray.init(address=cluster.address, logging_level=logging.ERROR, log_to_driver=False)
+        except BaseException:
+            cluster.shutdown()  # type: ignore[no-untyped-call]
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        ray.shutdown()
+        if self._cluster is not None:
+            self._cluster.shutdown()  # type: ignore[no-untyped-call]
+            self._cluster = None
+
+    @property
+    def head(self) -> str:
+        """The head node's id (hex): the driver's, the one never removed."""
+        return self._head
+
+    def node_ids(self) -> list[str]:
+        """The nodes running now (hex ids), the head first."""
+        return list(self._nodes)
+
+    def add_node(self, **shape: Any) -> str:
+        """Start one more node (the cluster's node shape, ``shape`` overriding it); its id."""
+        assert self._cluster is not None, "the cluster is not running"
+        node = self._cluster.add_node(wait=True, **{**self._shape, **shape})
+        self._nodes[node.node_id] = node
+        return str(node.node_id)
+
+    def remove_node(self, node_id: str) -> None:
+        """Lose a node: its raylet killed at once (its actors die with it)."""
+        assert self._cluster is not None, "the cluster is not running"
+        if node_id == self.head:
+            raise InvalidArgument("the head node holds the driver's connection: remove another")
+        node = self._nodes.pop(node_id, None)
+        if node is None:
+            raise InvalidArgument(f"no node {node_id} in this cluster: {self.node_ids()}")
+        self._cluster.remove_node(node, allow_graceful=False)
 
 
 def simulated_engine_actors(

@@ -1,0 +1,254 @@
+"""Fleets across the nodes of a Ray cluster: three real raylets on this machine
+(``LocalCluster``, the ``ray_nodes`` fixture), engine actors placed through placement groups
+(``EnginePlacement``), colocation with the trainer's bundles checked, and a node lost at each
+phase boundary: its engines named dead, the rest of the fleet safe, replacements placed by the
+same rules on the nodes that survive, no request lost."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
+
+from rollout_lifecycle import (
+    HOOK_PHASES,
+    DeadEnginePolicy,
+    EngineGroup,
+    EnginePlacement,
+    EngineState,
+    FromDisk,
+    InvalidArgument,
+    LifecycleConfig,
+    LifecycleEvent,
+    Outcome,
+    PlacementFailed,
+    RolloutServer,
+    ServerState,
+    SimulatedEngine,
+    start_engine_actor,
+)
+from rollout_lifecycle.testing import (
+    LocalCluster,
+    cycle_order_violations,
+    until,
+    until_actor_gone,
+)
+
+BOUND = 60.0
+TOKENS = 24
+
+
+def factory(i: int) -> Callable[[], SimulatedEngine]:
+    return functools.partial(SimulatedEngine, label=f"sim-{i}", token_latency=0.004)
+
+
+def requests(n: int) -> list[dict[str, Any]]:
+    return [
+        {"input_ids": [1, 2, 3 + i], "sampling_params": {"max_new_tokens": TOKENS}}
+        for i in range(n)
+    ]
+
+
+async def until_running(engines: list[Any], count: int) -> None:
+    """At least ``count`` requests run on the engines (a fact, waited for)."""
+
+    async def running() -> bool:
+        found = await asyncio.gather(*(e.stats.remote() for e in engines))
+        return sum(s["running"] for s in found) >= count
+
+    await until(running, what=f"{count} running request(s)")
+
+
+async def cycle(server: RolloutServer, version: str) -> None:
+    """A colocated step: offload, weights back, a verified push from disk, KV back, serve."""
+    await server.offload()
+    await server.onload_weights()
+    await server.update_weights(FromDisk(f"/ckpt/{version}"), version, verify=True)
+    await server.onload_kv()
+
+
+def whole(answers: list[dict[str, Any]]) -> None:
+    """Every request finished, full length (nothing lost to a dead node)."""
+    assert [len(a["output_ids"]) for a in answers] == [TOKENS] * len(answers)
+    assert {a["meta_info"]["finish_reason"]["type"] for a in answers} == {"length"}
+
+
+@pytest.fixture
+def kill_after() -> Any:
+    """Actors and placement groups to give back when the test ends."""
+    actors: list[Any] = []
+    placements: list[EnginePlacement] = []
+    yield actors, placements
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
+    for placement in placements:
+        placement.remove()
+
+
+async def test_a_fleet_spread_over_three_nodes_cycles_with_traffic_and_loses_nothing(
+    ray_nodes: LocalCluster, kill_after: Any
+) -> None:
+    actors, placements = kill_after
+    placement = await EnginePlacement.reserve(4, {"gpu": 1}, strategy="SPREAD", timeout=BOUND)
+    placements.append(placement)
+    engines = await placement.start_all([factory(i) for i in range(4)])
+    actors.extend(engines)
+    nodes = [await e.node_id.remote() for e in engines]
+    assert set(nodes) == set(ray_nodes.node_ids())  # every node holds an engine
+    assert nodes == [placement.nodes()[i] for i in range(4)]  # each in its bundle
+    server = RolloutServer([EngineGroup("actor", engines)], name="spread")
+    batch = asyncio.ensure_future(server.generate_batch(requests(12)))
+    await until_running(engines, 8)
+    await cycle(server, "v1")
+    await until_running(engines, 4)
+    await cycle(server, "v2")
+    whole(await asyncio.wait_for(batch, BOUND))
+    assert server.state is ServerState.SERVING
+    assert server.fleet.count(states=[EngineState.SERVING]) == 4
+    versions = await asyncio.gather(*(e.weight_version.remote() for e in engines))
+    assert versions == ["v2"] * 4
+
+
+@ray.remote(num_cpus=0)
+class TrainerWorker:
+    """A trainer's worker: holds half of its bundle's GPU."""
+
+    def node(self) -> str:
+        return str(ray.get_runtime_context().get_node_id())
+
+
+async def test_colocated_engines_share_their_trainers_nodes_and_one_elsewhere_is_refused(
+    ray_nodes: LocalCluster, kill_after: Any
+) -> None:
+    actors, _ = kill_after
+    trainer = placement_group([{"gpu": 1}] * 3, strategy="STRICT_SPREAD")
+    await asyncio.wait_for(trainer.ready(), BOUND)
+    try:
+        workers = [
+            TrainerWorker.options(
+                resources={"gpu": 0.5},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(trainer, i),
+            ).remote()
+            for i in range(3)
+        ]
+        actors.extend(workers)
+        trainer_nodes = [await w.node.remote() for w in workers]
+        assert len(set(trainer_nodes)) == 3
+        placement = EnginePlacement.colocated(trainer, {"gpu": 0.5}, timeout=BOUND)
+        engines = await placement.start_all([factory(i) for i in range(3)])
+        actors.extend(engines)
+        assert [await e.node_id.remote() for e in engines] == trainer_nodes
+        server = RolloutServer([EngineGroup("actor", engines)], name="colocated")
+        await cycle(server, "v1")
+        assert server.state is ServerState.SERVING
+
+        # An engine actor started off its trainer's node shares no GPU with it: refused.
+        elsewhere = next(n for n in ray_nodes.node_ids() if n != trainer_nodes[0])
+        stray = start_engine_actor(
+            factory(9), scheduling_strategy=NodeAffinitySchedulingStrategy(elsewhere, soft=False)
+        )
+        actors.append(stray)
+        with pytest.raises(PlacementFailed) as refused:
+            await placement.check(0, stray)
+        assert f"runs on node {elsewhere}, not on its bundle's node {trainer_nodes[0]}" in str(
+            refused.value
+        )
+        # The trainer's bundles are full (half its worker's, half its engine's): one more
+        # colocated engine cannot start, and is not left behind.
+        with pytest.raises(PlacementFailed, match="did not start"):
+            await EnginePlacement.colocated(trainer, {"gpu": 0.5}, timeout=2).start(0, factory(8))
+    finally:
+        remove_placement_group(trainer)
+
+
+async def test_a_group_the_cluster_cannot_hold_is_refused_with_what_it_has(
+    ray_nodes: LocalCluster,
+) -> None:
+    with pytest.raises(PlacementFailed) as refused:
+        await EnginePlacement.reserve(1, {"gpu": 3}, timeout=2)  # no node has 3
+    assert "could not place 1 bundle(s) of {'gpu': 3.0} (PACK)" in str(refused.value)
+    assert "add nodes, or ask for less" in str(refused.value)
+    # given back: the whole cluster's resources are free again
+    await until(lambda: ray.available_resources().get("gpu") == 6.0, what="gpu given back")
+
+
+@pytest.mark.parametrize(
+    ("count", "bundle", "options", "message"),
+    [
+        (0, {"gpu": 1}, {}, "count must be an int >= 1"),
+        (1, {}, {}, "bundle must be a non-empty dict"),
+        (1, {"gpu": 0}, {}, "asks nothing"),
+        (1, {"gpu": -1}, {}, "must be a number >= 0"),
+        (1, {"gpu": 1}, {"strategy": "SOMEWHERE"}, "strategy must be one of"),
+        (1, {"gpu": 1}, {"resources": {"gpu": 2}}, "ask at most what a bundle holds"),
+        (1, {"gpu": 1}, {"timeout": 0}, "timeout must be a number of seconds > 0"),
+    ],
+)
+async def test_bad_placements_are_refused_before_ray_is_asked(
+    count: int, bundle: dict[str, float], options: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        await EnginePlacement.reserve(count, bundle, **options)
+
+
+@pytest.mark.parametrize("phase", [p.value for p in HOOK_PHASES])
+async def test_a_node_lost_at_a_phase_boundary_is_named_and_replaced_on_the_survivors(
+    ray_nodes: LocalCluster, kill_after: Any, phase: str
+) -> None:
+    actors, placements = kill_after
+    victim = ray_nodes.add_node(resources={"gpu": 1})
+    placement = await EnginePlacement.reserve(4, {"gpu": 1}, strategy="SPREAD", timeout=BOUND)
+    placements.append(placement)
+    engines = await placement.start_all([factory(i) for i in range(4)])
+    actors.extend(engines)
+    lost = [i for i, node in placement.nodes().items() if node == victim]
+    assert lost, f"SPREAD left the new node empty: {placement.nodes()}"
+    server = RolloutServer(
+        [EngineGroup("actor", engines)],
+        LifecycleConfig(dead_engines=DeadEnginePolicy.SKIP),
+        name=f"lose-{phase}",
+    )
+
+    async def lose_the_node(event: LifecycleEvent) -> None:
+        remove()
+        ray_nodes.remove_node(victim)  # (blocks the loop a moment: Ray's utility uses signals)
+        for i in lost:  # a fact, waited for: the cluster has found the node lost
+            await until_actor_gone(engines[i], deadline=BOUND)
+
+    remove = server.on(f"before_{phase}", lose_the_node)
+    batch = asyncio.ensure_future(server.generate_batch(requests(12)))
+    await until_running(engines, 8)
+    await cycle(server, "v1")  # goes on without the lost node's engines
+    records = server.fleet.records()
+    assert [r.id for r in records if r.state is EngineState.DEAD] == [f"actor/{i}" for i in lost]
+    assert server.state is ServerState.SERVING
+
+    replaced = await server.recover(placement.replacer("actor", factory))
+    assert {k: v.outcome for k, v in replaced.items()} == {f"actor/{i}": Outcome.OK for i in lost}
+    survivors = set(ray_nodes.node_ids())
+    assert victim not in survivors
+    new = [server.engines()[f"actor/{i}"] for i in lost]
+    actors.extend(new)
+    for i, handle in zip(lost, new, strict=True):
+        node = await handle.node_id.remote()
+        assert node in survivors and node == placement.nodes()[i]  # in its bundle, moved
+    await cycle(server, "v2")  # the replacements get the weights, verified, and serve
+    whole(await asyncio.wait_for(batch, BOUND))
+    assert server.fleet.count(states=[EngineState.SERVING]) == 4
+    handles = server.engines()
+    assert (
+        await asyncio.gather(*(h.weight_version.remote() for h in handles.values())) == ["v2"] * 4
+    )
+    # the rest of the fleet was safe: every barrier kept, no call an engine could not survive
+    kept = {k: h for k, h in handles.items() if int(k.rpartition("/")[2]) not in lost}
+    histories = await asyncio.gather(*(h.history.remote() for h in kept.values()))
+    assert cycle_order_violations(dict(zip(kept, histories, strict=True))) == []
