@@ -34,23 +34,34 @@ metric                                                    type       labels
 ========================================================  =========  ============================
 
 The phase and call metrics are the ones the server's ``metrics`` dict holds per call, summed
-over every call; ``failed`` requests are those the generation client gave up on (lost to the
-caller, who got an error), ``resubmissions`` those it sent again after an abort or a dead engine.
-The gauges of states are set on the server's loop at each phase, state change and call end, so a
-scrape (from the endpoint's own thread) reads a consistent picture, never the records mid-change.
-The request counters are the generation client's ``stats()`` at the scrape.
+over every call, counted as the server's events come (on its loop). ``failed`` requests are
+those the generation client gave up on (lost to the caller, who got an error),
+``resubmissions`` those it sent again after an abort or a dead engine.
+
+The gauges and the request counters are read at each scrape, whatever changed them (a phase, a
+``probe()``, an ``adopt()``, a straggler's late answer), and read on the server's own loop: the
+scrape (the endpoint's thread) hands the read to the loop and waits for it up to
+``SCRAPE_WAIT`` seconds, so each server's gauges are one consistent picture, never records
+mid-change; a loop that does not answer in time is reported with its last reading. A server no
+longer watched keeps its counters and histograms as they were; its gauges are no longer reported.
+A subscriber that fails logs ``metrics.failed`` and never reaches the lifecycle call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+import asyncio
+import concurrent.futures
+import contextlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
+from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import InvalidArgument
 from rollout_lifecycle.contract.outcome import Outcome
 from rollout_lifecycle.core.bus import CallEnded, StateEntered, WeightsVerified
@@ -66,6 +77,8 @@ NAMESPACE = "rollout_lifecycle"
 #: push or a slow reload of a large model (minutes).
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
            60.0, 120.0, 300.0, float("inf"))  # fmt: skip
+#: How long a scrape waits for a server's loop to read its gauges, in seconds.
+SCRAPE_WAIT = 2.0
 #: The generation client's counters, as exported: its ``stats()`` key, the metric's name
 #: (without the namespace and ``_total``) and its help.
 _REQUEST_COUNTERS = (
@@ -111,23 +124,13 @@ class PrometheusMetrics:
             "verification_failures", "Engines that failed a verified write (left stale)",
             ["server"], namespace=ns, registry=reg,
         )  # fmt: skip
-        self._state = Gauge(
-            "server_state", "The server's state: 1 for the state it is in, 0 for the others",
-            ["server", "state"], namespace=ns, registry=reg,
-        )  # fmt: skip
-        self._engines = Gauge(
-            "engines", "Engines by the state their records imply",
-            ["server", "state"], namespace=ns, registry=reg,
-        )  # fmt: skip
-        self._stale = Gauge(
-            "stale_engines", "Engines whose weights are not the expected version (or unverified)",
-            ["server"], namespace=ns, registry=reg,
-        )  # fmt: skip
-        self.registry.register(_Requests(self._servers))
+        self._now = _Now(self._servers)
+        self.registry.register(self._now)
 
     def watch(self, server: RolloutServer) -> Callable[[], None]:
-        """Follow ``server`` from now on; returns what stops following it (its series stay, as
-        they were). ``InvalidArgument`` for a second server of the same name."""
+        """Follow ``server`` from now on; returns what stops following it (its counters and
+        histograms stay as they were). ``InvalidArgument`` for a second server of the same
+        name."""
         name = server.name
         if name in self._servers:
             raise InvalidArgument(
@@ -135,19 +138,20 @@ class PrometheusMetrics:
             )
         self._servers[name] = server
         bus = server.bus
+        with_loop = self._now.follows(name)
         removers = [
-            bus.subscribe(PhaseSettled, lambda e: self._phase(name, e)),
-            bus.subscribe(StateEntered, lambda e: self._look(server)),
-            bus.subscribe(CallEnded, lambda e: self._call(server, e)),
-            bus.subscribe(WeightsVerified, lambda e: self._verification(name, e)),
+            bus.subscribe(PhaseSettled, with_loop(lambda e: self._phase(name, e))),
+            bus.subscribe(StateEntered, with_loop(lambda e: None)),
+            bus.subscribe(CallEnded, with_loop(lambda e: self._call(name, e))),
+            bus.subscribe(WeightsVerified, with_loop(lambda e: self._verification(name, e))),
         ]
-        self._look(server)
 
         def stop() -> None:
             for remove in removers:
                 remove()
             if self._servers.get(name) is server:
                 del self._servers[name]
+                self._now.forget(name)
 
         return stop
 
@@ -190,35 +194,82 @@ class PrometheusMetrics:
         if result.retries:
             self._retries.labels(server, phase).inc(result.retries)
 
-    def _call(self, server: RolloutServer, ended: CallEnded) -> None:
+    def _call(self, server: str, ended: CallEnded) -> None:
         if ended.outcome == "claimed":
-            self._claimed.labels(server.name, ended.call).inc()
+            self._claimed.labels(server, ended.call).inc()
         else:
-            self._calls.labels(server.name, ended.call, ended.outcome).observe(ended.seconds)
-        self._look(server)
+            self._calls.labels(server, ended.call, ended.outcome).observe(ended.seconds)
 
     def _verification(self, server: str, verified: WeightsVerified) -> None:
         self._verified.labels(server).inc(verified.checked)
         self._unverified.labels(server).inc(len(verified.failed))
 
-    def _look(self, server: RolloutServer) -> None:
-        """Set the server's state gauges from what it is now."""
-        name, now = server.name, server.state
-        for state in ServerState:
-            self._state.labels(name, state.value).set(1 if state is now else 0)
-        for engines, n in server.fleet.by_state().items():
-            self._engines.labels(name, engines.value).set(n)
-        self._stale.labels(name).set(sum(1 for r in server.fleet.records() if r.stale))
+
+@dataclass(frozen=True)
+class _Reading:
+    """What a scrape reports of one server now (read on its loop)."""
+
+    state: ServerState
+    engines: dict[str, int]
+    stale: int
+    requests: dict[str, int] | None
 
 
-class _Requests(Collector):
-    """The generation clients' counters, read at each scrape (fixed keys of plain ints: a copy
-    from the endpoint's thread is consistent enough)."""
+def _read(server: RolloutServer) -> _Reading:
+    return _Reading(
+        server.state,
+        {state.value: n for state, n in server.fleet.by_state().items()},
+        sum(1 for r in server.fleet.records() if r.stale),
+        server.generation.stats() if server.has_generation else None,
+    )
+
+
+class _Now(Collector):
+    """The gauges and the request counters, read at each scrape on each server's own loop (the
+    loop its events last came from)."""
 
     def __init__(self, servers: dict[str, RolloutServer]) -> None:
         self._servers = servers
+        self._loops: dict[str, asyncio.AbstractEventLoop] = {}
+        self._last: dict[str, _Reading] = {}
+
+    def follows(self, name: str) -> Callable[[Callable[[Any], None]], Callable[[Any], None]]:
+        """Wrap a subscriber of server ``name``'s bus: note the loop it runs on, and keep what
+        it raises from the lifecycle (logged)."""
+        with_loop = self._loops
+
+        def wrap(subscriber: Callable[[Any], None]) -> Callable[[Any], None]:
+            def run(event: Any) -> None:
+                try:
+                    with_loop[name] = asyncio.get_running_loop()
+                    subscriber(event)
+                except Exception as exc:
+                    logger().warning("metrics.failed", server=name, seen=repr(event), error=exc)
+
+            return run
+
+        with contextlib.suppress(RuntimeError):  # (watched from a coroutine: its loop)
+            self._loops[name] = asyncio.get_running_loop()
+        return wrap
+
+    def forget(self, name: str) -> None:
+        self._loops.pop(name, None)
+        self._last.pop(name, None)
 
     def collect(self) -> Iterable[Metric]:
+        state = GaugeMetricFamily(
+            f"{NAMESPACE}_server_state", "The server's state: 1 for the state it is in",
+            labels=["server", "state"],
+        )  # fmt: skip
+        engines = GaugeMetricFamily(
+            f"{NAMESPACE}_engines", "Engines by the state their records imply",
+            labels=["server", "state"],
+        )  # fmt: skip
+        stale = GaugeMetricFamily(
+            f"{NAMESPACE}_stale_engines",
+            "Engines whose weights are not the expected version (or unverified)",
+            labels=["server"],
+        )
         requests = CounterMetricFamily(
             f"{NAMESPACE}_requests", "Generate requests, by outcome", labels=["server", "outcome"]
         )
@@ -234,22 +285,51 @@ class _Requests(Collector):
             f"{NAMESPACE}_requests_holding", "Generate requests waiting for a serving engine",
             labels=["server"],
         )  # fmt: skip
-        for name, stats in self._stats():
-            for outcome in ("submitted", "completed", "failed"):
-                requests.add_metric([name, outcome], stats[outcome])
-            for key, counter in counters.items():
-                counter.add_metric([name], stats[key])
-            in_flight.add_metric([name], stats["in_flight"])
-            holding.add_metric([name], stats["holding"])
-        yield requests
-        yield from counters.values()
-        yield in_flight
-        yield holding
-
-    def _stats(self) -> Iterator[tuple[str, dict[str, int]]]:
         for name, server in list(self._servers.items()):
-            if server.has_generation:
-                yield name, server.generation.stats()
+            seen = self._reading(name, server)
+            if seen is None:
+                continue
+            for each in ServerState:
+                state.add_metric([name, each.value], 1 if each is seen.state else 0)
+            for value, n in seen.engines.items():
+                engines.add_metric([name, value], n)
+            stale.add_metric([name], seen.stale)
+            if seen.requests is None:
+                continue
+            for outcome in ("submitted", "completed", "failed"):
+                requests.add_metric([name, outcome], seen.requests[outcome])
+            for key, counter in counters.items():
+                counter.add_metric([name], seen.requests[key])
+            in_flight.add_metric([name], seen.requests["in_flight"])
+            holding.add_metric([name], seen.requests["holding"])
+        yield from (state, engines, stale, requests, *counters.values(), in_flight, holding)
+
+    def _reading(self, name: str, server: RolloutServer) -> _Reading | None:
+        """``server`` read on its loop (directly when that is this thread's, or no loop runs
+        it); its last reading when its loop does not answer within ``SCRAPE_WAIT``."""
+        loop = self._loops.get(name)
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if loop is None or loop is here or loop.is_closed() or not loop.is_running():
+            seen = _read(server)
+        else:
+            done: concurrent.futures.Future[_Reading] = concurrent.futures.Future()
+
+            def fill() -> None:
+                try:
+                    done.set_result(_read(server))
+                except BaseException as exc:  # (handed to the scrape)
+                    done.set_exception(exc)
+
+            try:
+                loop.call_soon_threadsafe(fill)
+                seen = done.result(timeout=SCRAPE_WAIT)
+            except (RuntimeError, TimeoutError):  # (closed meanwhile, or busy)
+                return self._last.get(name)
+        self._last[name] = seen
+        return seen
 
 
-__all__ = ["BUCKETS", "NAMESPACE", "PrometheusMetrics"]
+__all__ = ["BUCKETS", "NAMESPACE", "SCRAPE_WAIT", "PrometheusMetrics"]

@@ -132,8 +132,10 @@ class EnginePlacement:
         group = placement_group([dict(shape) for _ in range(count)], strategy=strategy, name=name)
         try:
             await asyncio.wait_for(group.ready(), seconds)
-        except TimeoutError:
-            remove_placement_group(group)
+        except BaseException as exc:
+            remove_placement_group(group)  # (a group left pending would take room later)
+            if not isinstance(exc, TimeoutError):
+                raise
             raise PlacementFailed(
                 f"Ray could not place {count} bundle(s) of {shape} ({strategy}) within "
                 f"{seconds:g} s; the cluster has {_free()} free of {_total()}: add nodes, or "
@@ -154,19 +156,23 @@ class EnginePlacement:
     # -- where bundles are ----------------------------------------------------------------------
 
     def nodes(self) -> dict[int, str | None]:
-        """Each bundle's node (hex id), None for a bundle waiting for room (its node lost)."""
+        """Each bundle's node (hex id), None for a bundle waiting for room (its node lost);
+        ``PlacementFailed`` once the group is removed. (A read of the cluster's control store:
+        blocking, so the coroutines below make it in a thread.)"""
         table = placement_group_table(self.group)
+        if table.get("state") == "REMOVED":
+            raise PlacementFailed(f"the placement group of {self!r} was removed")
         placed = table.get("bundles_to_node_id") or {}
         return {i: placed.get(i) or None for i in range(self.group.bundle_count)}
 
     async def node_of_bundle(self, index: int) -> str:
-        """The node bundle ``index`` is on, once Ray has placed it (``PlacementFailed`` after
-        ``timeout`` seconds without room for it)."""
+        """The live node bundle ``index`` is on, once Ray has placed it (``PlacementFailed``
+        after ``timeout`` seconds without room for it)."""
         self._index(index)
         deadline = time.monotonic() + self.timeout
         while True:
-            node = self.nodes()[index]
-            if node is not None and self._alive(node):
+            node = await asyncio.to_thread(self._live_node, index)
+            if node is not None:
                 return node
             if time.monotonic() >= deadline:
                 raise PlacementFailed(
@@ -180,11 +186,12 @@ class EnginePlacement:
 
     async def start(self, index: int, factory: EngineFactory, **options: Any) -> Any:
         """Start the engine actor of bundle ``index`` from ``factory`` (``start_engine_actor``,
-        ``options`` passed on) and check where it runs (``check``)."""
+        ``options`` passed on) and check where it runs (``check``): each of the waits (the
+        bundle placed, the actor's answer) within ``timeout``."""
         await self.node_of_bundle(index)
         strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index)
         handle = start_engine_actor(
-            factory, resources=self.resources, scheduling_strategy=strategy, **options
+            factory, **actor_resources(self.resources), scheduling_strategy=strategy, **options
         )
         try:
             await self.check(index, handle)
@@ -200,7 +207,16 @@ class EnginePlacement:
                 f"{len(factories)} factories for {self.group.bundle_count} bundles: "
                 "give one factory per bundle"
             )
-        return list(await asyncio.gather(*(self.start(i, f) for i, f in enumerate(factories))))
+        started = await asyncio.gather(
+            *(self.start(i, f) for i, f in enumerate(factories)), return_exceptions=True
+        )
+        failed = [r for r in started if isinstance(r, BaseException)]
+        if failed:
+            for handle in started:  # all or none: the engines that did start are let go
+                if not isinstance(handle, BaseException):
+                    ray.kill(handle, no_restart=True)
+            raise failed[0]
+        return list(started)
 
     async def check(self, index: int, handle: Any) -> str:
         """The node ``handle``'s engine actor runs on, which must be bundle ``index``'s:
@@ -213,6 +229,10 @@ class EnginePlacement:
         except TimeoutError:
             raise PlacementFailed(
                 f"the engine actor for bundle {index} did not start within {self.timeout:g} s"
+            ) from None
+        except ray.exceptions.RayActorError as exc:
+            raise PlacementFailed(
+                f"the engine actor for bundle {index} died before it said where it runs: {exc}"
             ) from None
         if node != bundle_node:
             raise PlacementFailed(
@@ -251,10 +271,33 @@ class EnginePlacement:
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
             raise InvalidArgument(f"bundle index must be an int in [0, {count}), got {index!r}")
 
-    @staticmethod
-    def _alive(node: str) -> bool:
+    def _live_node(self, index: int) -> str | None:
+        """Bundle ``index``'s node if it is alive (blocking reads of the control store)."""
+        node = self.nodes()[index]
+        if node is None:
+            return None
         nodes: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
-        return any(n["NodeID"] == node and n["Alive"] for n in nodes)
+        return node if any(n["NodeID"] == node and n["Alive"] for n in nodes) else None
+
+
+#: The resources Ray asks for by their own keywords (``ray_option_utils``: "CPU", "GPU" and
+#: "memory" are refused in ``resources``).
+_KEYWORDS = {"CPU": "num_cpus", "GPU": "num_gpus", "memory": "memory"}
+
+
+def actor_resources(resources: Mapping[str, float]) -> dict[str, Any]:
+    """``resources`` as an actor's options: ``CPU``, ``GPU`` and ``memory`` by their keywords,
+    the rest (custom resources) in ``resources``; ``num_cpus`` 0 unless ``CPU`` is asked."""
+    options: dict[str, Any] = {"num_cpus": 0}
+    custom = {}
+    for key, amount in resources.items():
+        if key in _KEYWORDS:
+            options[_KEYWORDS[key]] = amount
+        else:
+            custom[key] = amount
+    if custom:
+        options["resources"] = custom
+    return options
 
 
 def _free() -> dict[str, float]:
@@ -267,4 +310,4 @@ def _total() -> dict[str, float]:
     return dict(ray.cluster_resources())  # type: ignore[no-untyped-call]
 
 
-__all__ = ["STRATEGIES", "EnginePlacement", "PlacementFailed"]
+__all__ = ["STRATEGIES", "EnginePlacement", "PlacementFailed", "actor_resources"]

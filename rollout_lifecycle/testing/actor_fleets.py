@@ -168,4 +168,10 @@ def simulated_multi_engine_actors(
     return started, handles
 
 
-__all__ = ["local_ray", "simulated_engine_actors", "simulated_multi_engine_actors"]
+__all__ = [
+    "FAST_NODE_LOSS",
+    "LocalCluster",
+    "local_ray",
+    "simulated_engine_actors",
+    "simulated_multi_engine_actors",
+]

@@ -13,7 +13,11 @@ from typing import Any
 
 import pytest
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import (
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import (
     NodeAffinitySchedulingStrategy,
     PlacementGroupSchedulingStrategy,
@@ -36,6 +40,8 @@ from rollout_lifecycle import (
     SimulatedEngine,
     start_engine_actor,
 )
+from rollout_lifecycle.backends.actor import EngineActor
+from rollout_lifecycle.backends.placement import actor_resources
 from rollout_lifecycle.testing import (
     LocalCluster,
     cycle_order_violations,
@@ -163,7 +169,7 @@ async def test_colocated_engines_share_their_trainers_nodes_and_one_elsewhere_is
             refused.value
         )
         # The trainer's bundles are full (half its worker's, half its engine's): one more
-        # colocated engine cannot start, and is not left behind.
+        # colocated engine cannot start (and is killed).
         with pytest.raises(PlacementFailed, match="did not start"):
             await EnginePlacement.colocated(trainer, {"gpu": 0.5}, timeout=2).start(0, factory(8))
     finally:
@@ -174,11 +180,12 @@ async def test_a_group_the_cluster_cannot_hold_is_refused_with_what_it_has(
     ray_nodes: LocalCluster,
 ) -> None:
     with pytest.raises(PlacementFailed) as refused:
-        await EnginePlacement.reserve(1, {"gpu": 3}, timeout=2)  # no node has 3
+        await EnginePlacement.reserve(1, {"gpu": 3}, timeout=2, name="too-big")  # no node has 3
     assert "could not place 1 bundle(s) of {'gpu': 3.0} (PACK)" in str(refused.value)
     assert "add nodes, or ask for less" in str(refused.value)
-    # given back: the whole cluster's resources are free again
-    await until(lambda: ray.available_resources().get("gpu") == 6.0, what="gpu given back")
+    # given back, not left pending to take room once a node could hold it
+    groups = placement_group_table().values()
+    assert [g["state"] for g in groups if g["name"] == "too-big"] == ["REMOVED"]
 
 
 @pytest.mark.parametrize(
@@ -252,3 +259,20 @@ async def test_a_node_lost_at_a_phase_boundary_is_named_and_replaced_on_the_surv
     kept = {k: h for k, h in handles.items() if int(k.rpartition("/")[2]) not in lost}
     histories = await asyncio.gather(*(h.history.remote() for h in kept.values()))
     assert cycle_order_violations(dict(zip(kept, histories, strict=True))) == []
+
+
+@pytest.mark.parametrize(
+    ("asked", "options"),
+    [
+        ({"GPU": 1}, {"num_cpus": 0, "num_gpus": 1}),
+        ({"CPU": 2, "GPU": 0.5}, {"num_cpus": 2, "num_gpus": 0.5}),
+        ({"gpu": 1, "memory": 2**30}, {"num_cpus": 0, "resources": {"gpu": 1}, "memory": 2**30}),
+    ],
+)
+def test_cpus_gpus_and_memory_are_asked_by_rays_own_keywords(
+    asked: dict[str, float], options: dict[str, Any]
+) -> None:
+    assert actor_resources(asked) == options
+    EngineActor.options(**options)  # Ray takes them ("GPU" in resources= it refuses)
+    with pytest.raises(ValueError, match="num_gpus"):
+        EngineActor.options(num_cpus=0, resources={"GPU": 1})

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from structlog.testing import capture_logs
 
 from rollout_lifecycle import (
     EngineClaimed,
@@ -18,8 +19,10 @@ from rollout_lifecycle import (
     InvalidArgument,
     LifecycleConfig,
     LifecycleEvent,
+    Outcome,
     PauseMode,
     RolloutServer,
+    ServerState,
     SGLangHTTPEngine,
     SimulatedEngine,
     WeightsNotVerified,
@@ -160,6 +163,52 @@ async def test_verification_failures_and_dead_engines_are_counted(
     assert value(samples, "stale_engines", server="rl") == stale
     for state, n in server.fleet.by_state().items():
         assert value(samples, "engines", server="rl", state=state.value) == n
+
+
+async def test_the_gauges_are_read_at_the_scrape_whatever_changed_the_records(
+    exporter: tuple[PrometheusMetrics, str],
+) -> None:
+    """A probe outside any call that finds an engine dead, and an adopted snapshot: no call
+    ends and no state is entered, and the next scrape shows both."""
+    metrics, url = exporter
+    engines = sims(3)
+    server = RolloutServer([EngineGroup("actor", engines)], name="probed")
+    metrics.watch(server)
+    await engines[1].close()
+    outcomes = await server.probe()
+    assert outcomes["actor/1"].outcome is Outcome.DEAD
+    samples = await scrape(url)
+    assert value(samples, "engines", server="probed", state="dead") == 1
+    assert value(samples, "engines", server="probed", state="serving") == 2
+
+    source = RolloutServer([EngineGroup("actor", sims(3))], name="source")
+    await source.offload()
+    later = RolloutServer([EngineGroup("actor", sims(3))], name="adopter")
+    metrics.watch(later)
+    assert value(await scrape(url), "server_state", server="adopter", state="serving") == 1
+    later.adopt(source.snapshot())
+    samples = await scrape(url)
+    assert value(samples, "server_state", server="adopter", state="released") == 1
+    assert value(samples, "engines", server="adopter", state="released") == 3
+
+
+async def test_a_failing_exporter_never_fails_the_call(
+    exporter: tuple[PrometheusMetrics, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    metrics, url = exporter
+    server = RolloutServer([EngineGroup("actor", sims(2))], name="sturdy")
+    metrics.watch(server)
+
+    def broken(*labels: str) -> None:
+        raise RuntimeError("the exporter broke")
+
+    monkeypatch.setattr(metrics._phases, "labels", broken)
+    with capture_logs() as logs:
+        await server.offload()
+    assert server.state is ServerState.RELEASED
+    failed = [e for e in logs if e["event"] == "metrics.failed"]
+    assert len(failed) == 3 and "the exporter broke" in str(failed[0]["error"])  # a phase each
+    assert value(await scrape(url), "server_state", server="sturdy", state="released") == 1
 
 
 async def test_requests_lost_and_resubmitted_are_the_generation_clients_counts(
