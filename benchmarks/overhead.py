@@ -20,14 +20,22 @@ engines for the others) and for a complete, successful cycle on every engine.
     python -m benchmarks.overhead                        # 64x1 and 16x64 (1,024 engines)
     python -m benchmarks.overhead --fleet 64x1 --rounds 15 --latency-ms 0 0
     python -m benchmarks.overhead --fleet 16x64 --profile /tmp/overhead-profile.txt
+    python -m benchmarks.overhead --fleet 64x1 --nodes 3 --seq-budget-s 0
+
+With ``--nodes N`` the fleet runs on a cluster of N nodes on this machine (``LocalCluster``,
+each its own raylet), its actors spread over them through a placement group (``SPREAD``, one
+bundle per actor), the driver on the head node: every call but the head's third crosses
+raylets.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import itertools
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -51,12 +59,14 @@ from benchmarks._common import (
     table,
     violations,
 )
-from rollout_lifecycle import EngineGroup, RolloutServer
+from rollout_lifecycle import EngineGroup, EnginePlacement, RolloutServer
 from rollout_lifecycle.testing import (
+    LocalCluster,
     local_ray,
     simulated_engine_actors,
     simulated_multi_engine_actors,
 )
+from rollout_lifecycle.testing.simulated import fleet_factories
 
 RAW = "raw floor"
 LIBRARY = "library"
@@ -76,6 +86,8 @@ class FleetResult:
     servers: int
     latency_ms: tuple[float, float]
     start_s: float
+    #: Nodes of the cluster the actors are spread over (1: one local raylet).
+    nodes: int = 1
     #: Contender -> seconds of each timed cycle.
     times: dict[str, list[float]] = field(default_factory=dict)
     #: Contender -> the lower bound of each of its timed cycles (same order as ``times``).
@@ -181,6 +193,7 @@ async def run_fleet(
     latency_ms: tuple[float, float] = (5.0, 20.0),
     seed: int = 0,
     profile: Profile | None = None,
+    nodes: int = 1,
 ) -> FleetResult:
     """Start the fleet, time every contender, check every round; needs a running Ray.
 
@@ -197,19 +210,30 @@ async def run_fleet(
     }
     start = time.perf_counter()
     hosted = per_actor > 1
-    if hosted:
+    placement = None
+    if nodes > 1:
+        if hosted:
+            raise ValueError("--nodes spreads single-engine actors: use a fleet of Nx1")
+        placement = await EnginePlacement.reserve(actors, {"gpu": 1}, strategy="SPREAD")
+        started = await placement.start_all(fleet_factories(actors, **options))
+        handles: list[Any] = list(started)
+    elif hosted:
         started, hosted_handles = simulated_multi_engine_actors(actors, per_actor, **options)
-        handles: list[Any] = list(hosted_handles)
+        handles = list(hosted_handles)
     else:
         started = simulated_engine_actors(actors, **options)
         handles = list(started)
     try:
         await asyncio.gather(*(a.ping.remote() for a in started))
-        result = FleetResult(actors, per_actor, servers, latency_ms, time.perf_counter() - start)
+        result = FleetResult(
+            actors, per_actor, servers, latency_ms, time.perf_counter() - start, nodes
+        )
         await _run_contenders(result, started, handles, hosted, rounds, seq_budget_s, profile)
     finally:
         for actor in started:
             ray.kill(actor)
+        if placement is not None:
+            placement.remove()
     return result
 
 
@@ -309,8 +333,9 @@ def report(result: FleetResult) -> str:
             ]
         )
     lo, hi = result.latency_ms
+    where = f" on {result.nodes} nodes" if result.nodes > 1 else ""
     head = (
-        f"{result.engines:,} engines ({result.actors} actors x {result.per_actor}), "
+        f"{result.engines:,} engines ({result.actors} actors x {result.per_actor}){where}, "
         f"{result.servers} servers (library: one group each), op latency U({lo:g}, {hi:g}) ms, "
         f"fleet started in {result.start_s:.1f} s"
     )
@@ -352,12 +377,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_latency_argument(parser, (5.0, 20.0))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", help="append a pyinstrument profile of the library here")
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="spread the actors over a cluster of this many local nodes (Nx1 fleets), default 1",
+    )
     args = parser.parse_args(argv)
     fleets = args.fleet or [(64, 1), (16, 64)]
     print(f"machine: {machine()}")
     if args.profile:
         print("profiled run: the library's times include the profiler's overhead")
-    with local_ray():
+    if args.nodes > 1:
+        most = max(actors for actors, _ in fleets)
+        # (one CPU per node: the head's raylet runs the driver; a bundle per actor, spread)
+        cluster: contextlib.AbstractContextManager[object] = LocalCluster(
+            args.nodes, cpus=1, gpus=math.ceil(most / args.nodes) + 1
+        )
+    else:
+        cluster = local_ray()
+    with cluster:
         for actors, per_actor in fleets:
             result = asyncio.run(
                 run_fleet(
@@ -369,6 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     latency_ms=(args.latency_ms[0], args.latency_ms[1]),
                     seed=args.seed,
                     profile=Profile(args.profile),
+                    nodes=args.nodes,
                 )
             )
             print(report(result), flush=True)

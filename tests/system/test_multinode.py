@@ -23,6 +23,7 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
+from benchmarks import overhead
 from rollout_lifecycle import (
     HOOK_PHASES,
     DeadEnginePolicy,
@@ -276,3 +277,16 @@ def test_cpus_gpus_and_memory_are_asked_by_rays_own_keywords(
     EngineActor.options(**options)  # Ray takes them ("GPU" in resources= it refuses)
     with pytest.raises(ValueError, match="num_gpus"):
         EngineActor.options(num_cpus=0, resources={"GPU": 1})
+
+
+async def test_the_overhead_benchmark_runs_its_contenders_across_the_nodes(
+    ray_nodes: LocalCluster,
+) -> None:
+    result = await overhead.run_fleet(
+        actors=3, servers=3, rounds=1, seq_budget_s=0, latency_ms=(0.0, 1.0), nodes=3
+    )
+    assert set(result.times) == {overhead.RAW, overhead.LIBRARY, overhead.SLIME}
+    assert not any(result.violations.values()) and not any(result.incomplete.values())
+    assert "3 engines (3 actors x 1) on 3 nodes" in overhead.report(result)
+    # its placement group (three bundles, placed) is given back
+    await until(lambda: ray.available_resources().get("gpu") == 6.0, what="the gpus given back")
