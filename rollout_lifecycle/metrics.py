@@ -95,35 +95,40 @@ class PrometheusMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._servers: dict[str, RolloutServer] = {}
         self._stop_serving: Callable[[], None] | None = None
-        ns, reg = NAMESPACE, self.registry
-        self._calls = Histogram(
+        reg = self.registry
+
+        def counter(name: str, text: str, *labels: str) -> Counter:
+            return Counter(name, text, ["server", *labels], namespace=NAMESPACE, registry=reg)
+
+        def histogram(name: str, text: str, *labels: str) -> Histogram:
+            return Histogram(
+                name, text, ["server", *labels], namespace=NAMESPACE, registry=reg, buckets=BUCKETS
+            )
+
+        self._calls = histogram(
             "call_seconds", "Public lifecycle calls, from taking the lock to their end",
-            ["server", "call", "outcome"], namespace=ns, registry=reg, buckets=BUCKETS,
+            "call", "outcome",
         )  # fmt: skip
-        self._claimed = Counter(
+        self._claimed = counter(
             "claim_conflicts", "Calls refused because another controller held one of their engines",
-            ["server", "call"], namespace=ns, registry=reg,
+            "call",
         )  # fmt: skip
-        self._phases = Histogram(
-            "phase_seconds", "Phases, from the first engine call to the barrier",
-            ["server", "phase"], namespace=ns, registry=reg, buckets=BUCKETS,
-        )  # fmt: skip
-        self._engine_calls = Counter(
-            "engine_calls", "Engine calls of the phases, by how each ended",
-            ["server", "phase", "outcome"], namespace=ns, registry=reg,
-        )  # fmt: skip
-        self._retries = Counter(
+        self._phases = histogram(
+            "phase_seconds", "Phases, from the first engine call to the barrier", "phase"
+        )
+        self._engine_calls = counter(
+            "engine_calls", "Engine calls of the phases, by how each ended", "phase", "outcome"
+        )
+        self._retries = counter(
             "flush_retries", "Flush attempts beyond the first (the engine was not idle yet)",
-            ["server", "phase"], namespace=ns, registry=reg,
+            "phase",
         )  # fmt: skip
-        self._verified = Counter(
-            "weights_verified", "Engines whose weights a verified write checked",
-            ["server"], namespace=ns, registry=reg,
-        )  # fmt: skip
-        self._unverified = Counter(
-            "verification_failures", "Engines that failed a verified write (left stale)",
-            ["server"], namespace=ns, registry=reg,
-        )  # fmt: skip
+        self._verified = counter(
+            "weights_verified", "Engines whose weights a verified write checked"
+        )
+        self._unverified = counter(
+            "verification_failures", "Engines that failed a verified write (left stale)"
+        )
         self._now = _Now(self._servers)
         self.registry.register(self._now)
 

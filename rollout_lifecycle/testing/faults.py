@@ -300,6 +300,22 @@ class FaultyEngine:
         return result
 
 
+class NotIdleYet(FaultyEngine):
+    """A ``FaultyEngine`` whose first ``busy`` flushes are answered as SGLang 0.5.23 answers a
+    flush while requests remain (400 "not idle yet": ``Scheduler.flush_cache`` refuses when
+    not ``is_fully_idle``), without reaching ``inner``; the flush after them goes through."""
+
+    def __init__(self, inner: EngineBackend, busy: int) -> None:
+        super().__init__(inner)
+        self.busy = check_int("busy", busy, minimum=0)
+
+    async def flush_cache(self, timeout: float) -> None:
+        if self.busy:
+            self.busy -= 1
+            raise EngineRejected(self.label, "flush_cache", "engine not idle", 400)
+        await getattr(super(), "flush_cache")(timeout)  # (declared from FAULT_OPS, below)
+
+
 def _forwarded(name: str) -> Callable[..., Awaitable[Any]]:
     """``FaultyEngine``'s method for the backend call ``name``: forwarded to ``inner`` through
     the armed faults, with the same arguments; a call ``inner`` does not offer is answered 501,
@@ -327,4 +343,4 @@ for _name in FAULT_OPS:
     setattr(FaultyEngine, _name, _forwarded(_name))
 
 
-__all__ = ["FAULT_KINDS", "FAULT_OPS", "PROBE_OPS", "FaultyEngine"]
+__all__ = ["FAULT_KINDS", "FAULT_OPS", "PROBE_OPS", "FaultyEngine", "NotIdleYet"]

@@ -11,14 +11,13 @@ import pytest
 from rollout_lifecycle import (
     EngineGroup,
     EngineHost,
-    EngineRejected,
     LifecycleConfig,
     PhaseFailed,
     RolloutServer,
     SimulatedEngine,
     Tag,
 )
-from rollout_lifecycle.testing.faults import FaultyEngine
+from rollout_lifecycle.testing.faults import FaultyEngine, NotIdleYet
 from rollout_lifecycle.testing.fleets import no_push
 from rollout_lifecycle.testing.fleets import simulated_engines as sims
 from rollout_lifecycle.testing.simulated import DEFAULT_MEMORY_BYTES
@@ -30,20 +29,6 @@ PHASE_KEYS = {
     "update_weights": ("begin_weight_update", "end_weight_update", "update_weight_version"),
     "onload_kv": ("kv", "check_versions", "continue"),
 }
-
-
-class NotIdleYet(FaultyEngine):
-    """Answers the first ``busy`` flushes with SGLang's 400 "not idle yet"."""
-
-    def __init__(self, inner: SimulatedEngine, busy: int) -> None:
-        super().__init__(inner)
-        self.busy = busy
-
-    async def flush_cache(self, timeout: float) -> None:
-        if self.busy:
-            self.busy -= 1
-            raise EngineRejected(self.label, "flush_cache", "engine not idle", 400)
-        await super().flush_cache(timeout)
 
 
 class NoMemoryMeter(FaultyEngine):

@@ -15,7 +15,6 @@ from structlog.testing import capture_logs
 from rollout_lifecycle import (
     EngineClaimed,
     EngineGroup,
-    EngineRejected,
     InvalidArgument,
     LifecycleConfig,
     LifecycleEvent,
@@ -24,14 +23,13 @@ from rollout_lifecycle import (
     RolloutServer,
     ServerState,
     SGLangHTTPEngine,
-    SimulatedEngine,
     WeightsNotVerified,
 )
 from rollout_lifecycle.contract.urls import url_identity
 from rollout_lifecycle.core.claims import HostClaims
 from rollout_lifecycle.metrics import PrometheusMetrics
 from rollout_lifecycle.testing import StandInServer, until
-from rollout_lifecycle.testing.faults import FaultyEngine
+from rollout_lifecycle.testing.faults import NotIdleYet
 from rollout_lifecycle.testing.fleets import push_reaching
 from rollout_lifecycle.testing.fleets import simulated_engines as sims
 
@@ -61,20 +59,6 @@ async def scrape(url: str) -> Samples:
 
 def value(samples: Samples, name: str, **labels: str) -> float:
     return samples[(f"rollout_lifecycle_{name}", frozenset(labels.items()))]
-
-
-class NotIdleYet(FaultyEngine):
-    """Answers the first ``busy`` flushes with SGLang's 400 "not idle yet"."""
-
-    def __init__(self, inner: SimulatedEngine, busy: int) -> None:
-        super().__init__(inner)
-        self.busy = busy
-
-    async def flush_cache(self, timeout: float) -> None:
-        if self.busy:
-            self.busy -= 1
-            raise EngineRejected(self.label, "flush_cache", "engine not idle", 400)
-        await super().flush_cache(timeout)
 
 
 async def test_a_scrape_mid_call_and_after_it_agrees_with_the_server(
