@@ -62,11 +62,11 @@ from benchmarks._common import (
 from rollout_lifecycle import EngineGroup, EnginePlacement, RolloutServer
 from rollout_lifecycle.testing import (
     LocalCluster,
+    fleet_factories,
     local_ray,
     simulated_engine_actors,
     simulated_multi_engine_actors,
 )
-from rollout_lifecycle.testing.simulated import fleet_factories
 
 RAW = "raw floor"
 LIBRARY = "library"

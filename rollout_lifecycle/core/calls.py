@@ -128,6 +128,7 @@ PUBLIC_CALLS: dict[str, PublicCall] = {
         PublicCall("bus", _P, "the server's events, to subscribe to", sync=False),
         PublicCall("engines", _P, "every engine handle by id", sync=False),
         PublicCall("generation", _P, "the generation client", sync=False),
+        PublicCall("has_generation", _P, "whether the generation client exists", sync=False),
     )
 }
 

@@ -34,7 +34,7 @@ from rollout_lifecycle.testing.fleets import (
     simulated,
     simulated_engines,
 )
-from rollout_lifecycle.testing.simulated import SimulatedEngine
+from rollout_lifecycle.testing.simulated import SimulatedEngine, fleet_factories
 from rollout_lifecycle.testing.sse import asse_events, sse_events
 from rollout_lifecycle.testing.standin import StandInServer
 from rollout_lifecycle.testing.waits import until, until_actor_gone, until_began
@@ -120,6 +120,7 @@ __all__ = [
     "cycle_rounds",
     "fatal_calls",
     "faulty_engines",
+    "fleet_factories",
     "local_ray",
     "no_push",
     "push_reaching",
