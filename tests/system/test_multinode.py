@@ -51,7 +51,7 @@ from rollout_lifecycle.testing import (
 )
 
 BOUND = 60.0
-TOKENS = 24
+TOKENS = 64
 
 
 def factory(i: int) -> Callable[[], SimulatedEngine]:
@@ -65,14 +65,15 @@ def requests(n: int) -> list[dict[str, Any]]:
     ]
 
 
-async def until_running(engines: list[Any], count: int) -> None:
-    """At least ``count`` requests run on the engines (a fact, waited for)."""
+async def until_taken(engines: list[Any], count: int) -> None:
+    """The engines have taken at least ``count`` generate requests in all (a counter: a wait
+    on it cannot miss its moment; each request decodes for ~0.25 s, so they are in flight)."""
 
-    async def running() -> bool:
+    async def taken() -> bool:
         found = await asyncio.gather(*(e.stats.remote() for e in engines))
-        return sum(s["running"] for s in found) >= count
+        return sum(s["submitted"] for s in found) >= count
 
-    await until(running, what=f"{count} running request(s)")
+    await until(taken, what=f"{count} request(s) taken")
 
 
 async def cycle(server: RolloutServer, version: str) -> None:
@@ -114,11 +115,13 @@ async def test_a_fleet_spread_over_three_nodes_cycles_with_traffic_and_loses_not
     assert nodes == [placement.nodes()[i] for i in range(4)]  # each in its bundle
     server = RolloutServer([EngineGroup("actor", engines)], name="spread")
     batch = asyncio.ensure_future(server.generate_batch(requests(12)))
-    await until_running(engines, 8)
+    await until_taken(engines, 12)
     await cycle(server, "v1")
-    await until_running(engines, 4)
+    more = asyncio.ensure_future(server.generate_batch(requests(12)))
+    await until_taken(engines, 24)
     await cycle(server, "v2")
     whole(await asyncio.wait_for(batch, BOUND))
+    whole(await asyncio.wait_for(more, BOUND))
     assert server.state is ServerState.SERVING
     assert server.fleet.count(states=[EngineState.SERVING]) == 4
     versions = await asyncio.gather(*(e.weight_version.remote() for e in engines))
@@ -234,7 +237,7 @@ async def test_a_node_lost_at_a_phase_boundary_is_named_and_replaced_on_the_surv
 
     remove = server.on(f"before_{phase}", lose_the_node)
     batch = asyncio.ensure_future(server.generate_batch(requests(12)))
-    await until_running(engines, 8)
+    await until_taken(engines, 12)
     await cycle(server, "v1")  # goes on without the lost node's engines
     records = server.fleet.records()
     assert [r.id for r in records if r.state is EngineState.DEAD] == [f"actor/{i}" for i in lost]
