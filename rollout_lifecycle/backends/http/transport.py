@@ -265,7 +265,9 @@ class HTTPTransport:
             params: dict[str, str | list[str]] | None = None if query is None else dict(query)
             timeout = read_timeout
             if flush_wait is not None and wait_field is not None:  # (refused above otherwise)
-                left = max(0.0, flush_wait - (time.monotonic() - first))
+                # (the wait counts from the first attempt, which carries all of it)
+                spent = 0.0 if attempt == 1 else time.monotonic() - first
+                left = max(0.0, flush_wait - spent)
                 if flush_wait > 0:
                     # A deferred flush; with no timeout (0) the query is left out altogether.
                     params = {**(params or {}), wait_field: _seconds_param(left)}
