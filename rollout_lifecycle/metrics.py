@@ -50,7 +50,6 @@ A subscriber that fails logs ``metrics.failed`` and never reaches the lifecycle 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -64,7 +63,7 @@ from prometheus_client.registry import Collector
 from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import InvalidArgument
 from rollout_lifecycle.contract.outcome import Outcome
-from rollout_lifecycle.core.bus import CallEnded, StateEntered, WeightsVerified
+from rollout_lifecycle.core.bus import CallEnded, WeightsVerified
 from rollout_lifecycle.core.runner import PhaseSettled
 from rollout_lifecycle.core.states import Phase, ServerState
 
@@ -146,7 +145,6 @@ class PrometheusMetrics:
         with_loop = self._now.follows(name)
         removers = [
             bus.subscribe(PhaseSettled, with_loop(lambda e: self._phase(name, e))),
-            bus.subscribe(StateEntered, with_loop(lambda e: None)),
             bus.subscribe(CallEnded, with_loop(lambda e: self._call(name, e))),
             bus.subscribe(WeightsVerified, with_loop(lambda e: self._verification(name, e))),
         ]
@@ -227,6 +225,10 @@ def _read(server: RolloutServer) -> _Reading:
         sum(1 for r in server.fleet.records() if r.stale),
         server.generation.stats() if server.has_generation else None,
     )
+
+
+async def _read_on_loop(server: RolloutServer) -> _Reading:
+    return _read(server)
 
 
 class _Now(Collector):
@@ -320,18 +322,14 @@ class _Now(Collector):
         if loop is None or loop is here or loop.is_closed() or not loop.is_running():
             seen = _read(server)
         else:
-            done: concurrent.futures.Future[_Reading] = concurrent.futures.Future()
-
-            def fill() -> None:
-                try:
-                    done.set_result(_read(server))
-                except BaseException as exc:  # (handed to the scrape)
-                    done.set_exception(exc)
-
             try:
-                loop.call_soon_threadsafe(fill)
+                done = asyncio.run_coroutine_threadsafe(_read_on_loop(server), loop)
+            except RuntimeError:  # (closed meanwhile)
+                return self._last.get(name)
+            try:
                 seen = done.result(timeout=SCRAPE_WAIT)
-            except (RuntimeError, TimeoutError):  # (closed meanwhile, or busy)
+            except TimeoutError:  # (busy: the read is not wanted any more)
+                done.cancel()
                 return self._last.get(name)
         self._last[name] = seen
         return seen

@@ -287,7 +287,6 @@ class PhaseRunner:
         #: How long an answer proves the process that gave it (``LifecycleConfig``).
         self.proof_window = proof_window
         self._skip_dead = dead_engines is DeadEnginePolicy.SKIP
-        self._bus = bus
         #: The server's events (``core.bus``): the runner publishes ``PhaseSettled`` and
         #: ``RecordsChanged`` there, its clients what they find (``WeightsVerified``).
         self.bus = bus
@@ -297,10 +296,10 @@ class PhaseRunner:
     def issue(self, plan: Plan) -> Calls:
         """``issue(plan)``, the records published (``RecordsChanged``: the journal) before any
         call is sent."""
-        return issue(plan, self._records_changed if self._bus.has(RecordsChanged) else None)
+        return issue(plan, self._records_changed if self.bus.has(RecordsChanged) else None)
 
     def _records_changed(self) -> None:
-        self._bus.publish(RECORDS_CHANGED)
+        self.bus.publish(RECORDS_CHANGED)
 
     async def run(self, phase: Phase, plan: Plan, deadline: float) -> PhaseResult:
         """Issue ``plan`` and settle it as ``phase`` (between the gate's ``before`` and
@@ -356,7 +355,7 @@ class PhaseRunner:
                 )
                 result.restarted[record.id] = look.restarted[record.id]
         if look.restarted:
-            self._bus.publish(RECORDS_CHANGED)
+            self.bus.publish(RECORDS_CHANGED)
 
     async def ask(
         self, command: EngineCommand, records: Sequence[EngineRecord], deadline: float
@@ -440,7 +439,7 @@ class PhaseRunner:
 
     def observe(self, result: PhaseResult) -> None:
         """Publish that ``result``'s phase settled (also for time spent outside engine calls)."""
-        self._bus.publish(PhaseSettled(result))
+        self.bus.publish(PhaseSettled(result))
 
     async def settle(self, phase: Phase, calls: Calls, deadline: float) -> PhaseResult:
         """Gather every call of a phase (the barrier), each bounded by ``deadline``."""
@@ -536,7 +535,7 @@ class PhaseRunner:
         result.start, result.seconds = start, time.monotonic() - start
         result.slowest, result.retries = slowest, retries
         self.observe(result)
-        self._bus.publish(RECORDS_CHANGED)
+        self.bus.publish(RECORDS_CHANGED)
         bad = sorted(k for k, v in outcomes.items() if not v.ok)
         log.info(
             "phase.end",
