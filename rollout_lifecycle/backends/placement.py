@@ -40,6 +40,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rollout_lifecycle.backends.actor import start_engine_actor
 from rollout_lifecycle.backends.engine import EngineBackend
 from rollout_lifecycle.contract.exceptions import InvalidArgument, LifecycleError
+from rollout_lifecycle.contract.values import check_int, check_seconds
 
 #: Ray's placement strategies.
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -69,12 +70,6 @@ def _resources(what: str, value: object) -> dict[str, float]:
     return out
 
 
-def _timeout(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise InvalidArgument(f"timeout must be a number of seconds > 0, got {value!r}")
-    return float(value)
-
-
 class EnginePlacement:
     """A placement group and what each engine actor asks of its bundle (module docstring).
 
@@ -94,7 +89,7 @@ class EnginePlacement:
         self.resources = dict(resources)
         #: Whether ``remove()`` gives the group back (it was reserved here).
         self._owned = owned
-        self.timeout = _timeout(timeout)
+        self.timeout = check_seconds("timeout", timeout)
 
     def __repr__(self) -> str:
         return (
@@ -117,8 +112,7 @@ class EnginePlacement:
         ``PACK`` by default, ``SPREAD``, ``STRICT_PACK``, ``STRICT_SPREAD``); each engine actor
         asks ``resources`` of its bundle (the whole bundle by default). ``PlacementFailed``,
         the group given back, when Ray cannot place it within ``timeout`` seconds."""
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise InvalidArgument(f"count must be an int >= 1, got {count!r}")
+        check_int("count", count, minimum=1)
         shape = _resources("bundle", bundle)
         if strategy not in STRATEGIES:
             raise InvalidArgument(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -128,7 +122,7 @@ class EnginePlacement:
             raise InvalidArgument(
                 f"each engine asks {beyond} of a bundle of {shape}: ask at most what a bundle holds"
             )
-        seconds = _timeout(timeout)
+        seconds = check_seconds("timeout", timeout)
         group = placement_group([dict(shape) for _ in range(count)], strategy=strategy, name=name)
         try:
             await asyncio.wait_for(group.ready(), seconds)
@@ -187,8 +181,9 @@ class EnginePlacement:
     async def start(self, index: int, factory: EngineFactory, **options: Any) -> Any:
         """Start the engine actor of bundle ``index`` from ``factory`` (``start_engine_actor``,
         ``options`` passed on) and check where it runs (``check``): each of the waits (the
-        bundle placed, the actor's answer) within ``timeout``."""
-        await self.node_of_bundle(index)
+        bundle placed, the actor's answer) within ``timeout``. (Ray holds an actor asked of a
+        bundle not placed yet until it is: ``check`` waits for both.)"""
+        self._index(index)
         strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index)
         handle = start_engine_actor(
             factory, **actor_resources(self.resources), scheduling_strategy=strategy, **options

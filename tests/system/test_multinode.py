@@ -201,7 +201,7 @@ async def test_a_group_the_cluster_cannot_hold_is_refused_with_what_it_has(
         (1, {"gpu": -1}, {}, "must be a number >= 0"),
         (1, {"gpu": 1}, {"strategy": "SOMEWHERE"}, "strategy must be one of"),
         (1, {"gpu": 1}, {"resources": {"gpu": 2}}, "ask at most what a bundle holds"),
-        (1, {"gpu": 1}, {"timeout": 0}, "timeout must be a number of seconds > 0"),
+        (1, {"gpu": 1}, {"timeout": 0}, "timeout must be a finite number of seconds > 0"),
     ],
 )
 async def test_bad_placements_are_refused_before_ray_is_asked(
