@@ -113,7 +113,7 @@ async def ray_chains() -> list[tuple[str, list[str]]]:
     from ray.actor import ActorMethod
 
     from rollout_lifecycle import EngineGroup, RolloutServer
-    from rollout_lifecycle.testing import simulated_engine_actors
+    from rollout_lifecycle.testing import local_ray, simulated_engine_actors
 
     stacks, chains = _Stacks(), []
     original = ActorMethod._remote
@@ -122,10 +122,7 @@ async def ray_chains() -> list[tuple[str, list[str]]]:
         chains.append((method._method_name, stacks.here()))
         return original(method, *args, **kwargs)
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
+    with local_ray():
         actors = simulated_engine_actors(2, token_latency=0.001)
         await asyncio.gather(*(a.ping.remote() for a in actors))
         server = RolloutServer([EngineGroup("actor", actors)])
@@ -137,9 +134,6 @@ async def ray_chains() -> list[tuple[str, list[str]]]:
             ActorMethod._remote = original  # type: ignore[method-assign]
         for actor in actors:
             ray.kill(actor)
-    finally:
-        if started:
-            ray.shutdown()
     return chains
 
 

@@ -11,7 +11,6 @@ submitted from a second thread) are retracted, not lost: they finish after the K
 
 from __future__ import annotations
 
-import logging
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +20,7 @@ import ray
 
 from rollout_lifecycle import EngineGroup, WeightUpdate
 from rollout_lifecycle.sync import SyncRolloutServer
-from rollout_lifecycle.testing import simulated_engine_actors
+from rollout_lifecycle.testing import local_ray, simulated_engine_actors
 
 STEPS = 3
 ENGINES = 2
@@ -44,16 +43,11 @@ def push_weights(update: WeightUpdate) -> None:
 
 
 def main() -> int:
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(
-            # "local": a cluster of its own, never one another process started on this machine
-            address="local",
-            num_cpus=2,
-            include_dashboard=False,
-            logging_level=logging.ERROR,
-            log_to_driver=False,
-        )
+    with local_ray():  # (a Ray cluster of its own, unless this process has one)
+        return loop()
+
+
+def loop() -> int:
     actors = simulated_engine_actors(ENGINES, label="actor", token_latency=0.002)
     try:
         ray.get([a.ping.remote() for a in actors])
@@ -93,8 +87,6 @@ def main() -> int:
     finally:
         for actor in actors:
             ray.kill(actor)
-        if started_ray:
-            ray.shutdown()
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from real.vllm_models import API_KEY, long_model
 
 from rollout_lifecycle.backends.ports import PORT_RANGE, PORTS_ENV
 from rollout_lifecycle.testing import LocalCluster, simulated_engine_actors
+from rollout_lifecycle.testing.actor_fleets import init_local_ray
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -56,20 +57,9 @@ def unconfigured_structlog() -> Iterator[None]:
         structlog.reset_defaults()
 
 
-def start_local_ray() -> None:
-    ray.init(
-        # "local": this process's own cluster, never another worker's LocalCluster
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        logging_level="ERROR",
-        log_to_driver=False,
-    )
-
-
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[None]:
-    start_local_ray()
+    init_local_ray()
     yield
     ray.shutdown()
 
@@ -87,7 +77,7 @@ def ray_nodes() -> Iterator[LocalCluster]:
             yield cluster
     finally:
         if had:
-            start_local_ray()
+            init_local_ray()
 
 
 @pytest.fixture

@@ -22,21 +22,26 @@ from rollout_lifecycle.contract.values import check_int
 from rollout_lifecycle.testing.simulated import MAX_FLEET, fleet_factories
 
 
+def init_local_ray() -> None:
+    """Start a local Ray cluster of this process's own (2 CPUs, no dashboard, quiet) and connect
+    to it. Always its own (``address="local"``): a bare ``ray.init()`` joins the cluster another
+    process on this machine last started (``ray start``, ``LocalCluster``) if one runs."""
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        logging_level=logging.ERROR,
+        log_to_driver=False,
+    )
+
+
 @contextlib.contextmanager
 def local_ray() -> Iterator[None]:
-    """A local Ray cluster for a script or demo (2 CPUs, no dashboard, quiet), unless this
-    process is connected to one already; shut down on exit only if it was started here. Always
-    a cluster of its own (``address="local"``): a bare ``ray.init()`` joins the cluster another
-    process on this machine last started (``ray start``, ``LocalCluster``) if one runs."""
+    """A local Ray cluster for a script or demo (``init_local_ray``), unless this process is
+    connected to one already; shut down on exit only if it was started here."""
     started = not ray.is_initialized()
     if started:
-        ray.init(
-            address="local",
-            num_cpus=2,
-            include_dashboard=False,
-            logging_level=logging.ERROR,
-            log_to_driver=False,
-        )
+        init_local_ray()
     try:
         yield
     finally:
@@ -173,6 +178,7 @@ def simulated_multi_engine_actors(
 __all__ = [
     "FAST_NODE_LOSS",
     "LocalCluster",
+    "init_local_ray",
     "local_ray",
     "simulated_engine_actors",
     "simulated_multi_engine_actors",
