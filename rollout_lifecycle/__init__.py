@@ -14,6 +14,7 @@ from rollout_lifecycle.contract.exceptions import (
     EngineClaimed,
     EngineDead,
     EngineError,
+    EngineFenced,
     EngineRejected,
     EngineRestarted,
     EngineStateConflict,
@@ -24,6 +25,7 @@ from rollout_lifecycle.contract.exceptions import (
     IllegalEngineOp,
     IllegalTransition,
     InvalidArgument,
+    LeaseLost,
     LifecycleError,
     PhaseFailed,
     RouterError,
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
     from rollout_lifecycle.backends.actor import EngineActor, EngineActorBody, start_engine_actor
     from rollout_lifecycle.backends.engine import EngineBackend, EngineHost, incarnation_of
     from rollout_lifecycle.backends.http.wire import HTTPTimeouts
+    from rollout_lifecycle.backends.lease import ClusterClaims, ClusterJournal
     from rollout_lifecycle.backends.placement import EnginePlacement, PlacementFailed
     from rollout_lifecycle.backends.ports import free_port
     from rollout_lifecycle.backends.router import LaunchedRouter, RouterWorker, SGLangRouter
@@ -86,6 +89,8 @@ _LAZY: dict[str, str] = {
     "EngineHost": "rollout_lifecycle.backends.engine",
     "incarnation_of": "rollout_lifecycle.backends.engine",
     "HTTPTimeouts": "rollout_lifecycle.backends.http.wire",
+    "ClusterClaims": "rollout_lifecycle.backends.lease",
+    "ClusterJournal": "rollout_lifecycle.backends.lease",
     "EnginePlacement": "rollout_lifecycle.backends.placement",
     "PlacementFailed": "rollout_lifecycle.backends.placement",
     "SGLangHTTPEngine": "rollout_lifecycle.backends.sglang.client",
@@ -117,6 +122,8 @@ __all__ = [
     "KV_TAGS",
     "TRANSITIONS",
     "WEIGHT_TAGS",
+    "ClusterClaims",
+    "ClusterJournal",
     "DeadEnginePolicy",
     "Deadlines",
     "EngineActor",
@@ -125,6 +132,7 @@ __all__ = [
     "EngineClaimed",
     "EngineDead",
     "EngineError",
+    "EngineFenced",
     "EngineGroup",
     "EngineHost",
     "EngineOutcome",
@@ -153,6 +161,7 @@ __all__ = [
     "LaunchedRouter",
     "LaunchedSGLangEngine",
     "LaunchedVLLMEngine",
+    "LeaseLost",
     "LifecycleConfig",
     "LifecycleError",
     "LifecycleEvent",

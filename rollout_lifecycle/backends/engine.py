@@ -22,6 +22,7 @@ from rollout_lifecycle.contract.capabilities import capabilities_of
 from rollout_lifecycle.contract.exceptions import (
     EngineDead,
     EngineError,
+    EngineFenced,
     EngineRejected,
     EngineRestarted,
     EngineStateConflict,
@@ -30,7 +31,7 @@ from rollout_lifecycle.contract.exceptions import (
     InvalidArgument,
 )
 from rollout_lifecycle.contract.identity import COARSE, Expectation, disagreement
-from rollout_lifecycle.contract.ops import CHECKED_OPS, Op
+from rollout_lifecycle.contract.ops import CHECKED, CHECKED_OPS, RUN, Op
 from rollout_lifecycle.contract.outcome import Outcome
 from rollout_lifecycle.contract.urls import url_identity
 from rollout_lifecycle.contract.values import (
@@ -205,6 +206,8 @@ class EngineHost:
         if not isinstance(backend, EngineBackend):
             raise InvalidArgument(f"backend must be an engine backend, got {backend!r}")
         self._backend = backend
+        #: The newest lease epoch each fencing scope has sent a command under (``fenced``).
+        self._fences: dict[str, int] = {}
 
     @property
     def backend(self) -> EngineBackend:
@@ -293,6 +296,28 @@ class EngineHost:
             raise EngineStateConflict(label, op, records, reported)
         result = await self._method(op)(*args)  # (``run``; ``op`` is checked above)
         return [seen["incarnation"], result, seen.get("capabilities")]
+
+    async def fenced(self, fence: Sequence[Any], via: str, *args: Any) -> Any:
+        """Carry out a command sent under a cluster lease (``backends/lease``): ``fence`` is
+        ``[scope, epoch]``, ``via`` the method that carries it (``run`` or ``checked``) and
+        ``args`` its arguments. A command whose epoch is older than the newest this engine has
+        carried out for ``scope`` raises ``EngineFenced`` and does nothing: a controller whose
+        lease another took over (it stalled past the lease's time to live) cannot act on the
+        engine again, however late its commands arrive. The epoch is taken before the command
+        runs, so that one arriving while an older one still runs is ordered after it."""
+        scope, epoch = fence
+        if not isinstance(scope, str) or type(epoch) is not int:
+            raise InvalidArgument(f"a fence is [scope, epoch], got {short_repr(fence)}")
+        current = self._fences.get(scope, -1)
+        if epoch < current:
+            op = args[1] if via == CHECKED and len(args) > 1 else (args[0] if args else via)
+            raise EngineFenced(self._backend.label, str(op), epoch, current)
+        self._fences[scope] = epoch
+        if via == RUN:
+            return await self.run(*args)
+        if via == CHECKED:
+            return await self.checked(*args)
+        raise InvalidArgument(f"{short_repr(via)} is not a way to carry out a command")
 
     async def pause_generation(self, mode: str) -> None:
         """Pause generation in ``mode``."""

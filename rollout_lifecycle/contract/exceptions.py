@@ -280,6 +280,38 @@ class EngineStateConflict(EngineError):
         self.reported = reported
 
 
+class EngineFenced(EngineError):
+    """The engine refused a command sent under a lease older than one it has already served
+    (another controller took the fleet over: ``backends/lease``): nothing was carried out.
+    ``epoch`` is the command's lease, ``current`` the newest the engine has seen."""
+
+    def __init__(self, engine: str, op: str, epoch: int, current: int) -> None:
+        super().__init__(
+            engine,
+            op,
+            f"fenced: sent under lease epoch {epoch}, but the engine already serves epoch "
+            f"{current} (another controller took the fleet over); nothing was carried out: stop "
+            f"this controller, or adopt the fleet from its journal in a new server",
+        )
+        self._init = (engine, op, epoch, current)
+        self.epoch = epoch
+        self.current = current
+
+
+class LeaseLost(LifecycleError):
+    """This controller's lease on its engines expired or was taken over (``backends/lease``):
+    what it was about to do was refused before anything was sent."""
+
+    def __init__(self, what: str, epoch: int | None, detail: str) -> None:
+        self._init = (what, epoch, detail)
+        self.what = what
+        self.epoch = epoch
+        super().__init__(
+            f"{what} refused: this controller's lease (epoch {epoch}) {detail}; nothing was "
+            f"sent: stop this controller, or adopt the fleet from its journal in a new server"
+        )
+
+
 class EngineClaimed(LifecycleError):
     """Another controller drives the engine now (another process on this host, or another
     server in this one): the call was refused before anything was sent. ``holder`` says who."""

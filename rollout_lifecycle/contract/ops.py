@@ -66,6 +66,10 @@ CHECKED_OPS = frozenset(
 RUN = "run"
 #: The host method that carries out a checked command: ``checked(expect, op, *args)``.
 CHECKED = "checked"
+#: The host method that carries out a command sent under a cluster lease (``backends/lease``):
+#: ``fenced(fence, via, *args)``, where ``fence`` is ``[scope, epoch]`` and ``via`` is ``RUN`` or
+#: ``CHECKED`` with their arguments; the host refuses an epoch older than one it has served.
+FENCED = "fenced"
 
 
 def as_op(name: str | Op) -> Op:
@@ -76,6 +80,7 @@ def as_op(name: str | Op) -> Op:
 __all__ = [
     "CHECKED",
     "CHECKED_OPS",
+    "FENCED",
     "RUN",
     "Op",
     "as_op",

@@ -28,6 +28,7 @@ from rollout_lifecycle.contract.commands import Close, EngineCommand, Pause
 from rollout_lifecycle.contract.exceptions import (
     EngineDead,
     EngineError,
+    EngineFenced,
     EngineRejected,
     EngineRestarted,
     EngineStateConflict,
@@ -265,6 +266,8 @@ def classify(exc: BaseException, duration_s: float = 0.0) -> EngineOutcome:
         return EngineOutcome(Outcome.REFUSED, inner.reason, duration_s)
     if isinstance(inner, EngineRestarted):
         return EngineOutcome(Outcome.RESTARTED, inner.message, duration_s)
+    if isinstance(inner, EngineFenced):  # (carried out nothing, as a refusal)
+        return EngineOutcome(Outcome.REFUSED, inner.message, duration_s)
     if isinstance(inner, EngineStateConflict):
         return EngineOutcome(Outcome.CONFLICT, inner.message, duration_s)
     if isinstance(inner, EngineError):

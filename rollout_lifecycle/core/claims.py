@@ -130,6 +130,11 @@ def describe(holder: Mapping[str, Any]) -> str:
 class Lease(Protocol):
     """Keys held for one call."""
 
+    #: What every command sent under the lease carries, ``[scope, epoch]`` (the engine host
+    #: refuses a command whose lease is older than one it has served: ``EngineHost.fenced``);
+    #: None for a store whose claims need no fence (the host's: its locks die with their holder).
+    fence: list[Any] | None
+
     def release(self) -> None:
         """Let every key go (idempotent)."""
         ...
@@ -146,6 +151,11 @@ class Lease(Protocol):
 
 class ClaimStore(Protocol):
     """Where claims are held: keys, exclusive between controllers."""
+
+    #: Whether every controller of the cluster sees the store's claims (a store held in the
+    #: cluster, ``backends/lease.ClusterClaims``): then an engine reached by a handle any of them
+    #: can hold (a Ray actor) is claimed too, by what names it (``contract.seam.identity``).
+    cluster_wide: bool
 
     def acquire(self, keys: Sequence[str], holder: Mapping[str, Any]) -> Lease:
         """Hold every key of ``keys`` for ``holder``, or none: ``EngineClaimed`` naming who holds
@@ -165,6 +175,8 @@ class _Held:
 class HostClaims:
     """Claims held on this host (see the module docstring): an abstract socket and a lock file
     per key, and the epoch each key's file had when this store last let it go."""
+
+    cluster_wide = False
 
     def __init__(self, directory: Callable[[], Path] = lock_dir) -> None:
         self._directory = directory
@@ -243,6 +255,8 @@ class HostClaims:
 
 class _HostLease:
     """The keys ``HostClaims`` holds for one call."""
+
+    fence: list[Any] | None = None
 
     def __init__(self, store: HostClaims, keys: Sequence[str], holder: dict[str, Any]) -> None:
         self._store, self._holder = store, holder
@@ -397,7 +411,8 @@ class Claims:
         another controller holds one; ``InvalidArgument`` for one engine given twice."""
         records = list(self._records())
         addresses = await self.addresses(records)
-        keys = {r.id: _keys(addresses.get(r.id), r) for r in records}
+        shared = self._store.cluster_wide
+        keys = {r.id: _keys(addresses.get(r.id), r, shared) for r in records}
         lease = self._store.acquire([k for ks in keys.values() for k in ks], self.holder(call))
         self._count += 1
         for record in records:
@@ -408,6 +423,20 @@ class Claims:
             if not watched:
                 record.lost_sight()
         return lease
+
+    def _fenced(self, lease: Lease) -> Callable[[], None]:
+        """Let the runner's commands carry ``lease``'s fence while it is held; what lets the
+        lease go (and the fence with it)."""
+        runner = self._runner
+        if runner is None or lease.fence is None:
+            return lease.release
+        runner.fence = lease.fence
+
+        def release() -> None:
+            runner.fence = None
+            lease.release()
+
+        return release
 
     async def hold(self, call: str) -> Callable[[], None]:
         """Claim the engines for ``call`` (``claim``); what lets them go. An engine with an
@@ -437,7 +466,7 @@ class Claims:
         except BaseException:
             lease.release()
             raise
-        return lease.release
+        return self._fenced(lease)
 
     async def named(self, lease: Lease, records: Sequence[EngineRecord]) -> None:
         """Claim the incarnations ``records`` showed for the first time under ``lease`` (their
@@ -470,10 +499,15 @@ class Claims:
         return same
 
 
-def _keys(address: str | None, record: EngineRecord) -> list[str]:
+def _keys(address: str | None, record: EngineRecord, shared: bool = False) -> list[str]:
     """What a claim of ``record``'s engine holds: its address and, once known, its
-    incarnation; nothing for an engine without an address."""
+    incarnation. An engine without an address has nothing to claim, unless the store is the
+    cluster's (``shared``) and its handle names it for every process of the cluster (a Ray
+    actor's id, not an object of this process): then that name."""
     if address is None:
+        found = record.key
+        if shared and isinstance(found, tuple) and found and found[0] != "object":
+            return ["handle:" + "/".join(str(part) for part in found)]
         return []
     keys = [f"address:{address}"]
     if distinguishes(record.incarnation):

@@ -29,7 +29,7 @@ from rollout_lifecycle.contract.commands import EngineCommand, Observe, ReadWork
 from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import PhaseFailed
 from rollout_lifecycle.contract.identity import PROOF_WINDOW, disagreement
-from rollout_lifecycle.contract.ops import CHECKED, RUN, Op
+from rollout_lifecycle.contract.ops import CHECKED, FENCED, RUN, Op
 from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
 from rollout_lifecycle.contract.seam import Landed
 from rollout_lifecycle.contract.values import PauseMode, Tag
@@ -170,10 +170,16 @@ class Calls:
             yield PendingCall(record, op, tags, mode, ref, start)
 
 
-def issue(plan: Plan, before_send: Callable[[], None] | None = None) -> Calls:
+def issue(
+    plan: Plan,
+    before_send: Callable[[], None] | None = None,
+    fence: list[Any] | None = None,
+) -> Calls:
     """Send ``plan``: every guard passes, on every target of every group, before the first
     call is sent; the intent of calls that must not repeat is recorded and ``before_send``
-    (the journal) runs before any is sent, and a ``before_send`` that raises sends nothing."""
+    (the journal) runs before any is sent, and a ``before_send`` that raises sends nothing.
+    With a ``fence`` (a cluster lease's ``[scope, epoch]``), every call carries it and the
+    engine host refuses it if a newer lease has acted on the engine (``EngineHost.fenced``)."""
     plan.check()
     op, chosen = plan.op, list(plan.targets)
     cmd = COMMANDS[op]
@@ -207,7 +213,10 @@ def issue(plan: Plan, before_send: Callable[[], None] | None = None) -> Calls:
         starts.append(time.monotonic())
         handles.append(handle)
         expect = expects[i]
-        if expect is None:
+        if fence is not None:  # (under a cluster lease: the engine host checks its epoch first)
+            via = (RUN, *carried) if expect is None else (CHECKED, expect, *carried)
+            refs.append(send(handle, FENCED, (fence, *via)))
+        elif expect is None:
             refs.append(send(handle, RUN, carried))
         else:  # the engine shows who it is before the command is carried out (EngineHost.checked)
             refs.append(send(handle, CHECKED, (expect, *carried)))
@@ -292,11 +301,15 @@ class PhaseRunner:
         self.bus = bus
         #: Runs around every phase with engines (``core/router_sync.RouterSync``), if bound.
         self.gate: Gate | None = None
+        #: The fence every command carries while a cluster lease is held (``core/claims``).
+        self.fence: list[Any] | None = None
 
     def issue(self, plan: Plan) -> Calls:
         """``issue(plan)``, the records published (``RecordsChanged``: the journal) before any
         call is sent."""
-        return issue(plan, self._records_changed if self.bus.has(RecordsChanged) else None)
+        return issue(
+            plan, self._records_changed if self.bus.has(RecordsChanged) else None, self.fence
+        )
 
     def _records_changed(self) -> None:
         self.bus.publish(RECORDS_CHANGED)

@@ -27,7 +27,7 @@ from rollout_lifecycle.core.bus import (
     RecordsChanged,
     StateEntered,
 )
-from rollout_lifecycle.core.claims import Claims
+from rollout_lifecycle.core.claims import Claims, ClaimStore
 from rollout_lifecycle.core.config import LifecycleConfig
 from rollout_lifecycle.core.generation import GenerationClient
 from rollout_lifecycle.core.group import EngineGroup, spellings
@@ -84,6 +84,12 @@ class RolloutServer:
     survives a process killed at any instant, SIGKILL included: ``adopt()`` of the last entry
     refuses every call an engine might not survive until ``recover()`` or a restart settles
     it. A journal that raises before a send stops the call with nothing sent.
+
+    ``claims`` is where each call claims its engines (``core/claims``): by default
+    ``HostClaims``, the controllers of this host; on a Ray cluster, ``ClusterClaims``
+    (``backends/lease``), a lease held in the cluster whose epoch every command carries, with
+    ``ClusterJournal`` as the journal that a server started on any node adopts. One store per
+    server.
     """
 
     def __init__(
@@ -94,8 +100,13 @@ class RolloutServer:
         name: str = "rollout",
         journal: Journal | None = None,
         router: WorkerRouter | None = None,
+        claims: ClaimStore | None = None,
     ) -> None:
         config = _check_arguments(groups, config, name, journal)
+        if claims is not None and not callable(getattr(claims, "acquire", None)):
+            raise InvalidArgument(
+                f"claims must be a claim store (HostClaims, ClusterClaims) or None, got {claims!r}"
+            )
         self._bus = bus = Bus()
         if journal is not None:
             bus.subscribe(RecordsChanged, lambda _: journal(self.snapshot()))
@@ -141,13 +152,13 @@ class RolloutServer:
         )
         by_name = {g.name: g for g in self._groups}
         self._recovery = Recovery(parts, by_name, phases, machine)
-        claims = Claims(name, fleet.records, urls, runner, config.deadlines.probe)
+        held = Claims(name, fleet.records, urls, runner, config.deadlines.probe, claims)
         self._serializer = Serializer(
             self,
             name,
             recorder,
             fleet.check_live,
-            claims.hold,
+            held.hold,
             None if self._router is None else self._router.check,
         )
 

@@ -109,6 +109,12 @@ class LocalCluster:
             self._cluster = None
 
     @property
+    def address(self) -> str:
+        """The cluster's address, for another driver's ``ray.init(address=...)``."""
+        assert self._cluster is not None, "the cluster is not running"
+        return str(self._cluster.address)
+
+    @property
     def head(self) -> str:
         """The head node's id (hex): the driver's, the one never removed."""
         return self._head
