@@ -339,8 +339,12 @@ class ClusterLease:
             return
         self.fence = None
         self._store.forget(self)
-        with contextlib.suppress(Exception):  # an unreachable registry: the TTL lets it go
-            self._store.call("release", self.epoch)
+        # Not waited for: a synchronous actor runs one submitter's calls in the order they were
+        # submitted (Ray's "Actor Task Execution Order"; the registry has no task retries), so
+        # this store's next acquire finds the keys free; a release that never lands (the
+        # registry unreachable) ends with the lease's TTL.
+        with contextlib.suppress(Exception):
+            self._store.actor.release.remote(self.epoch)
 
 
 def _refuse(answer: Mapping[str, Any]) -> None:
