@@ -613,6 +613,18 @@ class SyncRolloutServer:
         one, unit = (self._threaded(f) if callable(f) else f for f in (factory, unit_factory))
         return self._call("recover", lambda: self._server.recover(one, unit_factory=unit), timeout)
 
+    def add_engines(
+        self, group: str, engines: Sequence[Any], *, timeout: float | None = None
+    ) -> list[str]:
+        """Engines join ``group``; their ids. See ``RolloutServer.add_engines``."""
+        return self._call("add_engines", lambda: self._server.add_engines(group, engines), timeout)
+
+    def remove_engines(
+        self, ids: Sequence[str], *, timeout: float | None = None
+    ) -> dict[str, EngineOutcome]:
+        """The engines ``ids`` leave the fleet. See ``RolloutServer.remove_engines``."""
+        return self._call("remove_engines", lambda: self._server.remove_engines(ids), timeout)
+
     @contextmanager
     def paused(self, *, timeout: float | None = None) -> Iterator[SyncRolloutServer]:
         """Pause every group for the body (a non-colocated weight sync), then continue."""

@@ -101,6 +101,17 @@ PUBLIC_CALLS: dict[str, PublicCall] = {
             "replace dead and uncertain engines and bring the fleet to the state's target",
             user_code="factory",
         ),
+        PublicCall(
+            "add_engines",
+            _L,
+            "engines join a group: claimed, read, brought to its memory state, serving once "
+            "the fleet's weights reach them",
+        ),
+        PublicCall(
+            "remove_engines",
+            _L,
+            "engines leave the fleet: unrouted, paused, their requests handed back, released",
+        ),
         PublicCall("paused", _S, "pause for the body, then resume"),
         PublicCall("offloaded", _S, "offload for the body, then onload (hooks included)"),
         PublicCall("generate", _G, "one request to its full answer, on serving engines only"),

@@ -372,6 +372,8 @@ class Claims:
         self._store: ClaimStore = store if store is not None else HostClaims()
         #: This server's claims of in-process engines, counted (see ``_IN_PROCESS``).
         self._count = 0
+        #: The lease of the call in progress (None between calls).
+        self._lease: Lease | None = None
 
     async def addresses(self, records: Sequence[EngineRecord]) -> dict[str, str]:
         """The address (``url_identity``) of each of ``records`` that has one, by engine id;
@@ -425,15 +427,17 @@ class Claims:
         return lease
 
     def _fenced(self, lease: Lease) -> Callable[[], None]:
-        """Let the runner's commands carry ``lease``'s fence while it is held; what lets the
-        lease go (and the fence with it)."""
+        """Keep ``lease`` as the call's, its fence on every command the runner sends while it
+        is held; what lets the lease go (and the fence with it)."""
         runner = self._runner
-        if runner is None or lease.fence is None:
-            return lease.release
-        runner.fence = lease.fence
+        self._lease = lease
+        if runner is not None:
+            runner.fence = lease.fence
 
         def release() -> None:
-            runner.fence = None
+            if runner is not None:
+                runner.fence = None
+            self._lease = None
             lease.release()
 
         return release
@@ -447,26 +451,40 @@ class Claims:
         anything is sent."""
         lease = await self.claim(call)
         try:
-            live = [r for r in self._records() if r.alive]
-            urls = await self.addresses(live)
-            unnamed = tuple(
-                r
-                for r in live
-                if (r.incarnation is None or r.capabilities is None) and r.id in urls
-            )
-            if unnamed and self._runner is not None:
-                # (a read beside the lifecycle: an engine that does not answer is the call's
-                # to find, and one whose incarnation is not known is read by its first check)
-                found = await self._runner.ask(_IDENTIFY, unnamed, self._deadline)
-                for record in unnamed:
-                    answer = found.get(record.id)
-                    if isinstance(answer, Mapping) and isinstance(answer.get("incarnation"), str):
-                        record.met(answer["incarnation"], answer.get("capabilities"))
-                await self.named(lease, unnamed)
+            await self._identify(lease, [r for r in self._records() if r.alive])
         except BaseException:
             lease.release()
             raise
         return self._fenced(lease)
+
+    async def _identify(self, lease: Lease, live: Sequence[EngineRecord]) -> None:
+        """Read the engines of ``live`` with an address whose process the records do not know
+        yet, and claim their incarnations under ``lease`` (``hold``)."""
+        urls = await self.addresses(live)
+        unnamed = tuple(
+            r for r in live if (r.incarnation is None or r.capabilities is None) and r.id in urls
+        )
+        if unnamed and self._runner is not None:
+            # (a read beside the lifecycle: an engine that does not answer is the call's
+            # to find, and one whose incarnation is not known is read by its first check)
+            found = await self._runner.ask(_IDENTIFY, unnamed, self._deadline)
+            for record in unnamed:
+                answer = found.get(record.id)
+                if isinstance(answer, Mapping) and isinstance(answer.get("incarnation"), str):
+                    record.met(answer["incarnation"], answer.get("capabilities"))
+            await self.named(lease, unnamed)
+
+    async def admit(self, records: Sequence[EngineRecord]) -> None:
+        """Claim engines joining the fleet in the call in progress (``core/membership``), as
+        ``hold`` claimed the others: by address (and shared handle), then by incarnation.
+        ``EngineClaimed`` when another controller holds one; the lease keeps the rest."""
+        lease = self._lease
+        if lease is None:
+            raise RuntimeError("engines join only within a call, which holds its claims")
+        addresses = await self.addresses(list(self._records()))
+        shared = self._store.cluster_wide
+        lease.extend([k for r in records for k in _keys(addresses.get(r.id), r, shared)])
+        await self._identify(lease, [r for r in records if r.alive])
 
     async def named(self, lease: Lease, records: Sequence[EngineRecord]) -> None:
         """Claim the incarnations ``records`` showed for the first time under ``lease`` (their

@@ -12,7 +12,7 @@ its engine first shows who it is and whether it is paused, and the call answers
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from typing import Any
 
 from rollout_lifecycle.contract import seam
@@ -30,7 +30,7 @@ from rollout_lifecycle.contract.commands import (
 )
 from rollout_lifecycle.contract.exceptions import InvalidArgument
 from rollout_lifecycle.contract.ops import Op, as_op
-from rollout_lifecycle.contract.values import PauseMode, Tag, check_name, parse_tags
+from rollout_lifecycle.contract.values import PauseMode, Tag, check_int, check_name, parse_tags
 from rollout_lifecycle.core.ledger import EngineRecord, EngineSnapshot
 from rollout_lifecycle.core.runner import Calls, Plan, guard_groups, issue
 
@@ -59,10 +59,21 @@ class EngineGroup:
     (``RolloutServer.unhealthy_units``) and ``recover(unit_factory=...)`` replaces the unit
     whole; a verified write fails every member of a unit where one fails. Each member keeps
     its own record, incarnation and claim.
+
+    Engine ids are ``name/index``, the index the engine's place in ``engines`` unless
+    ``indexes`` gives each one: a group rebuilt by a new driver after engines joined and left
+    (``RolloutServer.add_engines``, ``remove_engines``) takes the ids its journal holds
+    (``ServerSnapshot.indexes(group)``), so that it can ``adopt()`` it.
     """
 
     def __init__(
-        self, name: str, engines: Sequence[Any], needs_offload: bool = True, unit: int = 1
+        self,
+        name: str,
+        engines: Sequence[Any],
+        needs_offload: bool = True,
+        unit: int = 1,
+        *,
+        indexes: Sequence[int] | None = None,
     ) -> None:
         check_name("group name", name, trimmed=True)
         if "/" in name:
@@ -101,9 +112,13 @@ class EngineGroup:
         self._name = name
         self._needs_offload = needs_offload
         self._unit = unit
+        numbers = _indexes(name, indexes, len(handles), unit)
         self._records = tuple(
-            EngineRecord(id=f"{name}/{i}", group=name, handle=h) for i, h in enumerate(handles)
+            EngineRecord(id=f"{name}/{i}", group=name, handle=h)
+            for i, h in zip(numbers, handles, strict=True)
         )
+        #: The index the next engine added takes (ids are never given twice).
+        self._next = max(numbers) + 1
         for start in range(0, len(self._records), unit) if unit > 1 else ():
             members = self._records[start : start + unit]
             for record in members:
@@ -157,6 +172,42 @@ class EngineGroup:
         record.renew(handle)
         return old
 
+    def add(self, engines: Sequence[Any], taken: Mapping[Hashable, str]) -> list[EngineRecord]:
+        """Records for ``engines`` joining the group (``core/membership``), each a fresh server
+        stale until it receives the fleet's weights (as a replacement is), with the next ids
+        (``name/index``; an index is never given twice). ``taken``: the engines of the fleet
+        by identity; ``InvalidArgument``, nothing added, for an engine given twice or there
+        already."""
+        if self._unit > 1:
+            raise InvalidArgument(
+                f"group {self._name!r} is made of units of {self._unit} servers: engines join "
+                f"and leave it whole units at a time, which add_engines does not do yet"
+            )
+        if isinstance(engines, str | bytes) or not isinstance(engines, Sequence) or not engines:
+            raise InvalidArgument(f"engines must be a non-empty sequence, got {engines!r}")
+        seen = dict(taken)
+        records = []
+        for offset, engine in enumerate(engines):
+            index = self._next + offset
+            handle = seam.as_handle(engine, self._name, index)
+            key = seam.identity(handle)
+            if key in seen:
+                raise InvalidArgument(
+                    f"engine #{offset} given to join group {self._name!r} is {seen[key]} "
+                    f"already ({shown(key)}); give each engine once"
+                )
+            seen[key] = f"engine #{offset} given to join"
+            record = EngineRecord(id=f"{self._name}/{index}", group=self._name, handle=handle)
+            record.renew(handle)
+            records.append(record)
+        self._next += len(records)
+        self._records = (*self._records, *records)
+        return records
+
+    def drop(self, records: Collection[EngineRecord]) -> None:
+        """Take ``records`` out of the group (engines leaving, or that did not join)."""
+        self._records = tuple(r for r in self._records if r not in records)
+
     def live(self) -> list[EngineRecord]:
         """Records of the engines not known to be dead."""
         return [r for r in self._records if r.alive]
@@ -207,6 +258,30 @@ class EngineGroup:
     def update_weight_version(self, version: str) -> Calls:
         """Set the weight version on every live engine, aborting nothing."""
         return self._run(SetVersion(version))
+
+
+def _indexes(name: str, given: Sequence[int] | None, count: int, unit: int) -> list[int]:
+    """The index of each engine's id (``name/index``): ``given`` (a group rebuilt after
+    engines joined and left: the ids its journal holds, ``ServerSnapshot.indexes``), else 0 to
+    ``count - 1``; ``InvalidArgument`` for a list that does not fit."""
+    if given is None:
+        return list(range(count))
+    if isinstance(given, str | bytes) or not isinstance(given, Sequence):
+        raise InvalidArgument(f"indexes of group {name!r} must be a sequence, got {given!r}")
+    numbers = [check_int(f"index of group {name!r}", i, maximum=MAX_INDEX) for i in given]
+    if len(numbers) != count:
+        raise InvalidArgument(
+            f"group {name!r} has {count} engines but {len(numbers)} indexes: give one each"
+        )
+    if len(set(numbers)) != count:
+        raise InvalidArgument(f"indexes of group {name!r} repeat: {numbers}")
+    if unit > 1 and numbers != list(range(count)):
+        raise InvalidArgument(f"group {name!r} is made of units: its indexes are 0 to {count - 1}")
+    return numbers
+
+
+#: The largest index an engine id may carry.
+MAX_INDEX = 10**9
 
 
 def shown(identity: Hashable) -> str:

@@ -180,7 +180,9 @@ class Recovery(Client):
         for old in retired:
             await seam.retire(old, self._config.deadlines.probe)
         try:
-            outcomes, fresh = await self._verify([r for r, _ in replacements], previous)
+            outcomes, fresh = await self.probe(
+                [r for r, _ in replacements], Phase.RECOVER_PROBE, previous
+            )
             fresh += [r for r in renewed if r.alive and r.id not in {b.id for b in broken}]
             if self._runner.succeeded(outcomes):
                 # the fresh replacements and every healthy engine (one handed back as the same
@@ -203,11 +205,15 @@ class Recovery(Client):
                 raise IllegalTransition("recover", S.FAILED.value, [])  # records still disagree
         return outcomes
 
-    async def _verify(
-        self, records: Sequence[EngineRecord], previous: Mapping[str, EngineSnapshot]
+    async def probe(
+        self,
+        records: Sequence[EngineRecord],
+        phase: Phase = Phase.RECOVER_PROBE,
+        previous: Mapping[str, EngineSnapshot] | None = None,
     ) -> tuple[dict[str, EngineOutcome], list[EngineRecord]]:
-        """Read every replacement before counting it (``recover_probe``, within
-        ``Deadlines.startup``): the outcomes, and the replacements that are fresh servers.
+        """Read every replacement (or engine joining: ``core/membership``) before counting it
+        (``phase``, within ``Deadlines.startup``): the outcomes, and those that are fresh
+        servers.
 
         One handed back at its own address that shows the incarnation its record had is the
         same process, not a fresh engine: it keeps its record (alive again), and if that record
@@ -215,8 +221,9 @@ class Recovery(Client):
         reports itself paused is not the fresh server a replacement must be (its memory cannot
         be read): refused, its tags recorded as unknown, for the factory to replace again.
         """
+        previous = previous or {}
         plan = Plan(Observe(), tuple(records))
-        result = await self._runner.run(Phase.RECOVER_PROBE, plan, self._config.deadlines.startup)
+        result = await self._runner.run(phase, plan, self._config.deadlines.startup)
         outcomes = dict(result.outcomes)
         fresh: list[EngineRecord] = []
         for record in records:

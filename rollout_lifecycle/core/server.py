@@ -34,6 +34,7 @@ from rollout_lifecycle.core.group import EngineGroup, spellings
 from rollout_lifecycle.core.hooks import HOOK_EVENTS, Hooks
 from rollout_lifecycle.core.ledger import Fleet
 from rollout_lifecycle.core.machine import Machine
+from rollout_lifecycle.core.membership import Membership
 from rollout_lifecycle.core.observe import Recorder
 from rollout_lifecycle.core.parts import Parts, Versions
 from rollout_lifecycle.core.phases import Phases
@@ -153,6 +154,7 @@ class RolloutServer:
         by_name = {g.name: g for g in self._groups}
         self._recovery = Recovery(parts, by_name, phases, machine)
         held = Claims(name, fleet.records, urls, runner, config.deadlines.probe, claims)
+        self._membership = Membership(parts, by_name, phases, self._recovery, held)
         self._serializer = Serializer(
             self,
             name,
@@ -464,6 +466,33 @@ class RolloutServer:
         if factory is None and unit_factory is None:
             raise InvalidArgument("recover() needs a factory, a unit_factory, or both")
         return await self._run("recover", lambda: self._recovery.recover(factory, unit_factory))
+
+    async def add_engines(self, group: str, engines: Sequence[Any]) -> list[str]:
+        """Engines join the group named ``group`` of a running fleet; their ids
+        (``group/index``, the group's next indexes: an id is never given twice).
+
+        In any settled state (not ``failed``): the engines are claimed, read (each must be a
+        fresh server, not paused, or none joins: ``PhaseFailed``), and brought to their
+        group's memory state in the server's state (released where the group is released).
+        Each is stale until the fleet's next weight push reaches it (verified where the push
+        is): until then it waits paused, and only then does it serve, get requests and join
+        the router. The engines must be new to the fleet; a group of units (``unit=N``)
+        refuses them. See ``core/membership``.
+        """
+        return await self._run("add_engines", lambda: self._membership.add(group, engines))
+
+    async def remove_engines(self, ids: Sequence[str]) -> dict[str, EngineOutcome]:
+        """The engines ``ids`` leave the fleet; the outcome of every call sent to them.
+
+        In any settled state (not ``failed``): they are taken out of the records first (no
+        request is routed to them, the router takes them out), then each live one is paused in
+        abort mode and its requests aborted (the generation client resubmits them to the
+        engines that stay: nothing is lost), flushed, and every memory tag it holds released.
+        The engines are not stopped: they are the caller's. ``PhaseFailed`` names an engine a
+        step failed on (it has left all the same); a group keeps at least one engine. See
+        ``core/membership``.
+        """
+        return await self._run("remove_engines", lambda: self._membership.remove(ids))
 
     def unhealthy_units(self) -> dict[str, str]:
         """Each unit of several servers (``EngineGroup(unit=N)``) that cannot serve whole,

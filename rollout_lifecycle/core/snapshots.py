@@ -56,6 +56,15 @@ class ServerSnapshot:
             return cls(name, state, groups)
         return cls(name, state, groups, versions.expected, versions.interrupted)
 
+    def ids(self, group: str) -> list[str]:
+        """The ids of ``group``'s engines, in order (``[]`` for a group it does not hold)."""
+        return [e.id for g in self.groups if g.name == group for e in g.engines]
+
+    def indexes(self, group: str) -> list[int]:
+        """The index of each of ``group``'s engines (its id ``group/index``): what
+        ``EngineGroup(..., indexes=...)`` takes to rebuild the group as the snapshot holds it."""
+        return [int(i.rsplit("/", 1)[1]) for i in self.ids(group)]
+
     def versions(self) -> tuple[str | None, bool]:
         """What the server knew of the weights: ``(expected_version, interrupted)``."""
         return self.expected_version, self.interrupted

@@ -73,6 +73,18 @@ class Phase(ValueEnum):
     RECOVER_FLUSH = "recover_flush"
     RECOVER_RELEASE = "recover_release"
     RECOVER_CONTINUE = "recover_continue"
+    # add_engines(): the joining engines' first read and their reconciliation's steps.
+    JOIN_PROBE = "join_probe"
+    JOIN_RESUME = "join_resume"
+    JOIN_PAUSE = "join_pause"
+    JOIN_FLUSH = "join_flush"
+    JOIN_RELEASE = "join_release"
+    JOIN_CONTINUE = "join_continue"
+    # remove_engines(): the leaving engines drained, their requests handed back, released.
+    LEAVE_PAUSE = "leave_pause"
+    LEAVE_ABORT = "leave_abort"
+    LEAVE_FLUSH = "leave_flush"
+    LEAVE_RELEASE = "leave_release"
     # The reconciliation of the groups that keep their memory (their continue, mostly).
     RESUME_KEEPERS = "resume_keepers"
     PAUSE_KEEPERS = "pause_keepers"

@@ -269,3 +269,36 @@ async def test_a_server_whose_lease_was_taken_over_is_fenced_and_acts_on_nothing
     await new.onload()
     assert new.state is S.SERVING
     new_claims.close()
+
+
+async def test_an_engine_joining_is_claimed_in_the_cluster_and_one_held_elsewhere_joins_not(
+    engine_actors: Any, fresh_registry: str
+) -> None:
+    """An engine actor joining under the cluster's claims is claimed by its actor id with the
+    call's other engines: one another server drives now is refused (``EngineClaimed``), and
+    nothing joins."""
+    engines = engine_actors(3)
+    server = RolloutServer(
+        [EngineGroup("actor", engines[:2])], name="fleet", claims=ClusterClaims(name=fresh_registry)
+    )
+    other = RolloutServer(
+        [EngineGroup("actor", engines[2:])], name="other", claims=ClusterClaims(name=fresh_registry)
+    )
+    inside, go_on = asyncio.Event(), asyncio.Event()
+
+    async def hold(_: Any) -> None:
+        inside.set()
+        await go_on.wait()
+
+    other.on("after_pause", hold)
+    call = asyncio.ensure_future(other.offload())
+    await asyncio.wait_for(inside.wait(), 30)
+    with pytest.raises(EngineClaimed, match="'other'"):
+        await server.add_engines("actor", [engines[2]])
+    assert [r.id for r in server.fleet.records()] == ["actor/0", "actor/1"]
+    go_on.set()
+    await call
+    await other.onload()
+    # between the other server's calls its claim is let go: the engine joins (under the next
+    # id: the refused join's was written to the journal, and an id is never given twice)
+    assert await server.add_engines("actor", [engines[2]]) == ["actor/3"]

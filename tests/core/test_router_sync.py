@@ -270,3 +270,37 @@ async def test_a_worker_the_binding_does_not_own_is_never_touched() -> None:
     assert await server.sync_router() == {"added": [], "removed": []}
     assert sorted(router.listed) == sorted([FOREIGN, A, B])
     assert ("remove", FOREIGN) not in router.calls
+
+
+async def test_a_joining_engine_is_listed_only_once_it_serves_and_a_leaving_one_before_its_pause() -> (
+    None
+):
+    """An engine that joins a serving fleet waits paused for the weights: the router does not
+    list it until a push has reached it and it serves. An engine that leaves is taken out of
+    the router before the pause that drains it is sent."""
+    engines = [AtURL(A), AtURL(B)]
+    joining = AtURL(C)
+    router = ListRouter(engines=[*engines, joining])
+    server = RolloutServer([EngineGroup("actor", engines)], router=router)
+    await server.sync_router()
+    assert sorted(router.listed) == [A, B]
+    await server.add_engines("actor", [joining])
+    assert sorted(router.listed) == [A, B]  # (stale: it waits paused)
+    await server.offload()
+    await server.onload_weights()
+    await server.update_weights(lambda update: None, "v1")
+    await server.onload_kv()
+    assert sorted(router.listed) == [A, B, C]
+    pauses = engines[0].count("pause_generation")
+    seen: dict[str, int] = {}
+    take_out = router.remove
+
+    async def remove(url: str) -> None:
+        seen[url] = engines[0].count("pause_generation")
+        await take_out(url)
+
+    router.remove = remove  # type: ignore[method-assign]
+    await server.remove_engines(["actor/0"])
+    assert sorted(router.listed) == [B, C]
+    assert seen[A] == pauses  # (out of the router before the pause that drains it)
+    assert engines[0].count("pause_generation") == pauses + 1
