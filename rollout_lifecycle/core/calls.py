@@ -47,6 +47,8 @@ class PublicCall:
     sync: bool = True
     #: The ``rollout-lifecycle ctl`` actions that make this call.
     ctl: tuple[str, ...] = ()
+    #: Where a lifecycle call without a plan in ``states.CALLS`` is legal, as the doc says it.
+    legal: str = "any"
 
     @property
     def lifecycle(self) -> bool:
@@ -106,11 +108,13 @@ PUBLIC_CALLS: dict[str, PublicCall] = {
             _L,
             "engines join a group: claimed, read, brought to its memory state, serving once "
             "the fleet's weights reach them",
+            legal="any but `failed`",
         ),
         PublicCall(
             "remove_engines",
             _L,
             "engines leave the fleet: unrouted, paused, their requests handed back, released",
+            legal="any but `failed`",
         ),
         PublicCall("paused", _S, "pause for the body, then resume"),
         PublicCall("offloaded", _S, "offload for the body, then onload (hooks included)"),
@@ -159,7 +163,7 @@ def calls_table() -> str:
             continue
         plans = CALLS.get(call.name)
         if plans is None:
-            rows.append(f"| `{call.name}()` | any | {call.summary} | |")
+            rows.append(f"| `{call.name}()` | {call.legal} | {call.summary} | |")
             continue
         legal = ", ".join(f"`{s.value}`" for s in plans)
         paths = "; ".join(f"`{s.value}`: {' -> '.join(plan)}" for s, plan in plans.items() if plan)

@@ -67,8 +67,9 @@ def test_user_code_names_a_parameter_of_the_call(call: PublicCall) -> None:
 
 
 def test_the_calls_that_fire_transitions_are_the_lifecycle_calls() -> None:
-    # Every call with a plan in the state table fires transitions; recover() replaces engines.
-    assert set(CALLS) | {"recover"} == LIFECYCLE_CALLS
+    # Every call with a plan in the state table fires transitions; recover() replaces engines,
+    # add_engines() and remove_engines() change them.
+    assert set(CALLS) | {"recover", "add_engines", "remove_engines"} == LIFECYCLE_CALLS
     for name in LIFECYCLE_CALLS:
         assert inspect.iscoroutinefunction(vars(RolloutServer)[name]), name
 
