@@ -10,7 +10,10 @@ flight. A cycle is what a colocated RL trainer does: ``offload()``, a trainer st
 ``onload_weights()``, ``update_weights(push)`` through every engine, ``onload_kv()``, then
 decoding until the cycle's share of the traffic has been sent. Every ``death_every``-th cycle
 one engine with requests on it is killed; the server finds it (``probe()``) and replaces it
-(``recover(factory)``); the requests it held must still complete elsewhere.
+(``recover(factory)``); the requests it held must still complete elsewhere. Every
+``Knobs.churn_every``-th cycle one actor engine with requests on it leaves the fleet
+(``remove_engines``: what it held comes back and runs elsewhere) and a fresh one joins
+(``add_engines``) before the cycle's offload, serving once the cycle's push reaches it.
 
 Three fleets: in-process simulated engines on a virtual-time loop (``looptime``: decoding and
 deadlines cost no real time; ``run_soak_in_process``), simulated engine actors on Ray
@@ -115,6 +118,12 @@ class TrafficReport:
     aborted_under_retract: int = 0
     #: Requests planned but never sent (a leg stopped early): not in ``submitted``.
     unsent: int = 0
+    #: Engines that left the fleet and joined it (``Knobs.churn_every``), and the attempts the
+    #: leaving engines handed back aborted (in every mode: a leaving engine is never continued;
+    #: counted in ``aborted``, not in ``aborted_under_retract``).
+    leaves: int = 0
+    joins: int = 0
+    aborted_on_leaving: int = 0
     #: Why a leg stopped early, a request failed, or what could not be checked.
     errors: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -141,6 +150,7 @@ class TrafficReport:
             "deaths": self.deaths,
             "recoveries": self.recoveries,
             "units replaced": self.units_replaced,
+            "left / joined": f"{self.leaves} / {self.joins}",
             "violations": self.violations,
             "wall s": round(self.wall_s, 1),
             "req/s": round(self.submitted / wall, 1),
@@ -242,6 +252,9 @@ class Fleet:
     """
 
     name = "fleet"
+    #: Whether engines can be made mid-leg cheaply enough to join the fleet
+    #: (``Knobs.churn_every``).
+    can_replace = True
     #: Whether the engines record their own call histories (else the soak checks the
     #: server's record of the calls it made, ``server.timeline``).
     keeps_history = True
@@ -474,6 +487,8 @@ class RealFleet(Fleet):
     check; aborted attempts are counted from the client (resubmissions not due to a death)."""
 
     name = "real"
+    #: (a real server takes tens of seconds to start: the real soak does not churn)
+    can_replace = False
     keeps_history = False
 
     def __init__(
@@ -663,6 +678,10 @@ class Knobs:
     drain_timeout_s: float = 600.0
     #: Real seconds the whole soak may take before it stops its legs and counts what is left.
     wall_limit_s: float = 3600.0
+    #: Every ``churn_every``-th cycle (0: never) one actor engine with requests on it leaves the
+    #: fleet (``remove_engines``) and a fresh one joins (``add_engines``) before the cycle's
+    #: offload, waiting paused for the cycle's push.
+    churn_every: int = 3
 
 
 class _Stop:
@@ -819,7 +838,15 @@ class Soak:
             rng=random.Random(self.sizes.seed * 1000 + leg),
             by_group=min(per_group) >= 2,
         )
-        state = {"deaths": 0, "recoveries": 0, "min_in_flight": -1, "cycles": 0}
+        state = {
+            "deaths": 0,
+            "recoveries": 0,
+            "min_in_flight": -1,
+            "cycles": 0,
+            "leaves": 0,
+            "joins": 0,
+            "left_aborted": 0,
+        }
         body = asyncio.ensure_future(self._cycles(server, traffic, requests, cycles, state))
         stop.body, stop.traffic = body, traffic
         error: str | None = None
@@ -864,7 +891,10 @@ class Soak:
             aborted = stats["resubmissions"] - stats["engine_deaths"]
         self.report.aborted += aborted
         if mode is PauseMode.RETRACT:
-            self.report.aborted_under_retract += aborted
+            self.report.aborted_under_retract += aborted - state["left_aborted"]
+        self.report.leaves += state["leaves"]
+        self.report.joins += state["joins"]
+        self.report.aborted_on_leaving += state["left_aborted"]
         report = self.report
         report.cycles += state["cycles"]
         report.submitted += stats["submitted"]
@@ -916,6 +946,10 @@ class Soak:
             in_flight = server.generation.stats()["in_flight"]
             if state["min_in_flight"] < 0 or in_flight < state["min_in_flight"]:
                 state["min_in_flight"] = in_flight
+            churn = knobs.churn_every
+            if churn and n % churn == 0 and self.fleet.can_replace:
+                # (with requests in flight; the newcomer gets this cycle's push)
+                await self._churn(server, state, n)
             self.windows.append(time.monotonic())
             await bounded(f"cycle {n}: offload", server.offload(), call)
             await asyncio.sleep(knobs.trainer_step_s)  # the trainer's step on the GPUs
@@ -932,6 +966,29 @@ class Soak:
             if every and n % every == 0:
                 await self._death(server, state, n)
 
+    async def _churn(self, server: RolloutServer, state: dict[str, int], n: int) -> None:
+        """A fresh engine joins the actor group, then one with requests on it leaves (in that
+        order, so that the group keeps its engines while the newcomer starts)."""
+        call = self.knobs.call_timeout_s
+        actors = [e for e in server.engines() if e.startswith("actor/")]
+        busy = [e for e, c in server.generation.outstanding().items() if c and e in actors]
+        leaving = random.Random(self.sizes.seed * 104729 + n).choice(sorted(busy or actors))
+        self.windows.append(time.monotonic())
+        fresh = self.fleet.replacement(f"actor/joining-{n}")
+        if inspect.isawaitable(fresh):
+            fresh = await fresh
+        await bounded(f"cycle {n}: add", server.add_engines("actor", [fresh]), call)
+        state["joins"] += 1
+        before = await self.fleet.aborted()
+        self.windows.append(time.monotonic())
+        await bounded(
+            f"cycle {n}: remove {leaving}", server.remove_engines([leaving], stop=False), call
+        )
+        after = await self.fleet.aborted()
+        if before is not None and after is not None:
+            state["left_aborted"] += after - before
+        state["leaves"] += 1
+
     async def _death(self, server: RolloutServer, state: dict[str, int], n: int) -> None:
         """Kill one engine that has requests on it, let the server find it, replace it."""
         call = self.knobs.call_timeout_s
@@ -941,8 +998,8 @@ class Soak:
         busy: list[str] = []
         while loop.time() < deadline:
             busy = [e for e, count in server.generation.outstanding().items() if count > 0]
-            if busy:
-                break
+            if busy or not server.generation.stats()["in_flight"]:
+                break  # (nothing in flight: the leg's traffic is done, no engine will be busy)
             await asyncio.sleep(0.005)
         if not busy:
             self.report.notes.append(f"cycle {n}: no engine had requests when one was killed")

@@ -620,10 +620,12 @@ class SyncRolloutServer:
         return self._call("add_engines", lambda: self._server.add_engines(group, engines), timeout)
 
     def remove_engines(
-        self, ids: Sequence[str], *, timeout: float | None = None
+        self, ids: Sequence[str], *, stop: bool = True, timeout: float | None = None
     ) -> dict[str, EngineOutcome]:
         """The engines ``ids`` leave the fleet. See ``RolloutServer.remove_engines``."""
-        return self._call("remove_engines", lambda: self._server.remove_engines(ids), timeout)
+        return self._call(
+            "remove_engines", lambda: self._server.remove_engines(ids, stop=stop), timeout
+        )
 
     @contextmanager
     def paused(self, *, timeout: float | None = None) -> Iterator[SyncRolloutServer]:

@@ -13,7 +13,9 @@ the rest of the group, so that a trainer sharing their GPUs finds the memory fre
 engine never serves: it waits paused until a weight push reaches it (the fleet's next
 ``update_weights``, verified where the push is), and only then does a continue let it serve, the
 generation client route to it and the router list it (``Fleet.serves``). In ``serving`` a
-joining engine therefore waits paused for the next push.
+joining engine therefore waits paused for the next push. If a step of the reconciliation fails
+on one of them, none joins (the ``PhaseFailed`` says what each step did to each), and the fleet
+is as it was.
 
 **Leaving.** The engines are taken out of the fleet's records first, so nothing routes a new
 request to them and the router binding takes their workers out; then each live one is paused in
@@ -24,9 +26,17 @@ stay (a retract or in-place pause would keep those requests inside it). Then it 
 it was not since its pause, and every memory tag it still holds is released (``leave_flush``,
 ``leave_release``), so its GPU is free. (A flush is never sent to an engine with memory
 released: an engine paused, flushed and released in the fleet's ``released`` state is flushed
-already.) The engines are not stopped:
-they are the caller's. A step that fails on an engine raises ``PhaseFailed`` naming it, after
-the others are done; the engine has left the fleet all the same.
+already.) Last, unless the caller keeps them (``stop=False``), the engines are stopped as
+``recover()`` retires a replaced engine (an abort pause, then a close; a Ray engine actor is
+killed). Why stop by default: a request sent straight to an engine while it was paused (not
+through the generation client or the router, which never send to a paused engine) waits at its
+front end for the continue, where neither a pause nor an abort reaches it (SGLang 0.5.23's
+``TokenizerManager.generate_request`` waits on ``is_pause_cond`` before it sends anything to the
+scheduler, and ``abort_request`` reaches only the scheduler); stopping the engine fails such a
+request, which a client can resubmit, where a continue would run it on released memory. An
+engine kept (``stop=False``) is paused with every tag released: resume its memory before
+anything continues it. A step that fails on an engine raises ``PhaseFailed`` naming it (nothing
+is stopped then); the engine has left the fleet all the same.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from rollout_lifecycle.contract import seam
 from rollout_lifecycle.contract.commands import Abort, Flush, Pause, Release
 from rollout_lifecycle.contract.exceptions import (
     IllegalTransition,
@@ -110,16 +121,18 @@ class Membership(Client):
             outcomes, fresh = await self._recovery.probe(records, Phase.JOIN_PROBE)
             if not self._runner.succeeded(outcomes) or len(fresh) != len(records):
                 raise PhaseFailed(Phase.JOIN_PROBE, outcomes, state.value)
+            await self._phases.reconciler.require(state, records, JOIN_PHASES)
         except BaseException:
-            found.drop(records)  # (none joined: nothing was sent to them but reads)
+            # None joins: an engine that could not be read, or brought to its group's memory
+            # state, is not the fleet's (the error says what each step did to it).
+            found.drop(records)
             self._journal()
             raise
-        # (from here they are the fleet's: a step that fails leaves them for recover())
-        await self._phases.reconciler.require(state, records, JOIN_PHASES)
         return [r.id for r in records]
 
-    async def remove(self, ids: Sequence[str]) -> dict[str, EngineOutcome]:
-        """The engines ``ids`` leave the fleet; the outcome of every call sent to them."""
+    async def remove(self, ids: Sequence[str], stop: bool = True) -> dict[str, EngineOutcome]:
+        """The engines ``ids`` leave the fleet (stopped, with ``stop``); the outcome of every
+        call sent to them."""
         self._settled("remove_engines")
         records = self._chosen(ids)
         for name in {r.group for r in records}:
@@ -148,6 +161,9 @@ class Membership(Client):
                 if not self._runner.succeeded(got):
                     # (nothing is released behind an engine that was not drained)
                     raise PhaseFailed(phase, outcomes, self._state().value)
+        if stop:
+            for record in records:  # (what its front end held fails there: a client resubmits)
+                await seam.retire(record.handle, deadlines.probe)
         return outcomes
 
     def _chosen(self, ids: Sequence[str]) -> list[EngineRecord]:

@@ -481,18 +481,23 @@ class RolloutServer:
         """
         return await self._run("add_engines", lambda: self._membership.add(group, engines))
 
-    async def remove_engines(self, ids: Sequence[str]) -> dict[str, EngineOutcome]:
+    async def remove_engines(
+        self, ids: Sequence[str], *, stop: bool = True
+    ) -> dict[str, EngineOutcome]:
         """The engines ``ids`` leave the fleet; the outcome of every call sent to them.
 
         In any settled state (not ``failed``): they are taken out of the records first (no
         request is routed to them, the router takes them out), then each live one is paused in
         abort mode and its requests aborted (the generation client resubmits them to the
-        engines that stay: nothing is lost), flushed, and every memory tag it holds released.
-        The engines are not stopped: they are the caller's. ``PhaseFailed`` names an engine a
-        step failed on (it has left all the same); a group keeps at least one engine. See
-        ``core/membership``.
+        engines that stay: nothing is lost), flushed, and every memory tag it holds released;
+        then stopped as ``recover()`` retires an engine (a Ray engine actor is killed), unless
+        ``stop=False`` keeps it (paused, every tag released: resume its memory before anything
+        continues it). ``PhaseFailed`` names an engine a step failed on (it has left all the
+        same); a group keeps at least one engine. See ``core/membership``.
         """
-        return await self._run("remove_engines", lambda: self._membership.remove(ids))
+        if not isinstance(stop, bool):
+            raise InvalidArgument(f"stop must be a bool, got {stop!r}")
+        return await self._run("remove_engines", lambda: self._membership.remove(ids, stop))
 
     def unhealthy_units(self) -> dict[str, str]:
         """Each unit of several servers (``EngineGroup(unit=N)``) that cannot serve whole,

@@ -138,7 +138,7 @@ async def test_an_engine_leaves_in_every_state_released_and_the_rest_untouched(
     assert fatal_calls({"b": engines[1].history()}) == []
     left = engines[1].state()
     assert left["paused"] and sorted(left["released_tags"]) == sorted(t.value for t in ALL_TAGS)
-    assert not left["dead"]  # (not stopped: the caller's)
+    assert ops(engines[1])[-2:] == ["pause_generation", "close"]  # (stopped, as recover retires)
     for kept in (engines[0], engines[2]):
         assert len(kept.history()) == before[kept.label]
     await back_to_serving(server, state)
@@ -281,3 +281,14 @@ def test_indexes_must_fit_the_engines() -> None:
         EngineGroup("actor", sims(["a", "b"]), indexes=[3, -1])
     with pytest.raises(InvalidArgument, match="made of units"):
         EngineGroup("pd", sims(["a", "b"]), unit=2, indexes=[2, 3])
+
+
+async def test_an_engine_kept_by_the_caller_is_left_paused_and_released_not_stopped() -> None:
+    engines = sims(["a", "b"])
+    server = RolloutServer([EngineGroup("actor", engines)])
+    await server.remove_engines(["actor/0"], stop=False)
+    kept = engines[0].state()
+    assert kept["paused"] and sorted(kept["released_tags"]) == sorted(t.value for t in ALL_TAGS)
+    assert "close" not in ops(engines[0])
+    with pytest.raises(InvalidArgument, match="stop must be a bool"):
+        await server.remove_engines(["actor/1"], stop="no")  # type: ignore[arg-type]

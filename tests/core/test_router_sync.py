@@ -272,7 +272,7 @@ async def test_a_worker_the_binding_does_not_own_is_never_touched() -> None:
     assert ("remove", FOREIGN) not in router.calls
 
 
-async def test_a_joining_engine_is_listed_only_once_it_serves_and_a_leaving_one_before_its_pause() -> (
+async def test_a_joining_engine_is_listed_once_it_serves_a_leaving_one_out_before_its_pause() -> (
     None
 ):
     """An engine that joins a serving fleet waits paused for the weights: the router does not

@@ -4,8 +4,9 @@ of fault-injected simulated engines, with the design's invariants checked after 
 The fleet: groups ``actor`` and ``critic`` (two engines each, offloaded) and ``reward`` (one
 engine, ``needs_offload=False``); every engine is a ``FaultyEngine`` around a ``SimulatedEngine``.
 Rules call the lifecycle API, arm faults on random engines, submit generate requests, cancel
-callers mid-call, run two calls at once and let time pass. The pause mode and the dead-engine
-policy are drawn per example.
+callers mid-call, run two calls at once, let engines join the actor group (``add_engines``, maybe
+with a fault armed on the newcomer) and leave it (``remove_engines``), and let time pass. The
+pause mode and the dead-engine policy are drawn per example.
 
 How each invariant of docs/design.md is checked:
 
@@ -31,7 +32,8 @@ How each invariant of docs/design.md is checked:
    ``onload``); then every
    generate request ever submitted completes within a bound: ``length`` with all its tokens, or
    ``abort`` with its partial output (only in ``abort`` mode, or on an engine that did not
-   survive: its death was injected, or ``recover`` retired it), or ``EngineDead`` (only on an
+   survive: its death was injected, ``recover`` retired it, or it left the fleet and handed
+   back what it held), or ``EngineDead`` (only on an
    engine whose death was injected, or one ``recover`` retired while the request waited at its
    paused front end, where no pause mode reaches it; the library's generation client resubmits
    both). Under ``retract`` no surviving engine aborts a request. A
@@ -397,6 +399,11 @@ class LifecycleMachine(RuleBasedStateMachine):
         #: An unversioned push raised, and no write has completed since: the weights may be
         #: half written and no version says which engines hold what, so none may generate.
         self.unpushed = False
+        #: The engines that left the fleet (``remove_engines``), by label: they hand back what
+        #: they hold (aborted, even under retract) and are never continued.
+        self.left: set[str] = set()
+        #: The engines that left and were kept, not stopped (``remove_engines(stop=False)``).
+        self.kept: list[FaultyEngine] = []
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -416,9 +423,12 @@ class LifecycleMachine(RuleBasedStateMachine):
         made = [lb for lb, s in self.slot_of.items() if s == slot and self.made_at[lb] <= moment]
         return self.engines[max(made, key=self.made_at.__getitem__)] if made else None
 
-    def current(self, slot: str) -> FaultyEngine:
+    def current(self, slot: str) -> FaultyEngine | None:
+        """The engine in ``slot`` now; None once it has left the fleet (``remove_engines``)."""
         assert self.server is not None
-        handle = self.server.engines()[slot]
+        handle = self.server.engines().get(slot)
+        if handle is None:
+            return None
         assert isinstance(handle, EngineHost)
         backend = handle.backend
         assert isinstance(backend, FaultyEngine)
@@ -569,15 +579,64 @@ class LifecycleMachine(RuleBasedStateMachine):
     def recover(self, fault: tuple[str, str] | None) -> None:
         self.expect("recover()", self.call("recover", fault=fault))
 
+    @rule(
+        fault=st.none()
+        | st.tuples(
+            st.sampled_from(
+                ["server_info", "pause_generation", "flush_cache", "release_memory_occupation"]
+            ),
+            st.sampled_from(FAULT_KINDS),
+        )
+    )
+    def join(self, fault: tuple[str, str] | None) -> None:
+        """An engine joins the actor group (``add_engines``), maybe with a fault armed."""
+        assert self.server is not None
+        engine = self.make_engine("actor/joining", fault)
+        joined: list[str] = []
+
+        async def add() -> None:
+            assert self.server is not None
+            joined.extend(await self.server.add_engines("actor", [engine]))
+
+        if self.expect("add_engines()", add()):
+            self.slot_of[engine.label] = joined[0]
+            self.tally["joined"] += 1
+        else:
+            ids = {r.id: r for r in self.server.fleet.records()}
+            for engine_id, record in ids.items():  # (a step after its probe failed: it joined)
+                if isinstance(record.handle, EngineHost) and record.handle.backend is engine:
+                    self.slot_of[engine.label] = engine_id
+
+    @rule(index=st.integers(0, 7), fault=FAULTS, stop=st.booleans())
+    def leave(self, index: int, fault: Fault, stop: bool) -> None:
+        """An engine of the actor group leaves (``remove_engines``), when it has two or more;
+        stopped, or kept by the caller (who resumes its memory and continues it at teardown,
+        so that what its paused front end held runs: ``kept``)."""
+        assert self.server is not None
+        ids = [r.id for r in self.server.groups[0].records]
+        if len(ids) < 2:
+            return
+        chosen = ids[index % len(ids)]
+        engine = self.current(chosen)
+        assert engine is not None
+        self.inject(fault)
+        self.expect("remove_engines()", self.server.remove_engines([chosen], stop=stop))
+        if chosen not in self.server.engines():
+            self.left.add(engine.label)
+            if not stop:
+                self.kept.append(engine)
+            self.tally["left"] += 1
+
     # -- faults, traffic, cancellation, concurrency, time ---------------------------------------
 
     def inject(self, fault: Fault) -> None:
         if fault is not None:
             slot, op, kind, count, seconds = fault
+            engine = self.current(slot)
+            if engine is None:
+                return  # (it left the fleet)
             self.tally[f"faults_{kind}"] += 1
-            self.current(slot).arm(
-                op, kind, count=count, seconds=seconds if kind == "slow" else 0.0
-            )
+            engine.arm(op, kind, count=count, seconds=seconds if kind == "slow" else 0.0)
 
     @rule(
         slot=st.sampled_from(SLOTS),
@@ -597,6 +656,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         sent: dict[FaultyEngine, list[asyncio.Task[dict[str, Any]]]] = {}
         for slot in slots:
             engine = self.current(slot)
+            if engine is None:
+                continue  # (it left the fleet)
             request = {
                 "input_ids": [len(self.requests) % 50, 7],
                 "sampling_params": {"max_new_tokens": max_new_tokens},
@@ -861,6 +922,9 @@ class LifecycleMachine(RuleBasedStateMachine):
             )
         )
         self.state_is_the_truth()
+        # The engines that left and were kept are the caller's: resume their memory, then
+        # continue them, so that what their paused front ends held runs there.
+        self.run(self.wake_kept(), "waking the engines kept after they left")
         tasks = {r.task for r in self.requests}
         if tasks:
             self.run(asyncio.wait(tasks, timeout=DRAIN_BOUND), "draining requests")
@@ -871,6 +935,17 @@ class LifecycleMachine(RuleBasedStateMachine):
         # The calls of the way back are checked like any other.
         self.barriers_hold()
         self.no_engine_killed_by_the_library()
+
+    async def wake_kept(self) -> None:
+        for engine in self.kept:
+            inner = engine.inner
+            assert isinstance(inner, SimulatedEngine)
+            if inner.dead or engine.closed_at is not None:
+                continue
+            if inner.released_tags:
+                await inner.resume_memory_occupation(list(inner.released_tags))
+            if inner.paused:
+                await inner.continue_generation()
 
     async def quiesce(self) -> None:
         assert self.server is not None
@@ -888,9 +963,10 @@ class LifecycleMachine(RuleBasedStateMachine):
             return [f"{where} hangs (engine paused={paused}, stats={info})"]
         if task.cancelled():
             return [f"{where} was cancelled"]
+        left = engine.label in self.left
         exc = task.exception()
         if exc is not None:
-            if isinstance(exc, EngineDead) and (excused or engine.closed_at is not None):
+            if isinstance(exc, EngineDead) and (excused or left or engine.closed_at is not None):
                 return []
             return [f"{where} failed: {type(exc).__name__}: {exc}"]
         result = task.result()
@@ -903,7 +979,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         if reason == "abort":
             # Under retract only an engine that did not survive (killed, or retired by
             # recover) may abort what it held; a surviving engine aborts nothing.
-            retired = engine.closed_at is not None
+            retired = engine.closed_at is not None or left
             if not (self.mode is PauseMode.ABORT or excused or retired):
                 return [f"{where} was aborted under retract ({result['meta_info']})"]
             if not isinstance(output, list) or len(output) > request.max_new_tokens:
