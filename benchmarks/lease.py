@@ -76,7 +76,9 @@ def servers(engines: list[Any]) -> tuple[dict[str, RolloutServer], list[ClusterC
     return made, stores
 
 
-async def run(args: argparse.Namespace) -> None:
+async def run(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Time the three servers' cycles (seconds, by server), print the table, and give back
+    the engines and the registry."""
     low, high = args.latency_ms
     engines = simulated_engine_actors(
         args.engines, seed=7, op_latency=dict.fromkeys(CYCLE_OPS, (low / 1000, high / 1000))
@@ -110,6 +112,7 @@ async def run(args: argparse.Namespace) -> None:
     for engine in engines:
         ray.kill(engine, no_restart=True)
     ray.kill(registry(LEASES), no_restart=True)
+    return times
 
 
 def main(argv: list[str] | None = None) -> None:

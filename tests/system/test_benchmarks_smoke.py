@@ -3,6 +3,7 @@ keep the lifecycle invariants. Invariants are asserted, never times."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import gc
@@ -17,6 +18,7 @@ from benchmarks import (
     growth,
     guard,
     identity,
+    lease,
     memory_plan,
     order,
     overhead,
@@ -240,6 +242,7 @@ def test_the_traffic_soak_in_process_loses_nothing_through_deaths_and_both_modes
     assert result.deaths == result.recoveries == 4
     assert result.aborted_under_retract == 0 and result.aborted > 0  # the abort leg aborts
     assert len(result.rss_mb) == 4
+    assert result.leaves == result.joins == 1  # (an actor engine churned at cycle 3)
 
 
 def test_the_property_soak_counts_steps_and_reports_every_example() -> None:
@@ -304,3 +307,10 @@ async def test_one_offload_crosses_at_most_twelve_modules_to_each_request(
     for name, chain in remote:
         assert chain[-1] == "backends/ray_transport", chain
         assert len(set(chain) | set(actor_side)) <= MOST_MODULES, (name, chain)
+
+
+async def test_lease_times_the_three_servers_on_one_fleet(ray_cluster: None) -> None:
+    args = argparse.Namespace(engines=2, rounds=2, nodes=1, latency_ms=(0.0, 0.0))
+    times = await lease.run(args)
+    assert set(times) == {"host claims", "cluster lease", "lease + journal"}
+    assert all(len(t) == 2 and min(t) > 0 for t in times.values())
