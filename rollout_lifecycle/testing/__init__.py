@@ -37,7 +37,7 @@ from rollout_lifecycle.testing.fleets import (
 from rollout_lifecycle.testing.simulated import SimulatedEngine, fleet_factories
 from rollout_lifecycle.testing.sse import asse_events, sse_events
 from rollout_lifecycle.testing.standin import StandInServer
-from rollout_lifecycle.testing.waits import until, until_actor_gone, until_began
+from rollout_lifecycle.testing.waits import held_at, until, until_actor_gone, until_began
 
 if TYPE_CHECKING:
     from rollout_lifecycle.backends.actor import start_engine_actor as start_engine_actor
@@ -121,6 +121,7 @@ __all__ = [
     "fatal_calls",
     "faulty_engines",
     "fleet_factories",
+    "held_at",
     "local_ray",
     "no_push",
     "push_reaching",

@@ -76,4 +76,29 @@ async def until_began(
     await until(began, what=f"{op} x{times} on every engine", deadline=deadline)
 
 
-__all__ = ["DEFAULT_DEADLINE_S", "until", "until_actor_gone", "until_began"]
+async def held_at(
+    server: Any, event: str, call: Awaitable[Any], deadline: float = DEFAULT_DEADLINE_S
+) -> tuple[asyncio.Future[Any], asyncio.Event]:
+    """Start ``call`` and return once it has reached a hook on ``event`` of ``server`` (a
+    ``RolloutServer``), where it waits, its claims held, until the returned event is set: the
+    call's future and that event. A staged moment inside a call, with no sleep."""
+    check_seconds("deadline", deadline)
+    inside, go_on = asyncio.Event(), asyncio.Event()
+
+    async def hold(_: object) -> None:
+        inside.set()
+        await go_on.wait()
+
+    server.on(event, hold)
+    task = asyncio.ensure_future(call)
+    waiting = asyncio.ensure_future(inside.wait())
+    await asyncio.wait({task, waiting}, timeout=deadline, return_when=asyncio.FIRST_COMPLETED)
+    if not inside.is_set():
+        waiting.cancel()
+        if task.done():
+            task.result()  # (what the call raised before it got there)
+        raise AssertionError(f"the call did not reach {event} within {deadline:g}s")
+    return task, go_on
+
+
+__all__ = ["DEFAULT_DEADLINE_S", "held_at", "until", "until_actor_gone", "until_began"]

@@ -9,7 +9,6 @@ adopted from the cluster's journal are ``tests/system/test_lease_between_drivers
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import pytest
@@ -34,7 +33,7 @@ from rollout_lifecycle.backends.lease import (
 )
 from rollout_lifecycle.contract.exceptions import EngineFenced, LeaseLost
 from rollout_lifecycle.contract.seam import classify
-from rollout_lifecycle.testing import cycle_order_violations, until
+from rollout_lifecycle.testing import cycle_order_violations, held_at, until
 
 S = ServerState
 
@@ -181,16 +180,7 @@ async def test_a_second_server_on_the_cluster_is_refused_naming_the_first(
     second = RolloutServer(
         [EngineGroup("actor", engines)], name="second", claims=ClusterClaims(name=fresh_registry)
     )
-    inside = asyncio.Event()
-    go_on = asyncio.Event()
-
-    async def hold(_: Any) -> None:
-        inside.set()
-        await go_on.wait()
-
-    first.on("after_release", hold)
-    call = asyncio.ensure_future(first.offload())
-    await asyncio.wait_for(inside.wait(), 30)
+    call, go_on = await held_at(first, "after_release", first.offload())
     with pytest.raises(EngineClaimed) as refused:
         await second.offload()
     assert "'first'" in str(refused.value) and "lease epoch" in str(refused.value)
@@ -225,15 +215,7 @@ async def test_a_server_whose_lease_was_taken_over_is_fenced_and_acts_on_nothing
     old = RolloutServer(
         [EngineGroup("actor", engines)], name="old", claims=old_claims, journal=old_journal
     )
-    inside, go_on = asyncio.Event(), asyncio.Event()
-
-    async def freeze(_: Any) -> None:
-        inside.set()
-        await go_on.wait()
-
-    old.on("after_flush", freeze)
-    call = asyncio.ensure_future(old.offload())
-    await asyncio.wait_for(inside.wait(), 30)
+    call, go_on = await held_at(old, "after_flush", old.offload())
     old_claims.close()  # (its renewals stop, as a frozen process's would)
     await until_no_lease(old_claims)
 
@@ -284,15 +266,7 @@ async def test_an_engine_joining_is_claimed_in_the_cluster_and_one_held_elsewher
     other = RolloutServer(
         [EngineGroup("actor", engines[2:])], name="other", claims=ClusterClaims(name=fresh_registry)
     )
-    inside, go_on = asyncio.Event(), asyncio.Event()
-
-    async def hold(_: Any) -> None:
-        inside.set()
-        await go_on.wait()
-
-    other.on("after_pause", hold)
-    call = asyncio.ensure_future(other.offload())
-    await asyncio.wait_for(inside.wait(), 30)
+    call, go_on = await held_at(other, "after_pause", other.offload())
     with pytest.raises(EngineClaimed, match="'other'"):
         await server.add_engines("actor", [engines[2]])
     assert [r.id for r in server.fleet.records()] == ["actor/0", "actor/1"]
