@@ -105,6 +105,7 @@ class PropertyReport:
             "calls ok/refused": f"{totals['calls_ok']}/{totals['calls_refused']}",
             "faults": sum(n for k, n in totals.items() if k.startswith("faults_")),
             "recoveries": totals["recoveries"],
+            "joined/left": f"{totals['joined']}/{totals['left']}",
             "requests": totals["requests"],
             "lost": self.lost(),
             "wall_s": round(self.wall_s, 1),

@@ -13,30 +13,33 @@ the rest of the group, so that a trainer sharing their GPUs finds the memory fre
 engine never serves: it waits paused until a weight push reaches it (the fleet's next
 ``update_weights``, verified where the push is), and only then does a continue let it serve, the
 generation client route to it and the router list it (``Fleet.serves``). In ``serving`` a
-joining engine therefore waits paused for the next push. If a step of the reconciliation fails
-on one of them, none joins (the ``PhaseFailed`` says what each step did to each), and the fleet
-is as it was.
+joining engine therefore waits paused for the next push. If one cannot be read as a fresh
+server, none joins. If a step of the reconciliation fails, they are the fleet's but not where
+their group's state holds them (a call of theirs may be in flight): the server fails, as after
+a ``recover()`` whose replacement failed to come up, and ``recover()`` settles them.
 
-**Leaving.** The engines are taken out of the fleet's records first, so nothing routes a new
-request to them and the router binding takes their workers out; then each live one is paused in
-abort mode (``leave_pause``; one paused already is not paused again) and every request still on
-it is aborted (``leave_abort``): a leaving engine is never continued, so whatever it holds comes
-back to the generation client with its partial output and is resubmitted to the engines that
-stay (a retract or in-place pause would keep those requests inside it). Then it is flushed, if
-it was not since its pause, and every memory tag it still holds is released (``leave_flush``,
-``leave_release``), so its GPU is free. (A flush is never sent to an engine with memory
-released: an engine paused, flushed and released in the fleet's ``released`` state is flushed
-already.) Last, unless the caller keeps them (``stop=False``), the engines are stopped as
-``recover()`` retires a replaced engine (an abort pause, then a close; a Ray engine actor is
-killed). Why stop by default: a request sent straight to an engine while it was paused (not
-through the generation client or the router, which never send to a paused engine) waits at its
-front end for the continue, where neither a pause nor an abort reaches it (SGLang 0.5.23's
-``TokenizerManager.generate_request`` waits on ``is_pause_cond`` before it sends anything to the
-scheduler, and ``abort_request`` reaches only the scheduler); stopping the engine fails such a
-request, which a client can resubmit, where a continue would run it on released memory. An
-engine kept (``stop=False``) is paused with every tag released: resume its memory before
-anything continues it. A step that fails on an engine raises ``PhaseFailed`` naming it (nothing
-is stopped then); the engine has left the fleet all the same.
+**Leaving.** Each live engine is paused in abort mode (``leave_pause``; one paused already is not
+paused again), the router binding taking its worker out before the pause is sent (from the pause's
+intent on its record no longer serves: nothing routes a new request to it), and every request still
+on it is aborted (``leave_abort``): a leaving engine is never continued, so whatever it holds comes
+back to the generation client with its partial output and is resubmitted to the engines that stay (a
+retract or in-place pause would keep those requests inside it). Then it is flushed, if it was not
+since its pause, and every memory tag it still holds is released (``leave_flush``,
+``leave_release``), so its GPU is free. (A flush is never sent to an engine with memory released: an
+engine paused, flushed and released in the fleet's ``released`` state is flushed already.) Last,
+unless the caller keeps them (``stop=False``), the engines are stopped as ``recover()`` retires a
+replaced engine (an abort pause, then a close; a Ray engine actor is killed). Why stop by default: a
+request sent straight to an engine while it was paused (not through the generation client or the
+router, which never send to a paused engine) waits at its front end for the continue, where neither
+a pause nor an abort reaches it (SGLang 0.5.23's ``TokenizerManager.generate_request`` waits on
+``is_pause_cond`` before it sends anything to the scheduler, and ``abort_request`` reaches only the
+scheduler); stopping the engine fails such a request, which a client can resubmit, where a continue
+would run it on released memory. An engine kept (``stop=False``) is paused with every tag released:
+resume its memory before anything continues it. The engines leave the records once every step has
+succeeded. A step that fails keeps them in the fleet, where a call of theirs that did not answer is
+still waited for by the fleet's next phases (a release in flight on one GPU before a resume on
+another): the server fails, ``PhaseFailed`` names the step, and ``recover()`` settles them before a
+``remove_engines`` again.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from rollout_lifecycle.contract.values import PauseMode, Tag, check_name
 from rollout_lifecycle.core.claims import Claims
 from rollout_lifecycle.core.group import EngineGroup
 from rollout_lifecycle.core.ledger import SETTLED_STATES, EngineRecord
+from rollout_lifecycle.core.machine import Machine
 from rollout_lifecycle.core.parts import Client, Parts
 from rollout_lifecycle.core.phases import Phases
 from rollout_lifecycle.core.recovery import Recovery
@@ -86,12 +90,14 @@ class Membership(Client):
         phases: Phases,
         recovery: Recovery,
         claims: Claims,
+        machine: Machine,
     ) -> None:
         super().__init__(parts)
         self._groups = groups
         self._phases = phases
         self._recovery = recovery
         self._claims = claims
+        self._machine = machine
 
     def _settled(self, call: str) -> ServerState:
         state = self._state()
@@ -121,12 +127,18 @@ class Membership(Client):
             outcomes, fresh = await self._recovery.probe(records, Phase.JOIN_PROBE)
             if not self._runner.succeeded(outcomes) or len(fresh) != len(records):
                 raise PhaseFailed(Phase.JOIN_PROBE, outcomes, state.value)
-            await self._phases.reconciler.require(state, records, JOIN_PHASES)
         except BaseException:
-            # None joins: an engine that could not be read, or brought to its group's memory
-            # state, is not the fleet's (the error says what each step did to it).
+            # None joins: nothing but reads was sent to them.
             found.drop(records)
             self._journal()
+            raise
+        try:
+            await self._phases.reconciler.require(state, records, JOIN_PHASES)
+        except BaseException:
+            # They are the fleet's, not where their group's state holds them (a call of theirs
+            # may still be in flight, which the fleet's next phases wait for): the server
+            # fails, and recover() settles them as it settles replacements.
+            await self._machine.fail()
             raise
         return [r.id for r in records]
 
@@ -135,9 +147,6 @@ class Membership(Client):
         call sent to them."""
         self._settled("remove_engines")
         records = self._chosen(ids)
-        for name in {r.group for r in records}:
-            self._groups[name].drop(records)
-        self._journal()
         outcomes: dict[str, EngineOutcome] = {}
         live = tuple(r for r in records if r.alive)
         deadlines = self._config.deadlines
@@ -159,8 +168,14 @@ class Membership(Client):
                 got = (await self._runner.run(phase, plan, deadline)).outcomes
                 outcomes.update(got)
                 if not self._runner.succeeded(got):
-                    # (nothing is released behind an engine that was not drained)
+                    # Nothing is released behind an engine that was not drained. They stay the
+                    # fleet's (a call of theirs may still be in flight, which the fleet's next
+                    # phases wait for), out of place: the server fails; recover() settles them.
+                    await self._machine.fail()
                     raise PhaseFailed(phase, outcomes, self._state().value)
+        for name in {r.group for r in records}:
+            self._groups[name].drop(records)
+        self._journal()
         if stop:
             for record in records:  # (what its front end held fails there: a client resubmits)
                 await seam.retire(record.handle, deadlines.probe)

@@ -154,7 +154,7 @@ class RolloutServer:
         by_name = {g.name: g for g in self._groups}
         self._recovery = Recovery(parts, by_name, phases, machine)
         held = Claims(name, fleet.records, urls, runner, config.deadlines.probe, claims)
-        self._membership = Membership(parts, by_name, phases, self._recovery, held)
+        self._membership = Membership(parts, by_name, phases, self._recovery, held, machine)
         self._serializer = Serializer(
             self,
             name,
@@ -473,7 +473,8 @@ class RolloutServer:
 
         In any settled state (not ``failed``): the engines are claimed, read (each must be a
         fresh server, not paused, or none joins: ``PhaseFailed``), and brought to their
-        group's memory state in the server's state (released where the group is released).
+        group's memory state in the server's state (released where the group is released; a
+        step that fails leaves them in the fleet and the server ``failed``, for ``recover()``).
         Each is stale until the fleet's next weight push reaches it (verified where the push
         is): until then it waits paused, and only then does it serve, get requests and join
         the router. The engines must be new to the fleet; a group of units (``unit=N``)
@@ -486,14 +487,15 @@ class RolloutServer:
     ) -> dict[str, EngineOutcome]:
         """The engines ``ids`` leave the fleet; the outcome of every call sent to them.
 
-        In any settled state (not ``failed``): they are taken out of the records first (no
-        request is routed to them, the router takes them out), then each live one is paused in
-        abort mode and its requests aborted (the generation client resubmits them to the
+        In any settled state (not ``failed``): each live one is taken out of the router and
+        paused in abort mode, its requests aborted (the generation client resubmits them to the
         engines that stay: nothing is lost), flushed, and every memory tag it holds released;
-        then stopped as ``recover()`` retires an engine (a Ray engine actor is killed), unless
-        ``stop=False`` keeps it (paused, every tag released: resume its memory before anything
-        continues it). ``PhaseFailed`` names an engine a step failed on (it has left all the
-        same); a group keeps at least one engine. See ``core/membership``.
+        then they leave the records, and are stopped as ``recover()`` retires an engine (a Ray
+        engine actor is killed), unless ``stop=False`` keeps them (paused, every tag released:
+        resume the memory before anything continues one). A step that fails raises
+        ``PhaseFailed`` with the server ``failed`` and the engines still the fleet's
+        (``recover()``, then try again); a group keeps at least one engine. See
+        ``core/membership``.
         """
         if not isinstance(stop, bool):
             raise InvalidArgument(f"stop must be a bool, got {stop!r}")

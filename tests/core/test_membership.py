@@ -292,3 +292,35 @@ async def test_an_engine_kept_by_the_caller_is_left_paused_and_released_not_stop
     assert "close" not in ops(engines[0])
     with pytest.raises(InvalidArgument, match="stop must be a bool"):
         await server.remove_engines(["actor/1"], stop="no")  # type: ignore[arg-type]
+
+
+async def test_a_join_that_fails_part_way_leaves_the_engine_in_the_fleet_for_recover() -> None:
+    """A joining engine whose release is refused (the fleet is released) is the fleet's but not
+    where its group's state holds it: the server fails, and recover() settles it there."""
+    engines = faulty_engines(3)
+    server = RolloutServer([EngineGroup("actor", engines[:2])])
+    await server.offload()
+    engines[2].arm("release_memory_occupation", "reject")
+    with pytest.raises(PhaseFailed, match="join_release"):
+        await server.add_engines("actor", [engines[2]])
+    assert server.state is S.FAILED
+    assert [r.id for r in server.fleet.records()] == ["actor/0", "actor/1", "actor/2"]
+    await server.recover(lambda engine_id: pytest.fail("nothing to replace"))
+    assert server.state is S.RELEASED
+    assert sorted(engines[2].inner.state()["released_tags"]) == sorted(t.value for t in ALL_TAGS)
+
+
+async def test_a_leave_that_fails_part_way_keeps_the_engine_and_fails_the_server() -> None:
+    """A leaving engine whose pause is refused stays the fleet's (its calls are the fleet's to
+    wait for): the server fails; after recover() it leaves."""
+    engines = faulty_engines(2)
+    server = RolloutServer([EngineGroup("actor", engines)])
+    engines[1].arm("pause_generation", "reject")
+    with pytest.raises(PhaseFailed, match="leave_pause"):
+        await server.remove_engines(["actor/1"])
+    assert server.state is S.FAILED
+    assert [r.id for r in server.fleet.records()] == ["actor/0", "actor/1"]
+    await server.recover(lambda engine_id: pytest.fail("nothing to replace"))
+    assert server.state is S.SERVING
+    await server.remove_engines(["actor/1"])
+    assert [r.id for r in server.fleet.records()] == ["actor/0"]

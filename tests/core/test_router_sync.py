@@ -303,4 +303,4 @@ async def test_a_joining_engine_is_listed_once_it_serves_a_leaving_one_out_befor
     await server.remove_engines(["actor/0"])
     assert sorted(router.listed) == [B, C]
     assert seen[A] == pauses  # (out of the router before the pause that drains it)
-    assert engines[0].count("pause_generation") == pauses + 1
+    assert engines[0].count("pause_generation") == pauses + 2  # (the leave's, the stop's)

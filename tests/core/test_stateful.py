@@ -47,7 +47,9 @@ How each invariant of docs/design.md is checked:
    only on the expected weights (``StaleWeights``): a replacement marked stale never serves
    (unless bringing it up failed: the server then stays ``failed`` until ``recover`` pauses it),
    and an engine that lacks ``server.expected_version`` may stay paused in any state, as may a
-   group that keeps its memory after a weight write that did not complete.
+   group that keeps its memory after a weight write that did not complete. After an
+   unversioned push that raised, or was cancelled after it began writing and before it had
+   written every engine, no engine generates until a write completes.
 8. No engine of the ``needs_offload=False`` group ever receives a release or a resume.
 
 Expected API errors (``IllegalTransition``, ``IllegalEngineOp``, ``PhaseFailed``,
@@ -399,8 +401,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         #: An unversioned push raised, and no write has completed since: the weights may be
         #: half written and no version says which engines hold what, so none may generate.
         self.unpushed = False
-        #: The engines that left the fleet (``remove_engines``), by label: they hand back what
-        #: they hold (aborted, even under retract) and are never continued.
+        #: The engines a ``remove_engines`` drained (by label): they handed back what they
+        #: held (aborted, even under retract), whether they left or a later step failed.
         self.left: set[str] = set()
         #: The engines that left and were kept, not stopped (``remove_engines(stop=False)``).
         self.kept: list[FaultyEngine] = []
@@ -463,12 +465,20 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     async def update(self, push: str, version: str | None) -> dict[str, float]:
         assert self.server is not None
+        progress: list[str] = []
         try:
-            metrics = await self.server.update_weights(make_push(push), version)
+            metrics = await self.server.update_weights(make_push(push, progress), version)
         except BaseException as exc:
             self.write_pending = True
             if isinstance(exc, HookFailed) and exc.event == PUSH_EVENT and version is None:
                 self.unpushed = True  # the push itself raised (not a hook before it)
+            elif isinstance(exc, asyncio.CancelledError) and version is None and push != "noop":
+                # cancelled: the weights are whole if the push wrote every engine before the
+                # cancel reached it, maybe half written if it was cut short
+                if "written" in progress:
+                    self.unpushed = False
+                elif "started" in progress:
+                    self.unpushed = True
             elif (isinstance(exc, PhaseFailed) and exc.phase in AFTER_THE_WRITE) or (
                 isinstance(exc, HookFailed) and exc.event == "after_update_weights"
             ):
@@ -620,9 +630,22 @@ class LifecycleMachine(RuleBasedStateMachine):
         engine = self.current(chosen)
         assert engine is not None
         self.inject(fault)
-        self.expect("remove_engines()", self.server.remove_engines([chosen], stop=stop))
-        if chosen not in self.server.engines():
+        refused: list[BaseException] = []
+
+        async def remove() -> None:
+            assert self.server is not None
+            try:
+                await self.server.remove_engines([chosen], stop=stop)
+            except IllegalTransition as exc:  # (refused before anything was sent)
+                refused.append(exc)
+                raise
+
+        self.expect("remove_engines()", remove())
+        if not refused:
+            # Its pause in abort mode and its abort were sent: what it held came back, aborted,
+            # even if a later step failed and it stayed.
             self.left.add(engine.label)
+        if chosen not in self.server.engines():
             if not stop:
                 self.kept.append(engine)
             self.tally["left"] += 1
@@ -940,8 +963,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         for engine in self.kept:
             inner = engine.inner
             assert isinstance(inner, SimulatedEngine)
-            if inner.dead or engine.closed_at is not None:
-                continue
+            if inner.dead or engine.injected_death or engine.closed_at is not None:
+                continue  # (it died, or was stopped: nothing of it to wake)
             if inner.released_tags:
                 await inner.resume_memory_occupation(list(inner.released_tags))
             if inner.paused:
@@ -1015,14 +1038,17 @@ class LifecycleMachine(RuleBasedStateMachine):
             loop.close()
 
 
-def make_push(kind: str) -> Callable[[WeightUpdate], Any]:
-    """A weight push: writes through every engine handle, does nothing, or fails."""
+def make_push(kind: str, progress: list[str] | None = None) -> Callable[[WeightUpdate], Any]:
+    """A weight push: writes through every engine handle, does nothing, or fails; it notes in
+    ``progress`` that it ``started`` writing and that it ``written`` every engine."""
     if kind == "noop":
         return lambda update: None
+    noted = progress if progress is not None else []
 
     async def push(update: WeightUpdate) -> None:
         if kind == "raise":
             raise RuntimeError("the trainer's weight push failed")
+        noted.append("started")
         results = await asyncio.gather(
             *(
                 h.update_weights_from_disk("/ckpt/step", update.version)
@@ -1033,6 +1059,7 @@ def make_push(kind: str) -> Callable[[WeightUpdate], Any]:
         for result in results:
             if isinstance(result, BaseException):
                 raise result
+        noted.append("written")
 
     return push
 
