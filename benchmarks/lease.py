@@ -3,7 +3,7 @@ cycles by three servers in one run, rounds interleaved (rotating their order):
 
 - ``host claims``: the default store (``HostClaims``); Ray actors have no address, so nothing is
   locked: the floor;
-- ``cluster lease``: ``ClusterClaims`` (``backends/lease``): one registry call to take the lease
+- ``cluster lease``: ``ClusterClaims`` (``lease``): one registry call to take the lease
   and one to let it go per public call, and every command carrying the lease's fence;
 - ``lease + journal``: the same with ``ClusterJournal``: one more registry call, waited for,
   each time the records change (before each send, after each phase, on each state change).
@@ -36,10 +36,8 @@ from benchmarks._common import (
     median,
     table,
 )
-from rollout_lifecycle import EngineGroup, RolloutServer
-from rollout_lifecycle.backends.lease import ClusterClaims, ClusterJournal, registry
-from rollout_lifecycle.testing import LocalCluster, simulated_engine_actors
-from rollout_lifecycle.testing.actor_fleets import init_local_ray
+from rollout_lifecycle import ClusterClaims, ClusterJournal, EngineGroup, RolloutServer
+from rollout_lifecycle.testing import LocalCluster, local_ray, simulated_engine_actors
 
 #: The public calls in one cycle.
 CALLS = 3
@@ -52,11 +50,8 @@ def cluster(nodes: int) -> Iterator[None]:
         with LocalCluster(nodes):
             yield
     else:
-        init_local_ray()
-        try:
+        with local_ray():
             yield
-        finally:
-            ray.shutdown()
 
 
 def servers(engines: list[Any]) -> tuple[dict[str, RolloutServer], list[ClusterClaims]]:
@@ -111,7 +106,7 @@ async def run(args: argparse.Namespace) -> dict[str, list[float]]:
         store.close()
     for engine in engines:
         ray.kill(engine, no_restart=True)
-    ray.kill(registry(LEASES), no_restart=True)
+    ray.kill(stores[0].actor, no_restart=True)
     return times
 
 

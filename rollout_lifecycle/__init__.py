@@ -63,7 +63,6 @@ if TYPE_CHECKING:
     from rollout_lifecycle.backends.actor import EngineActor, EngineActorBody, start_engine_actor
     from rollout_lifecycle.backends.engine import EngineBackend, EngineHost, incarnation_of
     from rollout_lifecycle.backends.http.wire import HTTPTimeouts
-    from rollout_lifecycle.backends.lease import ClusterClaims, ClusterJournal
     from rollout_lifecycle.backends.placement import EnginePlacement, PlacementFailed
     from rollout_lifecycle.backends.ports import free_port
     from rollout_lifecycle.backends.router import LaunchedRouter, RouterWorker, SGLangRouter
@@ -76,6 +75,7 @@ if TYPE_CHECKING:
     from rollout_lifecycle.backends.vllm.client import VLLMHTTPEngine, vllm_http_factory
     from rollout_lifecycle.backends.vllm.launch import LaunchedVLLMEngine, launched_vllm_factory
     from rollout_lifecycle.backends.weights import FromDisk, FromDistributed, FromTensor
+    from rollout_lifecycle.lease import ClusterClaims, ClusterJournal
     from rollout_lifecycle.sync import SyncRolloutServer
     from rollout_lifecycle.testing.simulated import SimulatedEngine
 
@@ -89,8 +89,8 @@ _LAZY: dict[str, str] = {
     "EngineHost": "rollout_lifecycle.backends.engine",
     "incarnation_of": "rollout_lifecycle.backends.engine",
     "HTTPTimeouts": "rollout_lifecycle.backends.http.wire",
-    "ClusterClaims": "rollout_lifecycle.backends.lease",
-    "ClusterJournal": "rollout_lifecycle.backends.lease",
+    "ClusterClaims": "rollout_lifecycle.lease",
+    "ClusterJournal": "rollout_lifecycle.lease",
     "EnginePlacement": "rollout_lifecycle.backends.placement",
     "PlacementFailed": "rollout_lifecycle.backends.placement",
     "SGLangHTTPEngine": "rollout_lifecycle.backends.sglang.client",

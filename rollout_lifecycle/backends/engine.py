@@ -298,7 +298,7 @@ class EngineHost:
         return [seen["incarnation"], result, seen.get("capabilities")]
 
     async def fenced(self, fence: Sequence[Any], via: str, *args: Any) -> Any:
-        """Carry out a command sent under a cluster lease (``backends/lease``): ``fence`` is
+        """Carry out a command sent under a cluster lease (``lease``): ``fence`` is
         ``[scope, epoch]``, ``via`` the method that carries it (``run`` or ``checked``) and
         ``args`` its arguments. A command whose epoch is older than the newest this engine has
         carried out for ``scope`` raises ``EngineFenced`` and does nothing: a controller whose

@@ -282,7 +282,7 @@ class EngineStateConflict(EngineError):
 
 class EngineFenced(EngineError):
     """The engine refused a command sent under a lease older than one it has already served
-    (another controller took the fleet over: ``backends/lease``): nothing was carried out.
+    (another controller took the fleet over: ``lease``): nothing was carried out.
     ``epoch`` is the command's lease, ``current`` the newest the engine has seen."""
 
     def __init__(self, engine: str, op: str, epoch: int, current: int) -> None:
@@ -299,7 +299,7 @@ class EngineFenced(EngineError):
 
 
 class LeaseLost(LifecycleError):
-    """This controller's lease on its engines expired or was taken over (``backends/lease``):
+    """This controller's lease on its engines expired or was taken over (``lease``):
     what it was about to do was refused before anything was sent."""
 
     def __init__(self, what: str, epoch: int | None, detail: str) -> None:

@@ -66,7 +66,7 @@ CHECKED_OPS = frozenset(
 RUN = "run"
 #: The host method that carries out a checked command: ``checked(expect, op, *args)``.
 CHECKED = "checked"
-#: The host method that carries out a command sent under a cluster lease (``backends/lease``):
+#: The host method that carries out a command sent under a cluster lease (``lease``):
 #: ``fenced(fence, via, *args)``, where ``fence`` is ``[scope, epoch]`` and ``via`` is ``RUN`` or
 #: ``CHECKED`` with their arguments; the host refuses an epoch older than one it has served.
 FENCED = "fenced"

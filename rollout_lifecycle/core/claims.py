@@ -153,7 +153,7 @@ class ClaimStore(Protocol):
     """Where claims are held: keys, exclusive between controllers."""
 
     #: Whether every controller of the cluster sees the store's claims (a store held in the
-    #: cluster, ``backends/lease.ClusterClaims``): then an engine reached by a handle any of them
+    #: cluster, ``lease.ClusterClaims``): then an engine reached by a handle any of them
     #: can hold (a Ray actor) is claimed too, by what names it (``contract.seam.identity``).
     cluster_wide: bool
 

@@ -88,7 +88,7 @@ class RolloutServer:
 
     ``claims`` is where each call claims its engines (``core/claims``): by default
     ``HostClaims``, the controllers of this host; on a Ray cluster, ``ClusterClaims``
-    (``backends/lease``), a lease held in the cluster whose epoch every command carries, with
+    (``lease``), a lease held in the cluster whose epoch every command carries, with
     ``ClusterJournal`` as the journal that a server started on any node adopts. One store per
     server.
     """

@@ -7,7 +7,7 @@ is lost), is drained and released, and the rest of the fleet is untouched.
 The router's side (a joining engine listed only once it serves, a leaving one taken out before
 its pause) is ``test_router_sync.py``'s; engines joining and leaving under random calls and
 faults, ``test_stateful.py``'s; on Ray actors with the cluster's claims,
-``tests/backends/test_lease.py``'s."""
+``tests/system/test_lease.py``'s."""
 
 from __future__ import annotations
 

@@ -95,6 +95,10 @@ def calling(server: RolloutServer, call: str) -> Awaitable[Any]:
         return server.update_weights(no_push, version="nested")
     if call == "recover":
         return server.recover(replacement)
+    if call == "add_engines":
+        return server.add_engines("actor", [SimulatedEngine("joiner", token_latency=0)])
+    if call == "remove_engines":
+        return server.remove_engines(["actor/1"], stop=False)
     method: Callable[[], Awaitable[Any]] = getattr(server, call)
     return method()
 

@@ -106,8 +106,9 @@ def user_code(rig: Rig, scope: Scope) -> Iterator[None]:
         CURRENT.reset(token)
 
 
-def test_the_lifecycle_calls_are_the_table_s_calls_and_recover() -> None:
-    assert frozenset({*CALLS, "recover"}) == LIFECYCLE_CALLS
+def test_the_lifecycle_calls_are_the_table_s_calls_and_those_that_change_engines() -> None:
+    changing = {"recover", "add_engines", "remove_engines"}
+    assert frozenset({*CALLS, *changing}) == LIFECYCLE_CALLS
     assert not {"sync_router", "probe", "snapshot", "state"} & LIFECYCLE_CALLS
 
 

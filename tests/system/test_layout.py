@@ -24,8 +24,8 @@ PUBLIC = {
 #: Each layer may import the layers below it, never one beside or above it: the contract at the
 #: bottom; the lifecycle core, the engine backends and the trainer-side fingerprints
 #: (``trainer``) side by side over it (none knows another: backends register their seams); the
-#: simulators and stand-ins (``testing``), the blocking facade (``sync``) and the Prometheus
-#: exporter (``metrics``) over those; the
+#: simulators and stand-ins (``testing``), the blocking facade (``sync``), the Prometheus
+#: exporter (``metrics``) and the cluster's claims and journal (``lease``) over those; the
 #: command line at the top. The package's own ``__init__`` loads what it exports (the backends
 #: lazily).
 LAYERS = {
@@ -36,6 +36,7 @@ LAYERS = {
     "testing": 2,
     "sync": 2,
     "metrics": 2,
+    "lease": 2,
     "cli": 3,
 }
 

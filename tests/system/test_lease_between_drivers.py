@@ -1,4 +1,4 @@
-"""One owner per fleet across the drivers of a Ray cluster (``backends/lease``), on three real
+"""One owner per fleet across the drivers of a Ray cluster (``lease``), on three real
 raylets (``ray_nodes``): engine actors spread over the nodes, driver processes that connect to
 the cluster as a training job's driver does, claims held in the cluster's lease registry and the
 journal kept there.
@@ -10,7 +10,7 @@ journal kept there.
   fleet back to serving, under a newer epoch that fences anything the dead one left in flight.
 
 The registry's rules on a virtual clock, the engine host's fence and a frozen server fenced are
-``tests/backends/test_lease.py``'s."""
+``tests/system/test_lease.py``'s."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from rollout_lifecycle import (
     SimulatedEngine,
     start_engine_actor,
 )
-from rollout_lifecycle.backends.lease import ClusterClaims, ClusterJournal, registry
+from rollout_lifecycle.lease import ClusterClaims, ClusterJournal, registry
 from rollout_lifecycle.testing import LocalCluster, cycle_order_violations, until
 
 S = ServerState
@@ -50,7 +50,7 @@ DRIVER = textwrap.dedent(
     from rollout_lifecycle import (
         EngineClaimed, EngineGroup, LeaseLost, PhaseFailed, RolloutServer,
     )
-    from rollout_lifecycle.backends.lease import ClusterClaims, ClusterJournal
+    from rollout_lifecycle.lease import ClusterClaims, ClusterJournal
 
     address, leases, names, ttl, name, mode = sys.argv[1:7]
     ray.init(address=address, namespace="lease-tests", logging_level="ERROR", log_to_driver=False)

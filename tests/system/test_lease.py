@@ -1,4 +1,4 @@
-"""Claims held in the cluster (``backends/lease.py``): the registry's rules on a clock the test
+"""Claims held in the cluster (``lease.py``): the registry's rules on a clock the test
 moves (all or none, epochs in order, a lease ends ``ttl`` after its last renewal, continuity,
 the journal written only under a live lease), the engine host's fence, and ``ClusterClaims``
 driving a server on this process's Ray: every command of a call carries the call's epoch, a
@@ -25,14 +25,14 @@ from rollout_lifecycle import (
     SimulatedEngine,
 )
 from rollout_lifecycle.backends.engine import EngineHost
-from rollout_lifecycle.backends.lease import (
+from rollout_lifecycle.contract.exceptions import EngineFenced, LeaseLost
+from rollout_lifecycle.contract.seam import classify
+from rollout_lifecycle.lease import (
     ClusterClaims,
     ClusterJournal,
     LeaseRegistry,
     registry,
 )
-from rollout_lifecycle.contract.exceptions import EngineFenced, LeaseLost
-from rollout_lifecycle.contract.seam import classify
 from rollout_lifecycle.testing import cycle_order_violations, held_at, until
 
 S = ServerState
