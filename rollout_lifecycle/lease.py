@@ -41,6 +41,7 @@ Without Ray, the host's claims stay (``HostClaims``): both stores are the same s
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import threading
@@ -63,6 +64,8 @@ NAMESPACE = "rollout_lifecycle"
 DEFAULT_TTL = 15.0
 #: The bound of each call to the registry.
 DEFAULT_TIMEOUT = 10.0
+#: The bound of a store's first call, which may start the registry's actor.
+DEFAULT_STARTUP = 120.0
 
 _log = logging.getLogger(__name__)
 
@@ -235,9 +238,14 @@ class ClusterClaims:
         name: str = REGISTRY_NAME,
         namespace: str = NAMESPACE,
         timeout: float = DEFAULT_TIMEOUT,
+        startup: float = DEFAULT_STARTUP,
     ) -> None:
         self.ttl = check_seconds("ttl", ttl)
         self.timeout = check_seconds("timeout", timeout)
+        #: The bound of the first call, which may start the registry's actor (a worker process
+        #: to start: seconds on a loaded machine).
+        self.startup = check_seconds("startup", startup)
+        self._reached = False
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"name must be a non-empty string, got {name!r}")
         self.scope = f"{namespace}/{name}"
@@ -257,13 +265,41 @@ class ClusterClaims:
             self._actor = registry(self._name, self._namespace)
         return self._actor
 
-    def call(self, method: str, *args: Any) -> Any:
-        """One registry call, bounded by ``timeout`` (``ray.get`` with a timeout raises
-        ``GetTimeoutError`` when it passes: ``ray.get``'s docstring)."""
-        return ray.get(getattr(self.actor, method).remote(*args), timeout=self.timeout)
+    def _bound(self) -> float:
+        return self.timeout if self._reached else max(self.timeout, self.startup)
 
-    def acquire(self, keys: Sequence[str], holder: Mapping[str, Any]) -> ClusterLease:
-        answer = self.call("acquire", list(keys), dict(holder), self._token, self.ttl)
+    def _unanswered(self, method: str, bound: float) -> LeaseLost:
+        return LeaseLost(
+            f"{method} at the cluster's lease registry {self.scope}",
+            None,
+            f"could not be had: the registry did not answer within {bound:g} s",
+        )
+
+    def call(self, method: str, *args: Any) -> Any:
+        """One registry call, waited for (``ray.get``, bounded: ``timeout``, or ``startup`` for
+        the first); ``LeaseLost`` when it does not answer in time."""
+        bound = self._bound()
+        try:
+            found = ray.get(getattr(self.actor, method).remote(*args), timeout=bound)
+        except ray.exceptions.GetTimeoutError:  # (``ray.get``'s timeout: its docstring)
+            raise self._unanswered(method, bound) from None
+        self._reached = True
+        return found
+
+    async def reach(self, method: str, *args: Any) -> Any:
+        """``call`` without blocking the event loop (an object ref is awaitable)."""
+        bound = self._bound()
+        try:
+            found = await asyncio.wait_for(
+                asyncio.wrap_future(getattr(self.actor, method).remote(*args).future()), bound
+            )
+        except asyncio.TimeoutError:
+            raise self._unanswered(method, bound) from None
+        self._reached = True
+        return found
+
+    async def acquire(self, keys: Sequence[str], holder: Mapping[str, Any]) -> ClusterLease:
+        answer = await self.reach("acquire", list(keys), dict(holder), self._token, self.ttl)
         _refuse(answer)
         lease = ClusterLease(self, answer["epoch"], answer["same"])
         with self._lock:
@@ -324,11 +360,11 @@ class ClusterLease:
     def continuous(self, key: str) -> bool:
         return self._same.get(key, False)
 
-    def extend(self, keys: Sequence[str]) -> None:
+    async def extend(self, keys: Sequence[str]) -> None:
         fresh = [k for k in keys if k not in self._same]
         if not fresh:
             return
-        answer = self._store.call("extend", self.epoch, fresh)
+        answer = await self._store.reach("extend", self.epoch, fresh)
         if "lost" in answer:
             raise LeaseLost("claiming more engines", self.epoch, "has ended")
         _refuse(answer)

@@ -44,6 +44,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import inspect
 import json
 import os
 import secrets
@@ -52,7 +53,7 @@ import struct
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -144,8 +145,9 @@ class Lease(Protocol):
         one (False the first time)."""
         ...
 
-    def extend(self, keys: Sequence[str]) -> None:
-        """Hold ``keys`` too; ``EngineClaimed`` (the lease unchanged) if another holds one."""
+    def extend(self, keys: Sequence[str]) -> Awaitable[None] | None:
+        """Hold ``keys`` too; ``EngineClaimed`` (the lease unchanged) if another holds one. A
+        store held elsewhere answers with an awaitable (the call's loop is not blocked)."""
         ...
 
 
@@ -157,9 +159,9 @@ class ClaimStore(Protocol):
     #: can hold (a Ray actor) is claimed too, by what names it (``contract.seam.identity``).
     cluster_wide: bool
 
-    def acquire(self, keys: Sequence[str], holder: Mapping[str, Any]) -> Lease:
+    def acquire(self, keys: Sequence[str], holder: Mapping[str, Any]) -> Lease | Awaitable[Lease]:
         """Hold every key of ``keys`` for ``holder``, or none: ``EngineClaimed`` naming who holds
-        the first one another holds."""
+        the first one another holds. A store held elsewhere answers with an awaitable."""
         ...
 
 
@@ -415,7 +417,8 @@ class Claims:
         addresses = await self.addresses(records)
         shared = self._store.cluster_wide
         keys = {r.id: _keys(addresses.get(r.id), r, shared) for r in records}
-        lease = self._store.acquire([k for ks in keys.values() for k in ks], self.holder(call))
+        found = self._store.acquire([k for ks in keys.values() for k in ks], self.holder(call))
+        lease = await found if inspect.isawaitable(found) else found
         self._count += 1
         for record in records:
             if keys[record.id]:
@@ -483,7 +486,9 @@ class Claims:
             raise RuntimeError("engines join only within a call, which holds its claims")
         addresses = await self.addresses(list(self._records()))
         shared = self._store.cluster_wide
-        lease.extend([k for r in records for k in _keys(addresses.get(r.id), r, shared)])
+        extended = lease.extend([k for r in records for k in _keys(addresses.get(r.id), r, shared)])
+        if inspect.isawaitable(extended):
+            await extended
         await self._identify(lease, [r for r in records if r.alive])
 
     async def named(self, lease: Lease, records: Sequence[EngineRecord]) -> None:
@@ -503,9 +508,11 @@ class Claims:
                         f"{record.incarnation}): give each engine once"
                     )
                 seen[record.incarnation] = record
-        lease.extend(
+        extended = lease.extend(
             [f"incarnation:{r.incarnation}" for r in records if distinguishes(r.incarnation)]
         )
+        if inspect.isawaitable(extended):
+            await extended
 
     def _in_process(self, record: EngineRecord) -> bool:
         """Whether this server made the last claim of an engine reachable only through this
