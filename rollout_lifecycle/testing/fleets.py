@@ -3,6 +3,7 @@ a fault injector), the calls an engine received, and a weight push that writes n
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import pickle
 from collections.abc import Awaitable, Callable
@@ -10,6 +11,7 @@ from typing import Any
 
 from rollout_lifecycle.backends.engine import EngineHost
 from rollout_lifecycle.backends.weights import FromDisk
+from rollout_lifecycle.contract.exceptions import EngineClaimed, LeaseLost, PhaseFailed
 from rollout_lifecycle.contract.push import WeightUpdate
 from rollout_lifecycle.core.server import RolloutServer
 from rollout_lifecycle.core.states import ServerState
@@ -97,6 +99,30 @@ async def bring_to(server: RolloutServer, state: ServerState) -> None:
         raise AssertionError(f"{ROUTES[state]} left {server.name!r} in {server.state.value!r}")
 
 
+async def raced_cycle(server: RolloutServer, retries: int = 200, every: float = 0.05) -> str:
+    """One offload and onload by a controller racing another over the same engines, as a
+    word: ``"cycled"``; ``"claimed"`` (the other held the engines: the offload was refused, or
+    the onload ``retries`` times, ``every`` seconds apart); ``"lease lost"``; or ``"refused: "``
+    and the outcomes of a phase that failed (its pause found the engines paused, say). A claim
+    lasts one call: the other may claim the engines between the two calls, and a refused
+    onload sent nothing and left the server released, so it is tried again, as a user would."""
+    try:
+        await server.offload()
+        for _ in range(retries):
+            try:
+                await server.onload()
+                return "cycled"
+            except EngineClaimed:
+                await asyncio.sleep(every)
+        return "claimed"
+    except EngineClaimed:
+        return "claimed"
+    except LeaseLost:
+        return "lease lost"
+    except PhaseFailed as exc:
+        return "refused: " + ", ".join(sorted({o.outcome.value for o in exc.outcomes.values()}))
+
+
 __all__ = [
     "READS",
     "ROUTES",
@@ -105,6 +131,7 @@ __all__ = [
     "no_push",
     "pickled_tensors",
     "push_reaching",
+    "raced_cycle",
     "received_changes",
     "received_ops",
     "simulated",

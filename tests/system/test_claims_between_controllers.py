@@ -178,33 +178,16 @@ async def test_a_claim_held_by_another_process_refuses_and_dies_with_it(
 RACER = textwrap.dedent(
     """
     import asyncio, json, sys
-    from rollout_lifecycle import (
-        EngineClaimed, EngineGroup, PhaseFailed, RolloutServer, SGLangHTTPEngine,
-    )
+    from rollout_lifecycle import EngineGroup, RolloutServer, SGLangHTTPEngine
+    from rollout_lifecycle.testing.fleets import raced_cycle
 
     async def trial(urls):
         engines = [SGLangHTTPEngine(u, retries=0) for u in urls]
         server = RolloutServer([EngineGroup("actor", engines)], name=sys.argv[1])
         try:
-            await server.offload()
-            # Claims last one call: the other racer's offload may claim the engines between
-            # these two calls (its pause finds them paused and is refused); a refused onload
-            # sent nothing and left this server released, so it is tried again.
-            for _ in range(RETRIES):
-                try:
-                    await server.onload()  # (back to serving for the next trial)
-                    return "cycled"
-                except EngineClaimed:
-                    await asyncio.sleep(0.05)
-            return "claimed"
-        except EngineClaimed:
-            return "claimed"
-        except PhaseFailed as exc:
-            return "refused: " + ", ".join(sorted({o.outcome.value for o in exc.outcomes.values()}))
+            return await raced_cycle(server, retries=200)
         finally:
             await asyncio.gather(*(e.close() for e in engines))
-
-    RETRIES = 200
 
     async def main():
         for line in sys.stdin:  # one trial per "go", all started at once by the test

@@ -45,12 +45,11 @@ TRIALS = 20
 
 DRIVER = textwrap.dedent(
     """
-    import asyncio, json, os, signal, sys
+    import asyncio, json, sys
     import ray
-    from rollout_lifecycle import (
-        EngineClaimed, EngineGroup, LeaseLost, PhaseFailed, RolloutServer,
-    )
+    from rollout_lifecycle import EngineGroup, RolloutServer
     from rollout_lifecycle.lease import ClusterClaims, ClusterJournal
+    from rollout_lifecycle.testing.fleets import raced_cycle
 
     address, leases, names, ttl, name, mode = sys.argv[1:7]
     ray.init(address=address, namespace="lease-tests", logging_level="ERROR", log_to_driver=False)
@@ -70,22 +69,7 @@ DRIVER = textwrap.dedent(
     async def trial():
         claims, server = driver()
         try:
-            await server.offload()
-            # A claim lasts one call: the other driver may claim the fleet between these two
-            # calls; a refused onload sent nothing and left this server released: try again.
-            for _ in range(400):
-                try:
-                    await server.onload()
-                    return "cycled"
-                except EngineClaimed:
-                    await asyncio.sleep(0.05)
-            return "claimed"
-        except EngineClaimed:
-            return "claimed"
-        except LeaseLost:
-            return "lease lost"
-        except PhaseFailed as exc:
-            return "refused: " + ", ".join(sorted({o.outcome.value for o in exc.outcomes.values()}))
+            return await raced_cycle(server, retries=400)
         finally:
             claims.close()
 
