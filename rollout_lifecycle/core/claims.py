@@ -237,22 +237,24 @@ class HostClaims:
             held.sock.close()
 
     def _holder_of(self, name: str) -> dict[str, Any]:
-        """Who holds the key ``name``: what its lock file says, else the pid its socket's
-        holder answers with."""
-        path = self._directory() / f"{name}.lock"
+        """Who holds the key ``name`` (its socket is held): what its lock file says when the
+        process it names is the one holding the socket (or it names no process), else the pid
+        that process answers with (it locks another directory, or has not written the file
+        yet).
+
+        Read without locking the file: a prober's lock, however short, can make the holder's
+        own lock of the file fail between its socket and its file, and then both are refused."""
+        pid = _peer_pid(name)
         with contextlib.suppress(OSError):
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(self._directory() / f"{name}.lock", os.O_RDONLY)
             try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    fcntl.flock(fd, fcntl.LOCK_UN)  # not held here: the holder is elsewhere
-                except OSError:
-                    found = _read(fd).get("holder")
-                    if isinstance(found, dict) and found:
-                        return found
+                found = _read(fd).get("holder")
             finally:
                 os.close(fd)
-        return {"seen": "socket", "pid": _peer_pid(name)}
+            # (its file is the socket's holder's when it names the same pid, or names none)
+            if isinstance(found, dict) and found and found.get("pid", pid) == pid:
+                return found
+        return {"seen": "socket", "pid": pid}
 
 
 class _HostLease:

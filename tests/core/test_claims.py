@@ -8,6 +8,7 @@ process), are ``tests/system/test_claims_between_controllers.py``'s.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import stat
@@ -241,3 +242,26 @@ async def test_two_engines_showing_one_process_are_refused_unless_its_name_is_co
         other.release()
     finally:
         lease.release()
+
+
+async def test_a_refused_claimant_takes_no_lock_the_holder_could_meet(
+    locks: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claimant refused at a key's socket reads who holds it without locking its file: a
+    lock of its, however short, could meet the holder's own lock of the file, taken just after
+    its socket, and refuse the holder too (both refused: seen once in a race of two
+    controllers)."""
+    lease = await claims("trainer", A).claim("offload")
+    taken: list[int] = []
+    real = fcntl.flock
+
+    def watched(fd: int, op: int) -> None:
+        taken.append(op)
+        real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", watched)
+    with pytest.raises(EngineClaimed) as refused:
+        await claims("operator", A).claim("pause")
+    assert taken == []
+    assert refused.value.details["server"] == "trainer"  # (the file names the holder)
+    lease.release()
