@@ -11,8 +11,10 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import pytest
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 from ray.util.placement_group import (
     placement_group,
     placement_group_table,
@@ -43,6 +45,7 @@ from rollout_lifecycle import (
 )
 from rollout_lifecycle.backends.actor import EngineActor
 from rollout_lifecycle.backends.placement import actor_resources
+from rollout_lifecycle.metrics import BUCKETS, PrometheusMetrics, RayMetrics
 from rollout_lifecycle.testing import (
     LocalCluster,
     cycle_order_violations,
@@ -293,3 +296,116 @@ async def test_the_overhead_benchmark_runs_its_contenders_across_the_nodes(
     assert "3 engines (3 actors x 1) on 3 nodes" in overhead.report(result)
     # its placement group (three bundles, placed) is given back
     await until(lambda: ray.available_resources().get("gpu") == 6.0, what="the gpus given back")
+
+
+#: The labels Ray's metrics agent adds to every series (its node, session, process...).
+RAYS_OWN = {"Component", "NodeAddress", "SessionName", "Version", "WorkerId", "JobId"}
+
+
+def lifecycle_series(text: str, prefix: str) -> dict[tuple[str, frozenset[Any]], float]:
+    """The lifecycle's series in a Prometheus answer, by name (``prefix`` dropped) and the
+    lifecycle's own labels (a bucket's bound as a number: the two exporters write it apart)."""
+    found: dict[tuple[str, frozenset[Any]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if not s.name.startswith(prefix + "rollout_lifecycle_"):
+                continue
+            labels = {
+                k: float(v) if k == "le" else v
+                for k, v in s.labels.items()
+                if k not in RAYS_OWN and not k.startswith("otel_")
+            }
+            found[s.name.removeprefix(prefix), frozenset(labels.items())] = s.value
+    return found
+
+
+def bounded_sum(
+    series: dict[tuple[str, frozenset[Any]], float], histogram: str, labels: frozenset[Any]
+) -> tuple[float, float]:
+    """The least and the most a histogram's observations can sum to, given its buckets."""
+    bounds = sorted(
+        (dict(k[1])["le"], v)
+        for k, v in series.items()
+        if k[0] == histogram + "_bucket" and k[1] - {("le", dict(k[1])["le"])} == labels
+    )
+    low = high = below = 0.0
+    lower_bound = 0.0
+    for bound, cumulative in bounds:
+        count, below = cumulative - below, cumulative
+        if count:
+            low, high = low + count * lower_bound, high + count * bound
+        lower_bound = bound
+    return low, high
+
+
+async def test_the_lifecycles_metrics_reach_the_clusters_prometheus_as_the_server_counts_them(
+    ray_nodes: LocalCluster, kill_after: Any
+) -> None:
+    actors, placements = kill_after
+    placement = await EnginePlacement.reserve(3, {"gpu": 1}, strategy="SPREAD", timeout=BOUND)
+    placements.append(placement)
+    engines = await placement.start_all([factory(i) for i in range(3)])
+    actors.extend(engines)
+    server = RolloutServer([EngineGroup("actor", engines)], name="ray-metrics")
+    on_ray, on_endpoint = RayMetrics(every=0.2), PrometheusMetrics()
+    on_ray.watch(server)
+    on_endpoint.watch(server)
+    try:
+        batch = asyncio.ensure_future(server.generate_batch(requests(6)))
+        await until_taken(engines, 6)
+        await cycle(server, "v1")
+        got = dict(server.metrics)  # the last call's: onload_kv
+        whole(await asyncio.wait_for(batch, BOUND))
+        on_ray.report()  # the requests' counts, now that all came back
+        url = ray_nodes.metrics_url()  # the driver's node: where its records go
+        want = {
+            key: v
+            for key, v in lifecycle_series(on_endpoint.text(), "").items()
+            if not key[0].endswith("_created")  # (the client's own timestamps)
+            and (v or not key[0].endswith("_total"))  # (Ray moves no counter by 0)
+        }
+        # Ray keeps a histogram as its bucket counts and answers each sum rebuilt from them
+        exact = {k: v for k, v in want.items() if not k[0].endswith("_seconds_sum")}
+        seen: dict[tuple[str, frozenset[Any]], float] = {}
+
+        async def agreed() -> bool:
+            nonlocal seen
+            async with httpx.AsyncClient() as client:
+                answer = await client.get(url, timeout=BOUND)
+            seen = lifecycle_series(answer.text, "ray_")
+            return seen.keys() >= want.keys() and all(seen[k] == v for k, v in exact.items())
+
+        try:
+            await until(agreed, what="Ray's agent answering as the endpoint", every=0.25)
+        except AssertionError as exc:
+            differ = {k: (v, seen.get(k)) for k, v in exact.items() if seen.get(k) != v}
+            raise AssertionError(f"{exc}: (endpoint, Ray) differ in {differ}") from None
+    finally:
+        on_ray.close()
+    sums = [k for k in want if k not in exact]
+    counts = [k for k in want if k[0].endswith("_seconds_count")]
+    assert len(sums) == len(counts) > 4  # each call's and each phase's, all checked below
+    for name, labels in sums:
+        low, high = bounded_sum(want, name.removesuffix("_sum"), labels)
+        assert low <= seen[name, labels] <= high, (name, labels)
+    assert seen.keys() == want.keys()  # no series of its own either
+    ours = {"server": "ray-metrics"}
+
+    def at(name: str, **labels: Any) -> float:
+        return seen[name, frozenset({**ours, **labels}.items())]
+
+    # against the server's own account of the call, and the fleet's
+    call = {"call": "onload_kv", "outcome": "ok"}
+    took = got["lifecycle/onload_kv/total_s"]
+    bucket = BUCKETS.index(min(b for b in BUCKETS if b >= took))
+    assert at("rollout_lifecycle_call_seconds_bucket", **call, le=BUCKETS[bucket]) == 1
+    if bucket:
+        assert at("rollout_lifecycle_call_seconds_bucket", **call, le=BUCKETS[bucket - 1]) == 0
+    assert at("rollout_lifecycle_phase_seconds_count", phase="pause") == 1
+    assert at("rollout_lifecycle_engine_calls_total", phase="pause", outcome="ok") == 3
+    assert at("rollout_lifecycle_weights_verified_total") == 3
+    assert at("rollout_lifecycle_server_state", state="serving") == 1
+    assert at("rollout_lifecycle_server_state", state="released") == 0
+    assert at("rollout_lifecycle_engines", state="serving") == 3
+    assert at("rollout_lifecycle_requests_total", outcome="completed") == 6
+    assert at("rollout_lifecycle_requests_in_flight") == 0

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+import ray
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
@@ -27,7 +28,7 @@ from rollout_lifecycle import (
 )
 from rollout_lifecycle.contract.urls import url_identity
 from rollout_lifecycle.core.claims import HostClaims
-from rollout_lifecycle.metrics import PrometheusMetrics
+from rollout_lifecycle.metrics import PHASES, PrometheusMetrics, RayMetrics
 from rollout_lifecycle.testing import StandInServer, until
 from rollout_lifecycle.testing.faults import NotIdleYet
 from rollout_lifecycle.testing.fleets import push_reaching
@@ -186,7 +187,7 @@ async def test_a_failing_exporter_never_fails_the_call(
     def broken(*labels: str) -> None:
         raise RuntimeError("the exporter broke")
 
-    monkeypatch.setattr(metrics._phases, "labels", broken)
+    monkeypatch.setattr(metrics._kept[PHASES], "labels", broken)
     with capture_logs() as logs:
         await server.offload()
     assert server.state is ServerState.RELEASED
@@ -263,3 +264,14 @@ def test_two_servers_of_one_name_are_refused_and_a_stopped_watch_stops_counting(
     asyncio.run(first.pause())
     assert "phase_seconds_count" not in metrics.text()
     metrics.watch(RolloutServer([EngineGroup("actor", sims(1))], name="same"))  # free again
+
+
+def test_ray_metrics_are_refused_without_ray_or_with_a_bad_interval(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # (tests/system/test_multinode.py reads them back from a cluster's metrics agent)
+    with pytest.raises(InvalidArgument, match="every must be"):
+        RayMetrics(every=0)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    with pytest.raises(InvalidArgument, match=r"connect this process to Ray \(ray.init\)"):
+        RayMetrics()
