@@ -105,14 +105,20 @@ def kill_after() -> Any:
         placement.remove()
 
 
+async def spread(kill_after: Any, n: int) -> tuple[EnginePlacement, list[Any]]:
+    """``n`` engines, each in its bundle of a SPREAD placement group, given back at the end."""
+    actors, placements = kill_after
+    placement = await EnginePlacement.reserve(n, {"gpu": 1}, strategy="SPREAD", timeout=BOUND)
+    placements.append(placement)
+    engines = await placement.start_all([factory(i) for i in range(n)])
+    actors.extend(engines)
+    return placement, engines
+
+
 async def test_a_fleet_spread_over_three_nodes_cycles_with_traffic_and_loses_nothing(
     ray_nodes: LocalCluster, kill_after: Any
 ) -> None:
-    actors, placements = kill_after
-    placement = await EnginePlacement.reserve(4, {"gpu": 1}, strategy="SPREAD", timeout=BOUND)
-    placements.append(placement)
-    engines = await placement.start_all([factory(i) for i in range(4)])
-    actors.extend(engines)
+    placement, engines = await spread(kill_after, 4)
     nodes = [await e.node_id.remote() for e in engines]
     assert set(nodes) == set(ray_nodes.node_ids())  # every node holds an engine
     assert nodes == [placement.nodes()[i] for i in range(4)]  # each in its bundle
@@ -218,12 +224,9 @@ async def test_bad_placements_are_refused_before_ray_is_asked(
 async def test_a_node_lost_at_a_phase_boundary_is_named_and_replaced_on_the_survivors(
     ray_nodes: LocalCluster, kill_after: Any, phase: str
 ) -> None:
-    actors, placements = kill_after
+    actors, _ = kill_after
     victim = ray_nodes.add_node(resources={"gpu": 1})
-    placement = await EnginePlacement.reserve(4, {"gpu": 1}, strategy="SPREAD", timeout=BOUND)
-    placements.append(placement)
-    engines = await placement.start_all([factory(i) for i in range(4)])
-    actors.extend(engines)
+    placement, engines = await spread(kill_after, 4)
     lost = [i for i, node in placement.nodes().items() if node == victim]
     assert lost, f"SPREAD left the new node empty: {placement.nodes()}"
     server = RolloutServer(
@@ -341,11 +344,7 @@ def bounded_sum(
 async def test_the_lifecycles_metrics_reach_the_clusters_prometheus_as_the_server_counts_them(
     ray_nodes: LocalCluster, kill_after: Any
 ) -> None:
-    actors, placements = kill_after
-    placement = await EnginePlacement.reserve(3, {"gpu": 1}, strategy="SPREAD", timeout=BOUND)
-    placements.append(placement)
-    engines = await placement.start_all([factory(i) for i in range(3)])
-    actors.extend(engines)
+    _, engines = await spread(kill_after, 3)
     server = RolloutServer([EngineGroup("actor", engines)], name="ray-metrics")
     on_ray, on_endpoint = RayMetrics(every=0.2), PrometheusMetrics()
     on_ray.watch(server)
