@@ -1,7 +1,8 @@
-"""Reads a real-server tier's JUnit report and fails unless every test ran and passed; prints
-the slowest tests (where the tier's time goes) and what each failure raised.
+"""Reads a tier's JUnit report (the real servers' tiers, the Ray metrics') and fails unless every
+test ran and passed; prints the slowest tests (where the tier's time goes) and what each failure
+raised.
 
-Usage: python ci/report.py TIER REPORT PYTEST_EXIT_CODE. Under CI a skipped real-server test is a
+Usage: python ci/report.py TIER REPORT PYTEST_EXIT_CODE. Under CI a skipped test of a tier is a
 failure, as is a run that executes none (pytest's "no tests collected", exit 5).
 """
 
@@ -23,7 +24,7 @@ assert suite is not None
 count = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
 passed = count["tests"] - count["failures"] - count["errors"] - count["skipped"]
 print(
-    f"{tier}: {passed} real-server tests passed, {count['failures'] + count['errors']} failed, "
+    f"{tier}: {passed} tests passed, {count['failures'] + count['errors']} failed, "
     f"{count['skipped']} skipped in {float(suite.get('time', 0)):.0f} s"
 )
 cases = sorted(suite.iter("testcase"), key=lambda c: -float(c.get("time", 0)))

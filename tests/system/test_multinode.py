@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -341,9 +342,14 @@ def bounded_sum(
     return low, high
 
 
+@pytest.mark.ray_metrics
 async def test_the_lifecycles_metrics_reach_the_clusters_prometheus_as_the_server_counts_them(
     ray_nodes: LocalCluster, kill_after: Any
 ) -> None:
+    # (its own tier, `bash ci/ray-metrics`: the agent is in ray[default], not in a minimal Ray)
+    assert importlib.util.find_spec("opencensus.stats") is not None, (
+        "Ray's metrics agent needs ray[default]: pip install '.[test,ray-metrics]'"
+    )
     _, engines = await spread(kill_after, 3)
     server = RolloutServer([EngineGroup("actor", engines)], name="ray-metrics")
     on_ray, on_endpoint = RayMetrics(every=0.2), PrometheusMetrics()
