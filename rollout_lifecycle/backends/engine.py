@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import hashlib
+import inspect
 import json
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -183,6 +185,16 @@ async def read_engine(backend: object, *, paused: bool, identify: bool) -> dict[
     return found
 
 
+def _takes(method: Callable[..., Any] | None, name: str) -> bool:
+    """Whether ``method`` takes the keyword argument ``name``."""
+    if method is None:
+        return False
+    try:
+        return name in inspect.signature(method).parameters
+    except (TypeError, ValueError):  # (a callable without a signature Python can read)
+        return False
+
+
 def introspect(backend: object, name: str, default: Any) -> Any:
     """``backend.name()`` where the backend offers it (a simulated engine's test hooks), else
     ``default``: a real server has no such method and answers nothing."""
@@ -206,6 +218,10 @@ class EngineHost:
         if not isinstance(backend, EngineBackend):
             raise InvalidArgument(f"backend must be an engine backend, got {backend!r}")
         self._backend = backend
+        #: Whether the backend's ``observe`` marks its reads with their ``purpose`` itself (the
+        #: simulator's does): then no ``CHECKING`` is set around them, which costs every
+        #: checked call two new context mappings.
+        self._marks_reads = _takes(getattr(backend, "observe", None), "purpose")
         #: The newest lease epoch each fencing scope has sent a command under (``fenced``).
         self._fences: dict[str, int] = {}
 
@@ -228,17 +244,35 @@ class EngineHost:
         self, paused: bool = True, purpose: str = "observe", identify: bool = True
     ) -> dict[str, Any]:
         """Who the engine is and what it says of itself: ``{"incarnation": str | None,
-        "paused": bool | None}`` (``observe``); ``purpose`` marks the reads (``CHECKING``).
+        "paused": bool | None}`` (``observe``); ``purpose`` marks the reads: given to a
+        backend whose ``observe`` takes it, else set in ``CHECKING`` while they run.
         With ``identify``, also what its driver declares it can do (``"capabilities"``,
         ``Capabilities.to_wire``): they are the process's, read with the incarnation."""
-        token = CHECKING.set(purpose)
-        try:
-            found = await observe(self._backend, paused=paused, identify=identify)
-        finally:
-            CHECKING.reset(token)
+        return self._declared(await self._read(paused, purpose, identify), identify)
+
+    def _declared(self, found: dict[str, Any], identify: bool) -> dict[str, Any]:
+        """A read ``found``, with what the driver declares when it names the process."""
         if identify:
             found["capabilities"] = capabilities_of(self._backend).to_wire()
         return found
+
+    def _read(self, paused: bool, purpose: str, identify: bool) -> Awaitable[dict[str, Any]]:
+        """``observe``'s read of the backend, to await (no coroutine of its own where the
+        backend marks its reads: a checked call makes one per engine per phase)."""
+        if self._marks_reads:
+            found: Awaitable[dict[str, Any]] = self._backend.observe(  # type: ignore[attr-defined]
+                paused=paused, identify=identify, purpose=purpose
+            )
+            return found
+        return self._marked_read(paused, purpose, identify)
+
+    async def _marked_read(self, paused: bool, purpose: str, identify: bool) -> dict[str, Any]:
+        """``observe(backend)`` with ``CHECKING`` set to ``purpose`` while it runs."""
+        token = CHECKING.set(purpose)
+        try:
+            return await observe(self._backend, paused=paused, identify=identify)
+        finally:
+            CHECKING.reset(token)
 
     async def run(self, op: str, *args: Any) -> Any:
         """Carry out one command, as the seam delivers it (``contract/seam.command``): its
@@ -255,11 +289,11 @@ class EngineHost:
         method = getattr(self, op, None)
         return self._optional(op) if method is None else method  # type: ignore[no-any-return]
 
-    async def checked(self, expect: Expectation, op: str, *args: Any) -> list[Any]:
+    async def checked(self, expect: Expectation, op: str, *args: Any) -> tuple[Any, Any, Any]:
         """The command ``op(*args)`` (``run``), carried out only once the engine has shown it
-        is what its record expects (``expect``: ``[incarnation, paused, identify]``, see
+        is what its record expects (``expect``: ``(incarnation, paused, identify)``, see
         ``EngineRecord.expect``; the incarnation is read only with ``identify``); returns
-        ``[incarnation, result, capabilities]`` (the capabilities only with ``identify``, else
+        ``(incarnation, result, capabilities)`` (the capabilities only with ``identify``, else
         None).
 
         Another process at the address raises ``EngineRestarted``; a pause state other than
@@ -270,15 +304,16 @@ class EngineHost:
         """
         if op not in _CHECKED:
             raise InvalidArgument(f"{short_repr(op)} is not an operation checked before it is sent")
-        label = self._backend.label
         try:
             identify = expect[2] if len(expect) > 2 else True
-            seen = await self.observe(expect[1] is not None, op, identify)
+            seen = self._declared(await self._read(expect[1] is not None, op, identify), identify)
         except EngineDead:
             raise
         except EngineError as exc:
             raise IllegalEngineOp(
-                label, op, f"the engine could not be read before {op}, which was not sent: {exc}"
+                self._backend.label,
+                op,
+                f"the engine could not be read before {op}, which was not sent: {exc}",
             ) from None
         found = disagreement(expect, seen)
         if found is not None and found[0] is Outcome.CONFLICT and not identify and expect[0]:
@@ -288,14 +323,14 @@ class EngineHost:
             with contextlib.suppress(EngineError):
                 named = (await self.observe(False, op, True))["incarnation"]
             if named is not None and named != expect[0]:
-                raise EngineRestarted(label, op, expect[0], named)
+                raise EngineRestarted(self._backend.label, op, expect[0], named)
         if found is not None:
             outcome, records, reported = found
             if outcome is Outcome.RESTARTED:
-                raise EngineRestarted(label, op, expect[0], seen["incarnation"])
-            raise EngineStateConflict(label, op, records, reported)
+                raise EngineRestarted(self._backend.label, op, expect[0], seen["incarnation"])
+            raise EngineStateConflict(self._backend.label, op, records, reported)
         result = await self._method(op)(*args)  # (``run``; ``op`` is checked above)
-        return [seen["incarnation"], result, seen.get("capabilities")]
+        return (seen["incarnation"], result, seen.get("capabilities"))
 
     async def fenced(self, fence: Sequence[Any], via: str, *args: Any) -> Any:
         """Carry out a command sent under a cluster lease (``lease``): ``fence`` is
@@ -370,12 +405,12 @@ class EngineHost:
         """Release the given tags; whether the release discarded the weights' values (the
         backend says so: ``EngineBackend.release_memory_occupation``), which the ledger records
         (``EngineRecord.lost_weights``)."""
-        tags_ = list(parse_tags(tags, what="release tags"))
+        tags_ = _wire_tags(tags, "release tags")
         return await self._backend.release_memory_occupation(tags_) is True
 
     async def resume_memory_occupation(self, tags: list[str]) -> None:
         """Resume the given tags."""
-        await self._backend.resume_memory_occupation(list(parse_tags(tags, what="resume tags")))
+        await self._backend.resume_memory_occupation(_wire_tags(tags, "resume tags"))
 
     async def begin_weight_update(self) -> None:
         """Open a weight-update session; one already open is refused with ``SESSION_OPEN``
@@ -533,11 +568,30 @@ class EngineHost:
         await self._backend.close()
 
 
+def _wire_tags(tags: Any, what: str) -> list[Tag]:
+    """``parse_tags`` of a command's tags as they come over the wire (every engine of a phase
+    gets the same few names: parsed once per distinct list)."""
+    if type(tags) is list and all(type(t) is str for t in tags):
+        return list(_parsed_tags(tuple(tags), what))
+    return list(parse_tags(tags, what=what))
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed_tags(tags: tuple[str, ...], what: str) -> tuple[Tag, ...]:
+    return parse_tags(tags, what=what)
+
+
 class LocalSeam:
     """An ``EngineHost`` in this process: each call is an asyncio task on this loop."""
 
     def send(self, handle: EngineHost, op: str, args: tuple[Any, ...]) -> Awaitable[Any]:
-        task: Awaitable[Any] = asyncio.ensure_future(getattr(handle, op)(*args))
+        if op == RUN and args and args[0] in _OPS:
+            # ``EngineHost.run``'s method called at once: one coroutine (and its arguments'
+            # tuple) less per engine call, all of a phase's alive at once
+            call = handle._method(args[0])(*args[1:])
+        else:
+            call = getattr(handle, op)(*args)
+        task: Awaitable[Any] = asyncio.ensure_future(call)
         return task
 
     def identity(self, handle: EngineHost) -> Hashable:

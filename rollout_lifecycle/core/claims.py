@@ -415,6 +415,10 @@ class Claims:
         """Claim every engine of the server for ``call`` (each by its address and, known, its
         incarnation); the lease, which releases them. ``EngineClaimed`` (nothing held) when
         another controller holds one; ``InvalidArgument`` for one engine given twice."""
+        return (await self._claim(call))[0]
+
+    async def _claim(self, call: str) -> tuple[Lease, dict[str, str]]:
+        """``claim``, and the addresses it claimed by (``addresses``)."""
         records = list(self._records())
         addresses = await self.addresses(records)
         shared = self._store.cluster_wide
@@ -429,7 +433,7 @@ class Claims:
                 watched = self._in_process(record)
             if not watched:
                 record.lost_sight()
-        return lease
+        return lease, addresses
 
     def _fenced(self, lease: Lease) -> Callable[[], None]:
         """Keep ``lease`` as the call's, its fence on every command the runner sends while it
@@ -454,18 +458,20 @@ class Claims:
         one process are refused (``InvalidArgument``) and its incarnation is claimed too
         (``named``), so that two controllers that spell it differently meet there, before
         anything is sent."""
-        lease = await self.claim(call)
+        lease, addresses = await self._claim(call)
         try:
-            await self._identify(lease, [r for r in self._records() if r.alive])
+            await self._identify(lease, [r for r in self._records() if r.alive], addresses)
         except BaseException:
             lease.release()
             raise
         return self._fenced(lease)
 
-    async def _identify(self, lease: Lease, live: Sequence[EngineRecord]) -> None:
-        """Read the engines of ``live`` with an address whose process the records do not know
-        yet, and claim their incarnations under ``lease`` (``hold``)."""
-        urls = await self.addresses(live)
+    async def _identify(
+        self, lease: Lease, live: Sequence[EngineRecord], urls: Mapping[str, str]
+    ) -> None:
+        """Read the engines of ``live`` with an address (``urls``: ``addresses`` of them, or
+        of more) whose process the records do not know yet, and claim their incarnations under
+        ``lease`` (``hold``)."""
         unnamed = tuple(
             r for r in live if (r.incarnation is None or r.capabilities is None) and r.id in urls
         )
@@ -491,7 +497,7 @@ class Claims:
         extended = lease.extend([k for r in records for k in _keys(addresses.get(r.id), r, shared)])
         if inspect.isawaitable(extended):
             await extended
-        await self._identify(lease, [r for r in records if r.alive])
+        await self._identify(lease, [r for r in records if r.alive], addresses)
 
     async def named(self, lease: Lease, records: Sequence[EngineRecord]) -> None:
         """Claim the incarnations ``records`` showed for the first time under ``lease`` (their

@@ -11,6 +11,7 @@ Nothing here sends a call.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
@@ -209,6 +210,20 @@ class _SessionIntent:
 
 
 _Intent = _TagsIntent | _PauseIntent | _SessionIntent
+
+
+@functools.cache
+def _intent(kind: type[_Intent], *held: Any) -> _Intent:
+    """The intent ``kind(*held)``, one shared object per value: intents are immutable, and a
+    phase puts one in every target's record, so a fleet of 10,000 engines in flight holds a
+    handful of them, not 10,000 objects for the collector to promote and walk."""
+    return kind(*held)
+
+
+@functools.cache
+def _tags_intent(added: tuple[Tag, ...]) -> _Intent:
+    """``_TagsIntent`` of ``added``, shared as ``_intent`` shares the others."""
+    return _intent(_TagsIntent, frozenset(added))
 
 
 @dataclass(frozen=True)
@@ -530,9 +545,9 @@ class EngineRecord:
 
     # -- identity ----------------------------------------------------------------------------
 
-    def expect(self, op: Op, now: float) -> list[Any] | None:
+    def expect(self, op: Op, now: float) -> tuple[str | None, bool | None, bool] | None:
         """What the engine must show before ``op`` (one of ``CHECKED_OPS``) is sent at ``now``
-        (the loop's clock): ``[incarnation, paused, identify]``, or None when nothing need be
+        (the loop's clock): ``(incarnation, paused, identify)``, or None when nothing need be
         read.
 
         Nothing, while its last answer proves the process (``proven_until``) and no other
@@ -562,10 +577,17 @@ class EngineRecord:
         )
         if paused is None and not identify and not several:
             return None
-        return [self.incarnation, paused, identify]
+        # (a tuple of plain values: the collector stops tracking it, and a phase holds one per
+        # engine until it settles)
+        return (self.incarnation, paused, identify)
 
     def answered(
-        self, op: Op, out: EngineOutcome, expected: list[Any] | None, proven: bool, until: float
+        self,
+        op: Op,
+        out: EngineOutcome,
+        expected: Sequence[Any] | None,
+        proven: bool,
+        until: float,
     ) -> None:
         """What an answer says of the process behind this record (``proven_until``,
         ``unwatched``): an answer to a call sent while the process was proven, or whose check
@@ -643,10 +665,14 @@ class EngineRecord:
     def _saved(self, part: Part, tags: Sequence[Tag]) -> _Intent:
         """What ``part`` holds now, to be restored if the call is refused."""
         if part is _MEMORY:
-            return _TagsIntent(frozenset(t for t in tags if t not in self.uncertain))
+            uncertain = self.uncertain
+            added = tuple(t for t in tags if t not in uncertain) if uncertain else tuple(tags)
+            return _tags_intent(added)
         if part is _PAUSE_PART:
-            return _PauseIntent(self.paused, self.pause_mode, self.flushed, self.pause_unknown)
-        return _SessionIntent(self.session_unknown)
+            return _intent(
+                _PauseIntent, self.paused, self.pause_mode, self.flushed, self.pause_unknown
+            )
+        return _intent(_SessionIntent, self.session_unknown)
 
     def _unknown(self, part: Part, op: Op, tags: Sequence[Tag], mode: PauseMode | None) -> None:
         """What ``part`` holds while a call that changes it may or may not have landed."""

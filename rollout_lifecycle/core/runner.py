@@ -48,7 +48,7 @@ _LOOK = Observe()
 _OK, _RESTARTED, _UNREACHABLE = Outcome.OK, Outcome.RESTARTED, Outcome.UNREACHABLE
 _FAILED = EngineOutcome(Outcome.NOT_ATTEMPTED)
 #: What an answered observation proved: the engine's incarnation (``EngineRecord.answered``).
-_IDENTIFIED: list[Any] = [None, None, True]
+_IDENTIFIED = (None, None, True)
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ class Calls:
         #: The handle each call went to (a record may get a replacement while it flies).
         self.handles: list[Any] = []
         #: What each checked call's engine had to show first (None: sent plain).
-        self.expects: list[list[Any] | None] = []
+        self.expects: list[tuple[str | None, bool | None, bool] | None] = []
         #: Whether each call went to a process its record had proven (``proven_until``).
         self.proven: list[bool] = []
         #: When the calls were sent, by the loop's clock (before the first of them).
@@ -186,7 +186,7 @@ def issue(
     now = asyncio.get_running_loop().time()
     # What each engine must show before a checked call: taken before the intent below changes
     # the records (a continue's intent makes the pause state unknown).
-    expects: list[list[Any] | None] = (
+    expects: list[tuple[str | None, bool | None, bool] | None] = (
         [r.expect(op, now) for r in chosen] if cmd.checked else [None] * len(chosen)
     )
     proven = [now < r.proven_until for r in chosen]
@@ -408,6 +408,8 @@ class PhaseRunner:
     def succeeded(self, outcomes: Mapping[str, EngineOutcome]) -> bool:
         """Every engine succeeded, or (``DeadEnginePolicy.SKIP``) was found dead; and every
         group the phase reached has an engine that succeeded: no success on nothing."""
+        if all(o.ok for o in outcomes.values()):
+            return True  # (every group reached has an engine that succeeded)
         reached: set[str] = set()
         succeeded: set[str] = set()
         for engine, o in outcomes.items():
@@ -590,7 +592,7 @@ class WorkerUrls:
 
 
 def _checked_value(value: Any) -> tuple[str | None, Any, Any]:
-    """A checked call's answer (``[incarnation, result, capabilities]``,
+    """A checked call's answer (``(incarnation, result, capabilities)``,
     ``EngineHost.checked``) split."""
     if type(value) in (list, tuple) and len(value) == 3:
         seen = value[0]

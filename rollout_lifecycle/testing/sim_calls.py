@@ -47,12 +47,12 @@ class SimCalls:
         """Whether ``op`` takes no time (no latency set for it): ``at_once`` may take it."""
         return not self._state.op_latency.get(op)
 
-    def _start(self, op: str, **fields: Any) -> dict[str, Any]:
+    def _start(self, op: str, purpose: str | None = None, **fields: Any) -> dict[str, Any]:
         """Record the call ``op`` starting now, with ``fields``; a dead or closed server refuses
         the connection at once, with no latency and no effect: recorded ``dead``,
         ``EngineDead``."""
         state = self._state
-        entry = state.record(op, **fields)
+        entry = state.record(op, purpose, **fields)
         try:
             state.check_alive(op)
         except EngineDead as exc:
@@ -61,20 +61,23 @@ class SimCalls:
         self._scheduler.ensure_running()
         return entry
 
-    def at_once(self, op: str) -> dict[str, Any]:
+    def at_once(self, op: str, purpose: str | None = None) -> dict[str, Any]:
         """Take the call ``op`` that takes no time (``answers_at_once``) as ``op`` does a body
         that cannot fail: recorded, refused by a dead or closed server (``EngineDead``), else
         answered now. A read made thousands of times per phase (the checks' ``observe``) costs
         the fleet no coroutine of its own."""
-        entry = self._start(op)
+        entry = self._start(op, purpose)
         entry["outcome"], entry["end"] = "ok", time.monotonic()
         return entry
 
     @contextlib.asynccontextmanager
-    async def op(self, op: str, **fields: Any) -> AsyncIterator[dict[str, Any]]:
-        """Run the body as the call ``op``, recorded in the history with ``fields``."""
+    async def op(
+        self, op: str, purpose: str | None = None, **fields: Any
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Run the body as the call ``op``, recorded in the history with ``fields`` (and, for a
+        read that checks the engine, its ``purpose``: ``SimState.record``)."""
         state = self._state
-        entry = self._start(op, **fields)
+        entry = self._start(op, purpose, **fields)
         process = state.process
         try:
             delay = self._draw_latency(op)

@@ -243,20 +243,22 @@ class SimControl:
             healthy = self._state.healthy
         return healthy
 
-    async def observe(self, *, paused: bool = True, identify: bool = True) -> dict[str, Any]:
+    async def observe(
+        self, *, paused: bool = True, identify: bool = True, purpose: str | None = None
+    ) -> dict[str, Any]:
         """``/server_info``'s incarnation and the pause ``/ping`` and ``/ready`` tell; a server
         of several ranks that lost one is ``EngineUnhealthy``, as the SGLang driver finds it
         (its ``/server_info`` waits for every rank: ``SGLangLink._server_info``)."""
         calls, state = self._calls, self._state
         if state.lost_ranks and (identify or state.dp_size > 1):
-            entry = calls.at_once("observe")
+            entry = calls.at_once("observe", purpose)
             error = EngineUnhealthy(state.label, "observe", state.dp_size, None)
             entry["outcome"], entry["detail"] = "dead", error.message
             raise error
         if calls.answers_at_once("observe") and not state.slow_ranks:
-            calls.at_once("observe")
+            calls.at_once("observe", purpose)
             return self._observed(paused=paused, identify=identify)
-        async with calls.op("observe"):
+        async with calls.op("observe", purpose):
             found = self._observed(paused=paused, identify=identify)
         return found
 

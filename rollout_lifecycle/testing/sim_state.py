@@ -469,8 +469,10 @@ class SimState:
         while (wait := self.last_call_at + PROOF_WINDOW - loop.time()) > 0:  # noqa: ASYNC110
             await asyncio.sleep(wait)  # (a time, not an event: calls meanwhile move it on)
 
-    def record(self, op: str, **fields: Any) -> dict[str, Any]:
-        """Append the history entry of a call that starts now; the caller fills in its end.
+    def record(self, op: str, purpose: str | None = None, **fields: Any) -> dict[str, Any]:
+        """Append the history entry of a call that starts now; the caller fills in its end. A
+        read an engine host makes to check the engine is marked ``check_of`` its ``purpose``
+        (given, or ``CHECKING``'s).
 
         Entries hold only strings, numbers, None and tuples of those (``history()`` turns the
         tuples into lists), and older finished entries are kept as tuples of tuples, which
@@ -488,7 +490,7 @@ class SimState:
             "detail": None,
             **fields,
         }
-        check = CHECKING.get()
+        check = CHECKING.get() if purpose is None else purpose
         if check is not None:  # a read the engine host makes to check the engine
             entry["check_of"] = check
         try:  # noqa: SIM105 (``suppress`` costs a context manager on every call of the fleet)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import inspect
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from rollout_lifecycle.backends.sglang.api import (
@@ -304,11 +304,15 @@ class SimulatedEngine:
         marks the server unhealthy until one succeeds)."""
         return await self._control.ping()
 
-    async def observe(self, *, paused: bool = True, identify: bool = True) -> dict[str, Any]:
+    def observe(
+        self, *, paused: bool = True, identify: bool = True, purpose: str | None = None
+    ) -> Awaitable[dict[str, Any]]:
         """What SGLang says of itself, read in one call (``EngineHost.observe``): the
         incarnation its ``/server_info`` names, and whether it is paused as ``/ping`` and
-        ``/ready`` tell it (nothing while unhealthy)."""
-        return await self._control.observe(paused=paused, identify=identify)
+        ``/ready`` tell it (nothing while unhealthy). ``purpose`` marks a read made to check
+        the engine in the history (``check_of``)."""
+        # (the control's coroutine handed back: one less per read, thousands per phase)
+        return self._control.observe(paused=paused, identify=identify, purpose=purpose)
 
     async def server_info(self) -> dict[str, Any]:
         """``GET /server_info`` in SGLang's shape: the resolved server arguments (keys

@@ -18,9 +18,9 @@ from rollout_lifecycle import (
     RolloutServer,
     Tag,
 )
-from rollout_lifecycle.backends.engine import EngineHost
+from rollout_lifecycle.backends.engine import EngineHost, LocalSeam
 from rollout_lifecycle.contract import commands as c
-from rollout_lifecycle.contract.ops import Op
+from rollout_lifecycle.contract.ops import RUN, Op
 from rollout_lifecycle.core.commands import COMMANDS
 from rollout_lifecycle.core.runner import Plan, issue
 from rollout_lifecycle.testing import SimulatedEngine
@@ -183,6 +183,20 @@ async def test_the_host_runs_a_command_it_does_not_adapt_on_the_backends_method(
         await host.checked([None, None, False], *c.ReadLabel().wire)
     for engine in (host.backend, plain.backend):
         await engine.close()  # type: ignore[attr-defined]
+
+
+async def test_the_in_process_seam_carries_a_command_as_run_does_and_refuses_the_same() -> None:
+    """``LocalSeam.send`` calls the host's method of a command at once (no ``run`` coroutine
+    between), with ``run``'s refusals: anything but a command fails the call, not the send."""
+    host = EngineHost(SimulatedEngine("e", token_latency=0.001))
+    local = LocalSeam()
+    assert await local.send(host, RUN, c.ReadLabel().wire) == "e"
+    await local.send(host, RUN, c.Pause(PauseMode.RETRACT).wire)
+    assert host.backend.paused  # type: ignore[attr-defined]
+    refused = local.send(host, RUN, ("pause", "abort"))  # (sent: the call is what fails)
+    with pytest.raises(InvalidArgument, match="'pause' is not an engine operation"):
+        await refused
+    await host.backend.close()  # type: ignore[attr-defined]
 
 
 class FakeOp(str):

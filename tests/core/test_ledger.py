@@ -178,9 +178,9 @@ def test_a_record_takes_its_drivers_capabilities_with_the_incarnation_it_names()
     # prove it (they come with the incarnation: once per process)
     paused = EngineRecord("actor/1", "actor", None)
     paused.incarnation, paused.paused = "inc-2", True
-    assert paused.expect(Op.CONTINUE, 0.0) == ["inc-2", True, True]
+    assert paused.expect(Op.CONTINUE, 0.0) == ("inc-2", True, True)
     paused.met("inc-2", VLLM_DECLARED)
-    assert paused.expect(Op.CONTINUE, 0.0) == ["inc-2", True, False]
+    assert paused.expect(Op.CONTINUE, 0.0) == ("inc-2", True, False)
     # another process's declaration is not this one's; garbage is not taken
     record.met("inc-other", {"family": "other"})
     assert record.capabilities.family == "vllm"

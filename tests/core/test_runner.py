@@ -90,6 +90,31 @@ async def test_a_journal_that_raises_sends_nothing_and_leaves_no_intent() -> Non
         await engine.close()
 
 
+async def test_a_phase_shares_one_intent_per_value_and_each_engine_gets_its_own_back() -> None:
+    # A phase puts an intent in every target's record; a fleet of thousands in flight must
+    # not hold one object per engine for the collector to walk, so equal intents are one.
+    engines = sims(6, "a")
+    server = RolloutServer([EngineGroup("a", engines)])
+    records = server.groups[0].records
+    records[0].pause_unknown = True  # its last pause did not answer: another value to keep
+    held: list[set[int]] = []
+
+    def journal() -> None:
+        held.append({id(r._intent) for r in records[1:]})
+        held.append({id(records[0]._intent)})
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        issue(Plan.over(server.groups, Pause(PauseMode.RETRACT)), journal)
+    assert len(held[0]) == 1 and held[0] != held[1]
+    # undone, each record holds what it held before the intent
+    assert records[0].pause_unknown and not records[0].paused
+    assert not any(r.paused or r.pause_unknown for r in records[1:])
+    assert not any(lifecycle_ops(e) for e in engines)
+    for engine in engines:
+        await engine.close()
+
+
 def test_the_default_targets_of_each_operation() -> None:
     offloads = EngineGroup("a", sims(3, "a"))
     keeps = EngineGroup("k", sims(1, "k"), needs_offload=False)
@@ -233,7 +258,7 @@ async def test_a_batch_of_calls_keeps_each_call_with_its_engine_in_order() -> No
     # call to an engine, and then by every call that could kill it), its result, and, read with
     # the incarnation, what the engine's driver declares it can do
     declared = SimulatedEngine.capabilities.to_wire()
-    assert answers[:3] == [[incarnation_of(a), None, declared] for a in answers[5:]]
+    assert answers[:3] == [(incarnation_of(a), None, declared) for a in answers[5:]]
     for engine in engines[:3]:  # the probe came after the pause, which was checked first
         received = calls_received(engine.history())
         assert [c["op"] for c in received] == ["pause_generation", "server_info"]
