@@ -1,11 +1,13 @@
 """The HTTP client's connections: a call safe to repeat reuses a pooled connection idle for less
 than the pool's keep-alive expiry (SGLang closes idle connections after 5 s), not one idle for
 longer; a call sent once never reuses one (a server that stalls past its keep-alive drops a call
-written onto a kept connection: ``tests/wire/test_wire_endpoints.py``)."""
+written onto a kept connection: ``tests/wire/test_wire_endpoints.py``). And a call costs no
+search of the import path (sniffio is installed)."""
 
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 
@@ -121,3 +123,20 @@ async def test_a_call_sent_once_gets_a_connection_of_its_own_every_time(op: str)
             assert server.closing == [False, True, True, True, False]
         finally:
             await wire.close()
+
+
+async def test_a_call_finds_its_async_library_without_a_failed_import() -> None:
+    # httpcore asks which async library it runs under for every lock and event of every
+    # request (httpcore 1.0: ``_synchronization.current_async_library``, ``import sniffio``).
+    # Without sniffio each ask is a failed import, a search of ``sys.path`` on the event loop
+    # (4 to 6 per request, ~60 us each on a quiet machine, stat calls that wait for a CPU on a
+    # busy one); with it, the module is imported once and stays.
+    sys.modules.pop("sniffio", None)
+    server = CountingServer()
+    async with server as url:
+        wire = _wire(url)
+        try:
+            await wire.request(ENDPOINTS["server_info"], None, 30.0)
+        finally:
+            await wire.close()
+    assert "sniffio" in sys.modules, "install sniffio (a dependency of rollout-lifecycle)"
