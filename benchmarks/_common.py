@@ -10,9 +10,11 @@ import os
 import platform
 import statistics
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import structlog
 
 from rollout_lifecycle import LifecycleConfig, RolloutServer
 from rollout_lifecycle.testing import (
@@ -121,6 +123,53 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 
     rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(cells[0]), rule, *(line(r) for r in cells[1:])])
+
+
+class ServerLog:
+    """The lines the servers a benchmark launched print (the launcher's ``<EVENT>.log``
+    events), kept as they come; every other event goes on as the library's own logger sends
+    it (to ``logging``'s ``rollout_lifecycle`` logger) once ``install()`` ed."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def __call__(self, _logger: Any, _name: str, event: MutableMapping[str, Any]) -> Any:
+        if str(event.get("event", "")).endswith(".log"):
+            self.lines.append(str(event.get("line", "")))
+            raise structlog.DropEvent
+        return event
+
+    def install(self) -> ServerLog:
+        """Route the library's events through this log; returns it."""
+        structlog.configure(
+            processors=[
+                self,
+                structlog.stdlib.filter_by_level,
+                structlog.stdlib.add_log_level,
+                structlog.processors.TimeStamper(fmt="iso"),
+                structlog.processors.KeyValueRenderer(key_order=["event"], sort_keys=True),
+            ],
+            logger_factory=structlog.stdlib.LoggerFactory(),
+            wrapper_class=structlog.stdlib.BoundLogger,
+        )
+        return self
+
+    def take(self) -> list[str]:
+        """The lines kept so far, forgotten here."""
+        lines, self.lines = self.lines, []
+        return lines
+
+
+def cpu_wait_s() -> float | None:
+    """Seconds the calling thread has spent ready to run but waiting for a CPU (Linux's
+    ``/proc/thread-self/schedstat``, its second field: run-queue wait in ns); None where the
+    kernel does not say. The difference over a timed call is how much of it the machine's
+    other processes took from this one."""
+    try:
+        with open("/proc/thread-self/schedstat") as stat:
+            return int(stat.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def machine() -> str:

@@ -554,6 +554,18 @@ def _span(values: Sequence[float], scale: float, digits: int) -> str:
     )
 
 
+def paired(run: FleetRun, key: str = CYCLE_KEY) -> tuple[list[float], list[float], float, float]:
+    """``key``'s seconds with and without the checks, the median of the rounds' differences,
+    and the ratio that difference makes over the median without."""
+    w = [c.get(key, float("nan")) for c in run.cycles[CHECKED]]
+    wo = [c.get(key, float("nan")) for c in run.cycles[UNCHECKED]]
+    added = median([a - b for a, b in zip(w, wo, strict=False)])
+    # Each round ran one cycle of each, in rotating order: the median of the rounds'
+    # differences over the baseline's median is the ratio a bimodal spread leaves alone.
+    ratio = 1 + added / median(wo) if wo and median(wo) > 0 else float("nan")
+    return w, wo, added, ratio
+
+
 def phase_rows(run: FleetRun) -> list[list[object]]:
     """Per phase: median (min-max) ms with and without checks, the added ms (median of each
     round's difference), per engine in microseconds, and with / without (1 + the added over
@@ -566,12 +578,7 @@ def phase_rows(run: FleetRun) -> list[list[object]]:
     labels += [("checked phases, sum", CHECKED_SUM_KEY, ""), ("cycle (4 calls)", CYCLE_KEY, "")]
     digits = 3 if run.fleet == "in-process" and run.engines < 1000 else 2
     for name, key, checked in labels:
-        w = [c.get(key, float("nan")) for c in run.cycles[CHECKED]]
-        wo = [c.get(key, float("nan")) for c in run.cycles[UNCHECKED]]
-        added = median([a - b for a, b in zip(w, wo, strict=False)])
-        # Each round ran one cycle of each, in rotating order: the median of the rounds'
-        # differences over the baseline's median is the ratio a bimodal spread leaves alone.
-        ratio = 1 + added / median(wo) if wo and median(wo) > 0 else float("nan")
+        w, wo, added, ratio = paired(run, key)
         rows.append(
             [
                 name,

@@ -5,6 +5,15 @@ pause and flush themselves. Each route is timed alone, one after another, per ro
 alternate idle and traffic (``--in-flight`` streams of ``--new-tokens`` tokens, read by this
 process), the first two untimed.
 
+With traffic, each call is also set against the scheduler's decode steps: the server logs
+every decode step with a millisecond timestamp (``--decode-log-interval 1``,
+``SGLANG_LOG_MS=1``; sglang: ``batch_result_processor.process_batch_result_decode`` ->
+``metrics_reporter.report_decode_stats``, after the step's tokens are streamed, just before
+the scheduler's loop reads its socket again: ``Scheduler.event_loop_overlap``,
+``ingest_requests``). A call that waits for the scheduler answers soon after the first step
+that ends after it was sent: the second table says how long each call waited for that step's
+end and how long after it the answer came.
+
     python -m benchmarks.real_routes --cpu \\
         --sglang-python ~/.cache/rollout-lifecycle/sglang-0.5.23/bin/python \\
         --model ~/.cache/rollout-lifecycle/tiny-gpt2
@@ -14,6 +23,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
+import itertools
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -21,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks._common import cpu_sglang_setup, machine, median, table
+from benchmarks._common import ServerLog, cpu_sglang_setup, machine, median, table
 from benchmarks.real_sglang import open_streams
 from rollout_lifecycle import free_port, launched_sglang_factory
 
@@ -36,8 +48,31 @@ ROUTES: tuple[tuple[str, str, dict[str, Any] | None], ...] = (
 )
 
 
-async def measure(url: str, rounds: int, in_flight: int, new_tokens: int) -> dict[str, Any]:
-    """Milliseconds per route and condition: ``{condition: {path: [ms, ...]}}``."""
+#: A decode step's line in the server's log, and its time (``SGLANG_LOG_MS``: to the ms).
+# sglang: utils/common.py configure_logger ("[%(asctime)s.%(msecs)03d<prefix>] %(message)s")
+STEP_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\.(\d{3})[^\]]*\] Decode batch")
+
+
+def steps(lines: Sequence[str]) -> list[float]:
+    """The end of each decode step the server logged (``time.time()`` seconds)."""
+    ends = []
+    for line in lines:
+        found = STEP_LINE.match(line)
+        if found:
+            whole = time.mktime(time.strptime(found[1], "%Y-%m-%d %H:%M:%S"))
+            ends.append(whole + int(found[2]) / 1000)
+    return ends
+
+
+#: One timed call: condition, path, sent and answered (``time.time()`` seconds).
+Call = tuple[str, str, float, float]
+
+
+async def measure(
+    url: str, rounds: int, in_flight: int, new_tokens: int, calls: list[Call] | None = None
+) -> dict[str, Any]:
+    """Milliseconds per route and condition: ``{condition: {path: [ms, ...]}}``; each timed
+    call also goes to ``calls``."""
     times: dict[str, dict[str, list[float]]] = {"idle": {}, "traffic": {}}
     async with (
         httpx.AsyncClient(timeout=60.0, trust_env=False) as client,
@@ -51,12 +86,14 @@ async def measure(url: str, rounds: int, in_flight: int, new_tokens: int) -> dic
                     traffic, "sglang", [url], in_flight, new_tokens, k, timeout=600.0
                 )
             for method, path, body in ROUTES:
-                began = time.perf_counter()
+                sent, began = time.time(), time.perf_counter()
                 answer = await client.request(method, url + path, json=body)
                 took = (time.perf_counter() - began) * 1000
                 answer.raise_for_status()
                 if k >= 2:
                     times[condition].setdefault(path, []).append(took)
+                    if calls is not None:
+                        calls.append((condition, path, sent, sent + took / 1000))
             (await client.post(url + "/continue_generation", json={})).raise_for_status()
             await asyncio.gather(*(s.task for s in streams), return_exceptions=True)
     return times
@@ -78,17 +115,65 @@ def report(times: dict[str, dict[str, list[float]]]) -> str:
     return table(["route", "idle ms", "traffic ms", "x idle"], rows)
 
 
-async def _main(args: argparse.Namespace) -> dict[str, Any]:
+def against_steps(calls: Sequence[Call], ends: Sequence[float]) -> str:
+    """Each route's calls with traffic set against the decode steps: the step's length, how
+    long a call waited for the end of the step it was sent in, and its answer after that end
+    (negative: it answered before the step ended, without waiting for the scheduler)."""
+    ordered = sorted(ends)
+    rows = []
+    lengths = [b - a for a, b in itertools.pairwise(ordered) if b - a < 1.0]
+    for _, path, _ in ROUTES:
+        waits, tails, before = [], [], 0
+        for condition, route, sent, answered in calls:
+            if condition != "traffic" or route != path:
+                continue
+            at = bisect.bisect_left(ordered, sent)  # (the first step to end after the send)
+            end = ordered[at] if at < len(ordered) else None
+            if end is None or end - sent > 1.0:
+                continue  # (no step ran: the streams had ended or the server was paused)
+            waits.append((end - sent) * 1000)
+            tails.append((answered - end) * 1000)
+            before += answered < end
+        if waits:
+            rows.append(
+                [
+                    path,
+                    str(len(waits)),
+                    f"{median(waits):.1f} ({min(waits):.1f}-{max(waits):.1f})",
+                    f"{median(tails):.1f} ({min(tails):.1f}-{max(tails):.1f})",
+                    str(before),
+                ]
+            )
+    header = (
+        f"decode step: {median(lengths) * 1000:.1f} ms median "
+        f"({min(lengths) * 1000:.1f}-{max(lengths) * 1000:.1f}, {len(lengths)} steps)\n"
+        if lengths
+        else "no decode step logged\n"
+    )
+    columns = ["route", "calls", "to the step's end ms", "answer after it ms", "answered before"]
+    return header + table(columns, rows)
+
+
+async def _main(args: argparse.Namespace) -> str:
     flags, env = cpu_sglang_setup() if args.cpu else ([], {})
+    log = ServerLog().install()
+    if args.steps:
+        flags += ["--decode-log-interval", "1"]
+        env = {**env, "SGLANG_LOG_MS": "1"}
     engine = launched_sglang_factory(
         args.model, port=free_port(), env=env, extra_args=flags, python=args.sglang_python,
         memory_saver=False,
     )()  # fmt: skip
+    calls: list[Call] = []
     try:
         await engine.start()
-        return await measure(engine.url, args.rounds, args.in_flight, args.new_tokens)
+        times = await measure(engine.url, args.rounds, args.in_flight, args.new_tokens, calls)
     finally:
         await engine.close()
+    out = report(times)
+    if args.steps:
+        out += "\n\n" + against_steps(calls, steps(log.take()))
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -100,9 +185,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds per condition")
     parser.add_argument("--in-flight", type=int, default=4, help="streams decoding (4)")
     parser.add_argument("--new-tokens", type=int, default=200, help="per stream (200)")
+    parser.add_argument(
+        "--steps", action="store_true", help="set each call against the server's decode steps"
+    )
     args = parser.parse_args(argv)
     print(f"machine: {machine()}")
-    print(report(asyncio.run(_main(args))))
+    print(asyncio.run(_main(args)))
     return 0
 
 

@@ -25,6 +25,10 @@ engines are the servers themselves (in-process HTTP backends, no Ray). Phase tim
 library's own metrics (``lifecycle/<call>/<phase>_s``: first request sent to last answer, over
 every server). After
 the cycle every answer must have all its tokens and finish reason ``length``, else it is lost.
+The row "the loop waiting for a CPU" is how long, within the offload, the thread that runs it
+was ready to run and waited for a CPU the servers' processes held (Linux's schedstat): on a
+machine whose cores the servers share, that is the part of a gap that is neither the library's
+work nor an answer it waits for.
 
 Servers are launched by the script (``--sglang-python PY --model PATH``, each with
 ``launched_sglang_factory``; ``--vllm-python PY`` adds as many vLLM servers, with
@@ -46,6 +50,7 @@ import argparse
 import asyncio
 import functools
 import json
+import re
 import shlex
 import sys
 import time
@@ -58,8 +63,10 @@ import httpx
 
 from benchmarks._common import (
     SPACED_S,
+    ServerLog,
     cpu_sglang_setup,
     cpu_vllm_setup,
+    cpu_wait_s,
     machine,
     median,
     table,
@@ -84,16 +91,29 @@ ALL_CONDITIONS = ("idle", "traffic", "apart", "verified")
 KINDS = ("sglang", "vllm")
 #: The whole cycle's wall time, as a row of the table.
 CYCLE = "cycle"
+#: The time the offload's loop thread was ready to run and waited for a CPU (``cpu_wait_s``).
+CPU_WAIT = "bench/offload_cpu_wait_s"
+#: The offload's wall time less that wait: what it took with the machine's cores to itself.
+LESS_WAIT = "bench/offload_less_cpu_wait_s"
+#: The longest a launched SGLang server took to hash its weights for one fingerprint read of the
+#: cycle, as it logs it (sglang: utils/weight_checker.py ``WeightChecker._compute_checksum``,
+#: "[WeightChecker] checksum computed for N tensors in S s", timed on the server around the
+#: hashing alone).
+HASHING = "bench/verify_hashing_s"
+CHECKSUM_LINE = re.compile(r"\[WeightChecker\] checksum computed for \d+ tensors in ([0-9.]+)s")
 #: Rows of the table: label, metric key (``None``: the offload call's wall time).
 PHASES: tuple[tuple[str, str | None], ...] = (
     ("cycle (wall)", CYCLE),
     ("offload (wall)", None),
+    ("offload: the loop waiting for a CPU", CPU_WAIT),
+    ("offload less that wait", LESS_WAIT),
     ("pause", "lifecycle/offload/pause_s"),
     ("flush", "lifecycle/offload/flush_s"),
     ("release", "lifecycle/offload/release_s"),
     ("resume weights", "lifecycle/onload_weights/weights_s"),
     ("weight update", "lifecycle/update_weights/total_s"),
     ("verify_weights", "lifecycle/update_weights/verify_weights_s"),
+    ("verify: the slowest server's hashing", HASHING),
     ("resume kv", "lifecycle/onload_kv/kv_s"),
     ("continue", "lifecycle/onload_kv/continue_s"),
 )
@@ -122,6 +142,8 @@ class Fleet:
     urls: list[str]
     server: RolloutServer
     new_tokens: int
+    #: What its launched servers print (nothing for attached ones).
+    log: ServerLog = field(default_factory=ServerLog)
 
 
 @dataclass
@@ -130,6 +152,15 @@ class Result:
     in_flight: int
     new_tokens: dict[str, int]
     cycles: list[Cycle] = field(default_factory=list)
+
+    def values(self, kind: str, condition: str, key: str | None) -> list[float]:
+        """Seconds of ``key`` (a row of ``PHASES``; None: the offload's wall time) in each of
+        ``kind``'s cycles of ``condition`` (NaN where a cycle has none)."""
+        return [
+            c.offload_wall_s if key is None else c.metrics.get(key, float("nan"))
+            for c in self.cycles
+            if c.condition == condition and c.kind == kind
+        ]
 
 
 class Stream:
@@ -258,11 +289,15 @@ async def _cycle(
         # this gap an idle cycle would start within the window of the last one, skip that read
         # and look cheaper than it is.
         await asyncio.sleep(args.gap_s)
+        fleet.log.take()
         server = fleet.server
         metrics: dict[str, float] = {}
-        began = time.perf_counter()
+        began, waited = time.perf_counter(), cpu_wait_s()
         metrics.update(await server.offload())
         wall = time.perf_counter() - began
+        if waited is not None:
+            metrics[CPU_WAIT] = (cpu_wait_s() or waited) - waited
+            metrics[LESS_WAIT] = wall - metrics[CPU_WAIT]
         metrics.update(await server.onload_weights())
         metrics.update(
             await server.update_weights(
@@ -276,6 +311,9 @@ async def _cycle(
         )
         metrics.update(await server.onload_kv())
         metrics[CYCLE] = time.perf_counter() - began
+        hashing = [float(m[1]) for line in fleet.log.take() if (m := CHECKSUM_LINE.search(line))]
+        if hashing:
+            metrics[HASHING] = max(hashing)
         await asyncio.gather(*(s.task for s in streams), return_exceptions=True)
     answers = [s.answer() for s in streams]
     if child is not None:
@@ -329,11 +367,7 @@ def report(result: Result) -> str:
         for kind in kinds:
             medians = {}
             for condition in conditions:
-                values = [
-                    (c.offload_wall_s if key is None else c.metrics.get(key, float("nan"))) * 1000
-                    for c in result.cycles
-                    if c.condition == condition and c.kind == kind
-                ]
+                values = [v * 1000 for v in result.values(kind, condition, key)]
                 medians[condition] = median(values)
                 cells.append(f"{medians[condition]:.1f} ({min(values):.1f}-{max(values):.1f})")
             for condition in busy_conditions:
@@ -386,9 +420,11 @@ def _launch(args: argparse.Namespace, kind: str) -> list[Any]:
     ]
 
 
-async def _main(args: argparse.Namespace) -> Result:
+async def run(args: argparse.Namespace) -> Result:
+    """Launch or attach the servers ``args`` name and run the benchmark's rounds on them."""
     backends: list[Any] = []
     fleets: list[Fleet] = []
+    log = ServerLog().install()
     try:
         launched: list[Any] = []
         for kind, urls, python, client in (
@@ -407,7 +443,7 @@ async def _main(args: argparse.Namespace) -> Result:
                 [EngineGroup(kind, engines)], LifecycleConfig(), name=f"real-bench-{kind}"
             )
             tokens = args.new_tokens if kind == "sglang" else args.vllm_new_tokens
-            fleets.append(Fleet(kind, [e.url for e in engines], server, tokens))
+            fleets.append(Fleet(kind, [e.url for e in engines], server, tokens, log))
         if launched:
             began = time.monotonic()
             for engine in launched:
@@ -419,8 +455,8 @@ async def _main(args: argparse.Namespace) -> Result:
         await asyncio.gather(*(b.close() for b in backends), return_exceptions=True)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the benchmark from the command line."""
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    """The benchmark's arguments (``main``'s, but the traffic child's), checked."""
     parser = argparse.ArgumentParser(
         description=(__doc__ or "").split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -458,11 +494,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=list(CONDITIONS),
         help="the conditions each round runs (default: idle traffic)",
     )
-    if argv is None:
-        argv = sys.argv[1:]
-    if argv[:1] == ["--traffic-child"]:  # (the apart condition's traffic process)
-        asyncio.run(traffic_child(json.loads(argv[1])))
-        return 0
     args = parser.parse_args(argv)
     if "idle" not in args.conditions:
         parser.error("--conditions must include idle (every ratio is to it)")
@@ -470,8 +501,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("give --sglang-python / --vllm-python (launch servers) or --url / --vllm-url")
     if any("=" not in item for item in args.sglang_env):
         parser.error("--sglang-env wants NAME=VALUE")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark from the command line."""
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--traffic-child"]:  # (the apart condition's traffic process)
+        asyncio.run(traffic_child(json.loads(argv[1])))
+        return 0
+    args = parse(argv)
     print(f"machine: {machine()}")
-    result = asyncio.run(_main(args))
+    result = asyncio.run(run(args))
     print(report(result))
     return 0
 

@@ -7,11 +7,13 @@ import argparse
 import asyncio
 import dataclasses
 import gc
+import math
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+import structlog
 
 from benchmarks import (
     drain,
@@ -23,12 +25,15 @@ from benchmarks import (
     order,
     overhead,
     path,
+    real_routes,
+    real_sglang,
     soak,
     soak_property,
     soak_traffic,
+    table,
     verify,
 )
-from benchmarks._common import CYCLE_CALLS
+from benchmarks._common import CYCLE_CALLS, ServerLog
 from rollout_lifecycle.contract.ops import CHECKED_OPS, Op
 
 GB = memory_plan.GB
@@ -314,3 +319,54 @@ async def test_lease_times_the_three_servers_on_one_fleet(ray_cluster: None) -> 
     times = await lease.run(args)
     assert set(times) == {"host claims", "cluster lease", "lease + journal"}
     assert all(len(t) == 2 and min(t) > 0 for t in times.values())
+
+
+def test_the_step_timeline_reads_sglangs_log_lines_and_sets_calls_against_them() -> None:
+    # The format SGLang 0.5.23 logs with SGLANG_LOG_MS (utils/common.py configure_logger) and
+    # the line of a decode step (metrics_reporter.report_decode_stats); a step that ends
+    # 3 ms after a call was sent and a call answered 30 ms after that end.
+    lines = [
+        "[2026-12-01 23:14:05.100 TP0] Decode batch, #running-req: 4, #token: 40, ",
+        '[2026-12-01 23:14:05] INFO:     127.0.0.1:50932 - "GET /ping HTTP/1.1" 200 OK',
+        "[2026-12-01 23:14:05.107] Decode batch, #running-req: 4, #token: 44, ",
+    ]
+    ends = real_routes.steps(lines)
+    assert len(ends) == 2
+    assert ends[1] - ends[0] == pytest.approx(0.007, abs=1e-6)
+    sent = ends[1] - 0.003
+    calls = [("traffic", "/server_info", sent, ends[1] + 0.030)]
+    text = real_routes.against_steps(calls, ends)
+    assert "decode step: 7.0 ms median" in text
+    row = next(line for line in text.splitlines() if "/server_info" in line)
+    assert "| 3.0 (3.0-3.0)" in row and "| 30.0 (30.0-30.0)" in row
+
+
+def test_a_servers_log_keeps_its_lines_and_lets_every_other_event_go_on() -> None:
+    log = ServerLog()
+    with pytest.raises(structlog.DropEvent):
+        log(None, "info", {"event": "sglang.log", "line": "[WeightChecker] checksum ... 0.012s"})
+    other = {"event": "phase.end", "phase": "pause"}
+    assert log(None, "info", other) is other
+    assert log.take() == ["[WeightChecker] checksum ... 0.012s"] and log.take() == []
+    found = real_sglang.CHECKSUM_LINE.search(
+        "[2026-12-01 23:14:05] [WeightChecker] checksum computed for 148 tensors in 0.012s"
+    )
+    assert found is not None and float(found[1]) == 0.012
+
+
+async def test_the_table_measures_every_in_process_ratio_and_judges_it() -> None:
+    argv = ["--engines", "20", "--big", "200", "--rounds", "1", "--big-rounds", "1"]
+    rows: list[table.Row] = []
+    await table.in_process(rows, table.parser().parse_args(argv))
+    assert [r.what for r in rows] == [
+        "library / raw floor",
+        "library's own time per engine per phase",
+        "growth of the library's own time",
+        "checked / unchecked cycle",
+        "verified / unverified push",
+    ]
+    assert all(math.isfinite(r.value) and not r.faults for r in rows)
+    judged = {r.what: r.cells()[4] for r in rows}
+    assert judged["verified / unverified push"] == "-"  # (no target of its own)
+    own = rows[1]
+    assert judged[own.what] == ("met" if own.value <= 10 else "missed")
