@@ -170,6 +170,8 @@ class Stream:
     def __init__(self, client: httpx.AsyncClient, kind: str, url: str, prompt: list[int],
                  new_tokens: int) -> None:  # fmt: skip
         self.started = asyncio.Event()
+        #: When each chunk came (``time.time()``): each follows the step that made its tokens.
+        self.arrivals: list[float] = []
         self.tokens = 0
         self.reason: str | None = None
         self.retracted = False
@@ -198,6 +200,7 @@ class Stream:
             async with client.stream("POST", url, json=body) as answer:
                 answer.raise_for_status()
                 async for chunk in asse_events(answer.aiter_bytes()):
+                    self.arrivals.append(time.time())
                     if kind == "sglang":
                         meta = chunk.get("meta_info") or {}
                         self.tokens = meta.get("completion_tokens", 0)
