@@ -84,8 +84,8 @@ class FakeVLLM:
             return httpx.Response(200, json={"success": ok})
         if path == "/weight_info":
             return httpx.Response(200, json={"weight_version": "default"})
-        if path == "/wake_up":
-            return httpx.Response(200, json={"status": "sleeping", "tags": None})
+        if path == "/wake_up":  # (as vLLM answers once nothing is asleep: it resumes too)
+            return httpx.Response(200, json={"status": "awake", "tags": None})
         if path == "/v1/completions":
             return httpx.Response(200, json=_completion())
         if path == "/update_weight_version":
@@ -220,7 +220,9 @@ async def test_the_kv_cache_wakes_with_the_continue_and_not_before() -> None:
     await client.resume_memory_occupation([Tag.KV_CACHE, Tag.CUDA_GRAPH])
     assert fake.calls() == ["POST /wake_up?tags=weights"]
     await client.continue_generation()
-    assert fake.calls()[1:] == ["POST /wake_up?tags=kv_cache", "POST /resume"]
+    # the wake that leaves nothing asleep resumes the scheduler (vllm: EngineCore.wake_up): no
+    # /resume after it, which would wait for the first step the wake started
+    assert fake.calls()[1:] == ["POST /wake_up?tags=kv_cache"]
 
 
 async def test_every_continue_wakes_the_kv_cache_even_from_a_new_client() -> None:
@@ -228,7 +230,16 @@ async def test_every_continue_wakes_the_kv_cache_even_from_a_new_client() -> Non
     fake = FakeVLLM()
     await engine(fake).continue_generation()
     await engine(fake).continue_generation()
-    assert fake.calls() == ["POST /wake_up?tags=kv_cache", "POST /resume"] * 2
+    assert fake.calls() == ["POST /wake_up?tags=kv_cache"] * 2
+
+
+async def test_a_continue_whose_wake_leaves_weights_asleep_is_refused_and_resumes_nothing() -> None:
+    # Another process slept the weights: the KV cache's wake answers "sleeping" and vLLM did not
+    # resume the scheduler; a /resume would run it on memory that is not there.
+    fake = FakeVLLM(wake_up=lambda r: httpx.Response(200, json={"status": "sleeping"}))
+    with pytest.raises(IllegalEngineOp, match="not fully awake: its weights are still asleep"):
+        await engine(fake).continue_generation()
+    assert fake.calls() == ["POST /wake_up?tags=kv_cache"]
 
 
 async def test_a_level_2_release_refuses_every_forward_pass_until_weights_are_pushed() -> None:
@@ -250,7 +261,7 @@ async def test_a_level_2_release_refuses_every_forward_pass_until_weights_are_pu
     )
     assert client.broken is None
     await client.continue_generation()
-    assert fake.calls()[-2:] == ["POST /wake_up?tags=kv_cache", "POST /resume"]
+    assert fake.calls()[-1:] == ["POST /wake_up?tags=kv_cache"]
 
 
 async def test_a_level_2_release_waits_for_a_weight_transfer_session_and_its_version() -> None:

@@ -217,11 +217,10 @@ def test_a_cycle_on_vllm_sends_vllms_calls_and_records_a_vllm_ledger(
         assert live(served).lifecycle()[len(offload) :] == [
             "POST /wake_up?tags=weights",
             "POST /wake_up?tags=kv_cache",
-            "POST /resume",
         ]
         assert not live(served).paused and live(served).level == 0
     code, report = ctl.json("resume")  # already serving: nothing to send
-    assert code == 0 and all(len(live(f).lifecycle()) == 6 for f in fakes)
+    assert code == 0 and all(len(live(f).lifecycle()) == 5 for f in fakes)
 
 
 def test_status_shows_what_vllm_answers_beside_the_ledger(ctl: Ctl, fakes: list[Served]) -> None:

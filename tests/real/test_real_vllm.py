@@ -294,6 +294,25 @@ async def test_a_full_wake_continues_generation_so_the_client_holds_the_kv_wake_
     assert not await paused(url)
 
 
+async def test_a_continue_with_the_weights_asleep_is_refused_and_the_engine_stays_paused(
+    engine: VLLMHTTPEngine,
+) -> None:
+    # Another process slept the engine after its pause: the KV cache's wake leaves the weights
+    # asleep, vLLM answers "sleeping" and keeps its scheduler paused, and the client sends no
+    # /resume, which would run it on memory that is not there.
+    url = engine.url
+    await engine.pause_generation(PauseMode.RETRACT)
+    async with httpx.AsyncClient(base_url=url, timeout=60) as raw:
+        assert (await raw.post("/sleep", params={"level": 1, "mode": "keep"})).status_code == 200
+    with pytest.raises(IllegalEngineOp, match="not fully awake: its weights are still asleep"):
+        await engine.continue_generation()
+    assert await paused(url)
+    await engine.resume_memory_occupation([Tag.WEIGHTS])
+    await engine.continue_generation()
+    assert not await paused(url)
+    assert len((await engine.generate(request(8)))["output_ids"]) == 8
+
+
 async def test_a_release_of_the_kv_cache_alone_sleeps_both_and_wakes_the_weights_back(
     engine: VLLMHTTPEngine,
 ) -> None:

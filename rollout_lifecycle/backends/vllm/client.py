@@ -64,6 +64,7 @@ from rollout_lifecycle.contract.values import (
     check_seconds,
     member,
     parse_tags,
+    short_repr,
 )
 
 #: The oldest vLLM this client drives: 0.32 has the RL routes (``/pause`` modes, ``/resume``,
@@ -265,17 +266,35 @@ class VLLMHTTPEngine:
         await self._send("pause_generation", "pause", query=query, timeout=wait)
 
     async def continue_generation(self) -> None:
-        """``POST /wake_up?tags=kv_cache`` (it resumes the scheduler), then ``/resume``.
+        """``POST /wake_up?tags=kv_cache``, which resumes the scheduler once nothing is asleep
+        and says so (``{"status": "awake"}``): the continue is that one call.
 
         The wake is sent at every continue, not only after this client resumed the KV cache: the
         resume may have been recorded by another process (a ``ctl onload-kv`` run before this
         ``ctl resume``), and vLLM ignores a wake of a tag that is not asleep
-        (``v1/executor/abstract.py Executor.wake_up`` returns at once, with a warning)."""
+        (``v1/executor/abstract.py Executor.wake_up`` returns at once, with a warning), then
+        resumes all the same. No ``/resume`` follows: it would only set the state the wake set,
+        and the engine core takes it between steps, so with requests decoding it waits for the
+        first step the wake started (26 against 5 ms idle, ``benchmarks.real_routes``).
+
+        A wake that leaves something asleep (``"sleeping"``: the weights, slept by another
+        process) did not resume the scheduler, and nothing here does: ``/resume`` would run it
+        on memory that is not there. That raises ``IllegalEngineOp``."""
         op = "continue_generation"
         self._refuse_forward(op)
-        # vllm: v1/engine/core.py EngineCore.wake_up (fully awake -> resume_scheduler)
-        await self._send(op, "wake_up", query={"tags": ["kv_cache"]})
-        await self._send(op, "resume")
+        # vllm: serve/dev/sleep/api_router.py wake_up -> v1/engine/core.py EngineCore.wake_up
+        # (fully awake -> resume_scheduler; the answer's status says which)
+        woken = await self._send(op, "wake_up", query={"tags": ["kv_cache"]})
+        status = woken.get("status") if isinstance(woken, dict) else None
+        if status != "awake":
+            raise IllegalEngineOp(
+                self._label,
+                op,
+                f"the KV cache's wake answered {short_repr(woken)}, not fully awake: its "
+                "weights are still asleep (slept by another process?), so the scheduler was not "
+                "resumed, and no /resume is sent to run it on memory that is not there; onload "
+                "the weights first",
+            )
 
     async def flush_cache(self, timeout: float) -> None:
         """``POST /reset_prefix_cache``; ``success: false`` (requests hold KV blocks) raises
