@@ -160,6 +160,7 @@ def against_steps(calls: Sequence[Call], ends: Sequence[float], kind: str = "sgl
     (negative: it answered before the step ended, without waiting for the scheduler)."""
     ordered = sorted(ends)
     rows = []
+    # (vLLM's timeline is chunks: those of one step arrive within a millisecond, one step)
     lengths = [b - a for a, b in itertools.pairwise(ordered) if 0.001 < b - a < 1.0]
     for _, path, _ in ROUTES[kind]:
         waits, tails, before = [], [], 0

@@ -341,6 +341,24 @@ def test_the_step_timeline_reads_sglangs_log_lines_and_sets_calls_against_them()
     assert "| 3.0 (3.0-3.0)" in row and "| 30.0 (30.0-30.0)" in row
 
 
+def test_vllms_routes_are_set_against_the_streams_chunks() -> None:
+    # vLLM logs no step: the chunks' arrivals are the timeline. Chunks of one step come
+    # together (within 1 ms) and count as one; a wake answered before the next chunk, and a
+    # /resume that waited 19 ms for it and answered 8 ms after.
+    arrivals = [10.0, 10.0004, 10.003, 10.0032, 10.050, 10.0502]
+    calls = [
+        ("traffic", "/wake_up?tags=kv_cache", 10.020, 10.025),
+        ("traffic", "/resume", 10.031, 10.058),
+    ]
+    text = real_routes.against_steps(calls, arrivals, "vllm")
+    assert "decode step: 24.7 ms median (2.6-46.8, 2 steps)" in text  # (between clusters)
+    wake = next(line for line in text.splitlines() if "kv_cache" in line)
+    resume = next(line for line in text.splitlines() if "/resume" in line)
+    assert wake.rstrip(" |").endswith("| 1")  # answered before the step's end
+    assert "| 19.0 (19.0-19.0)" in resume and "| 8.0 (8.0-8.0)" in resume
+    assert "/server_info" not in text  # (SGLang's routes)
+
+
 def test_a_servers_log_keeps_its_lines_and_lets_every_other_event_go_on() -> None:
     log = ServerLog()
     with pytest.raises(structlog.DropEvent):
