@@ -159,6 +159,10 @@ async def test_recover_swaps_a_dead_worker_for_its_replacement_once_it_has_weigh
             router = launched.client()
             groups = [EngineGroup("actor", [engine(a), engine(doomed.url)])]
             server = RolloutServer(groups, router=router)
+            # A fresh actor answers once its process runs, which on a loaded machine outlasts
+            # the probe deadline the binding reads worker URLs within: it would register none.
+            ready = [actor.__ray_ready__.remote() for actor in actors]
+            await asyncio.wait_for(asyncio.gather(*ready), 300)
             await server.sync_router()
             before = await listed(router)
             if death == "process exits":
