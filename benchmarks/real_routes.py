@@ -5,9 +5,10 @@ route after another per round; rounds alternate idle and traffic (``--in-flight`
 SGLang (``--sglang-python``): the offload's probes (``/ready``, ``/ping``, ``/model_info``),
 the identity read (``/server_info``, which asks the scheduler for its state:
 ``get_internal_state``), and the pause and flush themselves. vLLM (``--vllm-python``): the
-whole cycle, the continue's two calls apart: ``/is_paused``, the keep pause, the flush, the
-sleep, the weights' wake, the KV cache's wake (which resumes the scheduler once nothing is
-asleep: vllm ``EngineCore.wake_up``) and ``/resume``.
+whole cycle: ``/is_paused``, the keep pause, the flush, the sleep, the weights' wake, the KV
+cache's wake (the library's continue: it resumes the scheduler once nothing is asleep, vllm
+``EngineCore.wake_up``), and ``/resume``, which the library no longer sends, timed to show
+what it cost after the wake.
 
 With traffic, each call is also set against the scheduler's decode steps: the server logs
 every decode step with a millisecond timestamp (``--decode-log-interval 1``,
