@@ -162,15 +162,17 @@ class RouterSync:
     async def sync(self) -> dict[str, list[str]]:
         """Register every engine that serves and take out every other worker this binding owns
         (see the module docstring); the URLs added and removed. ``RouterError`` if the router
-        refuses or is unreachable."""
+        refuses or is unreachable, or (once the rest is done) an engine that serves did not
+        tell its worker URL."""
         records = self._fleet.records()
         urls = await self._urls.of(records)
         fleet = {url_identity(u) for u in urls.values() if u is not None}
-        state, serves = self._state(), self._fleet.serves
+        state = self._state()
+        serving = [r for r in records if self._fleet.serves(r, state)]
         want = {
             url_identity(u): (u, r.capabilities or DEFAULT)
-            for r in records
-            if (u := urls[r.id]) is not None and serves(r, state)
+            for r in serving
+            if (u := urls[r.id]) is not None
         }
         async with self._locked():
             listed: dict[str, tuple[str, str]] = {}
@@ -196,6 +198,17 @@ class RouterSync:
         added = [u for u, _ in missing]
         if extra or missing:
             self._log.info("router.synced", added=added, removed=extra)
+        unread = self._urls.unread(serving)
+        if unread:
+            # Engines that serve but are not listed: the router is not in step, whatever it
+            # took of the rest (an actor whose process has not started yet answers nothing).
+            self.failure = RouterError(
+                str(getattr(self.router, "url", self.router)),
+                f"engines {unread} serve but did not answer the read of their worker URL "
+                f"within {self._urls.deadline:g} s (deadlines.probe), so the router does not "
+                f"list them; sync_router() registers them once they answer",
+            )
+            raise self.failure
         self.failure = None
         return {"added": added, "removed": extra}
 

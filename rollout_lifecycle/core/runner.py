@@ -590,6 +590,16 @@ class WorkerUrls:
                     self._urls[key] = url if isinstance(url, str) else None
         return {r.id: self._urls.get(key) for r, key in zip(records, keys, strict=True)}
 
+    @property
+    def deadline(self) -> float:
+        """Seconds an engine is given to answer the read."""
+        return self._deadline
+
+    def unread(self, records: Sequence[EngineRecord]) -> list[str]:
+        """The ids of ``records`` whose worker URL is not known: asked (``of``) and not
+        answered, unlike an engine that answered it has none."""
+        return [r.id for r in records if r.key not in self._urls]
+
 
 def _checked_value(value: Any) -> tuple[str | None, Any, Any]:
     """A checked call's answer (``(incarnation, result, capabilities)``,

@@ -337,7 +337,9 @@ class RolloutServer:
     async def sync_router(self) -> dict[str, list[str]]:
         """Bring the router (``router=``) in step with the engines that serve now: register
         those that serve, take out this fleet's other workers. Returns the worker URLs added
-        and removed; ``RouterError`` when the router refuses or cannot be reached."""
+        and removed; ``RouterError`` when the router refuses or cannot be reached, or when an
+        engine that serves does not answer the read of its worker URL (the others are synced
+        first)."""
         sync = self._router
         if sync is None:
             raise InvalidArgument(f"server {self._name!r} has no router")

@@ -11,6 +11,7 @@ and ``test_router_ownership.py``'s.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -209,6 +210,33 @@ async def test_a_state_change_is_followed_only_when_it_changes_which_groups_may_
     only = RolloutServer([EngineGroup("ref", [AtURL(B)], needs_offload=False)], router=keepers)
     await binding(only).entered(StateEntered(state, previous))
     assert keepers.calls == []
+
+
+@pytest.mark.looptime
+async def test_a_serving_engine_whose_worker_url_is_unread_is_named_not_passed_over() -> None:
+    # An engine that does not answer the read of its address (an actor whose process has not
+    # started yet) cannot be registered: the sync lists the rest, then says which one and why.
+    engines = [AtURL(A), AtURL(B)]
+    router = ListRouter(engines=engines)
+    server = RolloutServer([EngineGroup("actor", engines)], router=router)
+    late = server.fleet.records()[1]
+
+    async def unanswered() -> str | None:
+        await asyncio.Event().wait()  # past deadlines.probe (virtual time)
+        return B
+
+    late.handle.worker_url = unanswered
+    with pytest.raises(RouterError, match=rf"\['{late.id}'\] serve but did not answer"):
+        await server.sync_router()
+    assert router.listed == [A]
+    await server.pause()  # paused, it is not expected in the router: in step again
+    assert binding(server).failure is None
+    with pytest.raises(RouterError, match="did not answer the read of their worker URL"):
+        await server.resume()  # it serves again, still unlisted: the call says so
+    assert server.state is S.SERVING and router.listed == [A]
+    del late.handle.worker_url  # it answers now
+    assert await server.sync_router() == {"added": [B], "removed": []}
+    assert binding(server).failure is None and sorted(router.listed) == [A, B]
 
 
 async def test_a_router_out_of_step_fails_no_call_while_no_engine_serves() -> None:
