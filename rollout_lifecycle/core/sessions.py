@@ -97,6 +97,15 @@ class WeightWriter(Client):
         # process killed in its push) is closed first, or this begin would be refused with "a
         # weight update session is already open".
         await self._phases.close_open_sessions()
+        # The fingerprints before the push are read before the sessions open: a begin restores
+        # packed weights to the layout a load writes and the end packs them again (sglang:
+        # model_runner_components/weight_updater.py begin_weight_update and
+        # end_weight_update; model_loader/loader.py DefaultModelLoader
+        # .restore_weights_before_loading, for quantized models), so only a read outside the
+        # session sees the layout the read after the push sees.
+        before: dict[str, Fingerprint | str] = {}
+        if spec is not None and not spec.may_be_noop:
+            before = await self._verifier.read(Phase.FINGERPRINT_BEFORE, fleet.live())
         outcomes = await self._begin()
         if not runner.succeeded(outcomes) and all(
             o.ok or o.status == SESSION_OPEN for o in outcomes.values()
@@ -112,9 +121,6 @@ class WeightWriter(Client):
                 Phase.END_WEIGHT_UPDATE, [r for r in fleet.live() if r.session_unknown]
             )
             raise PhaseFailed(Phase.BEGIN_WEIGHT_UPDATE, outcomes, FAILED)
-        before: dict[str, Fingerprint | str] = {}
-        if spec is not None and not spec.may_be_noop:
-            before = await self._verifier.read(Phase.FINGERPRINT_BEFORE, fleet.live())
         engines = {r.id: r.handle for r in fleet.live()}
         try:
             await self._call_push(push, WeightUpdate(version, engines))

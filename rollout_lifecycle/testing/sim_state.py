@@ -244,6 +244,7 @@ class SimState:
         dp_size: int = 1,
         gpu_memory_bytes: int | None = None,
         check_model_paths: bool = False,
+        packed_weights: bool = False,
         model_path: str | None = None,
         disaggregation_mode: str = "null",
         disaggregation_bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT,
@@ -294,6 +295,11 @@ class SimState:
         self.weights_cpu_backup = check_flag("weights_cpu_backup", weights_cpu_backup)
         self.dp_dummy_batches = check_flag("dp_dummy_batches", dp_dummy_batches)
         self.check_model_paths = check_flag("check_model_paths", check_model_paths)
+        #: Whether it serves its weights packed, as a quantized model does: a session's begin
+        #: unpacks them to the layout a load writes and its end packs them again, so inside a
+        #: session its checksum reads other bytes (sglang: model_loader/loader.py
+        #: DefaultModelLoader.restore_weights_before_loading and postprocess_weights).
+        self.packed_weights = check_flag("packed_weights", packed_weights)
         if model_path is not None and (not isinstance(model_path, str) or not model_path):
             raise InvalidArgument(f"model_path must be a non-empty string, got {model_path!r}")
         self.initial_version = weight_version

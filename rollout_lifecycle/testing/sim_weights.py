@@ -339,10 +339,13 @@ class SimWeights:
                     entry, f"illegal memory access: {op} read weights while 'weights' is released"
                 )
             over = state.tensor_content or {}
+            # packed weights read unpacked while a session is open (``SimState.packed_weights``)
+            layout = "unpacked\0" if state.packed_weights and state.session_open else ""
             tensors = {}
             for name in SIM_TENSORS:
                 held = over.get(name, state.weights_content) if state.weights_valid else "garbage"
-                tensors[name] = hashlib.sha256(f"{held}\0{name}".encode()).hexdigest()[:16]
+                digest = hashlib.sha256(f"{layout}{held}\0{name}".encode())
+                tensors[name] = digest.hexdigest()[:16]
             return Fingerprint(SIMULATED_SCHEME, tensors).to_wire()
 
     async def update_weight_version(self, version: str, *, abort_all_requests: bool = True) -> None:

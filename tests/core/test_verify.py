@@ -233,6 +233,26 @@ async def test_a_push_that_misses_an_engine_is_caught_before_either_serves() -> 
     assert not any(r.unverified for g in server.snapshot().groups for r in g.engines)
 
 
+async def test_packed_weights_are_read_before_the_session_so_a_push_that_missed_all_fails() -> None:
+    # A quantized model serves its weights packed; a session's begin unpacks them and its end
+    # packs them again. Read inside the session, every engine would seem changed by a push
+    # that reached none, and the engines, agreeing, would all pass.
+    engines = simulated_engines(2, packed_weights=True)
+    server = server_of(*engines)
+    await server.offload()
+    await server.onload_weights()
+    with pytest.raises(WeightsNotVerified) as caught:
+        await server.update_weights(push_reaching("/ckpt/step1"), "v1", verify=True)
+    assert set(caught.value.problems.values()) == {"holds the weights it held before the push"}
+    assert set(caught.value.problems) == {"actor/0", "actor/1"}
+    calls = received_ops(engines[0])
+    assert calls.index("weight_fingerprint") < calls.index("begin_weight_update")
+    # a push that reaches them passes
+    await server.update_weights(FromDisk("/ckpt/step1"), "v2", verify=True)
+    await server.onload_kv()
+    assert server.state is S.SERVING
+
+
 async def test_a_wrong_checkpoint_is_caught_against_the_expected_fingerprint() -> None:
     engines = simulated_engines(2)
     server = server_of(*engines)

@@ -264,6 +264,7 @@ CASES: list[Case] = [
     *rows("weights_cpu_backup", lambda v: sim(weights_cpu_backup=v), FLAGS),
     *rows("dp_dummy_batches", lambda v: sim(dp_dummy_batches=v), FLAGS),
     *rows("check_model_paths", lambda v: sim(check_model_paths=v), FLAGS),
+    *rows("packed_weights", lambda v: sim(packed_weights=v), FLAGS),
     *rows("max_running", lambda v: sim(max_running=v), [*INTS, 0]),
     *rows("gpu_memory_bytes", lambda v: sim(gpu_memory_bytes=v), [*INTS[1:-1], "1"]),
     *rows("count", lambda v: fleet_factories(v, label="f", seed=None), [*INTS, 0, 10**7]),
