@@ -88,7 +88,9 @@ class RouterSync:
         self._fleet = fleet
         self._state = state
         self._urls = urls
-        self._log = logger().bind(server=name, router=str(getattr(router, "url", router)))
+        #: How errors and events name the router.
+        self._label = str(getattr(router, "url", router))
+        self._log = logger().bind(server=name, router=self._label)
         #: The URLs (``url_identity``) at which this binding registered a worker that it has
         #: not taken out since: after its engine is retired, the one worker there it may remove.
         self._registered: set[str] = set()
@@ -203,7 +205,7 @@ class RouterSync:
             # Engines that serve but are not listed: the router is not in step, whatever it
             # took of the rest (an actor whose process has not started yet answers nothing).
             self.failure = RouterError(
-                str(getattr(self.router, "url", self.router)),
+                self._label,
                 f"engines {unread} serve but did not answer the read of their worker URL "
                 f"within {self._urls.deadline:g} s (deadlines.probe), so the router does not "
                 f"list them; sync_router() registers them once they answer",
