@@ -426,11 +426,14 @@ class Claims:
         found = self._store.acquire([k for ks in keys.values() for k in ks], self.holder(call))
         lease = await found if inspect.isawaitable(found) else found
         self._count += 1
+        # (this claim's mark, and the one the claim before it left: one pair per claim, not
+        # per engine)
+        before, mark = (id(self), self._count - 1), (id(self), self._count)
         for record in records:
             if keys[record.id]:
                 watched = all(lease.continuous(k) for k in keys[record.id])
             else:
-                watched = self._in_process(record)
+                watched = _claimed_again(record, before, mark)
             if not watched:
                 record.lost_sight()
         return lease, addresses
@@ -522,17 +525,18 @@ class Claims:
         if inspect.isawaitable(extended):
             await extended
 
-    def _in_process(self, record: EngineRecord) -> bool:
-        """Whether this server made the last claim of an engine reachable only through this
-        process's handles, and no other server claimed it since."""
-        key = record.key
-        mine = (id(self), self._count - 1)
-        same = _IN_PROCESS.get(key) == mine
-        _IN_PROCESS[key] = (id(self), self._count)
-        return same
+
+def _claimed_again(record: EngineRecord, before: tuple[int, int], mark: tuple[int, int]) -> bool:
+    """Whether the claim that left ``before`` (a server's id, its claim count) made the last
+    claim of ``record``'s engine, reachable only through this process's handles, so that no
+    other server claimed it since; the engine is marked claimed by ``mark`` now."""
+    key = record.key
+    same = _IN_PROCESS.get(key) == before
+    _IN_PROCESS[key] = mark
+    return same
 
 
-def _keys(address: str | None, record: EngineRecord, shared: bool = False) -> list[str]:
+def _keys(address: str | None, record: EngineRecord, shared: bool = False) -> Sequence[str]:
     """What a claim of ``record``'s engine holds: its address and, once known, its
     incarnation. An engine without an address has nothing to claim, unless the store is the
     cluster's (``shared``) and its handle names it for every process of the cluster (a Ray
@@ -541,7 +545,7 @@ def _keys(address: str | None, record: EngineRecord, shared: bool = False) -> li
         found = record.key
         if shared and isinstance(found, tuple) and found and found[0] != "object":
             return ["handle:" + "/".join(str(part) for part in found)]
-        return []
+        return ()  # (shared: a claim of thousands of in-process engines keeps one per engine)
     keys = [f"address:{address}"]
     if distinguishes(record.incarnation):
         keys.append(f"incarnation:{record.incarnation}")
