@@ -202,6 +202,12 @@ def introspect(backend: object, name: str, default: Any) -> Any:
     return default if method is None else method()
 
 
+#: What ``checked`` answers for a check that named nothing (no incarnation read, nothing
+#: declared), by the command's result: None, or a flag (a release's "weights' values gone").
+_UNNAMED: dict[bool | None, tuple[None, bool | None, None]] = {
+    result: (None, result, None) for result in (None, True, False)
+}
+
 #: The operations ``run`` carries out, and those ``checked`` carries (their wire names).
 _OPS = frozenset(op.value for op in Op)
 _CHECKED = frozenset(op.value for op in CHECKED_OPS)
@@ -330,7 +336,12 @@ class EngineHost:
                 raise EngineRestarted(self._backend.label, op, expect[0], seen["incarnation"])
             raise EngineStateConflict(self._backend.label, op, records, reported)
         result = await self._method(op)(*args)  # (``run``; ``op`` is checked above)
-        return (seen["incarnation"], result, seen.get("capabilities"))
+        incarnation, declared = seen["incarnation"], seen.get("capabilities")
+        if incarnation is None and declared is None and (result is None or type(result) is bool):
+            # A check that named nothing, of a command that answered nothing or a flag: one
+            # shared answer, not a tuple per engine that its phase keeps until it settles.
+            return _UNNAMED[result]
+        return (incarnation, result, declared)
 
     async def fenced(self, fence: Sequence[Any], via: str, *args: Any) -> Any:
         """Carry out a command sent under a cluster lease (``lease``): ``fence`` is

@@ -359,6 +359,10 @@ class EngineRecord:
     unwatched: bool = field(default=True, repr=False, compare=False)
     #: The handle whose engine ``key`` names, and that key (``key``'s cache).
     _keyed: tuple[Any, Hashable] | None = field(default=None, repr=False, compare=False)
+    #: The expectation of a check on the pause state alone (``expect``), kept for the next.
+    _expected: tuple[str | None, bool | None, bool] | None = field(
+        default=None, repr=False, compare=False
+    )
     #: The other members of the unit this engine belongs to (``EngineGroup(unit=N)``): servers
     #: that live, serve and are replaced together. Empty for an engine that is a unit alone. Set
     #: once by its group; a slot keeps its mates when its engine is replaced.
@@ -577,8 +581,17 @@ class EngineRecord:
         )
         if paused is None and not identify and not several:
             return None
-        # (a tuple of plain values: the collector stops tracking it, and a phase holds one per
-        # engine until it settles)
+        # A check on the pause state alone is the one every phase after the pause asks for:
+        # the same tuple while the incarnation holds. A phase holds one expectation per engine
+        # until it settles, and at thousands of engines every object a phase allocates and
+        # keeps brings the next full collection nearer, whose cost grows with the fleet
+        # (benchmarks/README.md, section 11). (Tuples of plain values: the collector stops
+        # tracking them.)
+        if paused is True and not identify:
+            found = self._expected
+            if found is None or found[0] is not self.incarnation:
+                found = self._expected = (self.incarnation, True, False)
+            return found
         return (self.incarnation, paused, identify)
 
     def answered(

@@ -4,6 +4,7 @@ default targets and guards of each operation, and a call that outlives its phase
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,10 +31,11 @@ from rollout_lifecycle.contract.commands import (
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import Outcome
 from rollout_lifecycle.core.bus import Bus, RecordsChanged
-from rollout_lifecycle.core.config import DeadEnginePolicy
+from rollout_lifecycle.core.config import DeadEnginePolicy, LifecycleConfig
 from rollout_lifecycle.core.ledger import EngineRecord, default_targets
 from rollout_lifecycle.core.runner import (
     Calls,
+    PhaseResult,
     PhaseRunner,
     PhaseSettled,
     Plan,
@@ -263,4 +265,49 @@ async def test_a_batch_of_calls_keeps_each_call_with_its_engine_in_order() -> No
         received = calls_received(engine.history())
         assert [c["op"] for c in received] == ["pause_generation", "server_info"]
         assert received[0]["checks"] == ["observe"]
+    await asyncio.gather(*(e.close() for e in engines))
+
+
+async def test_a_check_that_holds_costs_its_phase_no_object_per_engine() -> None:
+    """At thousands of in-process engines, every object a phase allocates per engine and keeps
+    until it settles brings the collector's next full collection nearer (benchmarks/README.md,
+    section 11). A checked call whose check reads the pause state alone (the engine paused, its
+    process known) keeps no expectation and no answer of its own: the record gives the same
+    expectation while its values hold, and the host one shared answer."""
+    engines = [SimulatedEngine(f"sim-{i}", seed=i) for i in range(3)]
+    # (no answer proves a process past its call: every checked call reads its engine first)
+    server = RolloutServer([EngineGroup("actor", engines)], config=LifecycleConfig(proof_window=0))
+    releases: list[PhaseResult] = []
+    server.bus.subscribe(
+        PhaseSettled, lambda e: releases.append(e.result) if e.result.phase == "release" else None
+    )
+    for _ in range(2):
+        await server.offload()
+        await server.onload_weights()
+        await server.onload_kv()
+    first, second = releases
+    records = server.groups[0].records
+    # checked, on the pause state alone
+    assert first.calls.expects == [(r.incarnation, True, False) for r in records]
+    assert all(isinstance(r.incarnation, str) for r in records)
+    # the same expectation, one per engine, in both cycles
+    assert all(a is b for a, b in zip(first.calls.expects, second.calls.expects, strict=True))
+    # one answer for every engine, and every engine read first
+    answers = [ref.result() for ref in first.calls.refs]  # type: ignore[attr-defined]
+    # (no incarnation read, nothing declared, and the release's answer: its weights' values
+    # were kept)
+    assert answers == [(None, False, None)] * 3
+    assert all(a is answers[0] for a in answers)
+    for engine in engines:
+        releases_received = [
+            c for c in calls_received(engine.history()) if c["op"] == "release_memory_occupation"
+        ]
+        assert [c["checks"] for c in releases_received] == [["observe"]] * 2
+    # the record, paused again, gives the same one; another process's is another
+    record = records[0]
+    later = math.inf  # (long after any answer: nothing proves the process)
+    record.paused = True
+    assert record.expect(Op.RELEASE, later) is second.calls.expects[0]
+    record.incarnation = "another process"
+    assert record.expect(Op.RELEASE, later) == ("another process", True, False)
     await asyncio.gather(*(e.close() for e in engines))
