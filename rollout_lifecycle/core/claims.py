@@ -545,7 +545,7 @@ def _keys(address: str | None, record: EngineRecord, shared: bool = False) -> Se
         found = record.key
         if shared and isinstance(found, tuple) and found and found[0] != "object":
             return ["handle:" + "/".join(str(part) for part in found)]
-        return ()  # (shared: a claim of thousands of in-process engines keeps one per engine)
+        return ()  # (one empty tuple for every such engine, not a new list per engine per claim)
     keys = [f"address:{address}"]
     if distinguishes(record.incarnation):
         keys.append(f"incarnation:{record.incarnation}")
