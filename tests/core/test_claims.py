@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from core.loopback import loopback
 
 from rollout_lifecycle import (
     EngineClaimed,
@@ -31,7 +32,7 @@ from rollout_lifecycle.contract.urls import url_identity
 from rollout_lifecycle.core.claims import LOCK_DIR_ENV, Claims, HostClaims, describe, lock_dir
 from rollout_lifecycle.core.ledger import EngineRecord
 
-A, B = "http://127.0.0.1:31001", "http://127.0.0.1:31002"
+A, B = loopback(1), loopback(2)
 
 
 @pytest.fixture(autouse=True)
@@ -162,9 +163,11 @@ async def test_engines_without_an_address_are_not_claimed(locks: Path) -> None:
 
 
 async def test_one_server_given_twice_under_two_spellings_is_refused_naming_both() -> None:
-    with pytest.raises(InvalidArgument, match=r"actor/0 \(http://127.0.0.1:31001\) and actor/1 "
-                       r"\(http://localhost:31001\) are one server"):  # fmt: skip
-        await claims("trainer", A, A.replace("127.0.0.1", "localhost")).claim("pause")
+    other = A.replace("127.0.0.1", "localhost")
+    with pytest.raises(
+        InvalidArgument, match=rf"actor/0 \({A}\) and actor/1 \({other}\) are one server"
+    ):
+        await claims("trainer", A, other).claim("pause")
 
 
 async def test_simulated_engines_without_an_address_are_not_claimed(locks: Path) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import pytest
+from core.loopback import loopback, port
 from structlog.testing import capture_logs
 
 from rollout_lifecycle import (
@@ -34,7 +35,7 @@ from rollout_lifecycle.core.router_sync import RouterSync
 from rollout_lifecycle.core.runner import PhaseResult, Plan
 
 S = ServerState
-A, B, C = "http://127.0.0.1:31001", "http://127.0.0.1:31002", "http://127.0.0.1:31003"
+A, B, C = loopback(1), loopback(2), loopback(3)
 FOREIGN = "http://other-team.test:9"
 
 
@@ -275,7 +276,7 @@ async def test_an_offload_that_leaves_keepers_serving_behind_a_router_out_of_ste
 
 
 async def test_a_worker_listed_under_another_spelling_of_an_engines_address_is_its_own() -> None:
-    spelled = ["http://localhost:31001/", "http://LOCALHOST:31002"]
+    spelled = [f"http://localhost:{port(1)}/", f"http://LOCALHOST:{port(2)}"]
     router = ListRouter(listed=spelled)
     server = RolloutServer([EngineGroup("actor", [AtURL(A), AtURL(B)])], router=router)
     assert await server.sync_router() == {"added": [], "removed": []}
