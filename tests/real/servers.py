@@ -34,8 +34,9 @@ SHIM_ENV = "ROLLOUT_LIFECYCLE_CPU_DEVICE_SHIM"
 #: The shim's other switch: the server forks its scheduler and detokenizer instead of spawning
 #: them (one import of torch and SGLang per start instead of three; see shim/sitecustomize.py).
 FORK_ENV = "ROLLOUT_LIFECYCLE_FORK_CHILDREN"
-#: Generous: a server needs 35-65 s on an idle 2-core machine, mostly imports; a loaded CI
-#: machine starting several at once needs more. A deadline, not a sleep.
+#: Generous: a server needs 35-65 s on an idle 2-core machine with spawned children, ~30 s with
+#: forked ones (``FORK_ENV``), mostly imports; a loaded CI machine starting several at once needs
+#: more. A deadline, not a sleep.
 READY_DEADLINE_S = 600.0
 #: The flags that make SGLang 0.5.23 run on a CPU (no memory saver: it needs libcuda).
 CPU_FLAGS = (
