@@ -200,8 +200,7 @@ class RealServer:
     _tail: deque[str] = field(default_factory=lambda: deque(maxlen=40))
 
     #: What the tier's own servers add to ``child_env``: SGLang's children forked, not spawned
-    #: (``FORK_ENV``). A start then costs ~28 CPU-seconds instead of ~70, and the tier starts
-    #: about 24. The servers the library launches run SGLang's own spawn.
+    #: (``FORK_ENV``). The servers the library launches run SGLang's own spawn.
     START_ENV: ClassVar[dict[str, str]] = {FORK_ENV: "1"}
 
     @property
