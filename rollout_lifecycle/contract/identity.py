@@ -23,8 +23,10 @@ from rollout_lifecycle.contract.outcome import Outcome
 #: SGLang 0.5.23 binds it after loading the model (``http_server.launch_server``: uvicorn's
 #: ``Server.run`` after ``_launch_subprocesses``), vLLM 0.32 after importing itself and parsing
 #: its arguments (``api_server.run_server``: ``create_server_socket`` before the engine
-#: starts); both take seconds (``docs/design.md``, "The checks cost next to nothing").
-PROOF_WINDOW = 0.5
+#: starts); both take seconds, importing the server's own modules alone (``docs/design.md``,
+#: "The checks cost next to nothing"). Two seconds: a proof then outlasts one phase of 10,000
+#: in-process engines (about 0.6 s), whose checked calls need no read of their own.
+PROOF_WINDOW = 2.0
 
 #: The prefix of an incarnation that names a process by its start time alone (vLLM's: the
 #: Prometheus ``process_start_time_seconds``, to the clock tick), which two processes started

@@ -214,14 +214,14 @@ async def test_a_probe_finds_a_restart_and_the_server_leaves_serving() -> None:
     await bring_back(server, engines)
 
 
+@pytest.mark.looptime
 async def test_a_dropped_release_on_a_restarting_server_is_a_fresh_server_not_an_unknown() -> None:
     """The connection of a release drops because the server restarted under it: the engine is
     read at once, and its record describes the new process (no tag is left uncertain, so no
     replacement is needed)."""
-    engines = [
-        SimulatedEngine(f"e{i}", token_latency=0.001, op_latency={"release_memory_occupation": 2})
-        for i in range(2)
-    ]
+    # (the release outlasts the restart, which comes PROOF_WINDOW after its send at the soonest)
+    latency = {"release_memory_occupation": PROOF_WINDOW + 2}
+    engines = [SimulatedEngine(f"e{i}", token_latency=0.001, op_latency=latency) for i in range(2)]
     server = RolloutServer([EngineGroup("actor", engines)], CONFIG)
     offload = asyncio.ensure_future(server.offload())
     # waits on a fact: the release is in flight on the engine
