@@ -230,6 +230,8 @@ class EngineHost:
         self._marks_reads = _takes(getattr(backend, "observe", None), "purpose")
         #: The newest lease epoch each fencing scope has sent a command under (``fenced``).
         self._fences: dict[str, int] = {}
+        #: ``checked``'s last answer that named the process, given again while it holds.
+        self._answer: tuple[Any, Any, Any] | None = None
 
     @property
     def backend(self) -> EngineBackend:
@@ -256,10 +258,14 @@ class EngineHost:
         ``Capabilities.to_wire``): they are the process's, read with the incarnation."""
         return self._declared(await self._read(paused, purpose, identify), identify)
 
-    def _declared(self, found: dict[str, Any], identify: bool) -> dict[str, Any]:
-        """A read ``found``, with what the driver declares when it names the process."""
+    def _declared(
+        self, found: dict[str, Any], identify: bool, shared: bool = False
+    ) -> dict[str, Any]:
+        """A read ``found``, with what the driver declares when it names the process (with
+        ``shared``, the declaration's one mapping: for an answer that only the runner reads)."""
         if identify:
-            found["capabilities"] = capabilities_of(self._backend).to_wire()
+            caps = capabilities_of(self._backend)
+            found["capabilities"] = caps.wire if shared else caps.to_wire()
         return found
 
     def _read(self, paused: bool, purpose: str, identify: bool) -> Awaitable[dict[str, Any]]:
@@ -312,7 +318,9 @@ class EngineHost:
             raise InvalidArgument(f"{short_repr(op)} is not an operation checked before it is sent")
         try:
             identify = expect[2] if len(expect) > 2 else True
-            seen = self._declared(await self._read(expect[1] is not None, op, identify), identify)
+            seen = self._declared(
+                await self._read(expect[1] is not None, op, identify), identify, shared=True
+            )
         except EngineDead:
             raise
         except EngineError as exc:
@@ -337,10 +345,21 @@ class EngineHost:
             raise EngineStateConflict(self._backend.label, op, records, reported)
         result = await self._method(op)(*args)  # (``run``; ``op`` is checked above)
         incarnation, declared = seen["incarnation"], seen.get("capabilities")
-        if incarnation is None and declared is None and (result is None or type(result) is bool):
-            # A check that named nothing, of a command that answered nothing or a flag: one
-            # shared answer, not a tuple per engine that its phase keeps until it settles.
-            return _UNNAMED[result]
+        if result is None or type(result) is bool:
+            # A command that answered nothing or a flag: one shared answer where the check
+            # named nothing, else this engine's last one while it holds, not a tuple per engine
+            # that its phase keeps until it settles.
+            if incarnation is None and declared is None:
+                return _UNNAMED[result]
+            last = self._answer
+            if (
+                last is None
+                or last[0] != incarnation
+                or last[1] is not result
+                or last[2] is not declared
+            ):
+                last = self._answer = (incarnation, result, declared)
+            return last
         return (incarnation, result, declared)
 
     async def fenced(self, fence: Sequence[Any], via: str, *args: Any) -> Any:

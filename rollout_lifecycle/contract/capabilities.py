@@ -100,10 +100,13 @@ class Capabilities:
     def to_wire(self) -> dict[str, Any]:
         """As plain values (a Ray call's answer, a snapshot, the journal): a new mapping of
         values built once per declaration (a snapshot holds one for each engine)."""
-        return dict(self._wire)
+        return dict(self.wire)
 
     @functools.cached_property
-    def _wire(self) -> dict[str, Any]:
+    def wire(self) -> dict[str, Any]:
+        """``to_wire``'s values in the declaration's one mapping, for a reader that keeps
+        nothing of it and changes nothing (the checks' answers: one per engine per read
+        otherwise)."""
         return {
             "family": self.family,
             "release_requires": [[tag.value, need.value] for tag, need in self.release_requires],

@@ -363,6 +363,10 @@ class EngineRecord:
     _expected: tuple[str | None, bool | None, bool] | None = field(
         default=None, repr=False, compare=False
     )
+    #: And the last other one (``expect``), kept for the next alike.
+    _identifying: tuple[str | None, bool | None, bool] | None = field(
+        default=None, repr=False, compare=False
+    )
     #: The other members of the unit this engine belongs to (``EngineGroup(unit=N)``): servers
     #: that live, serve and are replaced together. Empty for an engine that is a unit alone. Set
     #: once by its group; a slot keeps its mates when its engine is replaced.
@@ -592,7 +596,17 @@ class EngineRecord:
             if found is None or found[0] is not self.incarnation:
                 found = self._expected = (self.incarnation, True, False)
             return found
-        return (self.incarnation, paused, identify)
+        # The other one a fleet asks for again and again: the pause of a serving engine after a
+        # rollout (its last answer too old to prove it), which reads the incarnation.
+        found = self._identifying
+        if (
+            found is None
+            or found[0] is not self.incarnation
+            or found[1] is not paused
+            or found[2] is not identify
+        ):
+            found = self._identifying = (self.incarnation, paused, identify)
+        return found
 
     def answered(
         self,

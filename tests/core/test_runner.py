@@ -311,3 +311,36 @@ async def test_a_check_that_holds_costs_its_phase_no_object_per_engine() -> None
     record.incarnation = "another process"
     assert record.expect(Op.RELEASE, later) == ("another process", True, False)
     await asyncio.gather(*(e.close() for e in engines))
+
+
+@pytest.mark.looptime
+async def test_a_pause_that_reads_the_incarnation_keeps_no_object_per_engine_either() -> None:
+    """The pause after a rollout reads each engine's incarnation (no answer is recent enough to
+    prove the process): from the second such pause on, the record gives the expectation it gave
+    before, the host the answer it gave before, and the driver's declaration in it is the one
+    mapping of its capabilities, not a copy per engine."""
+    engines = [SimulatedEngine(f"sim-{i}", seed=i) for i in range(3)]
+    server = RolloutServer([EngineGroup("actor", engines)], config=LifecycleConfig(proof_window=0))
+    pauses: list[PhaseResult] = []
+    server.bus.subscribe(
+        PhaseSettled, lambda e: pauses.append(e.result) if e.result.phase == "pause" else None
+    )
+    for _ in range(3):
+        await server.offload()
+        await server.onload_weights()
+        await server.onload_kv()
+    _, second, third = pauses
+    records = server.groups[0].records
+    assert second.calls.expects == [(r.incarnation, False, True) for r in records]
+    assert all(a is b for a, b in zip(second.calls.expects, third.calls.expects, strict=True))
+    answers = [[ref.result() for ref in p.calls.refs] for p in (second, third)]  # type: ignore[attr-defined]
+    for record, engine, before, after in zip(records, engines, *answers, strict=True):
+        assert before == (record.incarnation, None, engine.capabilities.to_wire())
+        assert after is before
+        assert before[2] is engine.capabilities.wire
+    # another process's answer is its own
+    host = server.groups[0].engines[0]
+    await engines[0].restart()
+    fresh = await host.checked((None, None, True), "pause_generation", "abort")
+    assert fresh[0] != records[0].incarnation and fresh is not answers[1][0]
+    await asyncio.gather(*(e.close() for e in engines))
