@@ -24,8 +24,9 @@ from rollout_lifecycle.contract.outcome import Outcome
 #: ``Server.run`` after ``_launch_subprocesses``), vLLM 0.32 after importing itself and parsing
 #: its arguments (``api_server.run_server``: ``create_server_socket`` before the engine
 #: starts); both take seconds, importing the server's own modules alone (``docs/design.md``,
-#: "The checks cost next to nothing"). Two seconds: a proof then outlasts one phase of 10,000
-#: in-process engines (about 0.6 s), whose checked calls need no read of their own.
+#: "One process, one record", with the times measured). Two seconds: a proof then outlasts one
+#: phase of 10,000 in-process engines (about 0.6 s), whose checked calls need no read of their
+#: own.
 PROOF_WINDOW = 2.0
 
 #: The prefix of an incarnation that names a process by its start time alone (vLLM's: the

@@ -268,24 +268,31 @@ async def test_a_batch_of_calls_keeps_each_call_with_its_engine_in_order() -> No
     await asyncio.gather(*(e.close() for e in engines))
 
 
+async def cycles_of_checked_calls(
+    phase: str, cycles: int
+) -> tuple[list[SimulatedEngine], RolloutServer, list[PhaseResult]]:
+    """``cycles`` full cycles of three engines whose every checked call reads its engine first
+    (no answer proves a process past its call); what each ``phase`` came to."""
+    engines = [SimulatedEngine(f"sim-{i}", seed=i) for i in range(3)]
+    server = RolloutServer([EngineGroup("actor", engines)], config=LifecycleConfig(proof_window=0))
+    results: list[PhaseResult] = []
+    server.bus.subscribe(
+        PhaseSettled, lambda e: results.append(e.result) if e.result.phase == phase else None
+    )
+    for _ in range(cycles):
+        await server.offload()
+        await server.onload_weights()
+        await server.onload_kv()
+    return engines, server, results
+
+
 async def test_a_check_that_holds_costs_its_phase_no_object_per_engine() -> None:
     """At thousands of in-process engines, every object a phase allocates per engine and keeps
     until it settles brings the collector's next full collection nearer (benchmarks/README.md,
     section 11). A checked call whose check reads the pause state alone (the engine paused, its
     process known) keeps no expectation and no answer of its own: the record gives the same
     expectation while its values hold, and the host one shared answer."""
-    engines = [SimulatedEngine(f"sim-{i}", seed=i) for i in range(3)]
-    # (no answer proves a process past its call: every checked call reads its engine first)
-    server = RolloutServer([EngineGroup("actor", engines)], config=LifecycleConfig(proof_window=0))
-    releases: list[PhaseResult] = []
-    server.bus.subscribe(
-        PhaseSettled, lambda e: releases.append(e.result) if e.result.phase == "release" else None
-    )
-    for _ in range(2):
-        await server.offload()
-        await server.onload_weights()
-        await server.onload_kv()
-    first, second = releases
+    engines, server, (first, second) = await cycles_of_checked_calls("release", 2)
     records = server.groups[0].records
     # checked, on the pause state alone
     assert first.calls.expects == [(r.incarnation, True, False) for r in records]
@@ -319,17 +326,7 @@ async def test_a_pause_that_reads_the_incarnation_keeps_no_object_per_engine_eit
     prove the process): from the second such pause on, the record gives the expectation it gave
     before, the host the answer it gave before, and the driver's declaration in it is the one
     mapping of its capabilities, not a copy per engine."""
-    engines = [SimulatedEngine(f"sim-{i}", seed=i) for i in range(3)]
-    server = RolloutServer([EngineGroup("actor", engines)], config=LifecycleConfig(proof_window=0))
-    pauses: list[PhaseResult] = []
-    server.bus.subscribe(
-        PhaseSettled, lambda e: pauses.append(e.result) if e.result.phase == "pause" else None
-    )
-    for _ in range(3):
-        await server.offload()
-        await server.onload_weights()
-        await server.onload_kv()
-    _, second, third = pauses
+    engines, server, (_, second, third) = await cycles_of_checked_calls("pause", 3)
     records = server.groups[0].records
     assert second.calls.expects == [(r.incarnation, False, True) for r in records]
     assert all(a is b for a, b in zip(second.calls.expects, third.calls.expects, strict=True))
