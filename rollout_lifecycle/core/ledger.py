@@ -40,6 +40,7 @@ S = ServerState
 _PAUSE, _CONTINUE = Op.PAUSE, Op.CONTINUE
 _RELEASE, _RESUME, _SET_VERSION = Op.RELEASE, Op.RESUME, Op.SET_VERSION
 _DEAD, _RESTARTED, _CONFLICT = Outcome.DEAD, Outcome.RESTARTED, Outcome.CONFLICT
+_OK = Outcome.OK
 #: The commands' named values, read on every engine call (a global is read faster than a member).
 _ALIVE, _CONTINUE_GUARD, _RELEASE_GUARD = Guard.ALIVE, Guard.CONTINUE, Guard.RELEASE
 _RESUME_GUARD, _MEMORY, _PAUSE_PART = Guard.RESUME, Part.MEMORY, Part.PAUSE
@@ -622,7 +623,7 @@ class EngineRecord:
         ``until``; an answer that did not come (no answer, a dropped connection, a death, another
         process) proves nothing further. A check that read the pause state, and a pause or
         continue that landed, leave nothing another controller did unseen."""
-        if out.ok:
+        if out.outcome is _OK:
             if proven or (expected is not None and (expected[2] or expected[1] is True)):
                 self.proven_until = until
             if (expected is not None and expected[1] is not None) or op in _PAUSING:
@@ -775,24 +776,25 @@ class EngineRecord:
         cmd = command(op)
         self.last_op = cmd.op._value_
         self.last_outcome = out
-        if out.outcome is _DEAD:
+        outcome = out.outcome  # (read once: ``EngineOutcome.ok`` is a call, once per engine)
+        if outcome is _DEAD:
             self._intent = None
             self.alive = False
             return
         checked = cmd.checked
-        if out.outcome is _RESTARTED or out.outcome is _CONFLICT:
+        if outcome is _RESTARTED or outcome is _CONFLICT:
             # (a probe's verdict is its caller's to learn, under the server's lock: a probe
             # runs beside the calls that change the records)
             if checked:
                 self.undo_intent()  # nothing was sent
-                self.learn(out.outcome, incarnation)
+                self.learn(outcome, incarnation)
                 self.last_op, self.last_outcome = cmd.op._value_, out
             return
-        if out.ok and incarnation is not None and (checked or self.incarnation is None):
+        if outcome is _OK and incarnation is not None and (checked or self.incarnation is None):
             self.incarnation = incarnation  # (a read names the process only the first time)
             if declared is not None and self.capabilities is None:
                 self.declares(declared)  # (a process's, read once: a restart forgets them)
-        if out.outcome in _EFFECT_UNKNOWN:
+        if outcome in _EFFECT_UNKNOWN:
             # No answer, a dropped connection or garbage: the call may or may not have landed.
             self._intent = None
             if cmd.part is not None:
@@ -801,7 +803,7 @@ class EngineRecord:
         # The answer replaces the intent: refused, the call did nothing; landed, its effect
         # sets every field its intent left unknown.
         self.undo_intent()
-        if not out.ok:
+        if outcome is not _OK:
             if cmd.refused is not None:
                 self._refused(cmd.refused, out)
             return

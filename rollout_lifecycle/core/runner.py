@@ -408,7 +408,7 @@ class PhaseRunner:
     def succeeded(self, outcomes: Mapping[str, EngineOutcome]) -> bool:
         """Every engine succeeded, or (``DeadEnginePolicy.SKIP``) was found dead; and every
         group the phase reached has an engine that succeeded: no success on nothing."""
-        if all(o.ok for o in outcomes.values()):
+        if all(o.outcome is _OK for o in outcomes.values()):
             return True  # (every group reached has an engine that succeeded)
         reached: set[str] = set()
         succeeded: set[str] = set()
@@ -551,7 +551,7 @@ class PhaseRunner:
         result.slowest, result.retries = slowest, retries
         self.observe(result)
         self.bus.publish(RECORDS_CHANGED)
-        bad = sorted(k for k, v in outcomes.items() if not v.ok)
+        bad = sorted(k for k, v in outcomes.items() if v.outcome is not _OK)
         log.info(
             "phase.end",
             engines=len(calls),
