@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import gc
 import math
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,7 +42,13 @@ GB = memory_plan.GB
 
 def _check_fleet(result: overhead.FleetResult) -> None:
     stopped = result.seq_calls[0] < result.engines * len(CYCLE_CALLS)
-    for name in (overhead.RAW, overhead.LIBRARY, overhead.SLIME, overhead.SEQUENTIAL):
+    for name in (
+        overhead.RAW,
+        overhead.RAY_GET,
+        overhead.LIBRARY,
+        overhead.SLIME,
+        overhead.SEQUENTIAL,
+    ):
         assert result.times[name], name
         assert result.violations[name] == [], name
         assert result.incomplete[name] == 0, name
@@ -51,7 +58,9 @@ def _check_fleet(result: overhead.FleetResult) -> None:
             # Phases are barriers: the slowest call of each phase fits inside the cycle.
             assert 0 < bound <= took, (name, bound, took)
     table = overhead.report(result)
-    assert "slime-style (2 servers)" in table and "x raw floor" in table
+    assert "slime-style (2 servers)" in table and "x best floor" in table
+    floors = [statistics.median(result.times[name]) for name in (overhead.RAW, overhead.RAY_GET)]
+    assert result.best_floor == min(floors)
 
 
 async def test_overhead_runs_every_contender_on_actor_and_hosted_fleets(ray_cluster: None) -> None:
@@ -105,7 +114,8 @@ async def test_the_guard_measures_both_ratios_and_fails_a_ratio_past_its_limit(
     ratios = [await guard.in_process(20, rounds=2), await guard.on_ray(2, rounds=1)]
     for ratio in ratios:
         assert ratio.value > 0 and ratio.faults == () and ratio.target < ratio.limit
-    assert "library / raw floor" in guard.report(ratios)
+    assert "library / raw floor, 20 in-process" in guard.report(ratios)
+    assert "library / best floor, 2 Ray actors" in guard.report(ratios)
     # The verdict: past the limit, not a number, or a broken invariant fails; at it, passes.
     at_limit = dataclasses.replace(ratios[0], value=ratios[0].limit)
     assert not at_limit.failed

@@ -295,7 +295,7 @@ async def test_the_overhead_benchmark_runs_its_contenders_across_the_nodes(
     result = await overhead.run_fleet(
         actors=3, servers=3, rounds=1, seq_budget_s=0, latency_ms=(0.0, 1.0), nodes=3
     )
-    assert set(result.times) == {overhead.RAW, overhead.LIBRARY, overhead.SLIME}
+    assert set(result.times) == {overhead.RAW, overhead.RAY_GET, overhead.LIBRARY, overhead.SLIME}
     assert not any(result.violations.values()) and not any(result.incomplete.values())
     assert "3 engines (3 actors x 1) on 3 nodes" in overhead.report(result)
     # its placement group (three bundles, placed) is given back
