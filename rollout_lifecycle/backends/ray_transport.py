@@ -8,8 +8,8 @@ a Ray handle can exist.
 The barrier's wait for Ray refs does not wrap each in an asyncio future (every such future costs
 a thread hop and an event-loop wake-up when its call lands): one helper thread waits for all of
 a phase's refs with ``ray.wait`` in slices and fetches each slice's results with one ``ray.get``,
-so a call's end time is known to within the slice (2 ms, or a tenth of the time waited so far,
-at most 100 ms) while the barrier itself passes as the last call lands.
+so a call's end time is known to within the slice (10 ms, or a quarter of the time waited so
+far, at most 100 ms) while the barrier itself passes as the last call lands.
 """
 
 from __future__ import annotations
@@ -32,10 +32,15 @@ from rollout_lifecycle.contract.ops import RUN
 
 #: Slices of one ``ray.wait``: a ref's end time is known to within the slice, which grows with
 #: the phase (a fraction of the time waited so far), so a long phase costs few wake-ups. The
-#: last ref ends the wait at once (``ray.wait`` returns when every ref is ready).
-_MIN_SLICE_S = 0.002
+#: last ref ends the wait at once (``ray.wait`` returns when every ref is ready). Each wake-up
+#: costs the driver a ``ray.wait`` over the refs still pending, on cores the engines' actors may
+#: share: at 64 single-engine actors on 2 cores, slices of 2 ms and a tenth (31 wake-ups in a
+#: 150 ms phase against 10 now) cost 0.04-0.07 s of the driver's CPU per 6-phase cycle, the
+#: library's cycle 1.06 x the bare ``ray.get`` floor's against 1.01 now (benchmarks/README.md,
+#: section 1).
+_MIN_SLICE_S = 0.01
 _MAX_SLICE_S = 0.1
-_SLICE_FRACTION = 0.1
+_SLICE_FRACTION = 0.25
 
 
 def actor_key(actor: Any) -> str:

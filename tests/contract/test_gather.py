@@ -4,6 +4,7 @@ error, the deadline, and the late calls, for in-process tasks and Ray object ref
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -109,3 +110,29 @@ async def test_refs_ray_cannot_wait_for_together_are_still_waited_for(
     landed = await seam.wait([ref, ref], 10)  # ray.wait refuses duplicates
     assert landed.late == {} and landed.errors == [None, None]
     assert [v["model_path"] for v in landed.values] == ["simulated/sim-0"] * 2
+
+
+async def test_a_long_wait_for_ray_refs_wakes_a_few_times_not_every_few_milliseconds(
+    engine_actors: Callable[..., list[Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each wake-up is a ray.wait over the refs still pending, on the driver's CPU, which the
+    # engines' actors may share. A wake-up comes 10 ms apart at first, then a quarter of the
+    # time waited so far, at most 100 ms apart: over a wait of T seconds at most 4 wake-ups
+    # before 40 ms, one per quarter more until 400 ms, one per 100 ms after.
+    (engine,) = engine_actors(1, op_latency={"pause_generation": 0.5})
+    slices: list[float] = []
+    real_wait = ray.wait
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        slices.append(kwargs["timeout"])
+        return real_wait(*args, **kwargs)
+
+    monkeypatch.setattr(ray, "wait", counted)
+    began = time.monotonic()
+    landed = await seam.wait([engine.pause_generation.remote("retract")], 60)
+    took = time.monotonic() - began
+    assert landed.errors == [None] and landed.late == {} and took >= 0.5
+    growing = math.log(min(took, 0.4) / 0.04) / math.log(1.25)
+    bound = 4 + math.ceil(growing) + math.ceil(max(0.0, took - 0.4) / 0.1) + 1
+    assert len(slices) <= bound, (took, slices)
+    assert min(slices) >= 0.01 and max(slices) <= 0.1
