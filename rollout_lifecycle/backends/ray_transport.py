@@ -35,9 +35,9 @@ from rollout_lifecycle.contract.ops import RUN
 #: last ref ends the wait at once (``ray.wait`` returns when every ref is ready). Each wake-up
 #: costs the driver a ``ray.wait`` over the refs still pending, on cores the engines' actors may
 #: share: at 64 single-engine actors on 2 cores, slices of 2 ms and a tenth (31 wake-ups in a
-#: 150 ms phase against 10 now) cost 0.04-0.07 s of the driver's CPU per 6-phase cycle, the
-#: library's cycle 1.06 x the bare ``ray.get`` floor's against 1.01 now (benchmarks/README.md,
-#: section 1).
+#: 150 ms phase against 10 now) cost ~0.045 s of the driver's CPU per 6-phase cycle; in one run
+#: of interleaved cycles the library's cycle was 1.06 x the bare ``ray.get`` floor's with them
+#: and 1.01 x without (benchmarks/README.md, section 1, gives the spread over runs).
 _MIN_SLICE_S = 0.01
 _MAX_SLICE_S = 0.1
 _SLICE_FRACTION = 0.25
