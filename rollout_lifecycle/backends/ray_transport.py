@@ -28,7 +28,7 @@ from ray.actor import ActorHandle
 from rollout_lifecycle.contract import seam
 from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.gather import Landed
-from rollout_lifecycle.contract.ops import RUN
+from rollout_lifecycle.contract.ops import CHECKED, FENCED, RUN
 
 #: Slices of one ``ray.wait``: a ref's end time is known to within the slice, which grows with
 #: the phase (a fraction of the time waited so far), so a long phase costs few wake-ups. The
@@ -63,6 +63,10 @@ class ActorSeam:
             if method is not None:
                 direct: Awaitable[Any] = method.remote(*args[1:])
                 return direct
+        if op == CHECKED:
+            args = _plain_expectation(args, 0)
+        elif op == FENCED and len(args) > 2 and args[1] == CHECKED:
+            args = _plain_expectation(args, 2)
         ref: Awaitable[Any] = getattr(handle, op).remote(*args)
         return ref
 
@@ -75,6 +79,16 @@ class ActorSeam:
             ray.kill(handle, no_restart=True)
         except Exception:  # a dead actor may refuse to be killed again: nothing left to stop
             logger().debug("engine.retire_failed", handle=repr(handle))
+
+
+def _plain_expectation(args: tuple[Any, ...], at: int) -> tuple[Any, ...]:
+    """``args`` with the checked call's expectation (``args[at]``, a tuple) as a list: Ray
+    serializes each argument on its own, a list of plain values as msgpack and a tuple through
+    pickle (``ray._private.serialization.SerializationContext._serialize_to_msgpack`` hands what
+    msgpack will not take to pickle5): 21 against 3 us to serialize, and submitting a checked
+    pause took 413 against 359 us of the driver's CPU (median of 25 batches of 200 calls). In
+    process the tuple stays: the record gives the same one to every call it proves."""
+    return (*args[:at], list(args[at]), *args[at + 1 :])
 
 
 def _dead_errors() -> tuple[type[BaseException], ...]:

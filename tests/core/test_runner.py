@@ -341,38 +341,3 @@ async def test_a_pause_that_reads_the_incarnation_keeps_no_object_per_engine_eit
     fresh = await host.checked((None, None, True), "pause_generation", "abort")
     assert fresh[0] != records[0].incarnation and fresh is not answers[1][0]
     await asyncio.gather(*(e.close() for e in engines))
-
-
-async def test_a_checked_calls_arguments_cross_ray_without_pickle(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # Ray serializes each argument of an actor call on its own: plain values as msgpack, what
-    # msgpack will not take (a tuple among them) through pickle, several times the driver's
-    # CPU per call. Every argument of a checked pause, its expectation first, is plain.
-    from ray._private.serialization import SerializationContext
-    from ray._private.worker import global_worker
-
-    from rollout_lifecycle.contract import seam
-
-    sent: list[tuple[str, tuple[Any, ...]]] = []
-    seam_for = seam.seam_for
-
-    class Recording:
-        def __init__(self, inner: Any) -> None:
-            self.inner = inner
-
-        def send(self, handle: Any, op: str, args: tuple[Any, ...]) -> Any:
-            sent.append((op, args))
-            return self.inner.send(handle, op, args)
-
-    monkeypatch.setattr(seam, "seam_for", lambda handle: Recording(seam_for(handle)))
-    engines = sims(2, "a")
-    server = RolloutServer([EngineGroup("a", engines)])
-    await server.pause()
-    checked = [args for op, args in sent if op == "checked"]
-    assert len(checked) == 2 and all(args[1] == "pause_generation" for args in checked)
-    context = SerializationContext(global_worker)
-    kinds = {context.serialize(arg).metadata for args in checked for arg in args}
-    assert kinds == {b"XLANG"}, [(arg, context.serialize(arg).metadata) for arg in checked[0]]
-    for engine in engines:
-        await engine.close()
