@@ -30,7 +30,7 @@ from rollout_lifecycle.contract.events import logger
 from rollout_lifecycle.contract.exceptions import PhaseFailed
 from rollout_lifecycle.contract.identity import PROOF_WINDOW, disagreement
 from rollout_lifecycle.contract.ops import CHECKED, FENCED, RUN, Op
-from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome
+from rollout_lifecycle.contract.outcome import EngineOutcome, Outcome, ok_outcome
 from rollout_lifecycle.contract.seam import Landed
 from rollout_lifecycle.contract.values import PauseMode, Tag
 from rollout_lifecycle.core.bus import RECORDS_CHANGED, Bus, RecordsChanged
@@ -248,6 +248,10 @@ class PhaseResult:
     #: The engines a call found restarted (another process at the address), with the
     #: incarnation each showed.
     restarted: dict[str, str | None] = field(default_factory=dict)
+    #: The engines whose outcome is not ``ok``, in the order their calls were issued (taken
+    #: as the calls settle: the phase's success and its lost connections are read from it, not
+    #: from another pass over every outcome).
+    failed: list[str] = field(default_factory=list)
 
     def value(self, engine: str) -> Any:
         """What ``engine``'s call returned (None if it failed or was not in the phase)."""
@@ -346,12 +350,13 @@ class PhaseRunner:
         restarted under the call leaves a new one at the address, and then the record describes
         the new process (what was uncertain of the old one is gone with it); one that died is
         found dead at once."""
-        if not COMMANDS[plan.op].checked:
+        if not result.failed or not COMMANDS[plan.op].checked:
             return
+        outcomes = result.outcomes
         dropped = tuple(
             r
             for r in plan.targets
-            if result.outcomes[r.id].outcome is _UNREACHABLE and r.alive and r.in_flight is None
+            if outcomes[r.id].outcome is _UNREACHABLE and r.alive and r.in_flight is None
         )
         if not dropped:
             return
@@ -401,7 +406,7 @@ class PhaseRunner:
     async def require(self, phase: Phase, plan: Plan, deadline: float) -> PhaseResult:
         """``run``, raising ``PhaseFailed`` unless the phase succeeded (``succeeded``)."""
         result = await self.run(phase, plan, deadline)
-        if not self.succeeded(result.outcomes):
+        if result.failed and not self.succeeded(result.outcomes):
             raise PhaseFailed(phase, result.outcomes, ServerState.FAILED.value)
         return result
 
@@ -434,10 +439,11 @@ class PhaseRunner:
     async def _still_in_flight(self, plan: Plan, deadline: float) -> set[str]:
         """The targets of ``plan`` with a call in flight that matters to it after up to
         ``deadline``."""
-        waiting = [r for r in plan.targets if r.busy_for(plan.op)]
+        op = plan.op  # (``busy_for`` asked only of a record with a call in flight: most have none)
+        waiting = [r for r in plan.targets if r.in_flight is not None and r.busy_for(op)]
         if not waiting:
             return set()
-        ready = await self.landed(waiting, deadline, plan.op)
+        ready = await self.landed(waiting, deadline, op)
         return {r.id for r in waiting} - {r.id for r in ready}
 
     def _not_sent(self, phase: Phase, plan: Plan, busy: set[str]) -> PhaseResult:
@@ -448,7 +454,7 @@ class PhaseRunner:
         )
         outcomes = {r.id: held if r.id in busy else spared for r in plan.targets}
         logger().warning("phase.not_sent", server=self._name, phase=phase, in_flight=sorted(busy))
-        result = PhaseResult(phase, outcomes, time.monotonic(), 0.0)
+        result = PhaseResult(phase, outcomes, time.monotonic(), 0.0, failed=list(outcomes))
         self.observe(result)
         return result
 
@@ -473,10 +479,13 @@ class PhaseRunner:
         # bookkeeping at thousands of engines.
         landed = await seam.wait(calls.refs, deadline)
         result = PhaseResult(phase, {}, start, 0.0, calls=calls, landed=landed)
-        outcomes, spans = result.outcomes, result.spans
-        slowest: tuple[str, float] | None = None
+        outcomes, spans, failed = result.outcomes, result.spans, result.failed
+        slowest_id: str | None = None
+        slowest_s = -1.0
         retries: int | None = None
         window = self.proof_window
+        ends, values, errors = landed.ends, landed.values, landed.errors
+        expects, proven, sent = calls.expects, calls.proven, calls.sent
         columns = (calls.records, calls.ops, calls.tags, calls.modes, calls.starts, calls.handles)
         for i, (record, op, tags, mode, began, sent_to) in enumerate(zip(*columns, strict=True)):
             # ``recover()`` may have given the record a replacement while the call flew: what
@@ -484,56 +493,41 @@ class PhaseRunner:
             current = record.handle is sent_to
             seen: str | None = None  # the incarnation the engine showed
             declared: Any = None  # and, with it, what its driver declares it can do
-            landed_at = landed.ends[i]
-            if landed_at is None:
+            end = ends[i]
+            if end is None:
                 end = time.monotonic()
-                future = landed.late[i]
                 out = EngineOutcome(
                     Outcome.TIMED_OUT, f"no answer within {deadline:g}s", end - began
                 )
-                # The call may still land; keep it, so that nothing is sent to this engine
-                # before it has (see ``landed``). One still flying from before (a read, or a
-                # repeat of this call) is waited for with it, and a call that is not a read
-                # keeps deciding what must wait.
                 if current:
-                    earlier = record.in_flight
-                    late_op = op
-                    if earlier is not None:
-                        future = asyncio.gather(earlier.future, future, return_exceptions=True)
-                        if COMMANDS[op].reads:
-                            late_op = earlier.op
-                    flying = record.flies(late_op, future)
-                    future.add_done_callback(
-                        functools.partial(self._forget_straggler, record, flying)
-                    )
+                    self._straggler(record, op, landed.late[i])
+            elif (exc := errors[i]) is None:
+                out = ok_outcome(end - began)
+                if expects[i] is not None:
+                    seen, values[i], declared = _checked_value(values[i])
+                elif op is _OBSERVE:
+                    out, seen, declared = judge(record, values[i], out.duration_s)
             else:
-                end = landed_at
-                took = end - began
-                exc = landed.errors[i]
-                if exc is None:
-                    out = EngineOutcome(_OK, "", took)
-                    if calls.expects[i] is not None:
-                        seen, landed.values[i], declared = _checked_value(landed.values[i])
-                    elif op is _OBSERVE:
-                        out, seen, declared = judge(record, landed.values[i], took)
-                else:
-                    out = seam.classify(exc, took)
-                    if out.outcome is _RESTARTED:
-                        seen = getattr(seam.unwrap(exc), "found", None)
+                out = seam.classify(exc, end - began)
                 if out.outcome is _RESTARTED:
+                    seen = getattr(seam.unwrap(exc), "found", None)
+            outcome = out.outcome
+            if outcome is not _OK:
+                failed.append(record.id)
+                if outcome is _RESTARTED:
                     result.restarted[record.id] = seen
             if op is _FLUSH:
-                attempts = landed.values[i] if out.outcome is _OK else None
+                attempts = values[i] if outcome is _OK else None
                 retries = (retries or 0) + (max(attempts - 1, 0) if type(attempts) is int else 0)
-            if slowest is None or out.duration_s > slowest[1]:
-                slowest = (record.id, out.duration_s)
-            spans += (record.id, record.group, op._value_, began, end, out.outcome._value_)
+            if out.duration_s > slowest_s:
+                slowest_id, slowest_s = record.id, out.duration_s
+            spans += (record.id, record.group, op._value_, began, end, outcome._value_)
             if current:
                 record.apply(op, tags, mode, out, seen, declared)
-                if op is _RELEASE and out.outcome is _OK and landed.values[i] is True:
+                if op is _RELEASE and outcome is _OK and values[i] is True:
                     record.lost_weights()  # (the host's answer: weights' values gone)
-                expected = _IDENTIFIED if op is _OBSERVE else calls.expects[i]
-                record.answered(op, out, expected, calls.proven[i], calls.sent[i] + window)
+                expected = _IDENTIFIED if op is _OBSERVE else expects[i]
+                record.answered(op, out, expected, proven[i], sent[i] + window)
             outcomes[record.id] = out
             if debug:
                 log.debug(
@@ -541,25 +535,39 @@ class PhaseRunner:
                     group=record.group,
                     engine=record.id,
                     op=op,
-                    outcome=out.outcome.value,
+                    outcome=outcome.value,
                     detail=out.detail or None,
                     duration_s=round(out.duration_s, 6),
                 )
         if calls:  # the phase begins with its first engine call, issued before the gather
             start = min(start, calls.starts[0])
         result.start, result.seconds = start, time.monotonic() - start
-        result.slowest, result.retries = slowest, retries
+        result.slowest = None if slowest_id is None else (slowest_id, slowest_s)
+        result.retries = retries
         self.observe(result)
         self.bus.publish(RECORDS_CHANGED)
-        bad = sorted(k for k, v in outcomes.items() if v.outcome is not _OK)
         log.info(
             "phase.end",
             engines=len(calls),
-            outcome="ok" if not bad else "failed",
-            failed_engines=bad or None,
+            outcome="ok" if not failed else "failed",
+            failed_engines=sorted(failed) or None,
             duration_s=round(result.seconds, 6),
         )
         return result
+
+    def _straggler(self, record: EngineRecord, op: Op, future: asyncio.Future[Any]) -> None:
+        """Keep the call of ``op`` that missed its deadline on ``record`` (``future`` lands when
+        it does), so that nothing is sent to this engine before it has (see ``landed``). One
+        still flying from before (a read, or a repeat of this call) is waited for with it, and a
+        call that is not a read keeps deciding what must wait."""
+        earlier = record.in_flight
+        late_op = op
+        if earlier is not None:
+            future = asyncio.gather(earlier.future, future, return_exceptions=True)
+            if COMMANDS[op].reads:
+                late_op = earlier.op
+        flying = record.flies(late_op, future)
+        future.add_done_callback(functools.partial(self._forget_straggler, record, flying))
 
     def _forget_straggler(
         self, record: EngineRecord, flying: InFlight, future: asyncio.Future[Any]

@@ -28,6 +28,7 @@ from rollout_lifecycle.contract.commands import (
     Resume,
     SetVersion,
 )
+from rollout_lifecycle.contract.exceptions import PhaseFailed
 from rollout_lifecycle.contract.ops import Op
 from rollout_lifecycle.contract.outcome import Outcome
 from rollout_lifecycle.core.bus import Bus, RecordsChanged
@@ -341,3 +342,31 @@ async def test_a_pause_that_reads_the_incarnation_keeps_no_object_per_engine_eit
     fresh = await host.checked((None, None, True), "pause_generation", "abort")
     assert fresh[0] != records[0].incarnation and fresh is not answers[1][0]
     await asyncio.gather(*(e.close() for e in engines))
+
+
+async def test_a_phase_names_the_engines_that_did_not_succeed_and_require_reads_them() -> None:
+    """``PhaseResult.failed``: the engines whose outcome is not ``ok``, in the order their
+    calls went out; a phase with none succeeded, and ``require`` refuses one with any (under
+    ``DeadEnginePolicy.FAIL``, a dead engine among them)."""
+    engines = sims(3, "a")
+    group = EngineGroup("a", engines)
+    runner = PhaseRunner("s", DeadEnginePolicy.FAIL, Bus())
+    plan = Plan(Pause(PauseMode.ABORT), group.records)
+    clean = await runner.run("pause", plan, 5.0)
+    assert clean.failed == [] and all(o.ok for o in clean.outcomes.values())
+    await engines[1].close()  # (a closed server refuses the connection: dead)
+    again = Plan(Continue(), group.records)
+    result = await runner.run("continue", again, 5.0)
+    assert result.failed == ["a/1"]
+    assert result.outcomes["a/1"].outcome is Outcome.DEAD
+    assert [e for e, o in result.outcomes.items() if not o.ok] == result.failed
+    live = tuple(r for r in group.records if r.alive)
+    assert (await runner.require("pause", Plan(Pause(PauseMode.ABORT), live), 5.0)).failed == []
+    slow = SimulatedEngine("slow", token_latency=0.001, op_latency={"pause_generation": 0.3})
+    (late,) = EngineGroup("b", [slow]).records
+    with pytest.raises(PhaseFailed) as failed:
+        await runner.require("pause", Plan(Pause(PauseMode.ABORT), (late,)), 0.05)
+    assert failed.value.outcomes["b/0"].outcome is Outcome.TIMED_OUT
+    await runner.landed([late], 30.0, Op.CONTINUE)  # (the late pause lands before the close)
+    for engine in [*engines, slow]:
+        await engine.close()
