@@ -30,7 +30,16 @@ from rollout_lifecycle.contract.values import (
     Tag,
     parse_tags,
 )
-from rollout_lifecycle.core.commands import Command, Effect, Guard, Part, Refusal, Targets, command
+from rollout_lifecycle.core.commands import (
+    COMMANDS,
+    Command,
+    Effect,
+    Guard,
+    Part,
+    Refusal,
+    Targets,
+    command,
+)
 from rollout_lifecycle.core.states import ServerState
 
 S = ServerState
@@ -464,7 +473,10 @@ class EngineRecord:
         """Run ``cmd``'s guard (``IllegalEngineOp`` if it refuses ``cmd`` with ``tags``)."""
         guard = cmd.guard
         if guard is _ALIVE:
-            self.check_alive(cmd.op)
+            if (
+                not self.alive
+            ):  # (``check_alive``, called only to refuse: twice per engine per phase)
+                self.check_alive(cmd.op)
         elif guard is _CONTINUE_GUARD:
             self.check_continue()
         elif guard is _RELEASE_GUARD:
@@ -483,7 +495,8 @@ class EngineRecord:
         """Release only a paused, flushed (idle) engine, never a tag twice, and only tags its
         driver can release together (``Capabilities.release_refusal``)."""
         op = _RELEASE
-        self.check_alive(op)
+        if not self.alive:
+            self.check_alive(op)
         refusal = self.release_refusal(tags)
         if refusal is not None:
             raise self._refuse(op, refusal)
@@ -497,8 +510,9 @@ class EngineRecord:
             raise self._refuse(op, "paused in_place: requests still hold their KV cache")
         if not self.flushed:
             raise self._refuse(op, "the engine has not passed a flush since it was paused")
-        twice = [t.value for t in tags if t in self.released]
-        if twice:
+        released = self.released
+        if released and not released.isdisjoint(tags):
+            twice = [t.value for t in tags if t in released]
             raise self._refuse(op, f"tags {twice} are already released (double release kills)")
 
     def release_refusal(self, tags: Collection[Tag]) -> str | None:
@@ -510,19 +524,21 @@ class EngineRecord:
     def check_resume(self, tags: Sequence[Tag]) -> None:
         """Resume only tags that are released."""
         op = _RESUME
-        self.check_alive(op)
+        if not self.alive:
+            self.check_alive(op)
         if self.uncertain:
             raise self._refuse(op, f"tags {_tag_list(self.uncertain)} are in an unknown state")
-        missing = [t.value for t in tags if t not in self.released]
-        if missing:
+        if not self.released.issuperset(tags):
+            missing = [t.value for t in tags if t not in self.released]
             raise self._refuse(op, f"tags {missing} are not released (resuming them kills)")
 
     def check_continue(self) -> None:
         """Continue generation only on fully resident memory."""
         op = _CONTINUE
-        self.check_alive(op)
-        held = sorted(t.value for t in self.released | self.uncertain)
-        if held:
+        if not self.alive:
+            self.check_alive(op)
+        if self.released or self.uncertain:
+            held = sorted(t.value for t in self.released | self.uncertain)
             raise self._refuse(op, f"tags {held} are released; generation would run on them")
         if self.parted:
             raise self._refuse(
@@ -575,9 +591,9 @@ class EngineRecord:
         of its ranks lives on, and its driver's read tells a server that lost one."""
         proven = now < self.proven_until
         caps = self.capabilities
+        if proven and not self.unwatched and (caps is None or caps.ranks == 1):
+            return None  # (first: the calls of a cycle's phases after its first)
         several = caps is not None and caps.ranks > 1
-        if proven and not self.unwatched and not several:
-            return None
         paused = None if self.pause_unknown or (op is _PAUSE and self.paused) else self.paused
         identify = (
             self.incarnation is None
@@ -684,7 +700,8 @@ class EngineRecord:
         the engine paused unknown, a weight-update session may be open. A process that dies
         with the call in flight leaves this record, which refuses the call that could kill the
         engine; the outcome (``apply``) replaces it."""
-        cmd = command(op)
+        # (``command`` names what is no operation; the table at once, once per engine per phase)
+        cmd = COMMANDS.get(op) or command(op)
         part = cmd.part
         if part is not None:
             self._intent = self._saved(part, tags)
@@ -773,41 +790,44 @@ class EngineRecord:
         ``incarnation`` is the one the engine showed (a checked call that passed, or the new
         process that refused it), and ``declared`` what its driver declared with it
         (``Capabilities.to_wire``)."""
-        cmd = command(op)
+        cmd = COMMANDS.get(op) or command(op)  # (as in ``intend``)
         self.last_op = cmd.op._value_
         self.last_outcome = out
         outcome = out.outcome  # (read once: ``EngineOutcome.ok`` is a call, once per engine)
+        if outcome is _OK:  # (first: nearly every call of every phase)
+            if incarnation is not None and (self.incarnation is None or cmd.checked):
+                self.incarnation = incarnation  # (a read names the process only the first time)
+                if declared is not None and self.capabilities is None:
+                    self.declares(declared)  # (a process's, read once: a restart forgets them)
+            # The answer replaces the intent: its effect sets every field the intent left
+            # unknown (``undo_intent``, inline: once per engine per phase).
+            intent, self._intent = self._intent, None
+            if intent is not None:
+                intent.undo(self)
+            self._landed(cmd.landed, tags, mode)
+            return
         if outcome is _DEAD:
             self._intent = None
             self.alive = False
             return
-        checked = cmd.checked
         if outcome is _RESTARTED or outcome is _CONFLICT:
             # (a probe's verdict is its caller's to learn, under the server's lock: a probe
             # runs beside the calls that change the records)
-            if checked:
+            if cmd.checked:
                 self.undo_intent()  # nothing was sent
                 self.learn(outcome, incarnation)
                 self.last_op, self.last_outcome = cmd.op._value_, out
             return
-        if outcome is _OK and incarnation is not None and (checked or self.incarnation is None):
-            self.incarnation = incarnation  # (a read names the process only the first time)
-            if declared is not None and self.capabilities is None:
-                self.declares(declared)  # (a process's, read once: a restart forgets them)
         if outcome in _EFFECT_UNKNOWN:
             # No answer, a dropped connection or garbage: the call may or may not have landed.
             self._intent = None
             if cmd.part is not None:
                 self._unknown(cmd.part, cmd.op, tags, mode)
             return
-        # The answer replaces the intent: refused, the call did nothing; landed, its effect
-        # sets every field its intent left unknown.
+        # Refused: the call did nothing, and the intent goes.
         self.undo_intent()
-        if outcome is not _OK:
-            if cmd.refused is not None:
-                self._refused(cmd.refused, out)
-            return
-        self._landed(cmd.landed, tags, mode)
+        if cmd.refused is not None:
+            self._refused(cmd.refused, out)
 
     # -- what the lifecycle learns beyond a call's own effect -----------------------------------
 
