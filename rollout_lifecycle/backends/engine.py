@@ -17,6 +17,7 @@ import hashlib
 import inspect
 import json
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from types import CoroutineType
 from typing import Any, Protocol, runtime_checkable
 
 from rollout_lifecycle.contract import seam
@@ -621,6 +622,9 @@ class LocalSeam:
             call = handle._method(args[0])(*args[1:])
         else:
             call = getattr(handle, op)(*args)
+        if type(call) is CoroutineType:  # (a host method's: the loop's task, as ``ensure_future``
+            # makes it, without its two calls and checks once per engine per phase)
+            return asyncio.get_running_loop().create_task(call)
         task: Awaitable[Any] = asyncio.ensure_future(call)
         return task
 

@@ -64,13 +64,19 @@ async def gather_calls(
     batches: dict[BatchWait, list[int]] = {}
     local: dict[asyncio.Future[Any], int] = {}
     kind_of: dict[type, BatchWait | None] = {}
+    #: Whether a kind of call is a future already (an in-process call's task): waited for as
+    #: it is, not passed through ``ensure_future`` once per call.
+    futures: dict[type, bool] = {}
     for i, ref in enumerate(refs):
         kind = type(ref)
         if kind not in kind_of:
             kind_of[kind] = batch_of(ref)
+            futures[kind] = asyncio.isfuture(ref)
         batch = kind_of[kind]
         if batch is not None:
             batches.setdefault(batch, []).append(i)
+        elif futures[kind]:
+            local[ref] = i  # type: ignore[index]
         else:
             local[asyncio.ensure_future(ref)] = i
     waits: list[asyncio.Future[Any]] = []
