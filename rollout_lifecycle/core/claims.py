@@ -422,16 +422,16 @@ class Claims:
         records = list(self._records())
         addresses = await self.addresses(records)
         shared = self._store.cluster_wide
-        keys = {r.id: _keys(addresses.get(r.id), r, shared) for r in records}
-        found = self._store.acquire([k for ks in keys.values() for k in ks], self.holder(call))
+        keys = [_keys(addresses.get(r.id), r, shared) for r in records]
+        found = self._store.acquire([k for ks in keys for k in ks], self.holder(call))
         lease = await found if inspect.isawaitable(found) else found
         self._count += 1
         # (this claim's mark, and the one the claim before it left: one pair per claim, not
         # per engine)
         before, mark = (id(self), self._count - 1), (id(self), self._count)
-        for record in records:
-            if keys[record.id]:
-                watched = all(lease.continuous(k) for k in keys[record.id])
+        for record, held in zip(records, keys, strict=True):
+            if held:
+                watched = all(lease.continuous(k) for k in held)
             else:
                 watched = _claimed_again(record, before, mark)
             if not watched:
