@@ -64,6 +64,8 @@ def check_seconds(
     An int or a float (not a bool), finite, > 0 (``positive``) or >= 0, and at most ``maximum``
     (a week by default: every wait the library takes is bounded, so none overflows later).
     """
+    if type(value) is float and (value > 0 if positive else value >= 0) and value <= maximum:
+        return value  # (the common case, at once: an engine host checks two per flush; NaN fails)
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidArgument(f"{what} must be a number of seconds, got {value!r}")
     low = "> 0" if positive else ">= 0"

@@ -51,7 +51,7 @@ from rollout_lifecycle.testing.standin import StandInServer, create_app, serve
 
 HUGE = 10**400  # an int no float holds
 #: Bad numbers of seconds (positive ones wanted).
-SECONDS = [None, "1", True, [1], math.nan, math.inf, -math.inf, -1, 0, 1e308, HUGE]
+SECONDS = [None, "1", True, [1], math.nan, math.inf, -math.inf, -1, -0.5, 0, 0.0, 1e308, HUGE]
 #: Bad numbers of seconds where 0 is fine.
 SECONDS0 = [v for v in SECONDS if v != 0 or isinstance(v, bool)]
 #: Bad flags.
