@@ -23,6 +23,10 @@ from rollout_lifecycle.testing.sim_state import SimState
 FRONT_END_OPS = frozenset({"ping", "ready", "weight_version", "abort_request"})
 
 
+#: The fields of a call that has none.
+_NO_FIELDS: dict[str, Any] = {}
+
+
 def waits_for_ranks(op: str, fields: dict[str, Any]) -> bool:
     """Whether the call ``op`` (with ``fields``) waits for every data-parallel rank."""
     return op not in FRONT_END_OPS and not (
@@ -51,6 +55,12 @@ class SimCalls:
         """Record the call ``op`` starting now, with ``fields``; a dead or closed server refuses
         the connection at once, with no latency and no effect: recorded ``dead``,
         ``EngineDead``."""
+        entry = self._entry(op, purpose, fields)
+        self._scheduler.ensure_running()
+        return entry
+
+    def _entry(self, op: str, purpose: str | None, fields: dict[str, Any]) -> dict[str, Any]:
+        """``_start`` without starting the decode loop."""
         state = self._state
         entry = state.record(op, purpose, **fields)
         try:
@@ -58,15 +68,15 @@ class SimCalls:
         except EngineDead as exc:
             entry["outcome"], entry["detail"], entry["end"] = "dead", exc.message, time.monotonic()
             raise
-        self._scheduler.ensure_running()
         return entry
 
     def at_once(self, op: str, purpose: str | None = None) -> dict[str, Any]:
         """Take the call ``op`` that takes no time (``answers_at_once``) as ``op`` does a body
         that cannot fail: recorded, refused by a dead or closed server (``EngineDead``), else
         answered now. A read made thousands of times per phase (the checks' ``observe``) costs
-        the fleet no coroutine of its own."""
-        entry = self._start(op, purpose)
+        the fleet no coroutine of its own, and starts no decode loop: it reads the state, which
+        the loop does not need to move for it."""
+        entry = self._entry(op, purpose, _NO_FIELDS)
         entry["outcome"], entry["end"] = "ok", time.monotonic()
         return entry
 
