@@ -224,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[100, 1000, 10000])
     parser.add_argument(
-        "--rounds", type=int, help="timed cycles per contender (default: 41, 31, 9 by size)"
+        "--rounds", type=int, help="timed cycles per contender (default: 41, 31, 15 by size)"
     )
     parser.add_argument("--profile", help="append a pyinstrument profile of the largest size here")
     parser.add_argument(
@@ -239,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     points = []
     for engines in args.sizes:
-        rounds = args.rounds or (41 if engines <= 100 else 31 if engines <= 1000 else 9)
+        rounds = args.rounds or (41 if engines <= 100 else 31 if engines <= 1000 else 15)
         profile = Profile(args.profile if engines == max(args.sizes) else None)
         points.append(asyncio.run(measure(engines, rounds, profile, freeze=args.gc_freeze)))
         print(f"{engines} engines done", flush=True)
