@@ -473,9 +473,9 @@ class EngineRecord:
         """Run ``cmd``'s guard (``IllegalEngineOp`` if it refuses ``cmd`` with ``tags``)."""
         guard = cmd.guard
         if guard is _ALIVE:
-            if (
-                not self.alive
-            ):  # (``check_alive``, called only to refuse: twice per engine per phase)
+            # (here and in the guards below, ``check_alive`` is called only to refuse: each runs
+            # twice per engine per phase, and the call costs more than the test)
+            if not self.alive:
                 self.check_alive(cmd.op)
         elif guard is _CONTINUE_GUARD:
             self.check_continue()

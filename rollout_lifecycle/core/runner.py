@@ -442,11 +442,10 @@ class PhaseRunner:
     async def _still_in_flight(self, plan: Plan, deadline: float) -> set[str]:
         """The targets of ``plan`` with a call in flight that matters to it after up to
         ``deadline``."""
-        op = plan.op  # (``busy_for`` asked only of a record with a call in flight: most have none)
-        waiting = [r for r in plan.targets if r.in_flight is not None and r.busy_for(op)]
+        waiting = [r for r in plan.targets if r.busy_for(plan.op)]
         if not waiting:
             return set()
-        ready = await self.landed(waiting, deadline, op)
+        ready = await self.landed(waiting, deadline, plan.op)
         return {r.id for r in waiting} - {r.id for r in ready}
 
     def _not_sent(self, phase: Phase, plan: Plan, busy: set[str]) -> PhaseResult:
