@@ -96,6 +96,12 @@ class LifecycleConfig:
     #: before every checked call. Behind a proxy that may send one connection to another
     #: server, set 0.
     proof_window: float = PROOF_WINDOW
+    #: While the server is ``serving``, read each engine's incarnation again every half
+    #: ``proof_window`` (``core/renewal``), so that the next ``offload()``'s pause finds every
+    #: engine proven and reads nothing first: the read leaves the offload's critical path for
+    #: the rollout before it. One identity read per engine per half window while serving (on
+    #: SGLang a ``/server_info``), so off by default; it needs a ``proof_window`` above 0.
+    renew_proofs: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pause_mode", member(PauseMode, self.pause_mode, "pause_mode"))
@@ -120,3 +126,10 @@ class LifecycleConfig:
             member(DeadEnginePolicy, self.unverified_engines, "unverified_engines"),
         )
         check_seconds("proof_window", self.proof_window, positive=False, maximum=PROOF_WINDOW)
+        check_flag("renew_proofs", self.renew_proofs)
+        if self.renew_proofs and not self.proof_window:
+            raise InvalidArgument(
+                "renew_proofs=True needs a proof_window above 0 (it keeps answers proving "
+                "their process for that long); with proof_window=0 every checked call reads "
+                "its engine, so leave renew_proofs off"
+            )

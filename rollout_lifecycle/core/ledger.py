@@ -647,6 +647,17 @@ class EngineRecord:
         elif out.outcome not in _ANSWERED:
             self.proven_until = 0.0
 
+    def renewed(self, seen: Any, until: float) -> bool:
+        """A renewal's read (``core/renewal``) showed ``seen``: when it is the incarnation this
+        record holds, of a live engine, the process is proven until ``until`` (that read's send
+        plus the window) and True. Anything else proves nothing and changes nothing: the next
+        checked call reads the engine itself and takes in what it shows."""
+        if not self.alive or self.incarnation is None or seen != self.incarnation:
+            return False
+        if until > self.proven_until:
+            self.proven_until = until
+        return True
+
     def observed(self) -> list[Any]:
         """What a probe compares the engine's report with: its incarnation, and the pause
         state the record holds (unless a pause or continue did not answer)."""

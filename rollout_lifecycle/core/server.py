@@ -39,6 +39,7 @@ from rollout_lifecycle.core.observe import Recorder
 from rollout_lifecycle.core.parts import Parts, Versions
 from rollout_lifecycle.core.phases import Phases
 from rollout_lifecycle.core.recovery import EngineFactory, Recovery, UnitFactory
+from rollout_lifecycle.core.renewal import Renewal
 from rollout_lifecycle.core.router_sync import RouterSync, WorkerRouter
 from rollout_lifecycle.core.runner import PhaseRunner, PhaseSettled, Plan, WorkerUrls
 from rollout_lifecycle.core.scope import Serializer, current
@@ -163,6 +164,16 @@ class RolloutServer:
             held.hold,
             None if self._router is None else self._router.check,
         )
+        if config.renew_proofs:
+            renewal = Renewal(
+                name,
+                runner,
+                fleet.records,
+                self._state,
+                self._serializer.lock.locked,
+                config.deadlines.probe,
+            )
+            bus.subscribe(StateEntered, renewal.entered)
 
     def __repr__(self) -> str:
         return f"RolloutServer({self._name!r}, state={self.state.value!r}, groups={self._groups!r})"
