@@ -14,6 +14,7 @@ import httpx
 import pytest
 from core.test_identity import once
 from real.servers import RealServer
+from structlog.testing import capture_logs
 
 from rollout_lifecycle import (
     Deadlines,
@@ -27,6 +28,7 @@ from rollout_lifecycle import (
     SGLangHTTPEngine,
     incarnation_of,
 )
+from rollout_lifecycle.contract.identity import PROOF_WINDOW
 
 pytestmark = pytest.mark.real_sglang
 
@@ -144,3 +146,40 @@ async def test_a_server_restarted_at_a_boundary_of_the_cycle_is_never_killed(
     assert server.state is S.SERVING
     assert not any(r.stale or r.paused for r in server.snapshot().engines().values())
     await assert_records_match(server, real_servers)
+
+
+async def test_renewed_proofs_let_the_pause_after_a_rollout_go_out_without_a_read(
+    real_servers: list[RealServer],
+) -> None:
+    """``renew_proofs``: a real server's incarnation reads the same on every ``/server_info``
+    of one process, so the reads while it serves keep it proven, and the pause after a rollout
+    of several proof windows is the first request each server gets from the offload."""
+    engines = [SGLangHTTPEngine(s.url) for s in real_servers]
+    config = LifecycleConfig(deadlines=CONFIG.deadlines, renew_proofs=True)
+    server = RolloutServer([EngineGroup("actor", engines)], config)
+    try:
+        await server.pause()  # (first contact: each incarnation read)
+        await server.resume()
+        with capture_logs() as events:
+            await asyncio.sleep(3 * PROOF_WINDOW)  # the rollout
+            rollout_end = len(events)
+            await server.pause()
+        for engine in engines:
+            during, after = (
+                [
+                    e["path"]
+                    for e in part
+                    if e["event"] == "http.request" and e["engine"] == engine.label
+                ]
+                for part in (events[:rollout_end], events[rollout_end:])
+            )
+            # a read every half window while serving, nothing else ...
+            assert set(during) == {"/server_info"} and len(during) >= 4, during
+            # ... and the offload's pause is sent first, without a read before it
+            assert after[:1] == ["/pause_generation"], after
+        assert server.state is S.DRAINED
+        await assert_records_match(server, real_servers)
+    finally:
+        if server.state is S.DRAINED:
+            await server.resume()
+        await asyncio.gather(*(e.close() for e in engines))
