@@ -443,7 +443,9 @@ async def run(args: argparse.Namespace) -> Result:
                 continue
             backends += engines
             server = RolloutServer(
-                [EngineGroup(kind, engines)], LifecycleConfig(), name=f"real-bench-{kind}"
+                [EngineGroup(kind, engines)],
+                LifecycleConfig(renew_proofs=args.renew_proofs),
+                name=f"real-bench-{kind}",
             )
             tokens = args.new_tokens if kind == "sglang" else args.vllm_new_tokens
             fleets.append(Fleet(kind, [e.url for e in engines], server, tokens, log))
@@ -489,6 +491,12 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         default=SPACED_S,
         help="seconds between a condition's set-up and its offload, in every condition; longer "
         "than the proof window, as after a rollout (default %(default)g)",
+    )
+    parser.add_argument(
+        "--renew-proofs",
+        action="store_true",
+        help="LifecycleConfig(renew_proofs=True): the servers' identity is read while they serve "
+        "(during each condition's gap), so the offload's pause reads nothing first",
     )
     parser.add_argument(
         "--conditions",
