@@ -66,11 +66,12 @@ class Renewal:
     def entered(self, event: StateEntered) -> None:
         """The server entered a state: on ``serving``, start the rounds unless they run."""
         if event.state is ServerState.SERVING and (self._task is None or self._task.done()):
-            # (in a context of its own: not inside the call that entered ``serving``)
-            self._task = asyncio.get_running_loop().create_task(
+            # (made in an empty context, which the task copies: it runs inside no call, not
+            # the one that entered ``serving``)
+            self._task = contextvars.Context().run(
+                asyncio.get_running_loop().create_task,
                 self._rounds(),
                 name=f"rollout-lifecycle renewal {self._name}",
-                context=contextvars.Context(),
             )
 
     async def _rounds(self) -> None:
