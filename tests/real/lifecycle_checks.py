@@ -7,14 +7,18 @@ server's timeline has every engine call it made with the time it was issued and 
 landed, which bracket what the engine did: a barrier that holds on these spans held on the
 engines. ``histories`` turns the timeline into the kit's history format, so the kit's own
 ``cycle_order_violations`` runs on it; ``ledger_violations`` replays each engine's calls
-against the SGLang contract's fatal misuses.
+against the SGLang contract's fatal misuses. ``routes_around_a_rollout`` reads, from the HTTP
+client's own events, which routes each real server got while it served and from the pause on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from structlog.testing import capture_logs
 
 from rollout_lifecycle import KV_TAGS, WEIGHT_TAGS, RolloutServer, Span
 
@@ -119,3 +123,23 @@ def phase_overlaps(server: RolloutServer) -> list[str]:
                 f"{earlier.name} ended"
             )
     return problems
+
+
+async def routes_around_a_rollout(
+    server: RolloutServer, engines: Sequence[Any], seconds: float
+) -> dict[str, tuple[list[str], list[str]]]:
+    """Pause and resume ``server`` (each engine's incarnation read at first contact), let it
+    serve for ``seconds`` (a rollout), then pause it; by engine label, the routes each engine
+    got while it served and those from the pause on (the HTTP client's ``http.request``
+    events, in order). The server is left drained."""
+    await server.pause()
+    await server.resume()
+    with capture_logs() as events:
+        await asyncio.sleep(seconds)
+        end = len(events)
+        await server.pause()
+
+    def paths(part: Sequence[Mapping[str, Any]], label: str) -> list[str]:
+        return [e["path"] for e in part if e["event"] == "http.request" and e["engine"] == label]
+
+    return {e.label: (paths(events[:end], e.label), paths(events[end:], e.label)) for e in engines}

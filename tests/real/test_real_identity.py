@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 from core.test_identity import once
+from real.lifecycle_checks import routes_around_a_rollout
 from real.servers import RealServer
-from structlog.testing import capture_logs
 
 from rollout_lifecycle import (
     Deadlines,
@@ -158,22 +158,9 @@ async def test_renewed_proofs_let_the_pause_after_a_rollout_go_out_without_a_rea
     config = LifecycleConfig(deadlines=CONFIG.deadlines, renew_proofs=True)
     server = RolloutServer([EngineGroup("actor", engines)], config)
     try:
-        await server.pause()  # (first contact: each incarnation read)
-        await server.resume()
-        with capture_logs() as events:
-            await asyncio.sleep(3 * PROOF_WINDOW)  # the rollout
-            rollout_end = len(events)
-            await server.pause()
-        for engine in engines:
-            during, after = (
-                [
-                    e["path"]
-                    for e in part
-                    if e["event"] == "http.request" and e["engine"] == engine.label
-                ]
-                for part in (events[:rollout_end], events[rollout_end:])
-            )
-            # a read every half window while serving, nothing else ...
+        routes = await routes_around_a_rollout(server, engines, 3 * PROOF_WINDOW)
+        for during, after in routes.values():
+            # the incarnation's reads every half window while serving, nothing else ...
             assert set(during) == {"/server_info"} and len(during) >= 4, during
             # ... and the offload's pause is sent first, without a read before it
             assert after[:1] == ["/pause_generation"], after

@@ -19,6 +19,7 @@ import httpx
 import pytest
 from core.test_identity import once
 from real.checkpoints import rewrite_weights, trainer_fingerprint, trainer_logprobs
+from real.lifecycle_checks import routes_around_a_rollout
 from real.servers import (
     LONG_CONTEXT,
     VLLM_CPU_FLAGS,
@@ -53,6 +54,7 @@ from rollout_lifecycle import (
 )
 from rollout_lifecycle.backends.vllm.client import VLLMHTTPEngine
 from rollout_lifecycle.contract.exceptions import EngineRejected, IllegalEngineOp
+from rollout_lifecycle.contract.identity import PROOF_WINDOW
 from rollout_lifecycle.contract.values import ALL_TAGS, Tag
 from rollout_lifecycle.core.verify import BLIND, UNCHANGED
 from rollout_lifecycle.testing.sse import asse_events
@@ -540,6 +542,30 @@ async def test_a_server_restarted_mid_cycle_is_never_acted_on_and_recover_brings
         assert len((await server.generate(request(8)))["output_ids"]) == 8
     finally:
         await engine.close()
+
+
+async def test_renewed_proofs_let_the_pause_after_a_rollout_go_out_without_a_read(
+    vllm_servers: list[RealVLLMServer],
+) -> None:
+    """``renew_proofs`` on vLLM: its incarnation (the API server's start time in ``/metrics``)
+    reads the same on every read of one process, so the reads while it serves keep it proven,
+    and the pause after a rollout of several proof windows is the first request each server
+    gets from the offload."""
+    engines = [VLLMHTTPEngine(s.url) for s in vllm_servers]
+    config = LifecycleConfig(deadlines=RESTART_CONFIG.deadlines, renew_proofs=True)
+    server = RolloutServer([EngineGroup("vllm", engines)], config)
+    try:
+        routes = await routes_around_a_rollout(server, engines, 3 * PROOF_WINDOW)
+        for during, after in routes.values():
+            # the incarnation's reads every half window while serving, nothing else ...
+            assert set(during) == {"/version", "/metrics"} and len(during) >= 8, during
+            # ... and the offload's pause is sent first, without a read before it
+            assert after[:1] == ["/pause"], after
+        assert server.state is S.DRAINED
+    finally:
+        if server.state is S.DRAINED:
+            await server.resume()
+        await asyncio.gather(*(e.close() for e in engines))
 
 
 #: The mixed fleet's cycles, each with requests decoding on both servers.
