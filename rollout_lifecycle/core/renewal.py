@@ -9,14 +9,13 @@ its scheduler has (``http_server.server_info`` awaits
 ``TokenizerManager.get_internal_state``, which the scheduler answers between two steps).
 
 ``Renewal`` moves the read into the rollout. While the server is ``serving`` and no public call
-runs, it reads the incarnation of every live engine every half ``proof_window`` (each whose
-proof would lapse within a window). A read that shows the incarnation the record holds, through the
-handle the record still holds, proves the process from the read's send (``EngineRecord.renewed``),
-exactly as an answer to a call does; so the pause that follows finds it proven and goes out at
-once. A read that shows anything else (another incarnation, no answer, an error) proves nothing
-and changes no record: the next checked call reads the engine itself and takes in what it shows,
-as without renewal. The reads go beside the lifecycle, like ``probe()``: no claim, no journal,
-no timeline entry.
+runs, it reads the incarnation of every live engine every half ``proof_window``. A read that
+shows the incarnation the record holds, through the handle the record still holds, proves the
+process from the read's send (``EngineRecord.renewed``), exactly as an answer to a call does; so
+the pause that follows finds it proven and goes out at once. A read that shows anything else
+(another incarnation, no answer, an error) proves nothing and changes no record: the next
+checked call reads the engine itself and takes in what it shows, as without renewal. The reads
+go beside the lifecycle, like ``probe()``: no claim, no journal, no timeline entry.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
 
 from rollout_lifecycle.contract.commands import Observe
 from rollout_lifecycle.contract.events import logger
@@ -78,7 +76,6 @@ class Renewal:
         """A round every ``interval`` until the server leaves ``serving``; none while a public
         call runs (it reads the engines it needs itself)."""
         interval = self.interval
-        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(interval)
             if self._state() is not ServerState.SERVING:
@@ -86,19 +83,19 @@ class Renewal:
             if self._busy():
                 continue
             try:
-                # (a round's reads take time: every proof that would lapse before the next
-                # round has answered is renewed, which is every proof not renewed since)
-                await self.renew(loop.time() + self._runner.proof_window)
+                # (every engine, each round: a proof lasts one window from a send in the past,
+                # so none would outlast the next round's answer for certain)
+                await self.renew()
             except Exception as exc:  # (a round that failed is skipped, never the rounds)
                 logger().warning("proofs.not_renewed", server=self._name, error=repr(exc))
 
-    async def renew(self, before: float) -> list[str]:
-        """Read every live engine whose proof lapses before ``before`` (the loop's clock) and
-        whose incarnation its record knows; the ids of those the read proved again.
+    async def renew(self) -> list[str]:
+        """Read every live engine whose incarnation its record knows; the ids of those the
+        read proved again.
 
         An engine of several processes is left out: every checked call reads it whatever its
         proof (``EngineRecord.expect``)."""
-        due = [r for r in self._records() if _renewable(r, before)]
+        due = [r for r in self._records() if _renewable(r)]
         if not due:
             return []
         sent = asyncio.get_running_loop().time()
@@ -119,12 +116,6 @@ class Renewal:
         return proved
 
 
-def _renewable(record: EngineRecord, before: float) -> bool:
-    caps: Any = record.capabilities
-    return (
-        record.alive
-        and record.proven_until < before
-        and record.incarnation is not None
-        and caps is not None
-        and caps.ranks == 1
-    )
+def _renewable(record: EngineRecord) -> bool:
+    caps = record.capabilities
+    return record.alive and record.incarnation is not None and caps is not None and caps.ranks == 1

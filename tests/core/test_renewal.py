@@ -53,7 +53,7 @@ def mark(engines: list[Any]) -> list[int]:
 
 
 def since(engine: SimulatedEngine, at: int) -> list[dict[str, Any]]:
-    return list(engine.history()[at:])
+    return engine.history()[at:]
 
 
 def reads(calls: list[dict[str, Any]], purpose: str) -> int:
