@@ -132,6 +132,10 @@ class Recovery(Client):
         goal = fleet.settled_state(skip=skip) if state is S.FAILED else state
         if goal is None and state is S.FAILED:
             goal = fleet.majority_state(skip)
+        if goal is S.SERVING and state is S.FAILED and self._versions.interrupted:
+            # No engine may continue until a write completes (an unversioned push raised): the
+            # fleet waits drained, where update_weights() is legal, and resume() serves after it.
+            goal = S.DRAINED
         # (``kv_restored`` only as the current state: the records of a fleet in it settle as
         # ``drained``)
         if goal not in SETTLED_STATES:
@@ -202,7 +206,13 @@ class Recovery(Client):
         if state is S.FAILED:
             await machine.advance("reset")
             if machine.state is S.FAILED:
-                raise IllegalTransition("recover", S.FAILED.value, [])  # records still disagree
+                raise IllegalTransition(
+                    "recover",
+                    S.FAILED.value,
+                    [],
+                    reason=f"the engines' records still imply no single state after it: "
+                    f"{'; '.join(fleet.unsettled())}",
+                )
         return outcomes
 
     async def probe(

@@ -1976,6 +1976,34 @@ async def test_recover_finishes_the_drain_of_a_replacement_it_could_not_bring_up
         await close_all(*actor, *made)
 
 
+async def test_recover_after_an_interrupted_push_drains_the_fleet_for_the_weights() -> None:
+    # Found by the property test: after an unversioned push raised no engine may continue, yet
+    # recover() aimed for serving where most live engines were replacements an earlier recover
+    # had paused and could not flush. It continued none, so the records implied no state: the
+    # server stayed failed, and recover() was refused naming no state it is allowed from.
+    server, actor, _ = small_fleet(offloaded=3)
+    await server.pause()
+    with pytest.raises(HookFailed):
+        await server.update_weights(make_push("raise"))
+    for engine in actor[1:]:
+        engine.arm("server_info", "die")
+    await server.probe()
+    made, factory = recording_factory(("flush_cache", "reject"), every=True)
+    with pytest.raises(PhaseFailed):
+        await server.recover(factory)  # the replacements are paused, their flushes refused
+    try:
+        await server.recover(factory)  # nothing to replace: it brings the fleet to one state
+        assert len(made) == 2 and server.state is S.DRAINED
+        with pytest.raises(StaleWeights):
+            await server.resume()
+        await server.update_weights(make_push("noop"))
+        await server.resume()
+        assert server.state is S.SERVING
+        assert not any(inner_paused(e) for e in [actor[0], *made])
+    finally:
+        await close_all(*actor, *made)
+
+
 # -- the property test (last: the ordinary tests above run first) --------------------------------
 
 # The long profile runs for as long as it takes (no per-test timeout); the CI one is bounded.
