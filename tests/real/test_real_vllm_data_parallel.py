@@ -42,6 +42,8 @@ REQUESTS = 2 * RANKS
 TOKENS = 3000
 #: The requests of the test that kills a rank: shorter, as they are decoded again from the start.
 KILLED_TOKENS = 1000
+#: Offloads the kill test may stage before one freezes a request on every rank.
+STAGINGS = 5
 #: ``/metrics``: requests each engine core runs now (``engine`` is its data-parallel rank).
 RUNNING = re.compile(r'^vllm:num_requests_running\{engine="(\d+)"[^}]*\} ([0-9.]+)$', re.M)
 
@@ -137,8 +139,19 @@ async def test_a_rank_killed_mid_cycle_takes_the_server_down_and_recover_brings_
 
     try:
         traffic = [send(i) for i in range(2 * REQUESTS)]  # (about half to each server)
-        await on_every_rank(dp_vllm.url, traffic, send)
-        await server.offload()  # (the requests kept in the ranks' schedulers, frozen)
+        frozen: dict[int, float] = {}
+        for staging in range(1, STAGINGS + 1):
+            await on_every_rank(dp_vllm.url, traffic, send)
+            await server.offload()  # (the requests kept in the ranks' schedulers, frozen)
+            # A rank's last request may have ended between the read and the pause: what the
+            # ranks hold frozen now is the fact the kill needs (their schedulers step no more).
+            frozen = await running_per_rank(dp_vllm.url)
+            if sorted(frozen) == list(range(RANKS)) and all(frozen.values()):
+                print(f"requests frozen on every rank at offload {staging}: {frozen}")
+                break
+            await server.onload()  # (stage it again)
+        else:
+            pytest.fail(f"no offload of {STAGINGS} froze a request on every rank: {frozen}")
         kept = [job for job in traffic if not job.done()]
         os.kill(dp_vllm.process_titled("EngineCore_DP1"), signal.SIGKILL)
         # vLLM's engine-core monitor shuts the API server down: its port closes
