@@ -8,7 +8,8 @@ landed, which bracket what the engine did: a barrier that holds on these spans h
 engines. ``histories`` turns the timeline into the kit's history format, so the kit's own
 ``cycle_order_violations`` runs on it; ``ledger_violations`` replays each engine's calls
 against the SGLang contract's fatal misuses. ``routes_around_a_rollout`` reads, from the HTTP
-client's own events, which routes each real server got while it served and from the pause on.
+client's own events, which routes each real server got while it served and from the pause on;
+``assert_reads_then_the_pause`` checks them.
 """
 
 from __future__ import annotations
@@ -143,3 +144,17 @@ async def routes_around_a_rollout(
         return [e["path"] for e in part if e["event"] == "http.request" and e["engine"] == label]
 
     return {e.label: (paths(events[:end], e.label), paths(events[end:], e.label)) for e in engines}
+
+
+def assert_reads_then_the_pause(
+    routes: Mapping[str, tuple[list[str], list[str]]],
+    reads: set[str],
+    at_least: int,
+    pause: str,
+) -> None:
+    """Of ``routes_around_a_rollout``'s routes: each engine got the incarnation's ``reads``
+    while it served, nothing else and at least ``at_least`` requests (the renewal's rounds),
+    and the offload's ``pause`` first, without a read before it."""
+    for during, after in routes.values():
+        assert set(during) == reads and len(during) >= at_least, during
+        assert after[:1] == [pause], after

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from core.test_identity import once
-from real.lifecycle_checks import routes_around_a_rollout
+from real.lifecycle_checks import assert_reads_then_the_pause, routes_around_a_rollout
 from real.servers import RealServer
 
 from rollout_lifecycle import (
@@ -159,11 +159,8 @@ async def test_renewed_proofs_let_the_pause_after_a_rollout_go_out_without_a_rea
     server = RolloutServer([EngineGroup("actor", engines)], config)
     try:
         routes = await routes_around_a_rollout(server, engines, 3 * PROOF_WINDOW)
-        for during, after in routes.values():
-            # the incarnation's reads every half window while serving, nothing else ...
-            assert set(during) == {"/server_info"} and len(during) >= 4, during
-            # ... and the offload's pause is sent first, without a read before it
-            assert after[:1] == ["/pause_generation"], after
+        # the incarnation's reads every half window while serving, and the pause first
+        assert_reads_then_the_pause(routes, {"/server_info"}, 4, "/pause_generation")
         assert server.state is S.DRAINED
         await assert_records_match(server, real_servers)
     finally:

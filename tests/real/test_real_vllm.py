@@ -19,7 +19,7 @@ import httpx
 import pytest
 from core.test_identity import once
 from real.checkpoints import rewrite_weights, trainer_fingerprint, trainer_logprobs
-from real.lifecycle_checks import routes_around_a_rollout
+from real.lifecycle_checks import assert_reads_then_the_pause, routes_around_a_rollout
 from real.servers import (
     LONG_CONTEXT,
     VLLM_CPU_FLAGS,
@@ -556,11 +556,8 @@ async def test_renewed_proofs_let_the_pause_after_a_rollout_go_out_without_a_rea
     server = RolloutServer([EngineGroup("vllm", engines)], config)
     try:
         routes = await routes_around_a_rollout(server, engines, 3 * PROOF_WINDOW)
-        for during, after in routes.values():
-            # the incarnation's reads every half window while serving, nothing else ...
-            assert set(during) == {"/version", "/metrics"} and len(during) >= 8, during
-            # ... and the offload's pause is sent first, without a read before it
-            assert after[:1] == ["/pause"], after
+        # the incarnation's reads every half window while serving, and the pause first
+        assert_reads_then_the_pause(routes, {"/version", "/metrics"}, 8, "/pause")
         assert server.state is S.DRAINED
     finally:
         if server.state is S.DRAINED:
